@@ -1,0 +1,285 @@
+"""Fragments and layouts: which rank holds which box of which state key, and where in memory.
+
+A ``Fragment`` says "this rank holds box B of key K in local buffer X": element ``x`` of B lives
+at ``X.view(-1)[offset + sum((x[d] - B.lo[d]) * strides[d])]``. Fused buffers are several
+fragments in one buffer; a ZeRO flat partition is many fragments at many offsets of one buffer.
+
+A ``Layout`` is the full map ``rank -> fragments`` plus the buffers each rank must have (numel and
+dtype, padding included). It is an immutable value: hashable by digest, cheap to pickle, printable
+in a compact form (``TP2·DP2[zero3]``), and it never touches a process group.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+from .space import Box, StateKey
+from .spec import ModelSpec
+
+
+class LayoutError(ValueError):
+    """A layout (or a pair of layouts) that no correct move can use."""
+
+
+class Fragment(NamedTuple):
+    key: StateKey
+    box: Box
+    buffer: str
+    offset: int
+    strides: tuple[int, ...]
+
+    def view(self, sub: Box) -> tuple[int, tuple[int, ...]]:
+        """(offset, strides) of ``sub`` (a box inside ``self.box``) in this fragment's buffer."""
+        off = self.offset
+        for lo, base, st in zip(sub.lo, self.box.lo, self.strides):
+            off += (lo - base) * st
+        return off, self.strides
+
+    @property
+    def span(self) -> int:
+        """One past the last buffer element this fragment touches."""
+        return self.offset + sum((n - 1) * s for n, s in zip(self.box.shape, self.strides)) + 1
+
+
+class BufferSpec(NamedTuple):
+    numel: int
+    dtype: str
+
+
+class Region(NamedTuple):
+    """A box of one key and every (rank, fragment) that holds all of it."""
+
+    box: Box
+    holders: tuple[tuple[int, Fragment], ...]
+
+
+class Layout:
+    """``{rank: [Fragment]}`` plus per-rank buffer declarations, for one model spec."""
+
+    __slots__ = ("spec", "world_size", "name", "_frags", "_buffers", "_recipe", "_digest",
+                 "_index", "_regions", "_rank_keys")
+
+    def __init__(self, spec: ModelSpec, fragments: Sequence[Sequence[Fragment]],
+                 buffers: Sequence[Mapping[str, BufferSpec]], name: str = "layout",
+                 recipe: str | None = None):
+        if len(fragments) != len(buffers):
+            raise LayoutError(f"{name}: {len(fragments)} fragment lists but {len(buffers)} buffer maps")
+        self.spec = spec
+        self.world_size = len(fragments)
+        self.name = name
+        self._frags = tuple(f if isinstance(f, tuple) else tuple(f) for f in fragments)
+        self._buffers = tuple(buffers)
+        self._recipe = recipe  # a builder's exact arguments: a cheap, equivalent digest source
+        self._digest = None
+        self._index = None
+        self._regions = {}
+        self._rank_keys = {}
+
+    # --- values -------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return f"Layout({self.name}, world={self.world_size}, model={self.spec.name})"
+
+    __str__ = lambda self: self.name  # noqa: E731
+
+    @property
+    def digest(self) -> str:
+        if self._digest is None:
+            h = hashlib.sha256()
+            h.update(f"{self.spec.digest}|{self.world_size}|".encode())
+            if self._recipe is not None:
+                h.update(self._recipe.encode())
+            else:
+                seen: dict[int, str] = {}  # replicas share tuples: hash each distinct one once
+                for frags, bufs in zip(self._frags, self._buffers):
+                    k = id(frags)
+                    if k not in seen:
+                        seen[k] = hashlib.sha256(repr(frags).encode()).hexdigest()
+                    h.update(seen[k].encode())
+                    h.update(repr(sorted(bufs.items())).encode())
+            self._digest = h.hexdigest()[:24]
+        return self._digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Layout) and self.digest == other.digest
+
+    def __reduce__(self):
+        return (_rebuild_layout, (self.spec, self._frags, self._buffers, self.name, self._recipe))
+
+    # --- per rank -------------------------------------------------------------------------------
+    def fragments(self, rank: int) -> tuple[Fragment, ...]:
+        return self._frags[rank]
+
+    def buffers(self, rank: int) -> Mapping[str, BufferSpec]:
+        return self._buffers[rank]
+
+    def keys(self, rank: int) -> frozenset[StateKey]:
+        ks = self._rank_keys.get(rank)
+        if ks is None:
+            ks = self._rank_keys[rank] = frozenset(f.key for f in self._frags[rank])
+        return ks
+
+    def fields(self) -> tuple[str, ...]:
+        return tuple(sorted({k.field for k in self._holder_index()}))
+
+    def numel(self, rank: int) -> int:
+        return sum(f.box.numel for f in self._frags[rank])
+
+    # --- per key ---------------------------------------------------------------------------------
+    def _holder_index(self) -> dict[StateKey, dict[Box, list[tuple[int, Fragment]]]]:
+        """key -> box -> [(rank, fragment)], built once over all ranks."""
+        if self._index is None:
+            index: dict[StateKey, dict[Box, list[tuple[int, Fragment]]]] = {}
+            for rank, frags in enumerate(self._frags):
+                for f in frags:
+                    index.setdefault(f.key, {}).setdefault(f.box, []).append((rank, f))
+            self._index = index
+        return self._index
+
+    def all_keys(self) -> Iterable[StateKey]:
+        return self._holder_index().keys()
+
+    def groups(self, key: StateKey) -> dict[Box, list[tuple[int, Fragment]]]:
+        """Distinct boxes of ``key`` and the (rank, fragment)s holding each (replicas share a box)."""
+        return self._holder_index().get(key, {})
+
+    def regions(self, key: StateKey) -> tuple[Region, ...]:
+        """Disjoint boxes covering everything held of ``key``, each with all of its holders."""
+        r = self._regions.get(key)
+        if r is None:
+            r = self._regions[key] = disjoint_regions(self.groups(key))
+        return r
+
+    # --- checks ----------------------------------------------------------------------------------
+    def validate(self, require_cover: bool = True) -> "Layout":
+        """Raise one ``LayoutError`` listing every problem: unknown tensors, boxes outside their
+        tensor, views outside their buffer or with a wrong dtype, overlapping boxes of one key on one
+        rank, and (``require_cover``) elements of the model no rank holds."""
+        problems: list[str] = []
+        spec = self.spec
+        checked: set[int] = set()
+        for rank, (frags, bufs) in enumerate(zip(self._frags, self._buffers)):
+            if id(frags) in checked:
+                continue
+            checked.add(id(frags))
+            per_key: dict[StateKey, list[Box]] = {}
+            for f in frags:
+                if f.key.tensor not in spec:
+                    problems.append(f"rank {rank}: unknown tensor {f.key.tensor!r} (not in model {spec.name!r})")
+                    continue
+                shape = spec[f.key.tensor].shape
+                full = Box.full(shape)
+                if len(f.box.lo) != len(shape) or f.box.empty or not full.contains(f.box):
+                    problems.append(f"rank {rank}: box {f.box} of {f.key} is outside shape {shape}")
+                    continue
+                b = bufs.get(f.buffer)
+                if b is None:
+                    problems.append(f"rank {rank}: {f.key} points at undeclared buffer {f.buffer!r}")
+                elif f.offset < 0 or f.span > b.numel:
+                    problems.append(f"rank {rank}: {f.key} {f.box} spans [{f.offset}, {f.span}) "
+                                    f"of buffer {f.buffer!r} which has {b.numel} elements")
+                per_key.setdefault(f.key, []).append(f.box)
+            for key, boxes in per_key.items():
+                if len(boxes) > 1 and not _pairwise_disjoint(sorted(boxes)):
+                    problems.append(f"rank {rank}: overlapping boxes of {key}")
+        if require_cover and not problems:
+            for field in self.fields() or ("param",):
+                for t in spec.tensors:
+                    key = StateKey(t.name, field)
+                    held = sum(r.box.numel for r in self.regions(key))
+                    if held != t.numel:
+                        problems.append(f"{key}: ranks hold {held} of its {t.numel} elements "
+                                        f"(the layout does not cover the tensor)")
+        if problems:
+            more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
+            raise LayoutError(f"layout {self.name} is invalid: " + "; ".join(problems[:20]) + more)
+        return self
+
+
+def _rebuild_layout(spec, frags, buffers, name, recipe):
+    return Layout(spec, frags, buffers, name, recipe)
+
+
+def union(*layouts: Layout, name: str | None = None) -> Layout:
+    """Merge layouts of the same model and world (e.g. ZeRO-1: params replicated ∪ Adam state
+    partitioned). Buffer names must not clash unless declared identically."""
+    first = layouts[0]
+    for lay in layouts[1:]:
+        if lay.spec.digest != first.spec.digest:
+            raise LayoutError(f"cannot merge {first.name} and {lay.name}: different models")
+        if lay.world_size != first.world_size:
+            raise LayoutError(f"cannot merge {first.name} (world {first.world_size}) and "
+                              f"{lay.name} (world {lay.world_size})")
+    frags, bufs = [], []
+    for r in range(first.world_size):
+        frags.append(tuple(f for lay in layouts for f in lay.fragments(r)))
+        merged: dict[str, BufferSpec] = {}
+        for lay in layouts:
+            for n, b in lay.buffers(r).items():
+                if merged.get(n, b) != b:
+                    raise LayoutError(f"buffer {n!r} on rank {r} is declared twice differently")
+                merged[n] = b
+        bufs.append(merged)
+    recipe = None
+    if all(lay._recipe for lay in layouts):
+        recipe = "union(" + ";".join(lay._recipe for lay in layouts) + ")"
+    return Layout(first.spec, frags, bufs, name or "+".join(lay.name for lay in layouts), recipe)
+
+
+def disjoint_regions(groups: Mapping[Box, Sequence[tuple[int, Fragment]]]) -> tuple[Region, ...]:
+    """Split possibly overlapping boxes into disjoint regions, each listing every holder.
+
+    The common case — a partition, possibly replicated — is detected by a sweep over dim 0 and
+    returned as is; genuinely overlapping boxes are refined by box subtraction.
+    """
+    boxes = sorted(groups, key=lambda b: (b.lo, b.hi))
+    if _pairwise_disjoint(boxes):
+        return tuple(Region(b, tuple(groups[b])) for b in boxes)
+    regions: list[Region] = []
+    for b in boxes:
+        pending = [b]
+        holders = tuple(groups[b])
+        nxt: list[Region] = []
+        for reg in regions:
+            inter = reg.box.intersect(b)
+            if inter is None:
+                nxt.append(reg)
+                continue
+            nxt.append(Region(inter, reg.holders + holders))
+            nxt.extend(Region(piece, reg.holders) for piece in subtract(reg.box, inter))
+            pending = [p for q in pending for p in subtract(q, inter)]
+        nxt.extend(Region(p, holders) for p in pending)
+        regions = nxt
+    return tuple(sorted(regions, key=lambda r: (r.box.lo, r.box.hi)))
+
+
+def _pairwise_disjoint(boxes: Sequence[Box]) -> bool:
+    """Sweep over dim 0 (``boxes`` sorted by ``lo``): only boxes whose dim-0 ranges overlap are
+    compared, so a row partition costs O(n) and a column partition O(n²) in its (small) width."""
+    active: list[Box] = []
+    for b in boxes:
+        active = [o for o in active if o.hi[0] > b.lo[0]]
+        for other in active:
+            if other.intersect(b) is not None:
+                return False
+        active.append(b)
+    return True
+
+
+def subtract(a: Box, b: Box) -> list[Box]:
+    """``a - b`` as at most 2·ndim disjoint boxes (``b`` is clipped to ``a``)."""
+    inter = a.intersect(b)
+    if inter is None:
+        return [a]
+    out = []
+    lo, hi = list(a.lo), list(a.hi)
+    for d in range(len(lo)):
+        if lo[d] < inter.lo[d]:
+            out.append(Box(tuple(lo), tuple(hi[:d] + [inter.lo[d]] + hi[d + 1:])))
+            lo[d] = inter.lo[d]
+        if inter.hi[d] < hi[d]:
+            out.append(Box(tuple(lo[:d] + [inter.hi[d]] + lo[d + 1:]), tuple(hi)))
+            hi[d] = inter.hi[d]
+    return out

@@ -1,0 +1,122 @@
+"""Megatron-style tensor parallelism: which local tensors TP rank ``t`` of ``tp`` holds.
+
+Rules (Megatron-LM ``ColumnParallelLinear`` / ``RowParallelLinear`` / ``VocabParallelEmbedding``):
+
+=========  ======================================================================================
+column     dim 0 split evenly (q/k/v, gate/up and their biases)
+row        dim 1 split evenly (o_proj, down_proj); a row layer's bias is replicated
+vocab      dim 0 split evenly after padding the vocabulary to a multiple of
+           ``vocab_divisible_by * tp`` (padding rows belong to no tensor and are never moved)
+replicate  whole tensor on every TP rank (norms)
+=========  ======================================================================================
+
+Fusion, when asked for, follows Megatron's buffers: ``qkv`` interleaves per query group —
+rank t holds groups ``[t·G/tp, (t+1)·G/tp)`` and for each group its q heads, then its k head, then
+its v head; ``concat`` stacks the members' shards (``[gate_t; up_t]``). Worked example, 4 heads,
+2 KV groups, head_dim 2, tp=2: rank 0's ``qkv_proj`` rows are q[0:4], k[0:2], v[0:2]; rank 1's
+are q[4:8], k[2:4], v[2:4].
+"""
+from __future__ import annotations
+
+from ..layout import LayoutError
+from ..space import Box
+from ..spec import FusedGroup, ModelSpec, TensorSpec
+from .local import LocalTensor, Part
+
+
+def check_tp(spec: ModelSpec, tp: int, vocab_divisible_by: int | None, fuse_qkv: bool) -> None:
+    """One error naming every factor ``tp`` does not divide."""
+    if tp < 1:
+        raise LayoutError(f"TP must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    bad = []
+    if spec.attention is not None:
+        a = spec.attention
+        if a.num_heads % tp:
+            bad.append(f"num_attention_heads={a.num_heads}")
+        if a.num_kv_heads % tp:
+            bad.append(f"num_key_value_heads={a.num_kv_heads}")
+    for t in spec.tensors:
+        if t.tp == "column" and t.shape[0] % tp:
+            bad.append(f"{t.name} dim 0={t.shape[0]}")
+        elif t.tp == "row" and t.shape[1] % tp:
+            bad.append(f"{t.name} dim 1={t.shape[1]}")
+        elif t.tp == "vocab" and vocab_divisible_by is None and t.shape[0] % tp:
+            bad.append(f"{t.name} vocab={t.shape[0]} (pass vocab_divisible_by to pad it)")
+    if bad:
+        shown = ", ".join(bad[:8]) + (f", … ({len(bad)} in all)" if len(bad) > 8 else "")
+        raise LayoutError(f"TP={tp} does not divide {shown}")
+
+
+def padded_vocab(vocab: int, tp: int, vocab_divisible_by: int | None) -> int:
+    if vocab_divisible_by is None:
+        return vocab
+    m = vocab_divisible_by * tp
+    return -(-vocab // m) * m
+
+
+def shard(t: TensorSpec, tp: int, rank: int, vocab_divisible_by: int | None) -> tuple[tuple[int, ...], Box | None]:
+    """(local shape, global box held) of one unfused tensor; box is None for a pure-padding shard."""
+    shape = t.shape
+    if tp == 1 or t.tp == "replicate":
+        return shape, Box.full(shape)
+    if t.tp == "row":
+        n = shape[1] // tp
+        lo = (0, rank * n) + (0,) * (len(shape) - 2)
+        return (shape[0], n) + shape[2:], Box(lo, (shape[0], (rank + 1) * n) + shape[2:])
+    rows = padded_vocab(shape[0], tp, vocab_divisible_by) if t.tp == "vocab" else shape[0]
+    n = rows // tp
+    lo, hi = rank * n, min((rank + 1) * n, shape[0])
+    local = (n,) + shape[1:]
+    if hi <= lo:
+        return local, None
+    return local, Box((lo,) + (0,) * (len(shape) - 1), (hi,) + shape[1:])
+
+
+def local_tensors(spec: ModelSpec, tensors: list[tuple[TensorSpec, str]], tp: int, rank: int, *,
+                  vocab_divisible_by: int | None = None, fuse_qkv: bool = False,
+                  fuse_gate_up: bool = False) -> list[LocalTensor]:
+    """Local tensors of TP rank ``rank`` for ``tensors`` = [(spec, buffer name)] of its stage."""
+    fused_into: dict[str, FusedGroup] = {}
+    for g in spec.fused:
+        if (g.style == "qkv" and fuse_qkv) or (g.style == "concat" and fuse_gate_up):
+            for m in g.members:
+                fused_into[m] = g
+    out: list[LocalTensor] = []
+    done: set[str] = set()
+    for t, buffer in tensors:
+        g = fused_into.get(t.name)
+        if g is None:
+            local, box = shard(t, tp, rank, vocab_divisible_by)
+            out.append(LocalTensor(buffer, local, (Part(t.name, box, 0),) if box else ()))
+        elif g.buffer not in done:
+            done.add(g.buffer)
+            out.append(_fused(spec, g, tp, rank))
+    return out
+
+
+def _fused(spec: ModelSpec, g: FusedGroup, tp: int, rank: int) -> LocalTensor:
+    members = [spec[m] for m in g.members]
+    parts: list[Part] = []
+    row = 0
+
+    def add(t: TensorSpec, lo: int, hi: int):
+        nonlocal row
+        parts.append(Part(t.name, Box((lo,) + (0,) * (len(t.shape) - 1), (hi,) + t.shape[1:]), row))
+        row += hi - lo
+
+    if g.style == "qkv":
+        a = spec.attention
+        q, k, v = members
+        groups = a.num_kv_heads // tp
+        q_rows = a.num_heads // a.num_kv_heads * a.head_dim
+        for grp in range(rank * groups, (rank + 1) * groups):
+            add(q, grp * q_rows, (grp + 1) * q_rows)
+            add(k, grp * a.head_dim, (grp + 1) * a.head_dim)
+            add(v, grp * a.head_dim, (grp + 1) * a.head_dim)
+    else:
+        for t in members:
+            n = t.shape[0] // tp
+            add(t, rank * n, (rank + 1) * n)
+    return LocalTensor(g.buffer, (row,) + members[0].shape[1:], tuple(parts))

@@ -1,0 +1,250 @@
+"""Plan a transition between two layouts: which bytes go from which rank to which.
+
+For every destination fragment the planner intersects it with the source's disjoint regions and,
+for every piece, picks one source replica:
+
+1. the destination rank itself, if it already holds the piece (a local copy, no communication);
+2. otherwise a holder on the same node (when ``ranks_per_node`` is given), else any holder,
+   spreading the ranks that want the same piece round-robin over its holders (rotated per piece
+   by a stable hash, so single requesters do not all land on the lowest rank).
+
+The choice depends only on the two layouts, so every rank computes its *own* part — its sends,
+receives and local copies — without building anyone else's (``plan_rank``), and both ends of a
+pair agree on it. ``plan_transition`` builds everyone's, for inspection and for tests.
+Plans are cached per ``(src, dst, rank)``.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple
+
+from .layout import Fragment, Layout, LayoutError
+from .space import Box, StateKey
+from .spec import itemsize
+
+PLANNER_VERSION = "1"
+
+
+class Transfer(NamedTuple):
+    """Box ``box`` of ``key`` from ``src``'s buffer view to ``dst``'s buffer view. ``dtype`` is the
+    destination buffer's dtype, which is also what travels (a sender casts before sending)."""
+
+    src: int
+    dst: int
+    key: StateKey
+    box: Box
+    src_buffer: str
+    src_offset: int
+    src_strides: tuple[int, ...]
+    dst_buffer: str
+    dst_offset: int
+    dst_strides: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return self.box.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * itemsize(self.dtype)
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst} {self.key}{self.box} ({self.nbytes} B)"
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of a transition: what it copies locally, sends and receives."""
+
+    rank: int
+    world_size: int
+    transition: str  # "src -> dst", for messages
+    digest: str  # digest of the planner's inputs: equal digests mean equal plans everywhere
+    local: tuple[Transfer, ...]
+    sends: tuple[Transfer, ...]  # grouped by dst, canonical order within a peer
+    recvs: tuple[Transfer, ...]  # grouped by src, canonical order within a peer
+    min_bytes_received: int  # what any correct transition must bring to this rank
+    pair_digests: dict[int, int] = field(default_factory=dict, compare=False)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(t.nbytes for t in self.sends)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(t.nbytes for t in self.recvs)
+
+    @property
+    def bytes_local(self) -> int:
+        return sum(t.nbytes for t in self.local)
+
+    def peers(self) -> list[int]:
+        return sorted({t.dst for t in self.sends} | {t.src for t in self.recvs})
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank} of {self.transition}: {len(self.local)} local copies "
+                f"({self.bytes_local} B), {len(self.sends)} sends ({self.bytes_sent} B) to "
+                f"{len({t.dst for t in self.sends})} peers, {len(self.recvs)} receives "
+                f"({self.bytes_received} B, minimum {self.min_bytes_received} B)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everyone's part of a transition (built from the same per-key planning as ``RankPlan``)."""
+
+    transition: str
+    digest: str
+    world_size: int
+    transfers: tuple[Transfer, ...]
+    min_bytes: int
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(t.nbytes for t in self.transfers if t.src != t.dst)
+
+    @property
+    def bytes_local(self) -> int:
+        return sum(t.nbytes for t in self.transfers if t.src == t.dst)
+
+    def link_bytes(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = {}
+        for t in self.transfers:
+            if t.src != t.dst:
+                out[(t.src, t.dst)] = out.get((t.src, t.dst), 0) + t.nbytes
+        return out
+
+    def __str__(self) -> str:
+        return (f"{self.transition}: {len(self.transfers)} pieces, {self.bytes_moved} B across ranks "
+                f"(minimum {self.min_bytes} B), {self.bytes_local} B local")
+
+
+def check_pair(src: Layout, dst: Layout) -> None:
+    """Errors a transition can be refused for before any planning: different models or worlds."""
+    if src.spec.digest != dst.spec.digest:
+        raise LayoutError(f"cannot move {src.name} (model {src.spec.name!r}) into {dst.name} "
+                          f"(model {dst.spec.name!r}): the layouts describe different models")
+    if src.world_size != dst.world_size:
+        raise LayoutError(f"cannot move {src.name} ({src.world_size} ranks) into {dst.name} "
+                          f"({dst.world_size} ranks): world sizes differ")
+    missing = set(dst.fields()) - set(src.fields())
+    if missing:
+        raise LayoutError(f"{dst.name} wants fields {sorted(missing)} that {src.name} does not hold")
+
+
+def input_digest(src: Layout, dst: Layout, ranks_per_node: int | None) -> str:
+    h = hashlib.sha256(f"{PLANNER_VERSION}|{src.digest}|{dst.digest}|{ranks_per_node}".encode())
+    return h.hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=256)
+def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = None) -> RankPlan:
+    """Rank ``rank``'s part of ``src -> dst``, computed from metadata only."""
+    check_pair(src, dst)
+    if not 0 <= rank < src.world_size:
+        raise LayoutError(f"rank {rank} is outside a world of {src.world_size}")
+    keys = src.keys(rank) | dst.keys(rank)
+    order = _order(src)
+    transfers = [t for k in sorted(keys, key=order) for t in _plan_key(k, src, dst, rank, ranks_per_node)]
+    local = tuple(t for t in transfers if t.src == t.dst == rank)
+    sends = tuple(sorted((t for t in transfers if t.src == rank and t.dst != rank),
+                         key=lambda t: (t.dst, order(t.key), t.box.lo)))
+    recvs = tuple(sorted((t for t in transfers if t.dst == rank and t.src != rank),
+                         key=lambda t: (t.src, order(t.key), t.box.lo)))
+    return RankPlan(rank, src.world_size, f"{src.name} -> {dst.name}",
+                    input_digest(src, dst, ranks_per_node), local, sends, recvs,
+                    minimum_bytes_received(src, dst, rank), _pair_digests(rank, sends, recvs))
+
+
+@functools.lru_cache(maxsize=32)
+def plan_transition(src: Layout, dst: Layout, ranks_per_node: int | None = None) -> Plan:
+    """Every rank's transfers, in canonical order."""
+    check_pair(src, dst)
+    order = _order(src)
+    keys = set(dst.all_keys())
+    transfers = tuple(t for k in sorted(keys, key=order) for t in _plan_key(k, src, dst, None, ranks_per_node))
+    return Plan(f"{src.name} -> {dst.name}", input_digest(src, dst, ranks_per_node), src.world_size,
+                transfers, sum(minimum_bytes_received(src, dst, r) for r in range(src.world_size)))
+
+
+def minimum_bytes_received(src: Layout, dst: Layout, rank: int) -> int:
+    """Bytes ``rank`` needs that it does not already hold: every destination element it must
+    have, less what its own source fragments of the same key cover. No plan can move less."""
+    mine: dict[StateKey, list[Box]] = {}
+    for f in src.fragments(rank):
+        mine.setdefault(f.key, []).append(f.box)
+    total = 0
+    bufs = dst.buffers(rank)
+    for f in dst.fragments(rank):
+        have = 0
+        for b in mine.get(f.key, ()):
+            inter = f.box.intersect(b)
+            if inter is not None:
+                have += inter.numel
+        total += (f.box.numel - have) * itemsize(bufs[f.buffer].dtype)
+    return total
+
+
+def _order(layout: Layout):
+    spec = layout.spec
+    return lambda k: (spec.order(k.tensor), k.field)
+
+
+def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
+              ranks_per_node: int | None) -> Iterable[Transfer]:
+    regions = src.regions(key)
+    # a rank planning only its own part looks at every region for the boxes it receives, but
+    # only at the regions it holds for the boxes others receive (its sends)
+    mine = regions if rank is None else [r for r in regions if any(h == rank for h, _ in r.holders)]
+    for dbox, requesters in dst.groups(key).items():
+        wants = rank is None or any(d == rank for d, _ in requesters)
+        if not wants and not mine:
+            continue
+        covered = 0
+        for reg in (regions if wants else mine):
+            piece = reg.box.intersect(dbox)
+            if piece is None:
+                continue
+            covered += piece.numel
+            held_by = dict(reg.holders)
+            remote = [(d, f) for d, f in requesters if d not in held_by]
+            for d, f in requesters:
+                if d in held_by and (rank is None or d == rank):
+                    yield _transfer(d, held_by[d], d, f, piece, dst)
+            if remote:
+                rot = zlib.crc32(f"{key.tensor}|{key.field}|{piece.lo}".encode())
+                for i, (d, f) in enumerate(remote):
+                    h, hf = _choose(reg.holders, i + rot, d, ranks_per_node)
+                    if rank is None or rank == d or rank == h:
+                        yield _transfer(h, hf, d, f, piece, dst)
+        if wants and covered != dbox.numel:
+            raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
+                              f"{key}{dbox} that {dst.name} needs")
+
+
+def _choose(holders, i: int, d: int, ranks_per_node: int | None):
+    if ranks_per_node:
+        near = [h for h in holders if h[0] // ranks_per_node == d // ranks_per_node]
+        if near:
+            return near[i % len(near)]
+    return holders[i % len(holders)]
+
+
+def _transfer(s: int, sf: Fragment, d: int, df: Fragment, piece: Box, dst: Layout) -> Transfer:
+    so, ss = sf.view(piece)
+    do, ds = df.view(piece)
+    return Transfer(s, d, df.key, piece, sf.buffer, so, ss, df.buffer, do, ds,
+                    dst.buffers(d)[df.buffer].dtype)
+
+
+def _pair_digests(rank: int, sends, recvs) -> dict[int, int]:
+    """Per peer, a hash of the pair's transfers in both directions, the same on both ends."""
+    out: dict[int, list] = {}
+    for t in sends:
+        out.setdefault(t.dst, [[], []])[0 if rank < t.dst else 1].append(t)
+    for t in recvs:
+        out.setdefault(t.src, [[], []])[1 if rank < t.src else 0].append(t)
+    return {p: int.from_bytes(hashlib.sha1(repr(v).encode()).digest()[:7], "big") for p, v in out.items()}

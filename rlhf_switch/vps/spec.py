@@ -1,0 +1,218 @@
+"""Model specs: the names, global shapes, dtypes and parallel roles of a model's tensors.
+
+A spec is metadata only — it is derived from a transformers config without allocating a single
+weight, so layouts for a 70B model can be built on a laptop. Each tensor carries the facts the
+layout families need:
+
+- ``tp``: how Megatron-style tensor parallelism splits it — ``column`` (dim 0), ``row`` (dim 1),
+  ``vocab`` (dim 0 of an embedding / LM head, may be padded) or ``replicate``;
+- ``layer``: its decoder layer, or ``None`` with ``anchor`` = ``first`` / ``last`` for the tensors
+  pipeline parallelism pins to the end stages (embedding; final norm and LM head).
+
+Fused buffers (QKV, gate-up) are a property of a *layout*, not of the model: the spec only lists
+which tensors may be fused (``FusedGroup``) and the attention geometry needed to interleave them.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+}
+TP_ROLES = ("column", "row", "vocab", "replicate")
+
+
+def itemsize(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    tp: str = "replicate"
+    layer: int | None = None
+    anchor: str | None = None  # "first" / "last" stage when layer is None
+
+    def __post_init__(self):
+        if self.tp not in TP_ROLES:
+            raise ValueError(f"{self.name}: tp role {self.tp!r} is not one of {TP_ROLES}")
+        if not self.shape or any(int(s) <= 0 for s in self.shape):
+            raise ValueError(f"{self.name}: shape {self.shape} must have ndim >= 1 and positive sizes")
+        if self.tp == "row" and len(self.shape) < 2:
+            raise ValueError(f"{self.name}: a row-parallel tensor needs ndim >= 2, has shape {self.shape}")
+        itemsize(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """Tensors a layout may store in one buffer: ``style`` is ``qkv`` (grouped-query interleave)
+    or ``concat`` (per-rank shards stacked on dim 0, e.g. ``[gate; up]``)."""
+
+    buffer: str
+    members: tuple[str, ...]
+    style: str = "concat"
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    num_layers: int = 0
+    attention: AttentionGeometry | None = None
+    fused: tuple[FusedGroup, ...] = ()
+    tied_lm_head: bool = False  # LM head shares the embedding tensor (no lm_head.weight)
+    _by_name: Mapping[str, TensorSpec] = field(default=None, compare=False, repr=False, hash=False)
+
+    def __post_init__(self):
+        by_name = {}
+        for t in self.tensors:
+            if t.name in by_name:
+                raise ValueError(f"model spec {self.name!r} lists tensor {t.name!r} twice")
+            if t.layer is not None and not 0 <= t.layer < self.num_layers:
+                raise ValueError(f"{t.name}: layer {t.layer} outside 0..{self.num_layers - 1}")
+            by_name[t.name] = t
+        for g in self.fused:
+            missing = [m for m in g.members if m not in by_name]
+            if missing:
+                raise ValueError(f"fused group {g.buffer!r} names unknown tensors {missing}")
+        object.__setattr__(self, "_by_name", by_name)
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"model {self.name!r} has no tensor {name!r}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def order(self, name: str) -> int:
+        return self._order()[name]
+
+    def _order(self) -> Mapping[str, int]:
+        cached = self.__dict__.get("_order_cache")
+        if cached is None:
+            cached = {t.name: i for i, t in enumerate(self.tensors)}
+            object.__setattr__(self, "_order_cache", cached)
+        return cached
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def digest(self) -> str:
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            h = hashlib.sha256(repr((self.name, self.tensors, self.num_layers, self.attention,
+                                     self.fused, self.tied_lm_head)).encode())
+            cached = h.hexdigest()[:16]
+            object.__setattr__(self, "_digest", cached)
+        return cached
+
+    def with_dtype(self, dtype: str) -> "ModelSpec":
+        return ModelSpec(self.name, tuple(TensorSpec(t.name, t.shape, dtype, t.tp, t.layer, t.anchor)
+                                          for t in self.tensors),
+                         self.num_layers, self.attention, self.fused, self.tied_lm_head)
+
+
+def _cfg(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def llama_spec(config: Any, dtype: str | None = None, name: str = "llama") -> ModelSpec:
+    """Spec of a Hugging Face ``LlamaForCausalLM`` (and Llama-shaped models: Qwen2, Mistral)
+    from its config object or dict. Names and order equal ``model.named_parameters()``."""
+    H = int(_cfg(config, "hidden_size"))
+    L = int(_cfg(config, "num_hidden_layers"))
+    nh = int(_cfg(config, "num_attention_heads"))
+    nkv = int(_cfg(config, "num_key_value_heads") or nh)
+    hd = int(_cfg(config, "head_dim") or H // nh)
+    inter = int(_cfg(config, "intermediate_size"))
+    V = int(_cfg(config, "vocab_size"))
+    tied = bool(_cfg(config, "tie_word_embeddings", False))
+    attn_bias = bool(_cfg(config, "attention_bias", False))
+    mlp_bias = bool(_cfg(config, "mlp_bias", False))
+    if dtype is None:
+        torch_dtype = _cfg(config, "torch_dtype") or _cfg(config, "dtype") or "float32"
+        dtype = str(torch_dtype).replace("torch.", "")
+    itemsize(dtype)
+
+    tensors: list[TensorSpec] = [TensorSpec("model.embed_tokens.weight", (V, H), dtype, "vocab", anchor="first")]
+    fused: list[FusedGroup] = []
+    for i in range(L):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+
+        def t(n, shape, tp):
+            tensors.append(TensorSpec(n, shape, dtype, tp, layer=i))
+
+        t(a + "q_proj.weight", (nh * hd, H), "column")
+        if attn_bias:
+            t(a + "q_proj.bias", (nh * hd,), "column")
+        t(a + "k_proj.weight", (nkv * hd, H), "column")
+        if attn_bias:
+            t(a + "k_proj.bias", (nkv * hd,), "column")
+        t(a + "v_proj.weight", (nkv * hd, H), "column")
+        if attn_bias:
+            t(a + "v_proj.bias", (nkv * hd,), "column")
+        t(a + "o_proj.weight", (H, nh * hd), "row")
+        if attn_bias:
+            t(a + "o_proj.bias", (H,), "replicate")
+        t(m + "gate_proj.weight", (inter, H), "column")
+        if mlp_bias:
+            t(m + "gate_proj.bias", (inter,), "column")
+        t(m + "up_proj.weight", (inter, H), "column")
+        if mlp_bias:
+            t(m + "up_proj.bias", (inter,), "column")
+        t(m + "down_proj.weight", (H, inter), "row")
+        if mlp_bias:
+            t(m + "down_proj.bias", (H,), "replicate")
+        t(p + "input_layernorm.weight", (H,), "replicate")
+        t(p + "post_attention_layernorm.weight", (H,), "replicate")
+        fused.append(FusedGroup(a + "qkv_proj.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"))
+        if attn_bias:
+            fused.append(FusedGroup(a + "qkv_proj.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv"))
+        fused.append(FusedGroup(m + "gate_up_proj.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "concat"))
+        if mlp_bias:
+            fused.append(FusedGroup(m + "gate_up_proj.bias", (m + "gate_proj.bias", m + "up_proj.bias"), "concat"))
+    tensors.append(TensorSpec("model.norm.weight", (H,), dtype, "replicate", anchor="last"))
+    if not tied:
+        tensors.append(TensorSpec("lm_head.weight", (V, H), dtype, "vocab", anchor="last"))
+    return ModelSpec(name, tuple(tensors), L, AttentionGeometry(nh, nkv, hd), tuple(fused), tied)
+
+
+def synthetic_spec(shapes: Sequence[tuple[str, tuple[int, ...], str, str]], num_layers: int = 1,
+                   name: str = "synthetic") -> ModelSpec:
+    """A spec from ``(name, shape, dtype, tp_role)`` rows; tensors are spread over ``num_layers``
+    layers in order, so pipeline layouts have something to split."""
+    tensors = []
+    n = len(shapes)
+    for i, (tname, shape, dtype, tp) in enumerate(shapes):
+        layer = min(i * num_layers // max(n, 1), num_layers - 1)
+        tensors.append(TensorSpec(tname, tuple(shape), dtype, tp, layer=layer))
+    return ModelSpec(name, tuple(tensors), num_layers)
