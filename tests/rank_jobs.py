@@ -1,0 +1,61 @@
+"""Jobs that run on every rank of a ``LocalWorld`` (module level, so they pickle by reference)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlhf_switch.routing import move
+from rlhf_switch.vps import Layout, StateKey
+from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize, synthetic_tensor
+
+
+def tensor_source(layout: Layout, seed: int):
+    cache: dict[StateKey, torch.Tensor] = {}
+    spec = layout.spec
+
+    def tensor_of(key: StateKey) -> torch.Tensor:
+        if key not in cache:
+            dtype = None if key.field == "param" else "float32"
+            cache[key] = synthetic_tensor(spec[key.tensor], key, seed, dtype)
+        return cache[key]
+    return tensor_of
+
+
+def garbage_like(buffers: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in buffers.items():
+        raw = torch.randint(0, 256, (t.numel() * t.element_size(),), generator=g, dtype=torch.uint8)
+        out[n] = raw.view(t.dtype).clone()
+    return out
+
+
+def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 1 << 20,
+                   ranks_per_node: int | None = None) -> dict:
+    """Fill ``src`` from seeded global tensors, move into garbage-filled ``dst`` buffers, and
+    compare bit for bit with a direct construction of ``dst``. Padding must stay untouched,
+    and the source must be unchanged."""
+    rank = dist.get_rank()
+    tensor_of = tensor_source(src, seed)
+    src_bufs = materialize(src, rank, tensor_of)
+    src_copy = {n: t.clone() for n, t in src_bufs.items()}
+    dst_bufs = garbage_like(allocate(dst, rank, fill=None), seed + 1000 + rank)
+    before = {n: t.clone() for n, t in dst_bufs.items()}
+    report = move(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes, ranks_per_node=ranks_per_node)
+    expected = materialize(dst, rank, tensor_of)
+    masks = coverage_masks(dst, rank)
+    wrong = []
+    for n, t in dst_bufs.items():
+        m = masks[n]
+        if not torch.equal(bits(t)[m], bits(expected[n])[m]):
+            wrong.append(f"{n}: {(bits(t)[m] != bits(expected[n])[m]).sum().item()} elements differ")
+        if not torch.equal(bits(t)[~m], bits(before[n])[~m]):
+            wrong.append(f"{n}: padding was written")
+    for n, t in src_bufs.items():
+        if not torch.equal(bits(t), bits(src_copy[n])):
+            wrong.append(f"source {n} changed")
+    return {"wrong": wrong, "report": report}
+
+
+def rank_of_world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
