@@ -59,3 +59,38 @@ def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 
 
 def rank_of_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt(src: Layout, dst: Layout, src_bufs, dst_bufs) -> dict:
+    before = {n: t.clone() for n, t in dst_bufs.items()}
+    try:
+        move(src, dst, src_bufs, dst_bufs)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        error = f"{type(e).__name__}: {e}"
+    untouched = all(torch.equal(bits(before[n]), bits(t)) for n, t in dst_bufs.items())
+    return {"error": error, "untouched": untouched}
+
+
+def move_with_bad_buffer_on(bad_rank: int, src: Layout, dst: Layout) -> dict:
+    rank = dist.get_rank()
+    src_bufs = materialize(src, rank, tensor_source(src, 0))
+    dst_bufs = garbage_like(allocate(dst, rank, fill=None), rank)
+    if rank == bad_rank:
+        dst_bufs.pop("param/lm_head.weight")
+    return _attempt(src, dst, src_bufs, dst_bufs)
+
+
+def move_with_different_dst_on(odd_rank: int, src: Layout, dst: Layout, other: Layout) -> dict:
+    rank = dist.get_rank()
+    mine = other if rank == odd_rank else dst
+    src_bufs = materialize(src, rank, tensor_source(src, 0))
+    dst_bufs = garbage_like(allocate(mine, rank, fill=None), rank)
+    return _attempt(src, mine, src_bufs, dst_bufs)
+
+
+def attempt_move(src: Layout, dst: Layout) -> dict:
+    rank = dist.get_rank()
+    src_bufs = materialize(src, rank, tensor_source(src, 0))
+    dst_bufs = garbage_like(allocate(dst, rank, fill=None), rank)
+    return _attempt(src, dst, src_bufs, dst_bufs)

@@ -159,10 +159,10 @@ class _Staging:
         self.current = 0
         self.peak = 0
 
-    def alloc(self, nbytes: int) -> torch.Tensor:
+    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
         self.current += nbytes
         self.peak = max(self.peak, self.current)
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)  # NCCL needs it on the GPU
 
     def free(self, t: torch.Tensor | None) -> None:
         if t is not None:
@@ -174,7 +174,7 @@ def _pack(chunk: Chunk, src_buffers, staging: _Staging) -> tuple[torch.Tensor, t
         p = chunk.pieces[0]
         off, strides = p.src_view()
         return _view(src_buffers, p.transfer.src_buffer, off, p.box.shape, strides).reshape(-1).view(torch.uint8), None
-    buf = staging.alloc(chunk.nbytes)
+    buf = staging.alloc(chunk.nbytes, src_buffers[chunk.pieces[0].transfer.src_buffer].device)
     for p, o in zip(chunk.pieces, chunk.offsets):
         off, strides = p.src_view()
         src = _view(src_buffers, p.transfer.src_buffer, off, p.box.shape, strides)
@@ -187,7 +187,7 @@ def _recv_target(chunk: Chunk, dst_buffers, staging: _Staging) -> tuple[torch.Te
         p = chunk.pieces[0]
         off, strides = p.dst_view()
         return _view(dst_buffers, p.transfer.dst_buffer, off, p.box.shape, strides).reshape(-1).view(torch.uint8), None
-    buf = staging.alloc(chunk.nbytes)
+    buf = staging.alloc(chunk.nbytes, dst_buffers[chunk.pieces[0].transfer.dst_buffer].device)
     return buf, buf
 
 

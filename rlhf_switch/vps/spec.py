@@ -158,8 +158,12 @@ def llama_spec(config: Any, dtype: str | None = None, name: str = "llama") -> Mo
     attn_bias = bool(_cfg(config, "attention_bias", False))
     mlp_bias = bool(_cfg(config, "mlp_bias", False))
     if dtype is None:
-        torch_dtype = _cfg(config, "torch_dtype") or _cfg(config, "dtype") or "float32"
-        dtype = str(torch_dtype).replace("torch.", "")
+        # transformers 5 calls it `dtype` (reading `torch_dtype` warns); older configs, dicts: torch_dtype
+        if isinstance(config, Mapping) or not hasattr(config, "dtype"):
+            found = _cfg(config, "dtype") or _cfg(config, "torch_dtype")
+        else:
+            found = config.dtype
+        dtype = str(found or "float32").replace("torch.", "")
     itemsize(dtype)
 
     tensors: list[TensorSpec] = [TensorSpec("model.embed_tokens.weight", (V, H), dtype, "vocab", anchor="first")]

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny model specs, the catalogue of named layouts, one 4-rank world per module."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # rank_jobs, catalogue: importable in spawned ranks
+
+from catalogue import TINY_LLAMA, named_layouts  # noqa: E402
+from rlhf_switch.vps import llama_spec  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_spec():
+    return llama_spec(TINY_LLAMA, name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_spec():
+    return llama_spec({**TINY_LLAMA, "tie_word_embeddings": True}, name="tiny-llama-tied")
+
+
+@pytest.fixture(scope="session")
+def layouts4(tiny_spec):
+    return named_layouts(tiny_spec)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    from rlhf_switch.launch import LocalWorld
+
+    with LocalWorld(4, timeout=120) as world:
+        yield world

@@ -1,0 +1,135 @@
+"""Real moves: 4 gloo processes, real point-to-point transfers, checked bit for bit.
+
+One 4-rank world serves the whole module (starting ranks costs seconds, a move milliseconds).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rank_jobs
+from catalogue import CONFIGS, configs4, named_layouts, synthetic_specs
+from rlhf_switch.launch import RankError
+from rlhf_switch.routing import prepare
+from rlhf_switch.vps import ADAM_FIELDS, PARAM, Layout, StateKey, build_layout, plan_transition, zero
+from rlhf_switch.vps.materialize import allocate
+
+PAIRS = list(itertools.product(CONFIGS, CONFIGS))
+
+
+def run_move(world, src, dst, **kw):
+    results = world.run(rank_jobs.move_and_check, src, dst, **kw)
+    for r, res in enumerate(results):
+        assert res["wrong"] == [], f"{src} -> {dst} rank {r}: {res['wrong']}"
+    reports = [res["report"] for res in results]
+    plan = plan_transition(src, dst)
+    assert sum(rep.bytes_received for rep in reports) == plan.min_bytes
+    assert sum(rep.bytes_sent for rep in reports) == plan.min_bytes
+    for rep in reports:
+        assert rep.bytes_received == rep.min_bytes_received
+        assert rep.peak_staging_bytes <= rep.budget_bytes
+        assert rep.peak_staging_bytes == rep.planned_peak_staging_bytes
+    return reports
+
+
+def test_all_named_pairs_move_exactly(world4, layouts4):
+    """Every pair among replicated, ZeRO-1 flat, ZeRO-3, FSDP, TP2, TP4, PP2, TP2×DP2, TP2×PP2."""
+    for a, b in PAIRS:
+        reports = run_move(world4, layouts4[a], layouts4[b], seed=len(a) + len(b))
+        if a == b:
+            assert all(rep.bytes_sent == rep.bytes_received == 0 and rep.messages == 0 for rep in reports)
+
+
+def test_weights_and_adam_state_in_one_move(world4, tiny_spec):
+    fields = (PARAM,) + ADAM_FIELDS
+    z1 = zero(tiny_spec, 4, stage=1, fields=fields)
+    tp = build_layout(tiny_spec, CONFIGS["tp2xdp2"], fields)
+    run_move(world4, z1, tp)
+    run_move(world4, tp, zero(tiny_spec, 4, stage=3, fields=fields))
+
+
+def test_budget_smaller_than_the_largest_tensor(world4, layouts4, tiny_spec):
+    largest = max(t.numel * 4 for t in tiny_spec.tensors)
+    budget = largest // 8
+    src, dst = layouts4["zero3"], layouts4["tp2xpp2"]
+    reports = run_move(world4, src, dst, budget_bytes=budget)
+    assert max(rep.peak_staging_bytes for rep in reports) <= budget
+    # the same move with a roomy budget sends fewer, larger messages
+    roomy = run_move(world4, src, dst, budget_bytes=64 << 20)
+    assert sum(r.messages for r in roomy) < sum(r.messages for r in reports)
+
+
+def test_message_count_is_what_the_schedule_says(world4, layouts4):
+    src, dst = layouts4["fsdp"], layouts4["tp4"]
+    reports = run_move(world4, src, dst, budget_bytes=1 << 20)
+    for r, rep in enumerate(reports):
+        sched = prepare(src, dst, r, allocate(src, r), allocate(dst, r), 1 << 20)
+        assert rep.messages == sched.messages
+        links = plan_transition(src, dst).link_bytes()
+        assert len(sched.exchanges) == len({b if a == r else a for (a, b) in links if r in (a, b)})
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_layout_pairs_on_real_ranks(world4, data):
+    spec = data.draw(synthetic_specs())
+    src = build_layout(spec, data.draw(configs4(spec)))
+    dst = build_layout(spec, data.draw(configs4(spec)))
+    budget = data.draw(st.sampled_from([64, 256, 1 << 20]))
+    run_move(world4, src, dst, budget_bytes=budget, seed=data.draw(st.integers(0, 5)))
+
+
+def test_bad_buffers_on_one_rank_stop_every_rank_before_any_byte(world4, layouts4):
+    results = world4.run(rank_jobs.move_with_bad_buffer_on, 2, layouts4["zero3"], layouts4["tp2xpp2"])
+    for r, res in enumerate(results):
+        assert res["error"].startswith("MoveError: move DP4[zero3] -> TP2·PP2 refused before any data moved: rank 2:")
+        assert "missing 'param/lm_head.weight'" in res["error"]
+        assert res["untouched"], f"rank {r} wrote into its destination"
+
+
+def test_plan_digest_mismatch_is_caught(world4, layouts4):
+    # rank 3 was handed another destination layout: every rank refuses, naming who planned what
+    results = world4.run(rank_jobs.move_with_different_dst_on, 3, layouts4["zero3"],
+                         layouts4["tp2xpp2"], layouts4["tp2"])
+    for res in results:
+        assert res["error"].startswith("MoveError: plan digest mismatch")
+        assert "ranks [0, 1, 2] planned" in res["error"] and "ranks [3] planned" in res["error"]
+        assert res["untouched"]
+
+
+def test_world_size_mismatch_is_refused(world4, tiny_spec):
+    two = build_layout(tiny_spec, CONFIGS["tp2"].__class__(tp=2))
+    with pytest.raises(RankError, match="this process group has 4"):
+        world4.run(rank_jobs.move_and_check, two, two)
+
+
+def _without(layout, rank, tensor):
+    frags = [tuple(f for f in layout.fragments(r) if not (r == rank and f.key.tensor == tensor))
+             for r in range(layout.world_size)]
+    return Layout(layout.spec, frags, [layout.buffers(r) for r in range(layout.world_size)], "holey")
+
+
+def test_destination_that_does_not_cover_the_model_is_refused(world4, layouts4):
+    holey = _without(layouts4["tp2xpp2"], 1, "model.layers.0.mlp.up_proj.weight")
+    for res in world4.run(rank_jobs.attempt_move, layouts4["zero3"], holey):
+        assert res["error"].startswith("MoveError: move DP4[zero3] -> holey refused before any data moved: every rank:")
+        assert "model.layers.0.mlp.up_proj.weight: ranks hold 3072 of its 6144 elements" in res["error"]
+        assert res["untouched"]
+
+
+def test_unknown_tensor_names_are_refused(world4, layouts4, tiny_spec):
+    good = layouts4["fsdp"]
+    frags = [tuple(f._replace(key=StateKey("model.layers.9.mlp.up_proj.weight")) if i == 0 else f
+                   for i, f in enumerate(good.fragments(r))) for r in range(4)]
+    bad = Layout(tiny_spec, frags, [good.buffers(r) for r in range(4)], "renamed")
+    for res in world4.run(rank_jobs.attempt_move, layouts4["zero3"], bad):
+        assert "unknown tensor 'model.layers.9.mlp.up_proj.weight'" in res["error"]
+        assert res["untouched"]
+
+
+def test_the_world_survives_refusals(world4, layouts4):
+    run_move(world4, layouts4["pp2"], layouts4["fsdp"])
