@@ -30,8 +30,24 @@ def garbage_like(buffers: dict[str, torch.Tensor], seed: int) -> dict[str, torch
     return out
 
 
+def bare_gloo_group():
+    """A gloo group formed the way a trainer and an engine's workers form one: its own TCPStore
+    (rank 0 binds port 0 and shares the real port), not registered with torch.distributed."""
+    from datetime import timedelta
+
+    from rlhf_switch.routing.comm import gloo_group
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store else None]
+    dist.broadcast_object_list(port, src=0)
+    if rank:
+        store = dist.TCPStore("127.0.0.1", port[0], world, is_master=False)
+    return gloo_group(store, rank, world, timedelta(seconds=60)), store
+
+
 def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 1 << 20,
-                   ranks_per_node: int | None = None) -> dict:
+                   ranks_per_node: int | None = None, bare_group: bool = False) -> dict:
     """Fill ``src`` from seeded global tensors, move into garbage-filled ``dst`` buffers, and
     compare bit for bit with a direct construction of ``dst``. Padding must stay untouched,
     and the source must be unchanged."""
@@ -41,7 +57,9 @@ def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 
     src_copy = {n: t.clone() for n, t in src_bufs.items()}
     dst_bufs = garbage_like(allocate(dst, rank, fill=None), seed + 1000 + rank)
     before = {n: t.clone() for n, t in dst_bufs.items()}
-    report = move(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes, ranks_per_node=ranks_per_node)
+    group, _store = bare_gloo_group() if bare_group else (None, None)
+    report = move(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes, ranks_per_node=ranks_per_node,
+                  group=group)
     expected = materialize(dst, rank, tensor_of)
     masks = coverage_masks(dst, rank)
     wrong = []

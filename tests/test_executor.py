@@ -131,5 +131,10 @@ def test_unknown_tensor_names_are_refused(world4, layouts4, tiny_spec):
         assert res["untouched"]
 
 
+def test_move_over_a_bare_process_group(world4, layouts4):
+    """The group a trainer and vLLM workers form is not registered with torch.distributed."""
+    run_move(world4, layouts4["tp2xdp2"], layouts4["pp2"], bare_group=True)
+
+
 def test_the_world_survives_refusals(world4, layouts4):
     run_move(world4, layouts4["pp2"], layouts4["fsdp"])

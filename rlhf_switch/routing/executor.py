@@ -26,6 +26,7 @@ from ..vps.layout import Layout, LayoutError
 from ..vps.materialize import torch_dtype
 from ..vps.planner import RankPlan, check_pair, plan_rank
 from ..vps.spec import itemsize
+from .comm import Comm, as_comm
 from .schedule import Chunk, Schedule, build_schedule
 
 DEFAULT_BUDGET = 64 << 20
@@ -59,29 +60,33 @@ class MoveReport:
 
 
 def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
-         dst_buffers: Mapping[str, torch.Tensor], *, group: dist.ProcessGroup | None = None,
+         dst_buffers: Mapping[str, torch.Tensor], *, group: dist.ProcessGroup | Comm | None = None,
          budget_bytes: int = DEFAULT_BUDGET, ranks_per_node: int | None = None,
          timeout: timedelta = DEFAULT_TIMEOUT, dry_run: bool = False) -> MoveReport | Schedule:
     """Move everything ``dst`` wants from ``src``'s buffers into ``dst``'s buffers on this rank.
 
+    ``group`` is the default world, a registered group, a bare ``ProcessGroup`` (one formed
+    between a trainer and an engine's workers) or a ``Comm``; layout rank ``r`` is group rank ``r``.
     With ``dry_run`` nothing is communicated: the schedule is returned (it states its peak
-    staging memory and every message it would send)."""
-    rank = dist.get_rank(group) if not dry_run or dist.is_initialized() else None
-    world = dist.get_world_size(group) if rank is not None else src.world_size
+    staging memory and every message it would send); without a process group it plans rank 0.
+    """
+    comm = as_comm(group) if not dry_run or dist.is_initialized() or group is not None else None
+    rank = comm.rank if comm else 0
+    world = comm.size if comm else src.world_size
     if src.world_size != world or dst.world_size != world:
         raise LayoutError(f"{src.name} is for {src.world_size} ranks and {dst.name} for "
                           f"{dst.world_size}; this process group has {world}")
     schedule, error = None, None
     try:
-        schedule = prepare(src, dst, rank or 0, src_buffers, dst_buffers, budget_bytes, ranks_per_node)
+        schedule = prepare(src, dst, rank, src_buffers, dst_buffers, budget_bytes, ranks_per_node)
     except (LayoutError, ValueError, KeyError) as e:
         error = f"{type(e).__name__}: {e}"
     if dry_run:
         if error:
             raise MoveError(error)
         return schedule
-    _agree(schedule.plan if schedule else None, error, rank, world, group, src, dst)
-    return _run(schedule, src_buffers, dst_buffers, group, timeout)
+    _agree(schedule.plan if schedule else None, error, comm, src, dst)
+    return _run(schedule, src_buffers, dst_buffers, comm, timeout)
 
 
 def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budget_bytes: int,
@@ -121,10 +126,10 @@ def _check_buffers(what: str, layout: Layout, rank: int, buffers: Mapping[str, t
         raise ValueError(f"{what} buffers of rank {rank} do not match {layout.name}: " + "; ".join(problems))
 
 
-def _agree(plan: RankPlan | None, error: str | None, rank: int, world: int, group, src, dst) -> None:
+def _agree(plan: RankPlan | None, error: str | None, comm: Comm, src, dst) -> None:
+    rank, world = comm.rank, comm.size
     mine = (plan.digest if plan else None, plan.pair_digests if plan else {}, error)
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = comm.all_gather_object(mine)
     errors = [(r, e) for r, (_, _, e) in enumerate(everyone) if e]
     if errors:
         msgs = {e for _, e in errors}
@@ -198,7 +203,7 @@ def _unpack(chunk: Chunk, buf: torch.Tensor, dst_buffers) -> None:
             buf[o:o + p.nbytes].view(torch_dtype(p.transfer.dtype)).view(p.box.shape))
 
 
-def _run(schedule: Schedule, src_buffers, dst_buffers, group, timeout: timedelta) -> MoveReport:
+def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: timedelta) -> MoveReport:
     plan = schedule.plan
     t0 = time.perf_counter()
     for t in plan.local:
@@ -207,15 +212,15 @@ def _run(schedule: Schedule, src_buffers, dst_buffers, group, timeout: timedelta
     staging = _Staging()
     messages = 0
     for ex in schedule.exchanges:
-        peer = ex.peer if group is None else dist.get_global_rank(group, ex.peer)
+        peer = ex.peer
         for send, recv in ex.steps:
             works, rbuf, sbuf_owned, rbuf_owned = [], None, None, None
             if recv is not None:
                 rbuf, rbuf_owned = _recv_target(recv, dst_buffers, staging)
-                works.append(dist.irecv(rbuf, peer, group=group))
+                works.append(comm.irecv(rbuf, peer))
             if send is not None:
                 sbuf, sbuf_owned = _pack(send, src_buffers, staging)
-                works.append(dist.isend(sbuf, peer, group=group))
+                works.append(comm.isend(sbuf, peer))
             for w in works:
                 w.wait(timeout)
             messages += len(works)
