@@ -40,6 +40,7 @@ class TensorSpec:
     tp: str = "replicate"
     layer: int | None = None
     anchor: str | None = None  # "first" / "last" stage when layer is None
+    expert: int | None = None  # MoE expert index: expert parallelism places it whole on one EP rank
 
     def __post_init__(self):
         if self.tp not in TP_ROLES:
@@ -83,6 +84,7 @@ class ModelSpec:
     attention: AttentionGeometry | None = None
     fused: tuple[FusedGroup, ...] = ()
     tied_lm_head: bool = False  # LM head shares the embedding tensor (no lm_head.weight)
+    num_experts: int = 0
     _by_name: Mapping[str, TensorSpec] = field(default=None, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
@@ -127,15 +129,15 @@ class ModelSpec:
         cached = self.__dict__.get("_digest")
         if cached is None:
             h = hashlib.sha256(repr((self.name, self.tensors, self.num_layers, self.attention,
-                                     self.fused, self.tied_lm_head)).encode())
+                                     self.fused, self.tied_lm_head, self.num_experts)).encode())
             cached = h.hexdigest()[:16]
             object.__setattr__(self, "_digest", cached)
         return cached
 
     def with_dtype(self, dtype: str) -> "ModelSpec":
-        return ModelSpec(self.name, tuple(TensorSpec(t.name, t.shape, dtype, t.tp, t.layer, t.anchor)
+        return ModelSpec(self.name, tuple(TensorSpec(t.name, t.shape, dtype, t.tp, t.layer, t.anchor, t.expert)
                                           for t in self.tensors),
-                         self.num_layers, self.attention, self.fused, self.tied_lm_head)
+                         self.num_layers, self.attention, self.fused, self.tied_lm_head, self.num_experts)
 
 
 def _cfg(config: Any, name: str, default: Any = None) -> Any:
@@ -208,6 +210,52 @@ def llama_spec(config: Any, dtype: str | None = None, name: str = "llama") -> Mo
     if not tied:
         tensors.append(TensorSpec("lm_head.weight", (V, H), dtype, "vocab", anchor="last"))
     return ModelSpec(name, tuple(tensors), L, AttentionGeometry(nh, nkv, hd), tuple(fused), tied)
+
+
+def qwen3_moe_spec(config: Any, dtype: str | None = None, name: str = "qwen3-moe") -> ModelSpec:
+    """Spec of a Qwen3-MoE model with *per-expert* tensors (``mlp.experts.{e}.gate_proj.weight`` —
+    the checkpoint names vLLM's loader reads; transformers 5 stacks them in memory, which is a
+    layout, not a different state). Every layer is sparse (Qwen3-235B-A22B: 94 layers × 128
+    experts). vLLM stacks a layer's experts into ``w13_weight`` = per expert ``[gate_t; up_t]``
+    and ``w2_weight`` = per expert ``down_t``: fused groups here."""
+    H = int(_cfg(config, "hidden_size"))
+    L = int(_cfg(config, "num_hidden_layers"))
+    nh = int(_cfg(config, "num_attention_heads"))
+    nkv = int(_cfg(config, "num_key_value_heads") or nh)
+    hd = int(_cfg(config, "head_dim") or H // nh)
+    inter = int(_cfg(config, "moe_intermediate_size"))
+    E = int(_cfg(config, "num_experts"))
+    V = int(_cfg(config, "vocab_size"))
+    tied = bool(_cfg(config, "tie_word_embeddings", False))
+    dtype = dtype or str(_cfg(config, "dtype") or _cfg(config, "torch_dtype") or "float32").replace("torch.", "")
+    tensors = [TensorSpec("model.embed_tokens.weight", (V, H), dtype, "vocab", anchor="first")]
+    fused: list[FusedGroup] = []
+    for i in range(L):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        tensors += [TensorSpec(a + "q_proj.weight", (nh * hd, H), dtype, "column", i),
+                    TensorSpec(a + "k_proj.weight", (nkv * hd, H), dtype, "column", i),
+                    TensorSpec(a + "v_proj.weight", (nkv * hd, H), dtype, "column", i),
+                    TensorSpec(a + "o_proj.weight", (H, nh * hd), dtype, "row", i),
+                    TensorSpec(a + "q_norm.weight", (hd,), dtype, "replicate", i),
+                    TensorSpec(a + "k_norm.weight", (hd,), dtype, "replicate", i),
+                    TensorSpec(m + "gate.weight", (E, H), dtype, "replicate", i)]
+        for e in range(E):
+            x = f"{m}experts.{e}."
+            tensors += [TensorSpec(x + "gate_proj.weight", (inter, H), dtype, "column", i, expert=e),
+                        TensorSpec(x + "up_proj.weight", (inter, H), dtype, "column", i, expert=e),
+                        TensorSpec(x + "down_proj.weight", (H, inter), dtype, "row", i, expert=e)]
+        tensors += [TensorSpec(p + "input_layernorm.weight", (H,), dtype, "replicate", i),
+                    TensorSpec(p + "post_attention_layernorm.weight", (H,), dtype, "replicate", i)]
+        fused.append(FusedGroup(a + "qkv_proj.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"))
+        fused.append(FusedGroup(m + "experts.w13_weight", tuple(f"{m}experts.{e}.{w}_proj.weight"
+                                                                for e in range(E) for w in ("gate", "up")), "concat"))
+        fused.append(FusedGroup(m + "experts.w2_weight", tuple(f"{m}experts.{e}.down_proj.weight" for e in range(E)),
+                                "concat"))
+    tensors.append(TensorSpec("model.norm.weight", (H,), dtype, "replicate", anchor="last"))
+    if not tied:
+        tensors.append(TensorSpec("lm_head.weight", (V, H), dtype, "vocab", anchor="last"))
+    return ModelSpec(name, tuple(tensors), L, AttentionGeometry(nh, nkv, hd), tuple(fused), tied, E)
 
 
 def synthetic_spec(shapes: Sequence[tuple[str, tuple[int, ...], str, str]], num_layers: int = 1,

@@ -88,30 +88,25 @@ def _rows(t, lo: int, hi: int) -> Box:
 
 
 def _fused(spec: ModelSpec, members, buffer: str, style: str, tp: int, rank: int) -> LocalTensor:
-    parts, row = [], 0
+    """Members stacked on dim 0, each as this worker's shard of it (``qkv``: with vLLM's KV rule)."""
     if style == "qkv":
         a = spec.attention
         q, k, v = (spec[m] for m in members)
-        hd = a.head_dim
-        q_heads = a.num_heads // tp
+        hd, q_heads = a.head_dim, a.num_heads // tp
         if tp >= a.num_kv_heads:
             kv_lo, kv_n = rank // (tp // a.num_kv_heads), 1
         else:
             kv_n = a.num_kv_heads // tp
             kv_lo = rank * kv_n
-        spans = [(q, rank * q_heads * hd, (rank + 1) * q_heads * hd),
-                 (k, kv_lo * hd, (kv_lo + kv_n) * hd), (v, kv_lo * hd, (kv_lo + kv_n) * hd)]
-    else:
-        spans = []
-        for m in members:
-            t = spec[m]
-            n = t.shape[0] // tp
-            spans.append((t, rank * n, (rank + 1) * n))
-    for t, lo, hi in spans:
-        parts.append(Part(t.name, _rows(t, lo, hi), row))
-        row += hi - lo
-    first = spec[members[0]]
-    return LocalTensor(buffer, (row,) + first.shape[1:], tuple(parts))
+        boxes = [(q, _rows(q, rank * q_heads * hd, (rank + 1) * q_heads * hd)),
+                 (k, _rows(k, kv_lo * hd, (kv_lo + kv_n) * hd)), (v, _rows(v, kv_lo * hd, (kv_lo + kv_n) * hd))]
+    else:  # [gate_t; up_t], and MoE w13 = per expert [gate_t; up_t], w2 = per expert down_t
+        boxes = [(spec[m], shard(spec[m], tp, rank, None)[1]) for m in members]
+    parts, row = [], 0
+    for t, box in boxes:
+        parts.append(Part(t.name, box, row))
+        row += box.shape[0]
+    return LocalTensor(buffer, (row,) + boxes[0][1].shape[1:], tuple(parts))
 
 
 def vllm_layout(spec: ModelSpec, tp: int, replicas: int = 1, dtype: str | None = None) -> Layout:
