@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import traceback
 from datetime import timedelta
@@ -38,14 +39,17 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks, resu
                           timeout=timedelta(seconds=timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    results.put((rank, True, "ready"))
+    results.put((rank, True, pickle.dumps("ready")))
     while True:
         task = tasks.get()
         if task is None:
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            # pickle here, not in the queue's feeder thread, so an unpicklable result is an error
+            # the driver sees at once instead of a silent hang
+            payload = pickle.dumps(fn(*args, **kwargs))
+            results.put((rank, True, payload))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the driver
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
@@ -86,7 +90,7 @@ class LocalWorld:
                 raise TimeoutError(f"ranks {waiting} did not answer within {timeout:.0f} s"
                                    + (f"; ranks {dead} died" if dead else "")) from None
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 failures[rank] = value
         if failures:

@@ -138,3 +138,13 @@ def test_move_over_a_bare_process_group(world4, layouts4):
 
 def test_the_world_survives_refusals(world4, layouts4):
     run_move(world4, layouts4["pp2"], layouts4["fsdp"])
+
+
+def _unpicklable():
+    import threading
+    return threading.Lock()
+
+
+def test_a_job_returning_something_unpicklable_fails_at_once(world4):
+    with pytest.raises(RankError, match="cannot pickle"):
+        world4.run(_unpicklable, timeout=30)

@@ -29,10 +29,11 @@ def fragment_view(buffer: torch.Tensor, frag: Fragment) -> torch.Tensor:
     return torch.as_strided(buffer.view(-1), frag.box.shape, frag.strides, buffer.storage_offset() + frag.offset)
 
 
-def allocate(layout: Layout, rank: int, fill: float | None = 0) -> dict[str, torch.Tensor]:
+def allocate(layout: Layout, rank: int, fill: float | None = 0,
+             device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     out = {}
     for name, b in layout.buffers(rank).items():
-        t = torch.empty(b.numel, dtype=torch_dtype(b.dtype))
+        t = torch.empty(b.numel, dtype=torch_dtype(b.dtype), device=device)
         if fill is not None:
             t.fill_(fill)
         out[name] = t

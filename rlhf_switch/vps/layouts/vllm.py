@@ -115,6 +115,8 @@ def vllm_layout(spec: ModelSpec, tp: int, replicas: int = 1, dtype: str | None =
     if tp < 1 or replicas < 1:
         raise LayoutError(f"vLLM TP and replicas must be >= 1, got tp={tp}, replicas={replicas}")
     check_vllm_tp(spec, tp)
+    if dtype is not None and all(t.dtype == dtype for t in spec.tensors):
+        dtype = None  # one spelling per layout: the digest must not depend on a redundant argument
     per_worker = []
     for t in range(tp):
         pieces, numels = data_parallel.replicate(worker_tensors(spec, tp, t), 1, 0)
