@@ -1,0 +1,1 @@
+"""Adapters to real engines (training and generation) and the small torch rollout engine."""

@@ -1,0 +1,231 @@
+"""A small torch generation engine whose weights sit in exactly vLLM's per-rank layout.
+
+It is the stand-in for vLLM where vLLM cannot run (CPU unit tests, machines without it): one
+``TorchRollout`` per rank of a TP group, weights held as the buffers of
+``vllm_layout(spec, tp, replicas)`` for that rank (``allocate`` would build the same dict), and a
+Llama forward that reads its weights as *views* into those buffers. So
+
+    move(trainer_layout, engine.layout(replicas), trainer_buffers, engine.buffers)
+
+writes the engine's weights in place: no copy, nothing to reload, and the next forward sees them.
+
+Per TP worker ``t`` of ``T`` (see ``vps/layouts/vllm.py``): ``qkv_proj = [q_t; k_t; v_t]`` (one
+KV head, replicated, when ``T > KV heads``), ``gate_up_proj = [gate_t; up_t]``, ``o_proj`` and
+``down_proj`` split on dim 1 and summed with ``all_reduce``, embedding and LM head split by rows
+of the vocabulary padded to 64. Default Llama RoPE only. Everything is plain torch: CPU float32
+in tests, any device the buffers live on otherwise.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..vps.layout import Layout
+from ..vps.layouts.vllm import padded_vocab, vllm_layout, worker_tensors
+from ..vps.materialize import allocate
+from ..vps.spec import ModelSpec
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys and values of one batch of requests: per layer ``[B, kv_heads_t, max_len, hd]``."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+
+
+def rope_theta_of(hf_config: Any) -> float:
+    """RoPE base of a config (transformers 5 ``rope_parameters`` or older ``rope_theta``);
+    refuses scaled RoPE variants, which this engine does not implement."""
+    params = _get(hf_config, "rope_parameters") or {}
+    scaling = _get(hf_config, "rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise NotImplementedError(f"TorchRollout implements default Llama RoPE only, not {kind!r}")
+    return float(params.get("rope_theta") or _get(hf_config, "rope_theta") or 10000.0)
+
+
+class TorchRollout:
+    """One TP worker of a Llama generation engine (construct it on every rank of ``group``)."""
+
+    def __init__(self, spec: ModelSpec, *, tp: int = 1, tp_rank: int = 0,
+                 group: dist.ProcessGroup | None = None, rms_norm_eps: float = 1e-6,
+                 rope_theta: float = 10000.0, dtype: str | None = None, device: str = "cpu"):
+        if tp > 1 and (group is None or dist.get_world_size(group) != tp or dist.get_rank(group) != tp_rank):
+            raise ValueError(f"TP={tp} worker {tp_rank} needs its TP group (dist.new_group of the "
+                             f"replica's {tp} ranks) in which it has rank {tp_rank}")
+        if getattr(spec, "num_experts", 0) or spec.attention is None:
+            raise NotImplementedError(f"TorchRollout runs dense Llama-shaped models only, not {spec.name!r}")
+        self.spec, self.tp, self.tp_rank, self.group, self.dtype = spec, tp, tp_rank, group, dtype
+        self.eps, self.theta = rms_norm_eps, rope_theta
+        a = spec.attention
+        self.head_dim = a.head_dim
+        self.q_heads = a.num_heads // tp                      # local query heads
+        self.kv_heads = max(a.num_kv_heads // tp, 1)          # local KV heads (1, replicated, if tp > KV)
+        self.vocab = spec["model.embed_tokens.weight"].shape[0]
+        self.vocab_per_rank = padded_vocab(self.vocab) // tp  # rows [t·per, (t+1)·per) of the padded vocab
+        # the buffers vLLM's worker t would hold, and 2-D views of them (the only weights there are)
+        self.buffers: dict[str, torch.Tensor] = {
+            n: b.to(device) for n, b in allocate(self.layout(), tp_rank).items()}
+        self.w: dict[str, torch.Tensor] = {
+            lt.buffer: self.buffers[f"param/{lt.buffer}"].view(lt.shape) for lt in worker_tensors(spec, tp, tp_rank)}
+        # default Llama RoPE: inv_freq[i] = theta^(-2i/hd)
+        hd = self.head_dim
+        self.inv_freq = 1.0 / (rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+
+    @classmethod
+    def from_hf_config(cls, spec: ModelSpec, hf_config: Any, **kw) -> "TorchRollout":
+        return cls(spec, rms_norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+                   rope_theta=rope_theta_of(hf_config), **kw)
+
+    def layout(self, replicas: int = 1) -> Layout:
+        """The layout of ``replicas`` engines like this one (rank = replica·tp + tp_rank): the
+        destination of a move into this engine's buffers."""
+        return vllm_layout(self.spec, self.tp, replicas, self.dtype)
+
+    # --- collectives over the TP group (no-ops at TP=1) --------------------------------------------
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def _all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    # --- the model ---------------------------------------------------------------------------------
+    def _column(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Column-parallel (or fused) linear: this rank's output features, bias included."""
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def _row(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Row-parallel linear: partial sums over this rank's input features, summed over the TP
+        group, then the (whole, replicated) bias once."""
+        y = self._all_reduce(F.linear(x, self.w[name + ".weight"]))
+        b = self.w.get(name + ".bias")
+        return y if b is None else y + b
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return weight * (x * torch.rsqrt(var + self.eps))
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [B, h, T, hd], positions [T]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                        # [T, hd]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        x1, x2 = x[..., : self.head_dim // 2], x[..., self.head_dim // 2:]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        # vocab-parallel: this rank looks up ids in [lo, lo + per) and the TP group sums
+        w = self.w["model.embed_tokens.weight"]                       # [per, H]
+        lo = self.tp_rank * self.vocab_per_rank
+        mine = (ids >= lo) & (ids < lo + self.vocab_per_rank)
+        x = F.embedding(torch.where(mine, ids - lo, torch.zeros_like(ids)), w)  # [B, T, H]
+        return self._all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+
+    def _attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        p, hd, nq, nkv = f"model.layers.{i}.self_attn.", self.head_dim, self.q_heads, self.kv_heads
+        qkv = self._column(x, p + "qkv_proj")                          # [B, T, (nq + 2·nkv)·hd]
+        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q = self._rope(q.view(B, T, nq, hd).transpose(1, 2), positions)  # [B, nq, T, hd]
+        k = self._rope(k.view(B, T, nkv, hd).transpose(1, 2), positions)  # [B, nkv, T, hd]
+        v = v.view(B, T, nkv, hd).transpose(1, 2)                      # [B, nkv, T, hd]
+        if cache is not None:                                          # write, then read the prefix
+            cache.k[i][:, :, positions] = k
+            cache.v[i][:, :, positions] = v
+            end = int(positions[-1]) + 1
+            k, v = cache.k[i][:, :, :end], cache.v[i][:, :, :end]      # [B, nkv, S, hd]
+            key_pos = torch.arange(end, device=x.device)
+        else:
+            key_pos = positions
+        k = k.repeat_interleave(nq // nkv, dim=1)                      # GQA: [B, nq, S, hd]
+        v = v.repeat_interleave(nq // nkv, dim=1)
+        mask = key_pos[None, :] <= positions[:, None]                  # causal, [T, S]
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)                # [B, nq, T, S]
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, nq * hd)           # [B, T, nq·hd]
+        return self._row(y, p + "o_proj")                               # [B, T, H]
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        p = f"model.layers.{i}.mlp."
+        gate, up = self._column(x, p + "gate_up_proj").chunk(2, dim=-1)  # [B, T, I/tp] each
+        return self._row(F.silu(gate) * up, p + "down_proj")               # [B, T, H]
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` (identical on every TP rank) of ``input_ids [B, T]`` at
+        ``positions [T]`` (a contiguous range, default ``0..T-1``). With ``kv_cache`` the new keys
+        and values are stored at ``positions`` and attention also sees the cached prefix."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self._embed(input_ids)                                     # [B, T, H]
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            x = x + self._attention(i, self._rms_norm(x, self.w[p + "input_layernorm.weight"]), positions, kv_cache)
+            x = x + self._mlp(i, self._rms_norm(x, self.w[p + "post_attention_layernorm.weight"]))
+        x = self._rms_norm(x, self.w["model.norm.weight"])
+        head = "model.embed_tokens.weight" if self.spec.tied_lm_head else "lm_head.weight"
+        logits = self._all_gather_last(F.linear(x, self.w[head]))     # [B, T, padded vocab]
+        return logits[..., : self.vocab]                               # drop the padding columns
+
+    __call__ = forward
+
+    def new_kv_cache(self, batch: int, max_len: int) -> KVCache:
+        ref = self.w["model.norm.weight"]
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        n = self.spec.num_layers
+        return KVCache([ref.new_zeros(shape) for _ in range(n)], [ref.new_zeros(shape) for _ in range(n)])
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0, eos_token_id: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """Greedy (``temperature == 0``) or sampled decoding, one prompt at a time with its own
+        KV cache. Returns the generated tokens per prompt (stopping after ``eos_token_id``) and
+        each token's log-probability under the model's raw logits (vLLM's default
+        ``raw_logprobs``). Every TP rank computes the same logits and draws from the same seeded
+        generator, so every rank returns the same tokens."""
+        gen = torch.Generator(device=self.w["model.norm.weight"].device).manual_seed(seed)
+        device = gen.device
+        tokens_out, logprobs_out = [], []
+        for prompt in prompts:
+            cache = self.new_kv_cache(1, len(prompt) + max_new_tokens)
+            ids = torch.tensor([prompt], dtype=torch.long, device=device)
+            logits = self.forward(ids, torch.arange(len(prompt), device=device), cache)[0, -1]  # [vocab]
+            toks, lps = [], []
+            for step in range(max_new_tokens):
+                logp = logits.float().log_softmax(-1)
+                if temperature > 0:
+                    probs = (logits.float() / temperature).softmax(-1)
+                    tok = int(torch.multinomial(probs, 1, generator=gen))
+                else:
+                    tok = int(logits.argmax())
+                toks.append(tok)
+                lps.append(float(logp[tok]))
+                if tok == eos_token_id or step == max_new_tokens - 1:
+                    break
+                pos = len(prompt) + step
+                ids = torch.tensor([[tok]], dtype=torch.long, device=device)
+                logits = self.forward(ids, torch.arange(pos, pos + 1, device=device), cache)[0, -1]
+            tokens_out.append(toks)
+            logprobs_out.append(lps)
+        return tokens_out, logprobs_out
