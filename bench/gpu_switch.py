@@ -1,0 +1,105 @@
+"""GPU switch bench (one device): train layout -> vLLM generation layout, on the GPU, unattended.
+
+    python -m bench.gpu_switch                 # 1B and 8B Llama shapes, bf16, cuda:0
+    python -m bench.gpu_switch --device cpu --sizes 0.05B   # the same code path on a CPU box
+
+With one device there is one rank, so a colocated switch is the executor's local-copy path:
+every destination piece is copied from the training buffers' view into the engine's view, on
+the device, with no staging. The figure of merit is achieved bytes/s against the device's
+memory bandwidth (each byte is read once and written once, so the roof is half the HBM
+bandwidth for a copy). Multi-GPU paths (NCCL point-to-point, CUDA IPC between processes on one
+device) need more than one rank and are not exercised here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from rlhf_switch.routing.executor import _run
+from rlhf_switch.routing.comm import Comm
+from rlhf_switch.routing.schedule import build_schedule
+from rlhf_switch.vps import ParallelConfig, build_layout, llama_spec, plan_rank
+from rlhf_switch.vps.layouts.vllm import vllm_layout
+from rlhf_switch.vps.materialize import allocate
+
+SHAPES = {  # Llama-3-style shapes by size
+    "0.05B": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=1536, vocab_size=32000),
+    "1B": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=128256),
+    "8B": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256),
+}
+HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # vendor peak memory bandwidth
+
+
+class _NoPeers(Comm):
+    """A world of one: the schedule has no exchanges, so nothing is ever sent."""
+    rank, size = 0, 1
+
+
+def bench(size: str, dtype: str, device: str, repeats: int) -> dict:
+    spec = llama_spec({**SHAPES[size], "torch_dtype": dtype}, name=f"llama-{size}")
+    cases = {
+        "ZeRO-1 flat -> vLLM TP1": build_layout(spec, ParallelConfig(dp=1, dp_shard="zero")),
+        "per-tensor (FSDP DP1) -> vLLM TP1": build_layout(spec, ParallelConfig(dp=1, dp_shard="fsdp")),
+    }
+    dst = vllm_layout(spec, 1)
+    out = {}
+    for name, src in cases.items():
+        plan = plan_rank(src, dst, 0)
+        sched = build_schedule(plan, 64 << 20)
+        src_bufs = allocate(src, 0, fill=1.0, device=device)
+        dst_bufs = allocate(dst, 0, fill=0.0, device=device)
+        times = []
+        for _ in range(repeats + 1):  # first run warms the allocator and kernels
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            _run(sched, src_bufs, dst_bufs, _NoPeers(), None)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        med = sorted(times[1:])[len(times[1:]) // 2]
+        nbytes = plan.bytes_local
+        out[name] = {"bytes": nbytes, "pieces": len(plan.local), "median_s": med, "GBps": nbytes / med / 1e9}
+        ok = all(bool((dst_bufs[n][:b.numel] == 1).all()) for n, b in dst.buffers(0).items()
+                 if n not in ("param/model.embed_tokens.weight", "param/lm_head.weight"))
+        out[name]["exact"] = ok
+        del src_bufs, dst_bufs
+        print(f"  {size} {dtype} {name}: {nbytes / 1e9:.2f} GB in {med * 1e3:.1f} ms = "
+              f"{nbytes / med / 1e9:.1f} GB/s ({len(plan.local)} pieces), filled: {ok}", flush=True)
+    return {"params": spec.numel, "cases": out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--sizes", default="1B,8B")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="bench/results/gpu_switch.json")
+    args = ap.parse_args(argv)
+    name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+    peak = next((v for k, v in HBM_GBPS.items() if k in name), None)
+    print(f"device: {name}" + (f" (peak memory bandwidth {peak:.0f} GB/s)" if peak else ""))
+    results = {"device": name, "peak_GBps": peak, "sizes": {}}
+    for size in args.sizes.split(","):
+        results["sizes"][size] = bench(size, args.dtype, args.device, args.repeats)
+        if peak:
+            for case, r in results["sizes"][size]["cases"].items():
+                # a copy reads and writes every byte: the roof is peak / 2
+                print(f"    {case}: {r['GBps'] / (peak / 2):.0%} of the copy roof")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
