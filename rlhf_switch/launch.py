@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -103,10 +104,13 @@ class LocalWorld:
                 q.put(None)
             except (ValueError, OSError):
                 pass
+        deadline = time.monotonic() + 10  # one shared grace period, not 10 s per rank
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
 
     def __enter__(self) -> "LocalWorld":
         return self

@@ -128,7 +128,8 @@ class ModelSpec:
     def digest(self) -> str:
         cached = self.__dict__.get("_digest")
         if cached is None:
-            h = hashlib.sha256(repr((self.name, self.tensors, self.num_layers, self.attention,
+            # the name is a label, not geometry: equal tensors under two names are one model
+            h = hashlib.sha256(repr((self.tensors, self.num_layers, self.attention,
                                      self.fused, self.tied_lm_head, self.num_experts)).encode())
             cached = h.hexdigest()[:16]
             object.__setattr__(self, "_digest", cached)

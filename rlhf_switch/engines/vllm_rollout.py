@@ -1,0 +1,330 @@
+"""Driver side of the vLLM rollout engine: real vLLM, weights written straight into its workers.
+
+::
+
+    rollout = VLLMRollout("/path/to/hf-model", spec, tp=2)         # starts vllm.LLM, checks its layout
+    rollout.load_from(world, train_layout, trainer_buffers, *args)  # VPS move trainer ranks -> workers
+    tokens, logprobs = rollout.generate([[1, 2, 3]], max_tokens=8)
+
+``rollout.layout`` is ``vllm_layout(spec, tp)``. Before anything moves it is checked against what
+the engine's workers really hold (``vps_describe``: names, shapes, dtypes, no prepacked layers);
+an engine built for another model or vocabulary is refused with the mismatch named. A TP vLLM
+cannot run is refused (``LayoutError``) before the engine starts.
+
+The move (``load_from``): the driver hosts a TCPStore on port 0; trainer ranks ``0..n-1`` (the
+ranks of a ``LocalWorld``) and vLLM workers ``n..n+tp-1`` form one bare gloo group over it. Every
+trainer rank calls ``make_buffers(*args, **kwargs)`` for its source buffers and then
+``move(place(src, range(n), n+tp), place(layout, range(n, n+tp), n+tp), src_bufs, {}, group=pg)``
+while the driver runs ``llm.collective_rpc("vps_receive", ...)`` in a thread for the workers (it
+blocks until they are done). Then the prefix cache is reset: KV computed with old weights must not
+be reused. Where the platform has sleep mode (GPU), the engine sleeps (level 2: weights and KV
+freed), wakes its weights, receives, then wakes its KV cache; on CPU sleep mode is refused by vLLM
+and these steps are skipped.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+from ..routing.executor import DEFAULT_BUDGET
+from ..vps.layout import Layout, LayoutError
+from ..vps.layouts.vllm import vllm_layout, worker_tensors
+from ..vps.placement import place
+from ..vps.spec import ModelSpec
+
+WORKER_EXTENSION = "rlhf_switch.engines.vllm_worker.VpsWorkerExtension"
+PREFIX = "param/"
+
+
+class EngineMismatch(LayoutError):
+    """The running engine's workers do not hold what the layout says (other model, vocab, TP...)."""
+
+
+def check_engine(layout: Layout, descriptions: Sequence[dict], engine: str = "the vLLM engine") -> None:
+    """Compare ``layout`` (a ``vllm_layout``) with the workers' ``vps_describe`` answers, in worker
+    order; raise ``EngineMismatch`` naming every difference."""
+    spec, tp = layout.spec, layout.world_size
+    problems: list[str] = []
+    if len(descriptions) != tp:
+        problems.append(f"the engine has {len(descriptions)} workers, the layout {tp}")
+    for rank, d in enumerate(descriptions[:tp]):
+        where = f"worker {rank}"
+        if d.get("tp_size") != tp or d.get("tp_rank") != rank or d.get("pp_size", 1) != 1:
+            problems.append(f"{where} is TP rank {d.get('tp_rank')} of {d.get('tp_size')} "
+                            f"(PP {d.get('pp_size', 1)}); the layout is TP{tp} without PP")
+            continue
+        if d.get("prepacked"):
+            problems.append(f"{where} computes with prepacked copies of {len(d['prepacked'])} layers "
+                            f"(e.g. {d['prepacked'][0]}): in-place writes would be ignored")
+        have = d["params"]
+        want = {PREFIX + lt.buffer: lt.shape for lt in worker_tensors(spec, tp, rank)}
+        bufs = layout.buffers(rank)
+        for name in sorted(set(want) - set(have)):
+            problems.append(f"{where} has no parameter {name[len(PREFIX):]!r} (layout shape {list(want[name])})")
+        for name in sorted(set(have) - set(want)):
+            problems.append(f"{where} has parameter {name[len(PREFIX):]!r} {have[name][0]} that the layout "
+                            f"of {spec.name!r} does not know (it would never be written)")
+        for name in sorted(set(have) & set(want)):
+            shape, dtype, contiguous = have[name]
+            if tuple(shape) != tuple(want[name]):
+                problems.append(f"{where} {name[len(PREFIX):]} is {list(shape)}, the layout says {list(want[name])}")
+            if dtype != bufs[name].dtype:
+                problems.append(f"{where} {name[len(PREFIX):]} is {dtype}, the layout says {bufs[name].dtype}")
+            if not contiguous:
+                problems.append(f"{where} {name[len(PREFIX):]} is not contiguous")
+    if problems:
+        shown = "; ".join(problems[:12]) + (f"; … ({len(problems)} in all)" if len(problems) > 12 else "")
+        raise EngineMismatch(f"{engine} does not hold {layout.name} of model {spec.name!r}: {shown}")
+
+
+def omp_binding(tp: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``tp`` workers its own cores (shared
+    round-robin when there are fewer cores than workers): ``"0|1"`` for TP2 on 2 cores."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < tp:
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(tp))
+    per = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(tp))
+
+
+@dataclass
+class LoadReport:
+    seconds: float
+    bytes_received: int  # by the workers, in all
+    slept: bool
+    trainer: list[Any]  # each trainer rank's MoveReport
+    workers: list[dict]  # each worker's MoveReport, as a dict
+
+
+class WorkerError(RuntimeError):
+    """One or more vLLM workers failed a ``vps_*`` call (each worker's error is in the message)."""
+
+    def __init__(self, method: str, errors: dict[int, str], tracebacks: dict[int, str]):
+        self.errors = errors
+        self.tracebacks = tracebacks
+        detail = "; ".join(f"worker {w}: {e}" for w, e in sorted(errors.items()))
+        super().__init__(f"vLLM workers failed {method}: {detail}")
+
+
+def unwrap(method: str, answers: Sequence[dict]) -> list:
+    """The workers' ``{"value"}``/``{"error"}`` answers (see ``vllm_worker._answer``) -> values."""
+    errors = {w: a["error"] for w, a in enumerate(answers) if "error" in a}
+    if errors:
+        raise WorkerError(method, errors, {w: answers[w].get("traceback", "") for w in errors})
+    return [a["value"] for a in answers]
+
+
+class VLLMRollout:
+    """One ``vllm.LLM`` of TP ``tp`` for the model at ``model`` (a HF checkpoint directory) whose
+    spec is ``spec``; prompts are token ids (no tokenizer is loaded). ``sleep_mode``: use vLLM's
+    sleep mode around moves (default: where the platform has it, i.e. not on CPU).
+    ``engine_kwargs`` go to ``vllm.LLM`` as they are (e.g. ``block_size``, ``gpu_memory_utilization``)."""
+
+    def __init__(self, model: str, spec: ModelSpec, tp: int = 1, *, dtype: str = "float32",
+                 seed: int = 0, max_model_len: int = 256, enforce_eager: bool = True,
+                 backend: str | None = None, sleep_mode: bool | None = None, **engine_kwargs):
+        self.spec = spec
+        self.tp = tp
+        self.model = model
+        # refuses a TP vLLM cannot run (LayoutError) before anything starts
+        self.layout = vllm_layout(spec, tp, dtype=dtype)
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.is_cpu = current_platform.is_cpu()
+        available = bool(current_platform.is_sleep_mode_available())  # False on CPU
+        self.can_sleep = available if sleep_mode is None else bool(sleep_mode) and available
+        if backend is None:
+            backend = "mp" if tp > 1 else None
+        env = {}
+        if self.is_cpu and tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+            # vllm-cpu's "auto" binding asserts with one NUMA node and TP>1; the engine's processes
+            # read it when they start (inside LLM(...)), so it is set for that long only
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_binding(tp)
+        kwargs = dict(model=model, dtype=dtype, tensor_parallel_size=tp, enforce_eager=enforce_eager,
+                      worker_extension_cls=WORKER_EXTENSION, skip_tokenizer_init=True, seed=seed,
+                      max_model_len=max_model_len, enable_sleep_mode=self.can_sleep)
+        if backend is not None:
+            kwargs["distributed_executor_backend"] = backend
+        kwargs.update(engine_kwargs)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self._asleep = False
+        try:
+            self.description = self._rpc("vps_describe")
+            check_engine(self.layout, self.description, f"vLLM engine for {model!r}")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _rpc(self, method: str, *args, timeout: float | None = None) -> list:
+        return unwrap(method, self.llm.collective_rpc(method, timeout=timeout, args=args))
+
+    # --- the layout -----------------------------------------------------------------------------------
+    def check(self, layout: Layout) -> None:
+        """Check another vLLM layout against this engine's workers (what the constructor does)."""
+        check_engine(layout, self.description, f"vLLM engine for {self.model!r}")
+
+    # --- sleep / wake (a capability: real on GPU, refused by vLLM on CPU) -----------------------------
+    def sleep(self, level: int = 1) -> bool:
+        if not self.can_sleep:
+            return False
+        self.llm.sleep(level=level)
+        self._asleep = True
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        if not self.can_sleep:
+            return False
+        self.llm.wake_up(tags)
+        if tags is None or "kv_cache" in tags:
+            self._asleep = False
+        return True
+
+    # --- the move -------------------------------------------------------------------------------------
+    def load_from(self, world, src_layout: Layout, make_buffers: Callable[..., dict], *args,
+                  budget_bytes: int = DEFAULT_BUDGET, timeout_s: float = 300.0, **kwargs) -> LoadReport:
+        """Move the weights ``src_layout`` describes, held by ``world``'s ranks (rank ``r``'s buffers
+        are ``make_buffers(*args, **kwargs)`` run on rank ``r``), into this engine's workers."""
+        import time
+
+        import torch.distributed as dist
+
+        n = world.world_size
+        if src_layout.world_size != n:
+            raise LayoutError(f"{src_layout.name} is for {src_layout.world_size} ranks; the world has {n}")
+        if src_layout.spec.digest != self.spec.digest:
+            raise LayoutError(f"cannot load {src_layout.name} of model {src_layout.spec.name!r} "
+                              f"({src_layout.spec.digest}) into the vLLM engine for {self.spec.name!r} "
+                              f"({self.spec.digest}): different models; nothing was moved")
+        total = n + self.tp
+        src = place(src_layout, range(n), total)
+        dst = place(self.layout, range(n, total), total)
+        t0 = time.perf_counter()
+        slept = False
+        if self.can_sleep:  # free weights and KV while the weights are rewritten, then wake the weights
+            if not self._asleep:
+                self.llm.sleep(level=2)
+                self._asleep = True
+            self.llm.wake_up(["weights"])
+            slept = True
+        store = dist.TCPStore("127.0.0.1", 0, total + 1, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+        src_bytes, dst_bytes = pickle.dumps(src), pickle.dumps(dst)
+        box: dict[str, Any] = {}
+
+        def workers():
+            try:
+                box["workers"] = self._rpc(
+                    "vps_receive", "127.0.0.1", store.port, n, total, src_bytes, dst_bytes, timeout_s,
+                    budget_bytes, timeout=timeout_s + 60)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = e
+
+        thread = threading.Thread(target=workers, name="vps-vllm-receive", daemon=True)
+        thread.start()
+        trainer_error = None
+        try:
+            trainer = world.run(_send, "127.0.0.1", store.port, total, src, dst, timeout_s, budget_bytes,
+                                make_buffers, args, kwargs, timeout=timeout_s + 60)
+        except BaseException as e:  # noqa: BLE001 - wait for the workers before raising
+            trainer, trainer_error = None, e
+        thread.join(timeout_s + 120)
+        if thread.is_alive():
+            raise TimeoutError("vLLM workers did not finish the move") from trainer_error
+        if trainer_error is not None:
+            raise trainer_error
+        if "error" in box:
+            raise box["error"]
+        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+        if slept:
+            self.llm.wake_up(["kv_cache"])
+            self._asleep = False
+        received = sum(int(r["bytes_received"]) + int(r["bytes_local"]) for r in box["workers"])
+        return LoadReport(time.perf_counter() - t0, received, slept, trainer, box["workers"])
+
+    # --- generation ------------------------------------------------------------------------------------
+    def generate(self, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int, greedy: bool = True,
+                 seed: int | None = None, temperature: float = 1.0) -> tuple[list[list[int]], list[list[float]]]:
+        """Generate from token-id prompts: (tokens, log-probabilities of those tokens) per prompt.
+        Log-probabilities are of the raw model distribution (vLLM's default ``raw_logprobs``)."""
+        from vllm import SamplingParams
+
+        if self._asleep:
+            self.wake_up()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else temperature,
+                                logprobs=0, seed=seed, detokenize=False, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts_token_ids],
+                                 params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for o in outs:
+            c = o.outputs[0]
+            tokens.append(list(c.token_ids))
+            logprobs.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        return tokens, logprobs
+
+    # --- reading back (tests, checks) ------------------------------------------------------------------
+    def read_weights(self) -> list[dict]:
+        """Each worker's parameters (``param/<name>`` -> tensor), read back through safetensors."""
+        from safetensors.torch import load
+
+        return [load(b) for b in self._rpc("vps_read")]
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort: older/newer vLLM
+            pass
+        del llm
+        import gc
+
+        gc.collect()
+
+    def __enter__(self) -> "VLLMRollout":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _send(host: str, port: int, world_size: int, src: Layout, dst: Layout, timeout_s: float,
+          budget_bytes: int, make_buffers: Callable[..., dict], args: tuple, kwargs: dict):
+    """Trainer-rank job: build this rank's source buffers, join the move's group, send."""
+    import torch
+    import torch.distributed as dist
+
+    from ..routing.comm import gloo_group
+    from ..routing.executor import move
+
+    rank = dist.get_rank()
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        buffers, error = make_buffers(*args, **kwargs), None
+    except Exception as e:  # noqa: BLE001 - still join, so every rank refuses the move at once
+        buffers, error = {}, e  # (missing buffers make `move` refuse on every rank, workers included)
+    store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
+    pg = gloo_group(store, rank, world_size, timeout)
+    try:
+        with torch.no_grad():
+            report = move(src, dst, buffers, {}, group=pg, budget_bytes=budget_bytes, timeout=timeout)
+    except Exception:
+        if error is not None:
+            raise error from None
+        raise
+    return report

