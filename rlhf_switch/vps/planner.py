@@ -18,11 +18,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import zlib
+from bisect import bisect_right
+from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
-from .layout import Fragment, Layout, LayoutError
-from .space import Box, StateKey
+from .layout import Fragment, Layout, LayoutError, without_gc
+from .space import Box, StateKey, tuple_new
 from .spec import itemsize
 
 PLANNER_VERSION = "1"
@@ -141,25 +143,28 @@ def input_digest(src: Layout, dst: Layout, ranks_per_node: int | None) -> str:
 
 
 @functools.lru_cache(maxsize=256)
+@without_gc
 def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = None) -> RankPlan:
     """Rank ``rank``'s part of ``src -> dst``, computed from metadata only."""
     check_pair(src, dst)
     if not 0 <= rank < src.world_size:
         raise LayoutError(f"rank {rank} is outside a world of {src.world_size}")
-    keys = src.keys(rank) | dst.keys(rank)
-    order = _order(src)
-    transfers = [t for k in sorted(keys, key=order) for t in _plan_key(k, src, dst, rank, ranks_per_node)]
+    keys = sorted(src.keys(rank) | dst.keys(rank), key=_order(src))
+    transfers = [t for k in keys for t in _plan_key(k, src, dst, rank, ranks_per_node)]
     local = tuple(t for t in transfers if t.src == t.dst == rank)
+    # canonical order within a peer: the keys' order (their position in `keys`), then the box
+    position = {k: i for i, k in enumerate(keys)}
     sends = tuple(sorted((t for t in transfers if t.src == rank and t.dst != rank),
-                         key=lambda t: (t.dst, order(t.key), t.box.lo)))
+                         key=lambda t: (t.dst, position[t.key], t.box.lo)))
     recvs = tuple(sorted((t for t in transfers if t.dst == rank and t.src != rank),
-                         key=lambda t: (t.src, order(t.key), t.box.lo)))
+                         key=lambda t: (t.src, position[t.key], t.box.lo)))
     return RankPlan(rank, src.world_size, f"{src.name} -> {dst.name}",
                     input_digest(src, dst, ranks_per_node), local, sends, recvs,
                     minimum_bytes_received(src, dst, rank), _pair_digests(rank, sends, recvs))
 
 
 @functools.lru_cache(maxsize=32)
+@without_gc
 def plan_transition(src: Layout, dst: Layout, ranks_per_node: int | None = None) -> Plan:
     """Every rank's transfers, in canonical order."""
     check_pair(src, dst)
@@ -198,31 +203,106 @@ def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
     regions = src.regions(key)
     # a rank planning only its own part looks at every region for the boxes it receives, but
     # only at the regions it holds for the boxes others receive (its sends)
-    mine = regions if rank is None else [r for r in regions if any(h == rank for h, _ in r.holders)]
+    mine = regions if rank is None else [r for r in regions if _holds(r.holders, rank)]
+    rot_seed = None  # crc32 of the key's part of the rotation string, computed on first use
+    reach = None  # see below, computed on first use
     for dbox, requesters in dst.groups(key).items():
-        wants = rank is None or any(d == rank for d, _ in requesters)
+        wants = rank is None or _holds(requesters, rank)
         if not wants and not mine:
             continue
+        if rank is not None and wants:
+            where: dict[int, list[int]] = {}  # requester rank -> its positions in `requesters`
+            for j, (d, _) in enumerate(requesters):
+                where.setdefault(d, []).append(j)
         covered = 0
-        for reg in (regions if wants else mine):
+        # Regions come sorted by their lower corner, so those that can meet the box on dim 0 are
+        # one run: stop at the first region that starts at or past the box's end, and (for many
+        # regions) skip the head whose regions all end before the box begins, found by bisection
+        # of ``reach[i]``, the furthest dim-0 end among ``regions[:i + 1]``.
+        candidates = regions if wants else mine
+        end = dbox.hi[0] if dbox.hi else None
+        if wants and end is not None and len(regions) > 8:
+            if reach is None:
+                reach = list(accumulate([r.box.hi[0] for r in regions], max))
+            skip = bisect_right(reach, dbox.lo[0])
+            if skip:
+                candidates = regions[skip:]
+        for reg in candidates:
+            if end is not None and reg.box.lo[0] >= end:
+                break
             piece = reg.box.intersect(dbox)
             if piece is None:
                 continue
             covered += piece.numel
-            held_by = dict(reg.holders)
+            holders = reg.holders
+            held_by = dict(holders)
+            views: dict[int, tuple] = {}  # per piece; replicas share Fragment objects
+            if rank is not None and rank not in held_by:
+                # `rank` only receives this piece: of all the remote requesters' holder choices
+                # only its own matter, but its position i among the remote ones picks its holder
+                if rot_seed is None:
+                    rot_seed = _rotation_seed(key)
+                rot = _rotation(rot_seed, piece)
+                for j in where[rank]:
+                    d, f = requesters[j]
+                    h, hf = _choose(holders, _remote_position(j, held_by, where) + rot, d,
+                                    ranks_per_node)
+                    yield _transfer(h, hf, d, f, piece, dst, views)
+                continue
+            # local copies: requesters that hold the piece themselves (for `rank`: its own entries)
+            if rank is None:
+                for d, f in requesters:
+                    if d in held_by:
+                        yield _transfer(d, held_by[d], d, f, piece, dst, views)
+            elif wants:
+                for j in where[rank]:
+                    yield _transfer(rank, held_by[rank], rank, requesters[j][1], piece, dst, views)
             remote = [(d, f) for d, f in requesters if d not in held_by]
-            for d, f in requesters:
-                if d in held_by and (rank is None or d == rank):
-                    yield _transfer(d, held_by[d], d, f, piece, dst)
             if remote:
-                rot = zlib.crc32(f"{key.tensor}|{key.field}|{piece.lo}".encode())
+                if rot_seed is None:
+                    rot_seed = _rotation_seed(key)
+                rot = _rotation(rot_seed, piece)
+                n = len(holders)
                 for i, (d, f) in enumerate(remote):
-                    h, hf = _choose(reg.holders, i + rot, d, ranks_per_node)
+                    if ranks_per_node:
+                        h, hf = _choose(holders, i + rot, d, ranks_per_node)
+                    else:  # _choose without a node preference, inlined: this loop is the hot one
+                        h, hf = holders[(i + rot) % n]
                     if rank is None or rank == d or rank == h:
-                        yield _transfer(h, hf, d, f, piece, dst)
+                        yield _transfer(h, hf, d, f, piece, dst, views)
         if wants and covered != dbox.numel:
             raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
                               f"{key}{dbox} that {dst.name} needs")
+
+
+def _remote_position(j: int, held_by, where: dict[int, list[int]]) -> int:
+    """Position among the remote requesters (those not in ``held_by``) of entry ``j`` of the
+    requesters: ``j`` less the holders' own entries before it. Holders rarely request the box
+    they hold, so this is usually ``j`` after a lookup or two."""
+    i = j
+    for h in held_by:
+        for q in where.get(h, ()):
+            if q < j:
+                i -= 1
+    return i
+
+
+def _holds(holders, rank: int) -> bool:
+    """Whether ``rank`` is among ``(rank, fragment)`` pairs ``holders``."""
+    for h, _ in holders:
+        if h == rank:
+            return True
+    return False
+
+
+def _rotation_seed(key: StateKey) -> int:
+    return zlib.crc32(f"{key.tensor}|{key.field}|".encode())
+
+
+def _rotation(seed: int, piece: Box) -> int:
+    """``crc32(f"{tensor}|{field}|{piece.lo}")``, continuing the key's running checksum
+    (``seed``) rather than formatting and hashing the key's part again for every piece."""
+    return zlib.crc32(str(piece.lo).encode(), seed)
 
 
 def _choose(holders, i: int, d: int, ranks_per_node: int | None):
@@ -233,11 +313,20 @@ def _choose(holders, i: int, d: int, ranks_per_node: int | None):
     return holders[i % len(holders)]
 
 
-def _transfer(s: int, sf: Fragment, d: int, df: Fragment, piece: Box, dst: Layout) -> Transfer:
-    so, ss = sf.view(piece)
-    do, ds = df.view(piece)
-    return Transfer(s, d, df.key, piece, sf.buffer, so, ss, df.buffer, do, ds,
-                    dst.buffers(d)[df.buffer].dtype)
+def _transfer(s: int, sf: Fragment, d: int, df: Fragment, piece: Box, dst: Layout,
+              views: dict[int, tuple] | None = None) -> Transfer:
+    """The transfer of ``piece`` from ``s``'s fragment ``sf`` to ``d``'s ``df``. ``views`` memoises
+    fragment views of this one piece: a piece sent to 16 replicas is one view on each side."""
+    if views is None:
+        views = {}
+    sv = views.get(id(sf))
+    if sv is None:
+        sv = views[id(sf)] = sf.view(piece)
+    dv = views.get(id(df))
+    if dv is None:
+        dv = views[id(df)] = df.view(piece)
+    return tuple_new(Transfer, (s, d, df.key, piece, sf.buffer, sv[0], sv[1], df.buffer, dv[0], dv[1],
+                                dst.buffers(d)[df.buffer].dtype))
 
 
 def _pair_digests(rank: int, sends, recvs) -> dict[int, int]:

@@ -6,6 +6,8 @@ positions. Everything here is plain integers; nothing allocates or imports torch
 """
 from __future__ import annotations
 
+from math import prod
+from operator import add, sub
 from typing import NamedTuple, Sequence
 
 # Fields of the training state. All fields of one tensor share its geometry; they differ only
@@ -26,6 +28,12 @@ class StateKey(NamedTuple):
         return self.tensor if self.field == PARAM else f"{self.tensor}[{self.field}]"
 
 
+# A NamedTuple's generated ``__new__`` is a Python-level function. The hot paths (intersections,
+# fragments, transfers: ~10^5 of each for one 70B plan) build the identical object with
+# ``tuple.__new__(Cls, fields)`` directly, at about half the cost.
+tuple_new = tuple.__new__
+
+
 class Box(NamedTuple):
     """Half-open box ``[lo[d], hi[d])`` in a tensor's global coordinates."""
 
@@ -36,16 +44,15 @@ class Box(NamedTuple):
     def full(shape: Sequence[int]) -> "Box":
         return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
 
+    # shape/numel/shift run hundreds of thousands of times when building and planning 70B
+    # layouts: map() over operator functions avoids a generator frame per call
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(h - l for l, h in zip(self.lo, self.hi))
+        return tuple(map(sub, self.hi, self.lo))
 
     @property
     def numel(self) -> int:
-        n = 1
-        for l, h in zip(self.lo, self.hi):
-            n *= h - l
-        return n
+        return prod(map(sub, self.hi, self.lo))
 
     @property
     def empty(self) -> bool:
@@ -62,14 +69,13 @@ class Box(NamedTuple):
                 return None
             lo.append(a)
             hi.append(b)
-        return Box(tuple(lo), tuple(hi))
+        return tuple_new(Box, (tuple(lo), tuple(hi)))
 
     def contains(self, other: "Box") -> bool:
         return all(a <= c and d <= b for a, b, c, d in zip(self.lo, self.hi, other.lo, other.hi))
 
     def shift(self, delta: Sequence[int]) -> "Box":
-        return Box(tuple(l + d for l, d in zip(self.lo, delta)),
-                   tuple(h + d for h, d in zip(self.hi, delta)))
+        return tuple_new(Box, (tuple(map(add, self.lo, delta)), tuple(map(add, self.hi, delta))))
 
     def __str__(self) -> str:
         return "[" + ",".join(f"{l}:{h}" for l, h in zip(self.lo, self.hi)) + "]"

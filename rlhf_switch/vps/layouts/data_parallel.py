@@ -16,6 +16,9 @@ and buffers map a name to its element count.
 """
 from __future__ import annotations
 
+import functools
+from math import prod
+
 from ..space import Box, flat_range_to_boxes, row_major_strides
 from .local import LocalTensor
 
@@ -24,29 +27,54 @@ DP_SHARDINGS = ("replicate", "fsdp", "zero3", "zero")
 Piece = tuple[str, Box, str, int, tuple[int, ...]]
 
 
-def _parts_in_flat(lt: LocalTensor, lo: int, hi: int, buffer: str, base: int) -> list[Piece]:
-    """Pieces of ``lt``'s flat range ``[lo, hi)``, placed at ``base + (flat - lo)`` of ``buffer``."""
-    out: list[Piece] = []
-    row = lt.row_numel
+# Every layer of a stage has the same part boxes (and a rank the same flat range of each), so at
+# 70B scale these two caches turn tens of thousands of splits into a few hundred. Boxes are
+# immutable, so sharing them between layers' fragments changes no value.
+@functools.lru_cache(maxsize=1 << 14)
+def _box_geometry(box: Box) -> tuple[int, tuple[int, ...]]:
+    """(numel, row-major strides) of a part's box."""
+    return box.numel, row_major_strides(box.shape)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _split_part(box: Box, start: int, stop: int) -> tuple[tuple[Box, int], ...]:
+    """The sub-boxes of ``box``'s flat range ``[start, stop)``, each with its flat start
+    relative to ``start`` (they tile the range in flat order)."""
+    out, first = [], 0
+    for sub in flat_range_to_boxes(box.shape, start, stop, box.lo):
+        out.append((sub, first))
+        first += sub.numel
+    return tuple(out)
+
+
+def _parts_in_flat(lt: LocalTensor, lo: int, hi: int, buffer: str, base: int,
+                   out: list[Piece] | None = None, row: int | None = None) -> list[Piece]:
+    """Pieces of ``lt``'s flat range ``[lo, hi)``, placed at ``base + (flat - lo)`` of ``buffer``
+    (appended to ``out`` when given; ``row`` is ``lt.row_numel`` when the caller has it)."""
+    if out is None:
+        out = []
+    if row is None:
+        row = lt.row_numel
     for p in lt.parts:
+        numel, strides = _box_geometry(p.box)
         p_lo = p.row * row
-        p_hi = p_lo + p.box.numel
-        a, b = max(lo, p_lo), min(hi, p_hi)
+        p_hi = p_lo + numel
+        # max/min spelled out: this runs once per local tensor per rank
+        a = lo if lo > p_lo else p_lo
+        b = hi if hi < p_hi else p_hi
         if a >= b:
             continue
-        strides = row_major_strides(p.box.shape)
         if a == p_lo and b == p_hi:  # the whole part: the common case
             out.append((p.tensor, p.box, buffer, base + a - lo, strides))
             continue
-        first = a  # sub-boxes tile [a, b) in flat order
-        for sub in flat_range_to_boxes(p.box.shape, a - p_lo, b - p_lo, p.box.lo):
-            out.append((p.tensor, sub, buffer, base + first - lo, strides))
-            first += sub.numel
+        at = base + a - lo
+        for sub, first in _split_part(p.box, a - p_lo, b - p_lo):
+            out.append((p.tensor, sub, buffer, at + first, strides))
     return out
 
 
 def replicate(local: list[LocalTensor], dp: int, rank: int) -> tuple[list[Piece], dict[str, int]]:
-    pieces = [(p.tensor, p.box, lt.buffer, p.row * lt.row_numel, row_major_strides(p.box.shape))
+    pieces = [(p.tensor, p.box, lt.buffer, p.row * lt.row_numel, _box_geometry(p.box)[1])
               for lt in local for p in lt.parts]
     return pieces, {lt.buffer: lt.numel for lt in local}
 
@@ -67,10 +95,15 @@ def zero3(local: list[LocalTensor], dp: int, rank: int, buffer: str = "zero3.fla
     pieces: list[Piece] = []
     base = 0
     for lt in local:
-        n = lt.numel
+        shape = lt.shape
+        n = prod(shape)  # lt.numel and lt.row_numel, without two property calls per tensor
         P = -(-n // dp)
-        lo, hi = min(rank * P, n), min((rank + 1) * P, n)
-        pieces += _parts_in_flat(lt, lo, hi, buffer, base)
+        lo, hi = rank * P, (rank + 1) * P
+        if hi > n:  # min(., n) of both ends
+            hi = n
+            if lo > n:
+                lo = n
+        _parts_in_flat(lt, lo, hi, buffer, base, pieces, n // shape[0])
         base += P
     return pieces, {buffer: base}
 

@@ -8,6 +8,7 @@ FSDP chunk of the local buffer be turned back into global boxes.
 """
 from __future__ import annotations
 
+from math import prod
 from typing import NamedTuple
 
 from ..space import Box
@@ -26,10 +27,7 @@ class LocalTensor(NamedTuple):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return prod(self.shape)
 
     @property
     def row_numel(self) -> int:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..layout import BufferSpec, Fragment, Layout, LayoutError, union
-from ..space import ADAM_FIELDS, PARAM, StateKey
+from ..layout import BufferSpec, Fragment, Layout, LayoutError, union, without_gc
+from ..space import ADAM_FIELDS, PARAM, StateKey, tuple_new
 from ..spec import ModelSpec
 from . import data_parallel, pipeline, tensor_parallel
 
@@ -56,6 +56,7 @@ class ParallelConfig:
         return s
 
 
+@without_gc
 def build_layout(spec: ModelSpec, config: ParallelConfig, fields: tuple[str, ...] = (PARAM,),
                  param_dtype: str | None = None, state_dtype: str = "float32",
                  world_size: int | None = None, name: str | None = None) -> Layout:
@@ -69,7 +70,12 @@ def build_layout(spec: ModelSpec, config: ParallelConfig, fields: tuple[str, ...
     kwargs = {"alignment": config.zero_alignment} if config.dp_shard == "zero" else {}
 
     local_cache: dict[tuple[int, int], list] = {}
+    dtype_cache: dict[tuple[int, int], dict[str, str]] = {}
     rank_cache: dict[tuple[int, int, int], tuple] = {}
+    # one StateKey / buffer name per (field, name) for the whole layout, not one per fragment:
+    # a 70B layout has tens of thousands of fragments, most of them of a few hundred keys
+    keys: dict[str, dict[str, StateKey]] = {f: {} for f in fields}
+    names: dict[str, dict[str, str]] = {f: {} for f in fields}
     frags, bufs = [], []
     for rank in range(config.world_size):
         pp_rank, dp_rank, tp_rank = config.coords(rank)
@@ -82,14 +88,25 @@ def build_layout(spec: ModelSpec, config: ParallelConfig, fields: tuple[str, ...
                 local_cache[lk] = tensor_parallel.local_tensors(
                     spec, tensors, config.tp, tp_rank, vocab_divisible_by=config.vocab_divisible_by,
                     fuse_qkv=config.fuse_qkv, fuse_gate_up=config.fuse_gate_up)
+                dtype_cache[lk] = _buffer_dtypes(spec, local_cache[lk])
             pieces, numels = shard(local_cache[lk], config.dp, dp_rank, **kwargs)
             rank_frags, rank_bufs = [], {}
+            dtypes = dtype_cache[lk]
             for field in fields:
                 dtype = (param_dtype if field == PARAM else state_dtype)
+                field_keys, field_names = keys[field], names[field]
                 for tname, box, buf, off, strides in pieces:
-                    rank_frags.append(Fragment(StateKey(tname, field), box, f"{field}/{buf}", off, strides))
+                    key = field_keys.get(tname)
+                    if key is None:
+                        key = field_keys[tname] = StateKey(tname, field)
+                    bname = field_names.get(buf)
+                    if bname is None:
+                        bname = field_names[buf] = f"{field}/{buf}"
+                    rank_frags.append(tuple_new(Fragment, (key, box, bname, off, strides)))
                 for buf, n in numels.items():
-                    d = dtype or _buffer_dtype(spec, local_cache[lk], buf)
+                    d = dtype or dtypes.get(buf)
+                    if d is None:  # a flat buffer: the model's dtype, found once per local list
+                        d = dtypes[buf] = _buffer_dtype(spec, local_cache[lk], buf)
                     rank_bufs[f"{field}/{buf}"] = BufferSpec(n, d)
             rank_cache[ck] = (tuple(rank_frags), rank_bufs)
         f, b = rank_cache[ck]
@@ -97,6 +114,16 @@ def build_layout(spec: ModelSpec, config: ParallelConfig, fields: tuple[str, ...
         bufs.append(b)
     recipe = f"mesh({asdict(config)},fields={fields},param_dtype={param_dtype},state_dtype={state_dtype})"
     return Layout(spec, frags, bufs, name or str(config), recipe)
+
+
+def _buffer_dtypes(spec: ModelSpec, local: list) -> dict[str, str]:
+    """buffer -> dtype of the first local tensor with parts in it (what ``_buffer_dtype`` finds),
+    for all of a rank's buffers in one pass."""
+    out: dict[str, str] = {}
+    for lt in local:
+        if lt.parts and lt.buffer not in out:
+            out[lt.buffer] = spec[lt.parts[0].tensor].dtype
+    return out
 
 
 def _buffer_dtype(spec: ModelSpec, local: list, buffer: str) -> str:
