@@ -207,15 +207,15 @@ class Layout:
     # --- checks ----------------------------------------------------------------------------------
     def validate(self, require_cover: bool = True) -> "Layout":
         """Raise one ``LayoutError`` listing every problem: unknown tensors, boxes outside their
-        tensor, views outside their buffer or with a wrong dtype, overlapping boxes of one key on one
+        tensor, views outside their buffer, overlapping boxes of one key on one
         rank, and (``require_cover``) elements of the model no rank holds."""
         problems: list[str] = []
         spec = self.spec
-        checked: set[int] = set()
+        checked: set[tuple[int, int]] = set()
         for rank, (frags, bufs) in enumerate(zip(self._frags, self._buffers)):
-            if id(frags) in checked:
+            if (id(frags), id(bufs)) in checked:  # replicas share both: check them once
                 continue
-            checked.add(id(frags))
+            checked.add((id(frags), id(bufs)))
             per_key: dict[StateKey, list[Box]] = {}
             for f in frags:
                 if f.key.tensor not in spec:

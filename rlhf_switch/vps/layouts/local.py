@@ -24,6 +24,7 @@ class LocalTensor(NamedTuple):
     buffer: str
     shape: tuple[int, ...]  # local shape; dim 0 is what parts stack on
     parts: tuple[Part, ...]
+    dtype: str  # of the tensors behind it (a shard of pure vocab padding has no parts, still a dtype)
 
     @property
     def numel(self) -> int:
@@ -34,5 +35,5 @@ class LocalTensor(NamedTuple):
         return self.numel // self.shape[0]
 
 
-def whole(tensor: str, shape: tuple[int, ...], buffer: str | None = None) -> LocalTensor:
-    return LocalTensor(buffer or tensor, tuple(shape), (Part(tensor, Box.full(shape), 0),))
+def whole(tensor: str, shape: tuple[int, ...], dtype: str, buffer: str | None = None) -> LocalTensor:
+    return LocalTensor(buffer or tensor, tuple(shape), (Part(tensor, Box.full(shape), 0),), dtype)

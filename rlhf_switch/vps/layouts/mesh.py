@@ -117,25 +117,17 @@ def build_layout(spec: ModelSpec, config: ParallelConfig, fields: tuple[str, ...
 
 
 def _buffer_dtypes(spec: ModelSpec, local: list) -> dict[str, str]:
-    """buffer -> dtype of the first local tensor with parts in it (what ``_buffer_dtype`` finds),
-    for all of a rank's buffers in one pass."""
-    out: dict[str, str] = {}
-    for lt in local:
-        if lt.parts and lt.buffer not in out:
-            out[lt.buffer] = spec[lt.parts[0].tensor].dtype
-    return out
+    """buffer -> dtype of each local tensor (a pure-padding vocab shard included)."""
+    return {lt.buffer: lt.dtype for lt in local}
 
 
 def _buffer_dtype(spec: ModelSpec, local: list, buffer: str) -> str:
-    # a flat (zero/zero3) buffer mixes tensors: all of a model's params share one dtype here
-    for lt in local:
-        if lt.buffer == buffer and lt.parts:
-            return spec[lt.parts[0].tensor].dtype
-    dtypes = {t.dtype for t in spec.tensors}
-    if len(dtypes) > 1 and buffer.startswith("zero"):
+    """A flat (zero/zero3) buffer mixes a rank's tensors: they must share one dtype."""
+    dtypes = {lt.dtype for lt in local} or {t.dtype for t in spec.tensors}
+    if len(dtypes) > 1:
         raise LayoutError(f"a flat {buffer} buffer cannot hold tensors of several dtypes {sorted(dtypes)}; "
                           f"pass param_dtype")
-    return next(iter(dtypes))
+    return dtypes.pop()
 
 
 # --- the layouts people name ---------------------------------------------------------------------

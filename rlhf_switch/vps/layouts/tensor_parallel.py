@@ -89,7 +89,7 @@ def local_tensors(spec: ModelSpec, tensors: list[tuple[TensorSpec, str]], tp: in
         g = fused_into.get(t.name)
         if g is None:
             local, box = shard(t, tp, rank, vocab_divisible_by)
-            out.append(LocalTensor(buffer, local, (Part(t.name, box, 0),) if box else ()))
+            out.append(LocalTensor(buffer, local, (Part(t.name, box, 0),) if box else (), t.dtype))
         elif g.buffer not in done:
             done.add(g.buffer)
             out.append(_fused(spec, g, tp, rank))
@@ -119,4 +119,4 @@ def _fused(spec: ModelSpec, g: FusedGroup, tp: int, rank: int) -> LocalTensor:
         for t in members:
             n = t.shape[0] // tp
             add(t, rank * n, (rank + 1) * n)
-    return LocalTensor(g.buffer, (row,) + members[0].shape[1:], tuple(parts))
+    return LocalTensor(g.buffer, (row,) + members[0].shape[1:], tuple(parts), members[0].dtype)

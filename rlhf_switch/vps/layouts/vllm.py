@@ -74,12 +74,12 @@ def worker_tensors(spec: ModelSpec, tp: int, rank: int) -> list[LocalTensor]:
             per = padded_vocab(t.shape[0]) // tp
             lo, hi = rank * per, min((rank + 1) * per, t.shape[0])
             parts = (Part(t.name, _rows(t, lo, hi), 0),) if hi > lo else ()
-            out.append(LocalTensor(t.name, (per,) + t.shape[1:], parts))
+            out.append(LocalTensor(t.name, (per,) + t.shape[1:], parts, t.dtype))
         elif t.tp == "replicate" or tp == 1:
-            out.append(whole(t.name, t.shape))
+            out.append(whole(t.name, t.shape, t.dtype))
         else:
             local, box = shard(t, tp, rank, None)
-            out.append(LocalTensor(t.name, local, (Part(t.name, box, 0),)))
+            out.append(LocalTensor(t.name, local, (Part(t.name, box, 0),), t.dtype))
     return out
 
 
@@ -106,7 +106,7 @@ def _fused(spec: ModelSpec, members, buffer: str, style: str, tp: int, rank: int
     for t, box in boxes:
         parts.append(Part(t.name, box, row))
         row += box.shape[0]
-    return LocalTensor(buffer, (row,) + boxes[0][1].shape[1:], tuple(parts))
+    return LocalTensor(buffer, (row,) + boxes[0][1].shape[1:], tuple(parts), boxes[0][0].dtype)
 
 
 def vllm_layout(spec: ModelSpec, tp: int, replicas: int = 1, dtype: str | None = None) -> Layout:
