@@ -165,3 +165,26 @@ def test_random_specs_and_layouts(data):
     dst = build_layout(spec, data.draw(configs4(spec)), fields).validate()
     check_move(src, dst, seed=data.draw(st.integers(0, 3)))
     assert plan_transition(dst, dst).bytes_moved == 0
+
+
+def test_moe_expert_parallel_to_vllm_and_back():
+    """Qwen3-MoE shapes: experts as tensors, EP carved out of DP, vLLM's stacked w13/w2."""
+    from rlhf_switch.vps import ParallelConfig
+    from rlhf_switch.vps.layouts.vllm import vllm_layout
+    from rlhf_switch.vps.spec import qwen3_moe_spec
+
+    spec = qwen3_moe_spec(dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=32, moe_intermediate_size=32, num_experts=4, vocab_size=100))
+    trains = [build_layout(spec, ParallelConfig(dp=4, ep=4, dp_shard="zero")),
+              build_layout(spec, ParallelConfig(pp=2, dp=2, ep=2, dp_shard="zero3")),
+              build_layout(spec, ParallelConfig(tp=2, dp=2, ep=2, dp_shard="fsdp", vocab_divisible_by=2,
+                                                fuse_gate_up=True))]
+    # DP4·EP4: rank 2 holds experts 2 only (whole), and every dense tensor's quarter
+    experts = {f.key.tensor.split(".")[5] for f in trains[0].fragments(2) if ".experts." in f.key.tensor}
+    assert experts == {"2"}
+    for train in trains:
+        for gen in (vllm_layout(spec, 2, replicas=2), vllm_layout(spec, 4)):
+            check_move(train, gen)
+            check_move(gen, train)
+    with pytest.raises(LayoutError, match="EP=3 does not divide num_experts=4"):
+        build_layout(spec, ParallelConfig(dp=3, ep=3))

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from ..layout import BufferSpec, Fragment, Layout, LayoutError, union, without_gc
 from ..space import ADAM_FIELDS, PARAM, StateKey, tuple_new
 from ..spec import ModelSpec
-from . import data_parallel, pipeline, tensor_parallel
+from . import data_parallel, expert_parallel, pipeline, tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,15 @@ class ParallelConfig:
     vocab_divisible_by: int | None = None
     zero_alignment: int = 2
     stage_layers: tuple[int, ...] | None = None
+    ep: int = 1  # expert parallel, carved out of DP (Megatron): experts split over dp_rank % ep
 
     def __post_init__(self):
-        bad = [f"{n}={v}" for n, v in (("tp", self.tp), ("pp", self.pp), ("dp", self.dp)) if int(v) < 1]
+        bad = [f"{n}={v}" for n, v in (("tp", self.tp), ("pp", self.pp), ("dp", self.dp), ("ep", self.ep))
+               if int(v) < 1]
         if bad:
             raise LayoutError(f"parallel sizes must be >= 1: {', '.join(bad)}")
+        if self.dp % self.ep:
+            raise LayoutError(f"EP={self.ep} must divide DP={self.dp} (expert parallelism is carved out of DP)")
         if self.dp_shard not in data_parallel.DP_SHARDINGS:
             raise LayoutError(f"dp_shard={self.dp_shard!r} is not one of {data_parallel.DP_SHARDINGS}")
 
@@ -49,7 +53,8 @@ class ParallelConfig:
         return pp_rank, dp_rank, tp_rank
 
     def __str__(self) -> str:
-        parts = [f"{n}{v}" for n, v in (("TP", self.tp), ("PP", self.pp), ("DP", self.dp)) if v > 1]
+        parts = [f"{n}{v}" for n, v in (("TP", self.tp), ("PP", self.pp), ("EP", self.ep), ("DP", self.dp))
+                 if v > 1]
         s = "·".join(parts) or "DP1"
         if self.dp_shard != "replicate" and self.dp > 1:
             s += f"[{self.dp_shard}]"
@@ -66,6 +71,7 @@ def build_layout(spec: ModelSpec, config: ParallelConfig, fields: tuple[str, ...
         raise LayoutError(f"{config} needs tp·pp·dp = {config.tp}·{config.pp}·{config.dp} = "
                           f"{config.world_size} ranks, the world has {world_size}")
     tensor_parallel.check_tp(spec, config.tp, config.vocab_divisible_by, config.fuse_qkv)
+    expert_parallel.check_ep(spec, config.ep)
     shard = getattr(data_parallel, config.dp_shard)
     kwargs = {"alignment": config.zero_alignment} if config.dp_shard == "zero" else {}
 
@@ -80,16 +86,19 @@ def build_layout(spec: ModelSpec, config: ParallelConfig, fields: tuple[str, ...
     for rank in range(config.world_size):
         pp_rank, dp_rank, tp_rank = config.coords(rank)
         # replicas share one tuple: cheap to build, hash and pickle at scale
-        ck = (pp_rank, tp_rank, dp_rank if config.dp_shard != "replicate" else 0)
+        ep_rank = dp_rank % config.ep
+        ck = (pp_rank, tp_rank, ep_rank, dp_rank if config.dp_shard != "replicate" else 0)
         if ck not in rank_cache:
-            lk = (pp_rank, tp_rank)
+            lk = (pp_rank, tp_rank, ep_rank)
             if lk not in local_cache:
-                tensors = pipeline.stage_tensors(spec, config.pp, pp_rank, config.stage_layers)
+                tensors = expert_parallel.keep_experts(
+                    spec, pipeline.stage_tensors(spec, config.pp, pp_rank, config.stage_layers), config.ep, ep_rank)
                 local_cache[lk] = tensor_parallel.local_tensors(
                     spec, tensors, config.tp, tp_rank, vocab_divisible_by=config.vocab_divisible_by,
                     fuse_qkv=config.fuse_qkv, fuse_gate_up=config.fuse_gate_up)
                 dtype_cache[lk] = _buffer_dtypes(spec, local_cache[lk])
-            pieces, numels = shard(local_cache[lk], config.dp, dp_rank, **kwargs)
+            pieces, numels = expert_parallel.shard_dense_and_experts(
+                shard, local_cache[lk], spec, config.dp, dp_rank, config.ep, **kwargs)
             rank_frags, rank_bufs = [], {}
             dtypes = dtype_cache[lk]
             for field in fields:

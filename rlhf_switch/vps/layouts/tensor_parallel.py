@@ -79,7 +79,10 @@ def local_tensors(spec: ModelSpec, tensors: list[tuple[TensorSpec, str]], tp: in
                   fuse_gate_up: bool = False) -> list[LocalTensor]:
     """Local tensors of TP rank ``rank`` for ``tensors`` = [(spec, buffer name)] of its stage."""
     fused_into: dict[str, FusedGroup] = {}
+    present = {t.name for t, _ in tensors}
     for g in spec.fused:
+        if not present.issuperset(g.members):  # e.g. a MoE layer's experts split over EP ranks
+            continue
         if (g.style == "qkv" and fuse_qkv) or (g.style == "concat" and fuse_gate_up):
             for m in g.members:
                 fused_into[m] = g
