@@ -37,16 +37,29 @@ def check_tp(spec: ModelSpec, tp: int, vocab_divisible_by: int | None, fuse_qkv:
             bad.append(f"num_attention_heads={a.num_heads}")
         if a.num_kv_heads % tp:
             bad.append(f"num_key_value_heads={a.num_kv_heads}")
+    if vocab_divisible_by is None:
+        bad += undivided_dims(spec, tp, lambda v: v, "vocab={} (pass vocab_divisible_by to pad it)")
+    else:
+        bad += undivided_dims(spec, tp, lambda v: padded_vocab(v, tp, vocab_divisible_by), "")
+    if bad:
+        shown = ", ".join(bad[:8]) + (f", … ({len(bad)} in all)" if len(bad) > 8 else "")
+        raise LayoutError(f"TP={tp} does not divide {shown}")
+
+
+def undivided_dims(spec: ModelSpec, tp: int, vocab_rows, vocab_note: str, skip=frozenset()) -> list[str]:
+    """The tensor dims a TP split would cut unevenly: column dim 0, row dim 1, and the vocabulary
+    as ``vocab_rows`` pads it (``vocab_note`` formats the padded size)."""
+    bad = []
     for t in spec.tensors:
+        if t.name in skip:
+            continue
         if t.tp == "column" and t.shape[0] % tp:
             bad.append(f"{t.name} dim 0={t.shape[0]}")
         elif t.tp == "row" and t.shape[1] % tp:
             bad.append(f"{t.name} dim 1={t.shape[1]}")
-        elif t.tp == "vocab" and vocab_divisible_by is None and t.shape[0] % tp:
-            bad.append(f"{t.name} vocab={t.shape[0]} (pass vocab_divisible_by to pad it)")
-    if bad:
-        shown = ", ".join(bad[:8]) + (f", … ({len(bad)} in all)" if len(bad) > 8 else "")
-        raise LayoutError(f"TP={tp} does not divide {shown}")
+        elif t.tp == "vocab" and vocab_rows(t.shape[0]) % tp:
+            bad.append(f"{t.name} " + vocab_note.format(vocab_rows(t.shape[0])))
+    return bad
 
 
 def padded_vocab(vocab: int, tp: int, vocab_divisible_by: int | None) -> int:

@@ -27,7 +27,7 @@ from ..space import PARAM, Box, StateKey
 from ..spec import ModelSpec
 from . import data_parallel
 from .local import LocalTensor, Part, whole
-from .tensor_parallel import shard
+from .tensor_parallel import shard, undivided_dims
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
@@ -43,13 +43,9 @@ def check_vllm_tp(spec: ModelSpec, tp: int) -> None:
         bad.append(f"num_key_value_heads={a.num_kv_heads}")
     if tp > a.num_kv_heads and tp % a.num_kv_heads:
         bad.append(f"num_key_value_heads={a.num_kv_heads} (TP above it must be a multiple of it)")
-    for t in spec.tensors:
-        if t.tp == "column" and t.shape[0] % tp:
-            bad.append(f"{t.name} dim 0={t.shape[0]}")
-        elif t.tp == "row" and t.shape[1] % tp:
-            bad.append(f"{t.name} dim 1={t.shape[1]}")
-        elif t.tp == "vocab" and padded_vocab(t.shape[0]) % tp:
-            bad.append(f"{t.name} padded vocab={padded_vocab(t.shape[0])}")
+    # k/v are not split when TP > KV heads (one head per worker, replicated): the head rule covers them
+    kv = {m for g in spec.fused if g.style == "qkv" for m in g.members[1:]} if tp > a.num_kv_heads else set()
+    bad += undivided_dims(spec, tp, padded_vocab, "padded vocab={}", skip=kv)
     if bad:
         raise LayoutError(f"vLLM cannot run {spec.name!r} at TP={tp}: it does not divide " + ", ".join(bad))
 
