@@ -175,16 +175,18 @@ class Layout:
         index: dict[StateKey, dict[Box, list[tuple[int, Fragment]]]] = {}
         unsorted: dict[int, list[tuple[int, Fragment]]] = {}
         for frags, ranks in ranks_of.values():
+            only = ranks[0] if len(ranks) == 1 else None  # an unreplicated tuple (ZeRO-3, FSDP)
             for f in frags:
                 boxes = index.get(f.key)
                 if boxes is None:
                     boxes = index[f.key] = {}
+                entries = [(only, f)] if only is not None else [(r, f) for r in ranks]
                 holders = boxes.get(f.box)
                 if holders is None:
-                    boxes[f.box] = [(r, f) for r in ranks]
+                    boxes[f.box] = entries
                 else:
                     unsorted[id(holders)] = holders
-                    holders.extend([(r, f) for r in ranks])
+                    holders.extend(entries)
         for holders in unsorted.values():
             holders.sort(key=_rank_of)
         return index
@@ -321,11 +323,19 @@ def _pairwise_disjoint(boxes: Sequence[Box]) -> bool:
             start = b.lo[0]
             if start >= reach:  # b is past all of them (a row partition, every time)
                 active = []
-            else:
+            elif b.hi[0] > start:  # (a b empty on dim 0 meets nothing: no checks)
                 active = [o for o in active if o.hi[0] > start]
-                for other in active:
-                    if _overlap(other, b):
-                        return False
+                # every box left holds `start` on dim 0, and so does b: only the other dims decide
+                if len(b.lo) == 2:  # matrices, the common case: dim 1's test written out
+                    lo1, hi1 = b.lo[1], b.hi[1]
+                    for other in active:
+                        olo1, ohi1 = other.lo[1], other.hi[1]
+                        if (ohi1 if ohi1 < hi1 else hi1) > (olo1 if olo1 > lo1 else lo1):
+                            return False
+                else:
+                    for other in active:
+                        if _overlap(other, b, 1):
+                            return False
         if active:
             active.append(b)
             if b.hi[0] > reach:
@@ -336,10 +346,11 @@ def _pairwise_disjoint(boxes: Sequence[Box]) -> bool:
     return True
 
 
-def _overlap(a: Box, b: Box) -> bool:
-    """``a.intersect(b) is not None`` without building the intersection."""
+def _overlap(a: Box, b: Box, first_dim: int = 0) -> bool:
+    """``a.intersect(b) is not None`` without building the intersection (dims from
+    ``first_dim`` on, when the caller knows the boxes meet on those before it)."""
     alo, ahi, blo, bhi = a.lo, a.hi, b.lo, b.hi
-    for i in range(len(alo)):
+    for i in range(first_dim, len(alo)):
         if (ahi[i] if ahi[i] < bhi[i] else bhi[i]) <= (alo[i] if alo[i] > blo[i] else blo[i]):
             return False
     return True

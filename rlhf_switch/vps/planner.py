@@ -150,7 +150,10 @@ def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = 
     if not 0 <= rank < src.world_size:
         raise LayoutError(f"rank {rank} is outside a world of {src.world_size}")
     keys = sorted(src.keys(rank) | dst.keys(rank), key=_order(src))
-    transfers = [t for k in keys for t in _plan_key(k, src, dst, rank, ranks_per_node)]
+    wanted: dict[StateKey, set[Box]] = {}  # key -> the destination boxes `rank` holds
+    for f in dst.fragments(rank):
+        wanted.setdefault(f.key, set()).add(f.box)
+    transfers = [t for k in keys for t in _plan_key(k, src, dst, rank, ranks_per_node, wanted.get(k, set()))]
     local = tuple(t for t in transfers if t.src == t.dst == rank)
     # canonical order within a peer: the keys' order (their position in `keys`), then the box
     position = {k: i for i, k in enumerate(keys)}
@@ -199,7 +202,9 @@ def _order(layout: Layout):
 
 
 def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
-              ranks_per_node: int | None) -> Iterable[Transfer]:
+              ranks_per_node: int | None, wanted: set[Box] | None = None) -> Iterable[Transfer]:
+    """Transfers of ``key``: everyone's (``rank`` None), or those ``rank`` sends or receives.
+    ``wanted``, when given, is the set of boxes of ``key`` that ``rank`` holds in ``dst``."""
     regions = src.regions(key)
     # a rank planning only its own part looks at every region for the boxes it receives, but
     # only at the regions it holds for the boxes others receive (its sends)
@@ -207,7 +212,8 @@ def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
     rot_seed = None  # crc32 of the key's part of the rotation string, computed on first use
     reach = None  # see below, computed on first use
     for dbox, requesters in dst.groups(key).items():
-        wants = rank is None or _holds(requesters, rank)
+        # `rank` is among the requesters (a set lookup rather than a scan of all the replicas)
+        wants = rank is None or (dbox in wanted if wanted is not None else _holds(requesters, rank))
         if not wants and not mine:
             continue
         if rank is not None and wants:
@@ -236,7 +242,6 @@ def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
             covered += piece.numel
             holders = reg.holders
             held_by = dict(holders)
-            views: dict[int, tuple] = {}  # per piece; replicas share Fragment objects
             if rank is not None and rank not in held_by:
                 # `rank` only receives this piece: of all the remote requesters' holder choices
                 # only its own matter, but its position i among the remote ones picks its holder
@@ -245,10 +250,14 @@ def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
                 rot = _rotation(rot_seed, piece)
                 for j in where[rank]:
                     d, f = requesters[j]
-                    h, hf = _choose(holders, _remote_position(j, held_by, where) + rot, d,
-                                    ranks_per_node)
-                    yield _transfer(h, hf, d, f, piece, dst, views)
+                    i = _remote_position(j, held_by, where) + rot
+                    if ranks_per_node:
+                        h, hf = _choose(holders, i, d, ranks_per_node)
+                    else:
+                        h, hf = holders[i % len(holders)]
+                    yield _transfer(h, hf, d, f, piece, dst)
                 continue
+            views: dict[int, tuple] = {}  # for this piece; replicas share Fragment objects
             # local copies: requesters that hold the piece themselves (for `rank`: its own entries)
             if rank is None:
                 for d, f in requesters:
@@ -318,13 +327,14 @@ def _transfer(s: int, sf: Fragment, d: int, df: Fragment, piece: Box, dst: Layou
     """The transfer of ``piece`` from ``s``'s fragment ``sf`` to ``d``'s ``df``. ``views`` memoises
     fragment views of this one piece: a piece sent to 16 replicas is one view on each side."""
     if views is None:
-        views = {}
-    sv = views.get(id(sf))
-    if sv is None:
-        sv = views[id(sf)] = sf.view(piece)
-    dv = views.get(id(df))
-    if dv is None:
-        dv = views[id(df)] = df.view(piece)
+        sv, dv = sf.view(piece), df.view(piece)
+    else:
+        sv = views.get(id(sf))
+        if sv is None:
+            sv = views[id(sf)] = sf.view(piece)
+        dv = views.get(id(df))
+        if dv is None:
+            dv = views[id(df)] = df.view(piece)
     return tuple_new(Transfer, (s, d, df.key, piece, sf.buffer, sv[0], sv[1], df.buffer, dv[0], dv[1],
                                 dst.buffers(d)[df.buffer].dtype))
 

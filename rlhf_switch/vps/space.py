@@ -42,7 +42,8 @@ class Box(NamedTuple):
 
     @staticmethod
     def full(shape: Sequence[int]) -> "Box":
-        return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+        hi = tuple(map(int, shape))
+        return tuple_new(Box, ((0,) * len(hi), hi))
 
     # shape/numel/shift run hundreds of thousands of times when building and planning 70B
     # layouts: map() over operator functions avoids a generator frame per call

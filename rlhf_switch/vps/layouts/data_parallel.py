@@ -74,8 +74,11 @@ def _parts_in_flat(lt: LocalTensor, lo: int, hi: int, buffer: str, base: int,
 
 
 def replicate(local: list[LocalTensor], dp: int, rank: int) -> tuple[list[Piece], dict[str, int]]:
-    pieces = [(p.tensor, p.box, lt.buffer, p.row * lt.row_numel, _box_geometry(p.box)[1])
-              for lt in local for p in lt.parts]
+    pieces = []
+    for lt in local:
+        row = lt.row_numel
+        for p in lt.parts:
+            pieces.append((p.tensor, p.box, lt.buffer, p.row * row, _box_geometry(p.box)[1]))
     return pieces, {lt.buffer: lt.numel for lt in local}
 
 

@@ -1,0 +1,979 @@
+"""Phase-switch benchmark on CPU: VPS moves against what the field does, on the same buffers.
+
+    python -m bench.switch --quick          # 10M,100M params, fp32 (~20 min on a busy 2-core box)
+    python -m bench.switch                  # 10M,100M,300M params, fp32 and bf16 (hours there)
+    python -m bench.switch --sizes 10M --dtypes bf16 --cases a,d --methods vps,dcp_shm --repeats 7
+
+Four gloo ranks (one thread each) on this machine run four transitions of a Llama-shaped model
+built from a config (``llama_spec``; no HF model is instantiated: every global tensor is a cheap
+deterministic function of (key, element index), evaluated only on the boxes a rank needs):
+
+  a. ZeRO-3 DP4                      -> vLLM TP2 × 2 replicas            (weights)
+  b. TP2×DP2 (FSDP, vocab pad 64)    -> vLLM TP4                         (weights)
+  c. FSDP DP4                        -> vLLM TP4                         (weights)
+  d. ZeRO-1 DP4 (param+master+Adam)  -> TP2×DP2 ZeRO-3 (all four fields) (train -> train)
+
+and times, side by side on the same source/destination buffers:
+
+  vps          ``routing.move`` under a staging budget (``--budget-mib``, default 64 MiB)
+  full_gather  what verl / TRL / OpenRLHF do: every tensor (every field) is all-gathered so each
+               rank holds it whole, then each rank cuts its destination fragments out of it.
+               Each element is contributed once, by its lowest-rank holder; contributions are
+               padded to equal size per tensor and gathered with ``all_gather_into_tensor``
+               (straight from the shard buffer when the shard is contiguous there, as FSDP2 /
+               DeepSpeed ZeRO-3 do), then reassembled unless the gathered buffer already *is*
+               the tensor in row-major order. A tensor every rank already holds whole (ZeRO-1's
+               params) is not gathered. For ZeRO-1/2's flat optimizer partitions most tensors
+               have a single owner, so the padded gather receives (world-1)·numel per rank —
+               the same order as DeepSpeed's own ``get_full_hp_param`` (a zero-filled full
+               fp32 buffer per parameter, ``all_reduce``d over DP). Peak extra memory = the
+               largest staging alive at once (gather output + pack buffer + full tensor).
+  dcp_disk,    ``torch.distributed.checkpoint`` save from the source layout + load into the
+  dcp_shm      destination layout, to a temp directory on local disk and to /dev/shm (see
+               ``_BoxState`` for how arbitrary boxes are expressed; loads land in place).
+  raw_p2p      the transport's limit: the per-peer byte counts of the VPS plan, one preallocated
+               contiguous tensor per peer and direction, isend/irecv in the same round order,
+               no planning, no packing. Also reported: the same exchange followed by the plan's
+               same-rank bytes as a few big memcpys ("+ local copies"), a floor for any switch
+               into separate destination buffers.
+
+Every method's destination buffers are reset to NaN, filled once (untimed), and compared bit for
+bit with ``materialize(dst, rank, tensor_of)`` on covered elements before the timed repeats
+(raw_p2p checks its received bytes instead). A repeat is timed between barriers; its time is the
+slowest rank's; the table shows the median over ``--repeats``.
+
+Outputs: a table on stdout, ``<out>/switch.json`` and ``<out>/switch.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from rlhf_switch.routing import move, pair_round
+from rlhf_switch.vps import PARAM, ParallelConfig, build_layout, llama_spec, plan_rank, plan_transition, zero
+from rlhf_switch.vps.layouts.vllm import vllm_layout
+from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize, torch_dtype
+from rlhf_switch.vps.space import row_major_strides
+from rlhf_switch.vps.spec import itemsize
+
+WORLD = 4
+ADAM = ("param", "master", "exp_avg", "exp_avg_sq")
+
+# Llama-shaped models (untied embeddings, GQA with 4 KV heads, head_dim 32/64): vLLM TP4 and
+# Megatron TP2 divide every one of them.
+SIZES = {
+    "1M": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=384, vocab_size=1000),  # smoke tests only
+    "10M": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=1024, vocab_size=8000),
+    "100M": dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048, vocab_size=32000),
+    "300M": dict(hidden_size=1024, num_hidden_layers=21, num_attention_heads=16, num_key_value_heads=4,
+                 intermediate_size=2816, vocab_size=32000),
+}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+CASES = {
+    "a": "ZeRO-3 DP4 -> vLLM TP2x2",
+    "b": "TP2xDP2 FSDP -> vLLM TP4",
+    "c": "FSDP DP4 -> vLLM TP4",
+    "d": "ZeRO-1 DP4 +Adam -> TP2xDP2 ZeRO-3 +Adam",
+}
+METHODS = ("vps", "full_gather", "dcp_disk", "dcp_shm", "raw_p2p")
+LABELS = {"vps": "VPS move", "full_gather": "full gather", "dcp_disk": "DCP disk",
+          "dcp_shm": "DCP /dev/shm", "raw_p2p": "raw p2p (limit)"}
+
+
+def build_case(case: str, size: str, dtype: str):
+    spec = llama_spec(dict(SIZES[size], tie_word_embeddings=False), dtype=DTYPES[dtype], name=f"llama-{size}")
+    if case == "a":
+        src = build_layout(spec, ParallelConfig(dp=4, dp_shard="zero3"))
+        dst = vllm_layout(spec, 2, replicas=2)
+    elif case == "b":
+        src = build_layout(spec, ParallelConfig(tp=2, dp=2, dp_shard="fsdp", vocab_divisible_by=64))
+        dst = vllm_layout(spec, 4)
+    elif case == "c":
+        src = build_layout(spec, ParallelConfig(dp=4, dp_shard="fsdp"))
+        dst = vllm_layout(spec, 4)
+    elif case == "d":
+        src = zero(spec, 4, stage=1)  # fields param + master + exp_avg + exp_avg_sq
+        dst = build_layout(spec, ParallelConfig(tp=2, dp=2, dp_shard="zero3", vocab_divisible_by=64),
+                           fields=ADAM)
+    else:
+        raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")
+    return spec, src, dst
+
+
+# --- deterministic global tensors, evaluated per box ---------------------------------------------
+
+class _LazyTensor:
+    """A global tensor that exists only as a function of its element index: ``t[slices]`` builds
+    just that box. fp32 values are ``0x30000000 + ((i·K + seed) mod 2^28)`` as bits (finite, and
+    distinct for every element of a tensor below 2^28 elements, so any misplacement shows);
+    16-bit values use 10 varying mantissa bits. Every rank computes the same values."""
+
+    __slots__ = ("shape", "dtype", "seed")
+
+    def __init__(self, shape, dtype: torch.dtype, seed: int):
+        self.shape, self.dtype, self.seed = tuple(shape), dtype, seed
+
+    def __getitem__(self, sl):
+        if not isinstance(sl, tuple):
+            sl = (sl,)
+        idx = None
+        for s, st, n in zip(sl, row_major_strides(self.shape), self.shape):
+            lo, hi, _ = s.indices(n)
+            a = torch.arange(lo, hi, dtype=torch.int64)
+            if st != 1:
+                a.mul_(st)
+            idx = a if idx is None else idx.unsqueeze(-1) + a
+        idx.mul_(0x9E3779B1).add_(self.seed)
+        if self.dtype == torch.float32:
+            return idx.bitwise_and_(0x0FFFFFFF).add_(0x30000000).to(torch.int32).view(torch.float32)
+        if self.dtype in (torch.bfloat16, torch.float16):
+            return idx.bitwise_and_(0x3FF).add_(0x3C00).to(torch.int16).view(self.dtype)
+        raise TypeError(f"no synthetic fill for {self.dtype}")
+
+
+def tensor_of_for(spec):
+    def tensor_of(key):
+        dt = spec[key.tensor].dtype if key.field == PARAM else "float32"  # state fields are fp32
+        seed = zlib.crc32(f"{key.tensor}|{key.field}".encode())
+        return _LazyTensor(spec[key.tensor].shape, torch_dtype(dt), seed)
+    return tensor_of
+
+
+def _view(buf: torch.Tensor, offset: int, shape, strides) -> torch.Tensor:
+    return torch.as_strided(buf, tuple(shape), tuple(strides), buf.storage_offset() + offset)
+
+
+def _slices(box) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in zip(box.lo, box.hi))
+
+
+# --- rank side: state kept between jobs ------------------------------------------------------------
+
+_S: dict = {}
+
+
+def _rank_setup(case: str, size: str, dtype: str, budget: int, keep_reference: bool) -> dict:
+    """Build the layouts, fill the source buffers, allocate the destination ones; with
+    ``keep_reference`` also build ``materialize(dst, rank, tensor_of)`` and its coverage masks
+    once and keep them (the driver asks for that only when the memory allows it)."""
+    _S.clear()
+    gc.collect()
+    rank = dist.get_rank()
+    spec, src, dst = build_case(case, size, dtype)
+    t0 = time.perf_counter()
+    tensor_of = tensor_of_for(spec)
+    src_bufs = materialize(src, rank, tensor_of)
+    dst_bufs = allocate(dst, rank, fill=None)
+    fill_s = time.perf_counter() - t0
+    _S.update(spec=spec, src=src, dst=dst, src_bufs=src_bufs, dst_bufs=dst_bufs, tensor_of=tensor_of,
+              budget=budget, case=case)
+    if keep_reference:
+        _S["reference"] = (materialize(dst, rank, tensor_of), coverage_masks(dst, rank))
+    dist.barrier()
+    return {"fill_s": fill_s, "reference_s": time.perf_counter() - t0 - fill_s,
+            "src_bytes": sum(t.numel() * t.element_size() for t in src_bufs.values()),
+            "dst_bytes": sum(t.numel() * t.element_size() for t in dst_bufs.values())}
+
+
+def _rank_teardown() -> None:
+    _S.clear()
+    gc.collect()
+    dist.barrier()
+
+
+def _reset_dst() -> None:
+    for t in _S["dst_bufs"].values():
+        t.fill_(float("nan"))
+
+
+def _verify_dst() -> tuple[bool, list[str]]:
+    """Bit-exact comparison of the destination buffers with ``materialize(dst, rank, tensor_of)``
+    on covered elements. Without a kept reference, ranks take turns building it, so only one
+    reference copy is alive at a time (300M + Adam would not fit four)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if "reference" in _S:
+        bad = _compare(*_S["reference"])
+        dist.barrier()
+        return not bad, bad
+    bad: list[str] = []
+    for r in range(world):
+        if r == rank:
+            bad = _compare(materialize(_S["dst"], rank, _S["tensor_of"]), coverage_masks(_S["dst"], rank))
+            gc.collect()
+        dist.barrier()
+    return not bad, bad
+
+
+def _compare(expected: dict, masks: dict) -> list[str]:
+    bad, step = [], 1 << 24
+    for name, exp in expected.items():
+        got, e, m = bits(_S["dst_bufs"][name]), bits(exp), masks[name]
+        for i in range(0, got.numel(), step):
+            if not bool(((got[i:i + step] == e[i:i + step]) | ~m[i:i + step]).all()):
+                bad.append(name)
+                break
+    return bad
+
+
+# --- method 1: VPS ---------------------------------------------------------------------------------
+
+def _vps_prepare() -> dict:
+    return {}
+
+
+def _vps_run(ctx: dict):
+    return move(_S["src"], _S["dst"], _S["src_bufs"], _S["dst_bufs"], budget_bytes=_S["budget"])
+
+
+# --- method 2: full gather -------------------------------------------------------------------------
+
+def _full_gather_prepare() -> dict:
+    """Per (tensor, field) the dst wants, in model order (identical on every rank): what this rank
+    contributes, how the gathered buffer maps back to the tensor, and which boxes it cuts out.
+    This is metadata a framework has anyway, so it is built outside the timed region."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec, src, dst = _S["spec"], _S["src"], _S["dst"]
+    src_bufs, dst_bufs = _S["src_bufs"], _S["dst_bufs"]
+    order = {t.name: i for i, t in enumerate(spec.tensors)}
+    keys = sorted(dst.all_keys(), key=lambda k: (order[k.tensor], k.field))
+    dst_frags: dict = {}
+    for f in dst.fragments(rank):
+        dst_frags.setdefault(f.key, []).append(f)
+    entries = []
+    for key in keys:
+        t = spec[key.tensor]
+        regions = src.regions(key)
+        mine_any = [(reg, f) for reg in regions for h, f in reg.holders if h == rank]
+        dt = torch_dtype(src.buffers(rank)[mine_any[0][1].buffer].dtype) if mine_any else None
+        e = {"key": key, "shape": t.shape, "numel": t.numel, "cuts": []}
+        for f in dst_frags.get(key, ()):
+            e["cuts"].append((_view(dst_bufs[f.buffer], f.offset, f.box.shape, f.strides), _slices(f.box)))
+        everyone_whole = all(len(reg.holders) == world and {h for h, _ in reg.holders} == set(range(world))
+                             for reg in regions)
+        if everyone_whole:  # e.g. ZeRO-1/2 params: already whole on every rank, nothing to gather
+            views = [(reg.box, _view(src_bufs[f.buffer], f.view(reg.box)[0], reg.box.shape, f.strides))
+                     for reg, f in mine_any]
+            e.update(mode="local", views=views, dtype=views[0][1].dtype)
+            entries.append(e)
+            continue
+        # owner of each disjoint region = its lowest-rank holder (holders come sorted by rank)
+        owned = {r: [] for r in range(world)}
+        for reg in regions:
+            owned[reg.holders[0][0]].append(reg)
+        counts = {r: sum(reg.box.numel for reg in owned[r]) for r in range(world)}
+        maxc = max(counts.values())
+        my_views = []
+        for reg in owned[rank]:
+            f = next(f for h, f in reg.holders if h == rank)
+            my_views.append((src_bufs[f.buffer], f.view(reg.box)[0], reg.box.shape, f.strides))
+        # send straight from the source buffer when this rank's contribution is one contiguous
+        # run there and the buffer has room for the padded length (FSDP2 / ZeRO-3 shard buffers)
+        direct = None
+        if my_views and all(v[0] is my_views[0][0] for v in my_views):
+            buf = my_views[0][0]
+            start, pos, ok = my_views[0][1], my_views[0][1], True
+            for b, off, shape, strides in my_views:
+                n = math.prod(shape)
+                if off != pos or not _row_major(shape, strides):
+                    ok = False
+                    break
+                pos += n
+            if ok and start + maxc <= buf.numel():
+                direct = buf[start:start + maxc]
+        my_views = [_view(b, off, shape, strides) for b, off, shape, strides in my_views]
+        # the gathered buffer is the tensor itself when rank r owns exactly flat [r·maxc, (r+1)·maxc)
+        flat_ok = True
+        pieces = []
+        for r in range(world):
+            pos = 0
+            expect = r * maxc
+            for reg in owned[r]:
+                fr = _flat_range(reg.box, t.shape)
+                if fr is None or fr[0] != expect:
+                    flat_ok = False
+                if fr is not None:
+                    expect = fr[1]
+                pieces.append((r * maxc + pos, reg.box))
+                pos += reg.box.numel
+            if expect != min((r + 1) * maxc, t.numel) and counts[r]:
+                flat_ok = False
+            if not counts[r] and r * maxc < t.numel:
+                flat_ok = False
+        if dt is None:  # this rank holds nothing of the key: use the dtype another rank declares
+            holder = regions[0].holders[0]
+            dt = torch_dtype(src.buffers(holder[0])[holder[1].buffer].dtype)
+        e.update(mode="gather", maxc=maxc, my_views=my_views, direct=direct, flat=flat_ok,
+                 pieces=pieces, dtype=dt, received=(world - 1) * maxc * torch.empty((), dtype=dt).element_size())
+        entries.append(e)
+    return {"entries": entries}
+
+
+def _row_major(shape, strides) -> bool:
+    return all(st == rs for n, st, rs in zip(shape, strides, row_major_strides(shape)) if n > 1)
+
+
+def _flat_range(box, shape):
+    """(start, stop) of ``box`` in the row-major flattening of ``shape``, if it is one run."""
+    dims = [d for d in range(len(shape)) if box.hi[d] - box.lo[d] != shape[d]]
+    if dims and any(box.hi[d] - box.lo[d] != 1 for d in dims[1:]):
+        return None
+    strides = row_major_strides(shape)
+    start = sum(lo * s for lo, s in zip(box.lo, strides))
+    return start, start + box.numel
+
+
+# torch 2.13 deprecates ``all_gather_into_tensor`` (a FutureWarning per call) as an alias of
+# ``all_gather_single``: the same collective, called by its new name where it exists.
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _full_gather_run(ctx: dict) -> dict:
+    world = dist.get_world_size()
+    peak = 0
+    received = 0
+    for e in ctx["entries"]:
+        if e["mode"] == "local":
+            if len(e["views"]) == 1:
+                full = e["views"][0][1]
+                staged = 0
+            else:
+                full = torch.empty(e["shape"], dtype=e["dtype"])
+                staged = full.numel() * full.element_size()
+                for box, v in e["views"]:
+                    full[_slices(box)].copy_(v)
+        else:
+            maxc, dt = e["maxc"], e["dtype"]
+            isz = torch.empty((), dtype=dt).element_size()
+            staged = 0
+            if e["direct"] is not None:
+                inp = e["direct"]
+            else:
+                inp = torch.empty(maxc, dtype=dt)
+                staged += maxc * isz
+                pos = 0
+                for v in e["my_views"]:
+                    n = v.numel()
+                    inp[pos:pos + n].view(v.shape).copy_(v)
+                    pos += n
+            out = torch.empty(world * maxc, dtype=dt)
+            staged += world * maxc * isz
+            _all_gather_into_tensor(out, inp)
+            received += e["received"]
+            if e["flat"]:
+                full = out[:e["numel"]].view(e["shape"])
+            else:
+                full = torch.empty(e["shape"], dtype=dt)
+                staged += full.numel() * isz
+                for at, box in e["pieces"]:
+                    full[_slices(box)].copy_(out[at:at + box.numel].view(box.shape))
+            del inp, out
+        for v, sl in e["cuts"]:
+            v.copy_(full[sl])
+        del full
+        peak = max(peak, staged)
+    return {"peak_staging_bytes": peak, "bytes_received": received}
+
+
+# --- method 3: DCP ----------------------------------------------------------------------------------
+
+class _BoxState:
+    """One state key's boxes on this rank, for ``torch.distributed.checkpoint``.
+
+    Our layouts are arbitrary boxes of a global tensor (ZeRO flat ranges are up to 2·ndim-1 boxes
+    per tensor; vLLM replicates KV heads and whole engines), which DTensor placements cannot
+    express. ShardedTensor (deprecated in torch 2.13: "Please use DTensor instead") can describe
+    disjoint boxes but validates at construction, across ranks, that no two shards overlap
+    (``validate_non_overlapping_shards_metadata``) — so it cannot describe a destination in which
+    two ranks want the same box (vLLM replicas, case a; KV-head replication) — and wants one
+    contiguous tensor per shard.
+    DCP's own extension protocol (what DTensor itself implements: ``__create_write_items__`` /
+    ``__create_chunk_list__`` / ``__get_tensor_shard__``) expresses any set of boxes: save emits
+    one WriteItem per disjoint region this rank holds (a region held by several ranks — ZeRO-1
+    params — is emitted by each of them and DCP's own ``dedup_save_plans`` keeps one copy,
+    balanced over ranks, as it does for replicated plain tensors), and load asks for exactly the
+    rank's destination boxes. ``__get_tensor_shard__`` returns *views of the live buffers*, so the
+    save reads the source buffers (DCP's writer clones each view before ``torch.save``) and the
+    load's ``target.copy_(...)`` lands straight in the destination buffers: there is no separate
+    copy into the destination afterwards. Two planner overrides are needed because
+    ``find_state_dict_object`` only accepts ``torch.Tensor`` values and ``_init_state_dict`` turns
+    unknown objects into ``None``; neither changes what is read or written.
+    """
+
+    def __init__(self, shape, views: dict):
+        self.shape = torch.Size(shape)
+        self.views = views  # tuple(box.lo) -> box-shaped view of a live buffer
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        items = []
+        for lo, v in self.views.items():
+            off = torch.Size(lo)
+            items.append(WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(
+                                       chunk=ChunkStorageMetadata(offsets=off, sizes=v.size()),
+                                       properties=TensorProperties.create_from_tensor(v), size=self.shape)))
+        return items
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        return [ChunkStorageMetadata(offsets=torch.Size(lo), sizes=v.size()) for lo, v in self.views.items()]
+
+    def __get_tensor_shard__(self, index):
+        return self.views[tuple(index.offset)]
+
+
+def _planners():
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+    class SavePlanner(DefaultSavePlanner):
+        def lookup_object(self, index):
+            obj = self.state_dict[index.fqn]
+            return obj.__get_tensor_shard__(index) if isinstance(obj, _BoxState) else super().lookup_object(index)
+
+    class LoadPlanner(DefaultLoadPlanner):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            # the state dict is flat already; skip _init_state_dict (meta-tensor materialisation)
+            self.original_state_dict = state_dict
+            self.state_dict = state_dict
+            self.mappings = {}
+            self.metadata = metadata
+            self.is_coordinator = is_coordinator
+
+        def lookup_tensor(self, index):
+            obj = self.state_dict[index.fqn]
+            return obj.__get_tensor_shard__(index) if isinstance(obj, _BoxState) else super().lookup_tensor(index)
+
+    return SavePlanner, LoadPlanner
+
+
+def _fqn(key) -> str:
+    return f"{key.tensor}.{key.field}"
+
+
+def _dcp_prepare(root: str) -> dict:
+    rank = dist.get_rank()
+    spec, src, dst = _S["spec"], _S["src"], _S["dst"]
+    save_sd, load_sd = {}, {}
+    for key in src.all_keys():
+        views = {}
+        for reg in src.regions(key):
+            for h, f in reg.holders:
+                if h == rank:
+                    views[tuple(reg.box.lo)] = _view(_S["src_bufs"][f.buffer], f.view(reg.box)[0],
+                                                     reg.box.shape, f.strides)
+        if views:
+            save_sd[_fqn(key)] = _BoxState(spec[key.tensor].shape, views)
+    per_key: dict = {}
+    for f in dst.fragments(rank):
+        per_key.setdefault(f.key, {})[tuple(f.box.lo)] = _view(_S["dst_bufs"][f.buffer], f.offset,
+                                                               f.box.shape, f.strides)
+    for key, views in per_key.items():
+        load_sd[_fqn(key)] = _BoxState(spec[key.tensor].shape, views)
+    sp, lp = _planners()
+    return {"root": root, "save_sd": save_sd, "load_sd": load_sd, "SavePlanner": sp, "LoadPlanner": lp,
+            "n": 0}
+
+
+def _dcp_run(ctx: dict) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    path = os.path.join(ctx["root"], f"ckpt{ctx['n']}")
+    ctx["n"] += 1
+    ctx["last"] = path
+    t0 = time.perf_counter()
+    dcp.save(ctx["save_sd"], storage_writer=FileSystemWriter(path), planner=ctx["SavePlanner"]())
+    t1 = time.perf_counter()
+    dcp.load(ctx["load_sd"], storage_reader=FileSystemReader(path), planner=ctx["LoadPlanner"]())
+    t2 = time.perf_counter()
+    return {"save_s": t1 - t0, "load_s": t2 - t1, "copy_s": 0.0}
+
+
+def _dcp_cleanup(ctx: dict) -> dict:
+    dist.barrier()
+    size = 0
+    if dist.get_rank() == 0 and ctx.get("last") and os.path.isdir(ctx["last"]):
+        for dp, _, fs in os.walk(ctx["last"]):
+            size += sum(os.path.getsize(os.path.join(dp, f)) for f in fs)
+        shutil.rmtree(ctx["last"], ignore_errors=True)
+    dist.barrier()
+    return {"checkpoint_bytes": size}
+
+
+# --- method 4: raw point-to-point at the plan's byte counts ----------------------------------------
+
+def _raw_prepare() -> dict:
+    """Per peer the byte counts of this rank's VPS plan. One send tensor (the largest message;
+    each peer gets a prefix of it — a rank sends to one peer at a time) and one contiguous receive
+    slice per peer, carved from the destination buffers' bytes where they fit (they are reset
+    before every other method), so the limit costs little extra memory even at 300M + Adam."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = plan_rank(_S["src"], _S["dst"], rank)
+    send, recv = {}, {}
+    for t in plan.sends:
+        send[t.dst] = send.get(t.dst, 0) + t.nbytes
+    for t in plan.recvs:
+        recv[t.src] = recv.get(t.src, 0) + t.nbytes
+    peers = sorted(set(send) | set(recv), key=lambda p: (pair_round(rank, p, world), p))
+    sbuf = torch.full((max(send.values(), default=0),), _pattern(rank), dtype=torch.uint8)
+    sbufs = {p: sbuf[:n] for p, n in send.items()}
+    spaces = [[t.view(-1).view(torch.uint8), 0] for t in _S["dst_bufs"].values()]
+    rbufs, alloc = {}, sbuf.numel()
+    for p in sorted(recv):
+        n = recv[p]
+        for sp in spaces:
+            if sp[0].numel() - sp[1] >= n:
+                rbufs[p] = sp[0][sp[1]:sp[1] + n]
+                sp[1] += n
+                break
+        else:
+            rbufs[p] = torch.empty(n, dtype=torch.uint8)
+            alloc += n
+    for b in rbufs.values():
+        b.zero_()
+    # the local part of the switch at its limit: plan.bytes_local bytes copied as a few big
+    # contiguous blocks, source buffers -> the destination bytes the receives did not take
+    # (received and locally copied elements are disjoint parts of the destination)
+    local, need = [], plan.bytes_local
+    srcs = [t.view(-1).view(torch.uint8) for t in _S["src_bufs"].values()]
+    si, so = 0, 0
+    for sp in spaces:
+        while need and sp[1] < sp[0].numel() and si < len(srcs):
+            n = min(need, sp[0].numel() - sp[1], srcs[si].numel() - so)
+            local.append((sp[0][sp[1]:sp[1] + n], srcs[si][so:so + n]))
+            sp[1] += n
+            so += n
+            need -= n
+            if so == srcs[si].numel():
+                si, so = si + 1, 0
+    return {"peers": peers, "sbufs": sbufs, "rbufs": rbufs, "alloc": alloc, "local": local,
+            "local_bytes": plan.bytes_local - need}
+
+
+def _pattern(a: int) -> int:
+    return (a * 37 + 5) % 251
+
+
+def _raw_run(ctx: dict) -> dict:
+    """The exchange (what the table times), then the local copies (reported beside it)."""
+    t0 = time.perf_counter()
+    for p in ctx["peers"]:
+        works = []
+        if p in ctx["rbufs"]:
+            works.append(dist.irecv(ctx["rbufs"][p], p))
+        if p in ctx["sbufs"]:
+            works.append(dist.isend(ctx["sbufs"][p], p))
+        for w in works:
+            w.wait()
+    t1 = time.perf_counter()
+    if ctx.get("copy_local"):
+        for d, s in ctx["local"]:
+            d.copy_(s)
+    return {"exchange_s": t1 - t0, "with_local_s": time.perf_counter() - t0}
+
+
+def _raw_verify(ctx: dict) -> tuple[bool, list[str]]:
+    rank = dist.get_rank()
+    bad = [f"from {p}" for p, b in ctx["rbufs"].items() if not bool((b == _pattern(p)).all())]
+    return not bad, bad
+
+
+# --- one method, on every rank ---------------------------------------------------------------------
+
+def _rank_method(method: str, repeats: int, root: str | None = None) -> dict:
+    prep = {"vps": _vps_prepare, "full_gather": _full_gather_prepare, "raw_p2p": _raw_prepare}
+    run = {"vps": _vps_run, "full_gather": _full_gather_run, "raw_p2p": _raw_run,
+           "dcp_disk": _dcp_run, "dcp_shm": _dcp_run}[method]
+    t0 = time.perf_counter()
+    ctx = _dcp_prepare(root) if method.startswith("dcp") else prep[method]()
+    prepare_s = time.perf_counter() - t0
+    out: dict = {"prepare_s": prepare_s}
+
+    # warm-up / verification run (untimed for the table; its time is reported as "first_s")
+    if method != "raw_p2p":
+        _reset_dst()
+    dist.barrier()
+    t0 = time.perf_counter()
+    first = run(ctx)  # raw_p2p: the exchange alone, so its received bytes can be checked
+    out["first_s"] = time.perf_counter() - t0
+    dist.barrier()
+    if method.startswith("dcp"):
+        out.update(_dcp_cleanup(ctx))
+    ok, bad = _raw_verify(ctx) if method == "raw_p2p" else _verify_dst()
+    out["exact"], out["mismatch"] = ok, bad[:5]
+    if method == "vps":
+        out["report"] = {k: getattr(first, k) for k in (
+            "bytes_sent", "bytes_received", "bytes_local", "min_bytes_received", "messages",
+            "peak_staging_bytes", "planned_peak_staging_bytes", "budget_bytes", "seconds")}
+    elif isinstance(first, dict):
+        out["first"] = first
+    if method == "raw_p2p":
+        out["alloc_bytes"] = ctx["alloc"]
+        out["local_bytes"] = ctx["local_bytes"]
+        ctx["copy_local"] = True  # timed repeats: exchange, then the local copies
+
+    times, extras = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        r = run(ctx)
+        times.append(r["exchange_s"] if method == "raw_p2p" else time.perf_counter() - t0)
+        dist.barrier()
+        if method.startswith("dcp"):
+            _dcp_cleanup(ctx)
+        if method == "vps":
+            r = {"seconds": r.seconds, "peak_staging_bytes": r.peak_staging_bytes}
+        extras.append(r)
+    out["times"], out["extras"] = times, extras
+    del ctx
+    gc.collect()
+    return out
+
+
+# --- driver ----------------------------------------------------------------------------------------
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def _median_of_max(per_rank_times: list[list[float]]) -> tuple[float, list[float]]:
+    walls = [max(ts) for ts in zip(*per_rank_times)]
+    return statistics.median(walls), walls
+
+
+def _fmt_mb(n: float) -> str:
+    return f"{n / 1e6:.1f}"
+
+
+def run_bench(args) -> dict:
+    from rlhf_switch.launch import LocalWorld
+
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for s in sizes:
+        if s not in SIZES:
+            raise SystemExit(f"unknown size {s!r}; known: {', '.join(SIZES)}")
+    for d in dtypes:
+        if d not in DTYPES:
+            raise SystemExit(f"unknown dtype {d!r}; known: {', '.join(DTYPES)}")
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"unknown method {m!r}; known: {', '.join(METHODS)}")
+    if "vps" not in methods:
+        methods.insert(0, "vps")  # ratios are to VPS
+    if "raw_p2p" in methods:  # run the limit right after VPS
+        methods.remove("raw_p2p")
+        methods.insert(1, "raw_p2p")
+    budget = int(args.budget_mib * (1 << 20))
+    results = []
+    t_start = time.perf_counter()
+    print(f"starting {WORLD} gloo ranks (1 thread each) on {os.cpu_count()} cores…", flush=True)
+    disk_root = tempfile.mkdtemp(prefix="bench-switch-")
+    shm_root = tempfile.mkdtemp(prefix="bench-switch-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
+    world = LocalWorld(WORLD, timeout=args.timeout)
+    try:
+        print(f"ranks up in {time.perf_counter() - t_start:.1f} s", flush=True)
+        for size in sizes:
+            for dtype in dtypes:
+                for case in cases:
+                    results.append(_bench_one(world, size, dtype, case, methods, budget, args,
+                                              {"dcp_disk": disk_root, "dcp_shm": shm_root}))
+    finally:
+        world.close()
+        shutil.rmtree(disk_root, ignore_errors=True)
+        if shm_root:
+            shutil.rmtree(shm_root, ignore_errors=True)
+    total = time.perf_counter() - t_start
+    return {"meta": _meta(args, budget, total), "results": results}
+
+
+def _bench_one(world, size, dtype, case, methods, budget, args, roots) -> dict:
+    tag = f"[{size} {dtype} {case}]"
+    t_case = time.perf_counter()
+    spec, src, dst = build_case(case, size, dtype)
+    t0 = time.perf_counter()
+    plan = plan_transition(src, dst)
+    plan_s = time.perf_counter() - t0
+    print(f"{tag} {src.name} -> {dst.name}: {spec.numel / 1e6:.1f}M params; plan {plan_s:.2f} s: "
+          f"{_fmt_mb(plan.bytes_moved)} MB across ranks (min {_fmt_mb(plan.min_bytes)} MB), "
+          f"{_fmt_mb(plan.bytes_local)} MB local", flush=True)
+    src_total = sum(b.numel * itemsize(b.dtype) for r in range(WORLD) for b in src.buffers(r).values())
+    dst_total = sum(b.numel * itemsize(b.dtype) for r in range(WORLD) for b in dst.buffers(r).values())
+    dst_elems = sum(b.numel for r in range(WORLD) for b in dst.buffers(r).values())
+    ckpt_bytes = sum(r.box.numel * itemsize(src.buffers(r.holders[0][0])[r.holders[0][1].buffer].dtype)
+                     for k in src.all_keys() for r in src.regions(k))
+    # keep a reference copy (and masks) per rank only if everything, /dev/shm checkpoint included,
+    # still leaves 3 GiB free; otherwise ranks rebuild it one at a time for each check
+    keep_ref = (src_total + 2 * dst_total + dst_elems + ckpt_bytes + (3 << 30)) < _mem_available()
+    load_before = os.getloadavg()
+    setup = world.run(_rank_setup, case, size, dtype, budget, keep_ref, timeout=args.timeout)
+    src_mib = max(s["src_bytes"] for s in setup) / 2**20
+    dst_mib = max(s["dst_bytes"] for s in setup) / 2**20
+    print(f"{tag} buffers filled in {max(s['fill_s'] for s in setup):.1f} s "
+          f"(src {src_mib:.0f} MiB, dst {dst_mib:.0f} MiB per rank max)", flush=True)
+    entry = {"size": size, "dtype": dtype, "case": case, "transition": f"{src.name} -> {dst.name}",
+             "description": CASES[case], "params": spec.numel, "tensors": len(spec.tensors),
+             "plan": {"seconds": plan_s, "bytes_moved": plan.bytes_moved, "min_bytes": plan.min_bytes,
+                      "bytes_local": plan.bytes_local, "pieces": len(plan.transfers)},
+             "setup": setup, "reference_kept": keep_ref, "methods": {}}
+    for m in methods:
+        t_m = time.perf_counter()
+        root = roots.get(m)
+        if m.startswith("dcp"):
+            if root is None:
+                entry["methods"][m] = {"skipped": "no such directory"}
+                print(f"{tag} {LABELS[m]}: skipped (no directory)", flush=True)
+                continue
+            need = ckpt_bytes + (3 << 29)  # the checkpoint + 1.5 GiB of headroom
+            avail = _mem_available() if m == "dcp_shm" else shutil.disk_usage(root).free
+            if avail < need:
+                what = "MemAvailable" if m == "dcp_shm" else "free disk"
+                why = f"{what} {avail / 2**30:.1f} GiB < {need / 2**30:.1f} GiB needed"
+                entry["methods"][m] = {"skipped": why}
+                print(f"{tag} {LABELS[m]}: skipped ({why})", flush=True)
+                continue
+        print(f"{tag} {LABELS[m]}: running 1 + {args.repeats}…", flush=True)
+        res = world.run(_rank_method, m, args.repeats, root, timeout=args.timeout)
+        med, walls = _median_of_max([r["times"] for r in res])
+        rec = {"median_s": med, "walls_s": walls, "first_s": max(r["first_s"] for r in res),
+               "prepare_s": max(r["prepare_s"] for r in res), "exact": all(r["exact"] for r in res),
+               "mismatch": {i: r["mismatch"] for i, r in enumerate(res) if r["mismatch"]},
+               "stage_wall_s": time.perf_counter() - t_m}
+        rec["eff_GBps"] = plan.min_bytes / med / 1e9 if med > 0 else None
+        if m == "vps":
+            reps = [r["report"] for r in res]
+            rec["bytes_moved"] = sum(r["bytes_received"] for r in reps)
+            rec["min_bytes_received"] = sum(r["min_bytes_received"] for r in reps)
+            rec["peak_extra_bytes"] = max(r["peak_staging_bytes"] for r in reps)
+            rec["planned_peak_extra_bytes"] = max(r["planned_peak_staging_bytes"] for r in reps)
+            rec["messages"] = sum(r["messages"] for r in reps)
+            rec["budget_bytes"] = budget
+            rec["move_internal_median_s"] = statistics.median(
+                max(ex[i]["seconds"] for ex in (r["extras"] for r in res)) for i in range(args.repeats))
+        elif m == "full_gather":
+            rec["peak_extra_bytes"] = max(max(x["peak_staging_bytes"] for x in r["extras"] + [r["first"]])
+                                          for r in res)
+            rec["bytes_moved"] = sum(r["first"]["bytes_received"] for r in res)
+        elif m.startswith("dcp"):
+            rec["save_median_s"] = statistics.median(max(ex[i]["save_s"] for ex in (r["extras"] for r in res))
+                                                     for i in range(args.repeats))
+            rec["load_median_s"] = statistics.median(max(ex[i]["load_s"] for ex in (r["extras"] for r in res))
+                                                     for i in range(args.repeats))
+            rec["copy_s"] = 0.0
+            rec["loaded_in_place"] = True
+            rec["checkpoint_bytes"] = res[0].get("checkpoint_bytes", 0)
+            rec["path"] = root
+        elif m == "raw_p2p":
+            rec["bytes_moved"] = plan.bytes_moved
+            rec["peak_extra_bytes"] = max(r["alloc_bytes"] for r in res)
+            rec["local_bytes"] = sum(r["local_bytes"] for r in res)
+            rec["with_local_median_s"], rec["with_local_walls_s"] = _median_of_max(
+                [[x["with_local_s"] for x in r["extras"]] for r in res])
+        entry["methods"][m] = rec
+        extra = ""
+        if "peak_extra_bytes" in rec:
+            extra += f", peak extra {rec['peak_extra_bytes'] / 2**20:.1f} MiB/rank"
+        if m.startswith("dcp"):
+            extra += (f" (save {rec['save_median_s']:.3f} s + load {rec['load_median_s']:.3f} s, "
+                      f"{rec['checkpoint_bytes'] / 2**20:.0f} MiB)")
+        print(f"{tag} {LABELS[m]}: median {med:.3f} s, first {rec['first_s']:.3f} s{extra}, "
+              f"{'bit-exact' if rec['exact'] else 'MISMATCH ' + str(rec['mismatch'])} "
+              f"[{rec['stage_wall_s']:.1f} s]", flush=True)
+    vps = entry["methods"]["vps"]["median_s"]
+    raw = entry["methods"].get("raw_p2p", {}).get("median_s")
+    for m, rec in entry["methods"].items():
+        if "median_s" not in rec:
+            continue
+        rec["ratio_to_vps"] = rec["median_s"] / vps if vps else None
+        rec["fraction_of_raw"] = raw / rec["median_s"] if raw and rec["median_s"] else None
+    world.run(_rank_teardown, timeout=args.timeout)
+    entry["case_wall_s"] = time.perf_counter() - t_case
+    entry["loadavg_1min"] = {"start": load_before[0], "end": os.getloadavg()[0]}
+    print(f"{tag} done in {entry['case_wall_s']:.1f} s", flush=True)
+    return entry
+
+
+def _meta(args, budget: int, total: float) -> dict:
+    return {"command": " ".join([os.path.basename(sys.executable), "-m", "bench.switch"] + sys.argv[1:]),
+            "world": WORLD, "backend": "gloo", "threads_per_rank": 1, "cpu_count": os.cpu_count(),
+            "machine": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "budget_bytes": budget, "repeats": args.repeats, "wall_s": total,
+            "loadavg_at_end": os.getloadavg(),
+            "timing": "per repeat: barrier, time on every rank, barrier; repeat time = slowest rank; "
+                      "median over repeats (a first untimed run verifies correctness)",
+            "eff_GBps": "plan minimum bytes (what any correct switch must move across ranks) / median time",
+            "models": {s: dict(SIZES[s]) for s in SIZES}}
+
+
+def format_table(data: dict) -> str:
+    lines = []
+    head = (f"{'size':>5} {'dtype':>5} {'case':>4}  {'method':<16}{'median s':>9} {'x VPS':>7} "
+            f"{'eff GB/s':>9} {'% raw':>6} {'wire MB':>9} {'peak extra MiB/rank':>20}  {'exact':>5}")
+    lines.append(head)
+    lines.append("-" * len(head))
+    for e in data["results"]:
+        p = e["plan"]
+        lines.append(f"{e['size']:>5} {e['dtype']:>5} {e['case']:>4}  {e['transition']}  "
+                     f"({e['params'] / 1e6:.1f}M params; VPS moved {_fmt_mb(e['methods']['vps']['bytes_moved'])} MB, "
+                     f"plan minimum {_fmt_mb(p['min_bytes'])} MB, local {_fmt_mb(p['bytes_local'])} MB)")
+        for m in METHODS:
+            rec = e["methods"].get(m)
+            if rec is None:
+                continue
+            if "skipped" in rec:
+                lines.append(f"{'':>17}  {LABELS[m]:<16}skipped: {rec['skipped']}")
+                continue
+            wire = rec.get("bytes_moved")
+            if m.startswith("dcp"):
+                wire = 2 * rec.get("checkpoint_bytes", 0)  # written + read back
+            peak = rec.get("peak_extra_bytes")
+            peak_s = f"{peak / 2**20:.1f}" if peak is not None else "n/a"
+            if m == "vps":
+                peak_s += f" (budget {rec['budget_bytes'] / 2**20:.0f})"
+            frac = rec.get("fraction_of_raw")
+            lines.append(f"{'':>17}  {LABELS[m]:<16}{rec['median_s']:>9.3f} {rec['ratio_to_vps']:>6.2f}x "
+                         f"{rec['eff_GBps']:>9.3f} {(f'{100 * frac:.0f}%' if frac else 'n/a'):>6} "
+                         f"{(_fmt_mb(wire) if wire is not None else 'n/a'):>9} {peak_s:>20}  "
+                         f"{'yes' if rec['exact'] else 'NO':>5}")
+            if m == "raw_p2p" and "with_local_median_s" in rec:
+                wl = rec["with_local_median_s"]
+                vps = e["methods"]["vps"]["median_s"]
+                lines.append(f"{'':>17}  {'  + local copies':<16}{wl:>9.3f} {wl / vps:>6.2f}x "
+                             f"{e['plan']['min_bytes'] / wl / 1e9:>9.3f} {'':>6} "
+                             f"{_fmt_mb(rec['local_bytes']) + ' loc':>9} {'':>20}  {'':>5}")
+    lines.append("")
+    lines.append("median s: median over repeats of the slowest rank's time; x VPS: median / VPS median; "
+                 "eff GB/s: plan-minimum bytes / median; % raw: raw p2p median / median; wire MB: bytes "
+                 "received across ranks (DCP: checkpoint written + read); DCP loads in place (no extra copy);\n"
+                 "'+ local copies': the raw exchange followed by the plan's same-rank bytes as big contiguous "
+                 "memcpys (MB loc), a floor for any switch into separate destination buffers.")
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["results"]
+    sizes = list(dict.fromkeys(e["size"] for e in rows))
+    methods = [m for m in METHODS if any("median_s" in e["methods"].get(m, {}) for e in rows)]
+    colors = {"vps": "tab:green", "full_gather": "tab:orange", "dcp_disk": "tab:red",
+              "dcp_shm": "tab:purple", "raw_p2p": "tab:gray"}
+    width = 0.8 / max(len(methods), 1)
+    ncol = max(sum(1 for e in rows if e["size"] == s) for s in sizes)
+    fig, axes = plt.subplots(len(sizes), 1, figsize=(max(10, 1.4 * ncol + 2), 3.6 * len(sizes) + 1.4),
+                             squeeze=False)
+    for ax, size in zip(axes[:, 0], sizes):
+        sub = [e for e in rows if e["size"] == size]
+        for i, m in enumerate(methods):
+            xs, ys = [], []
+            for j, e in enumerate(sub):
+                rec = e["methods"].get(m, {})
+                if "median_s" in rec:
+                    xs.append(j + (i - (len(methods) - 1) / 2) * width)
+                    ys.append(rec["median_s"])
+            ax.bar(xs, ys, width, label=LABELS[m], color=colors.get(m))
+        for j, e in enumerate(sub):  # speed-up of VPS over the best baseline, above the group
+            v = e["methods"]["vps"]["median_s"]
+            base = [e["methods"][m]["median_s"] for m in ("full_gather", "dcp_disk", "dcp_shm")
+                    if "median_s" in e["methods"].get(m, {})]
+            if base:
+                top = max(r.get("median_s", 0) for r in e["methods"].values())
+                ax.text(j, top * 1.15, f"{min(base) / v:.1f}x", ha="center", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(sub)))
+        ax.set_xticklabels([f"{e['dtype']} {e['case']}" for e in sub], fontsize=8)
+        ax.set_ylabel(f"{size} params: seconds")
+        ax.grid(axis="y", which="both", alpha=0.3)
+        ax.margins(y=0.15)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, ncol=len(methods), loc="upper center", bbox_to_anchor=(0.5, 0.935))
+    meta = data["meta"]
+    fig.suptitle(f"Phase switch on CPU ({meta['world']} gloo ranks, {meta['cpu_count']} cores, torch "
+                 f"{meta['torch']}, VPS budget {meta['budget_bytes'] / 2**20:.0f} MiB)\n"
+                 f"median of the slowest rank, log scale; number = best baseline / VPS", fontsize=9, y=0.995)
+    fig.text(0.01, 0.005, "   ".join(f"{k}: {v}" for k, v in CASES.items()), fontsize=7)
+    fig.tight_layout(rect=(0, 0.02, 1, 0.9))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="10M,100M,300M", help=f"comma list of {', '.join(SIZES)}")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16, fp16")
+    ap.add_argument("--cases", default="a,b,c,d")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--budget-mib", type=float, default=64.0, help="VPS staging budget per rank")
+    ap.add_argument("--quick", action="store_true", help="10M,100M, fp32 only")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rank job / collective")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the table and PNG of a saved run")
+    args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            data = json.load(f)
+        print(format_table(data))
+        png = os.path.splitext(args.replot)[0] + ".png"
+        plot(data, png)
+        print(f"\nwrote {png}")
+        return 0
+    if args.quick:
+        args.sizes, args.dtypes = "10M,100M", "fp32"
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+
+    data = run_bench(args)
+    os.makedirs(args.out, exist_ok=True)
+    table = format_table(data)
+    print()
+    print(table)
+    data["table"] = table
+    jpath = os.path.join(args.out, "switch.json")
+    with open(jpath, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    ppath = os.path.join(args.out, "switch.png")
+    try:
+        plot(data, ppath)
+    except ImportError as e:
+        ppath = f"(no plot: {e}; pip install matplotlib)"
+    print(f"\nwrote {jpath} and {ppath}; total {data['meta']['wall_s']:.1f} s")
+    ok = all(rec.get("exact", True) for e in data["results"] for rec in e["methods"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    # the ranks must import these functions as ``bench.switch.*``, not ``__main__.*``
+    import importlib
+    raise SystemExit(importlib.import_module("bench.switch").main())
