@@ -56,6 +56,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import zlib
 
@@ -179,7 +180,7 @@ def _rank_setup(case: str, size: str, dtype: str, budget: int, keep_reference: b
     t0 = time.perf_counter()
     tensor_of = tensor_of_for(spec)
     src_bufs = materialize(src, rank, tensor_of)
-    dst_bufs = allocate(dst, rank, fill=None)
+    dst_bufs = allocate(dst, rank, fill=0)  # touched now, so no method pays its first-touch faults
     fill_s = time.perf_counter() - t0
     _S.update(spec=spec, src=src, dst=dst, src_bufs=src_bufs, dst_bufs=dst_bufs, tensor_of=tensor_of,
               budget=budget, case=case)
@@ -215,7 +216,7 @@ def _verify_dst() -> tuple[bool, list[str]]:
     for r in range(world):
         if r == rank:
             bad = _compare(materialize(_S["dst"], rank, _S["tensor_of"]), coverage_masks(_S["dst"], rank))
-            gc.collect()
+            _trim()
         dist.barrier()
     return not bad, bad
 
@@ -600,10 +601,56 @@ def _raw_verify(ctx: dict) -> tuple[bool, list[str]]:
 
 # --- one method, on every rank ---------------------------------------------------------------------
 
+def _trim() -> None:
+    """Give freed heap back to the OS (glibc keeps freed chunks below its mmap threshold), so the
+    resident set reflects live memory between stages."""
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _rss() -> tuple[int, int] | None:
+    """(VmRSS, VmHWM) of this process in bytes, or None where /proc says nothing."""
+    try:
+        vals = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    vals[line.split(":")[0]] = int(line.split()[1]) * 1024
+        return vals["VmRSS"], vals["VmHWM"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _reset_hwm() -> int | None:
+    """Reset the peak-RSS mark to the current RSS (Linux >= 4.0: write 5 to clear_refs);
+    return the current RSS, or None if the mark cannot be reset here."""
+    _trim()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    r = _rss()
+    return r[0] if r else None
+
+
+def _rss_growth(base: int | None) -> int | None:
+    r = _rss()
+    return None if base is None or r is None else max(0, r[1] - base)
+
+
 def _rank_method(method: str, repeats: int, root: str | None = None) -> dict:
+    """One method on this rank: prepare, one verified run, then ``repeats`` timed runs. Besides
+    the times, it measures the resident-set high-water mark above the resident set at the start
+    (prepared buffers, staging, DCP's transient copies, heap growth), the verification excluded."""
     prep = {"vps": _vps_prepare, "full_gather": _full_gather_prepare, "raw_p2p": _raw_prepare}
     run = {"vps": _vps_run, "full_gather": _full_gather_run, "raw_p2p": _raw_run,
            "dcp_disk": _dcp_run, "dcp_shm": _dcp_run}[method]
+    base = _reset_hwm()
     t0 = time.perf_counter()
     ctx = _dcp_prepare(root) if method.startswith("dcp") else prep[method]()
     prepare_s = time.perf_counter() - t0
@@ -619,7 +666,9 @@ def _rank_method(method: str, repeats: int, root: str | None = None) -> dict:
     dist.barrier()
     if method.startswith("dcp"):
         out.update(_dcp_cleanup(ctx))
+    growth = [_rss_growth(base)]
     ok, bad = _raw_verify(ctx) if method == "raw_p2p" else _verify_dst()
+    reset_ok = _reset_hwm() is not None  # the check's own reference copy must not count
     out["exact"], out["mismatch"] = ok, bad[:5]
     if method == "vps":
         out["report"] = {k: getattr(first, k) for k in (
@@ -645,8 +694,11 @@ def _rank_method(method: str, repeats: int, root: str | None = None) -> dict:
             r = {"seconds": r.seconds, "peak_staging_bytes": r.peak_staging_bytes}
         extras.append(r)
     out["times"], out["extras"] = times, extras
+    if reset_ok:  # high-water mark of the timed repeats, over the same starting RSS
+        growth.append(_rss_growth(base))
+    out["rss_growth_bytes"] = None if None in growth else max(growth)
     del ctx
-    gc.collect()
+    _trim()
     return out
 
 
@@ -693,30 +745,71 @@ def run_bench(args) -> dict:
     if "raw_p2p" in methods:  # run the limit right after VPS
         methods.remove("raw_p2p")
         methods.insert(1, "raw_p2p")
+    global _GIT
+    _GIT = _git()  # the library version this run imports
     budget = int(args.budget_mib * (1 << 20))
-    results = []
+    results: list = []
     t_start = time.perf_counter()
     print(f"starting {WORLD} gloo ranks (1 thread each) on {os.cpu_count()} cores…", flush=True)
     disk_root = tempfile.mkdtemp(prefix="bench-switch-")
     shm_root = tempfile.mkdtemp(prefix="bench-switch-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
+
+    def partial(status: str) -> dict:
+        return {"meta": dict(_meta(args, budget, time.perf_counter() - t_start), status=status),
+                "results": results}
+
+    def cleanup() -> None:
+        shutil.rmtree(disk_root, ignore_errors=True)
+        if shm_root:
+            shutil.rmtree(shm_root, ignore_errors=True)
+
     world = LocalWorld(WORLD, timeout=args.timeout)
+    stop = threading.Event()
+
+    def watchdog() -> None:
+        # LocalWorld notices a dead rank only when a job times out (--timeout, an hour by
+        # default); a rank killed by the OOM killer should end the run now, keeping what is done
+        while not stop.wait(2.0):
+            dead = [(r, p.exitcode) for r, p in enumerate(world._procs) if not p.is_alive()]
+            if dead and not stop.is_set():
+                print(f"\nABORT: rank(s) {dead} (rank, exit code) died — -9 is SIGKILL, e.g. the OOM "
+                      f"killer; writing what finished and stopping", flush=True)
+                _write_json(args.out, partial(f"aborted: ranks {dead} died"))
+                for p in world._procs:
+                    if p.is_alive():
+                        p.kill()
+                cleanup()
+                os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True).start()
     try:
         print(f"ranks up in {time.perf_counter() - t_start:.1f} s", flush=True)
         for size in sizes:
             for dtype in dtypes:
                 for case in cases:
-                    results.append(_bench_one(world, size, dtype, case, methods, budget, args,
-                                              {"dcp_disk": disk_root, "dcp_shm": shm_root}))
+                    _bench_one(world, size, dtype, case, methods, budget, args,
+                               {"dcp_disk": disk_root, "dcp_shm": shm_root}, results)
+                    _write_json(args.out, partial("running"))  # a crash keeps the finished cases
     finally:
+        stop.set()
         world.close()
-        shutil.rmtree(disk_root, ignore_errors=True)
-        if shm_root:
-            shutil.rmtree(shm_root, ignore_errors=True)
-    total = time.perf_counter() - t_start
-    return {"meta": _meta(args, budget, total), "results": results}
+        cleanup()
+    return partial("complete")
 
 
-def _bench_one(world, size, dtype, case, methods, budget, args, roots) -> dict:
+def _write_json(out_dir: str, data: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "switch.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _bench_one(world, size, dtype, case, methods, budget, args, roots, results: list) -> dict:
+    """One (size, dtype, case): every method on the same buffers. The entry is appended to
+    ``results`` before the first method runs and filled as methods finish, so an aborted run
+    still reports the methods it completed."""
     tag = f"[{size} {dtype} {case}]"
     t_case = time.perf_counter()
     spec, src, dst = build_case(case, size, dtype)
@@ -744,7 +837,8 @@ def _bench_one(world, size, dtype, case, methods, budget, args, roots) -> dict:
              "description": CASES[case], "params": spec.numel, "tensors": len(spec.tensors),
              "plan": {"seconds": plan_s, "bytes_moved": plan.bytes_moved, "min_bytes": plan.min_bytes,
                       "bytes_local": plan.bytes_local, "pieces": len(plan.transfers)},
-             "setup": setup, "reference_kept": keep_ref, "methods": {}}
+             "setup": setup, "reference_kept": keep_ref, "methods": {}, "complete": False}
+    results.append(entry)
     for m in methods:
         t_m = time.perf_counter()
         root = roots.get(m)
@@ -753,7 +847,10 @@ def _bench_one(world, size, dtype, case, methods, budget, args, roots) -> dict:
                 entry["methods"][m] = {"skipped": "no such directory"}
                 print(f"{tag} {LABELS[m]}: skipped (no directory)", flush=True)
                 continue
-            need = ckpt_bytes + (3 << 29)  # the checkpoint + 1.5 GiB of headroom
+            # the checkpoint, plus per rank what DCP holds transiently (a clone of each item
+            # before torch.save; a whole saved chunk per read) and heap growth, plus headroom:
+            # 300M + Adam (4.5 GiB in /dev/shm) was OOM-killed with 6.6 GiB available
+            need = ckpt_bytes + WORLD * (512 << 20) + (3 << 29)
             avail = _mem_available() if m == "dcp_shm" else shutil.disk_usage(root).free
             if avail < need:
                 what = "MemAvailable" if m == "dcp_shm" else "free disk"
@@ -769,6 +866,8 @@ def _bench_one(world, size, dtype, case, methods, budget, args, roots) -> dict:
                "mismatch": {i: r["mismatch"] for i, r in enumerate(res) if r["mismatch"]},
                "stage_wall_s": time.perf_counter() - t_m}
         rec["eff_GBps"] = plan.min_bytes / med / 1e9 if med > 0 else None
+        growth = [r.get("rss_growth_bytes") for r in res]
+        rec["rss_growth_bytes"] = None if None in growth else max(growth)
         if m == "vps":
             reps = [r["report"] for r in res]
             rec["bytes_moved"] = sum(r["bytes_received"] for r in reps)
@@ -802,6 +901,8 @@ def _bench_one(world, size, dtype, case, methods, budget, args, roots) -> dict:
         extra = ""
         if "peak_extra_bytes" in rec:
             extra += f", peak extra {rec['peak_extra_bytes'] / 2**20:.1f} MiB/rank"
+        if rec["rss_growth_bytes"] is not None:
+            extra += f", RSS high-water +{rec['rss_growth_bytes'] / 2**20:.0f} MiB/rank"
         if m.startswith("dcp"):
             extra += (f" (save {rec['save_median_s']:.3f} s + load {rec['load_median_s']:.3f} s, "
                       f"{rec['checkpoint_bytes'] / 2**20:.0f} MiB)")
@@ -818,12 +919,33 @@ def _bench_one(world, size, dtype, case, methods, budget, args, roots) -> dict:
     world.run(_rank_teardown, timeout=args.timeout)
     entry["case_wall_s"] = time.perf_counter() - t_case
     entry["loadavg_1min"] = {"start": load_before[0], "end": os.getloadavg()[0]}
+    entry["complete"] = True
     print(f"{tag} done in {entry['case_wall_s']:.1f} s", flush=True)
     return entry
 
 
+def _git() -> dict:
+    """The library version measured: HEAD and whether rlhf_switch/ differs from it."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "rlhf_switch"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return {"head": head, "rlhf_switch_modified": bool(dirty)}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
+_GIT = None
+
+
 def _meta(args, budget: int, total: float) -> dict:
-    return {"command": " ".join([os.path.basename(sys.executable), "-m", "bench.switch"] + sys.argv[1:]),
+    global _GIT
+    if _GIT is None:
+        _GIT = _git()
+    return {"git": _GIT,"command": " ".join([os.path.basename(sys.executable), "-m", "bench.switch"] + sys.argv[1:]),
             "world": WORLD, "backend": "gloo", "threads_per_rank": 1, "cpu_count": os.cpu_count(),
             "machine": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "budget_bytes": budget, "repeats": args.repeats, "wall_s": total,
@@ -837,14 +959,18 @@ def _meta(args, budget: int, total: float) -> dict:
 def format_table(data: dict) -> str:
     lines = []
     head = (f"{'size':>5} {'dtype':>5} {'case':>4}  {'method':<16}{'median s':>9} {'x VPS':>7} "
-            f"{'eff GB/s':>9} {'% raw':>6} {'wire MB':>9} {'peak extra MiB/rank':>20}  {'exact':>5}")
+            f"{'eff GB/s':>9} {'% raw':>6} {'wire MB':>9} {'peak extra MiB/rank':>20} {'RSS+ MiB':>8}  "
+            f"{'exact':>5}")
     lines.append(head)
     lines.append("-" * len(head))
     for e in data["results"]:
         p = e["plan"]
+        moved = e["methods"].get("vps", {}).get("bytes_moved")
         lines.append(f"{e['size']:>5} {e['dtype']:>5} {e['case']:>4}  {e['transition']}  "
-                     f"({e['params'] / 1e6:.1f}M params; VPS moved {_fmt_mb(e['methods']['vps']['bytes_moved'])} MB, "
-                     f"plan minimum {_fmt_mb(p['min_bytes'])} MB, local {_fmt_mb(p['bytes_local'])} MB)")
+                     f"({e['params'] / 1e6:.1f}M params; VPS moved "
+                     f"{_fmt_mb(moved) if moved is not None else '?'} MB, plan minimum "
+                     f"{_fmt_mb(p['min_bytes'])} MB, local {_fmt_mb(p['bytes_local'])} MB)"
+                     + ("" if e.get("complete", True) else "  [incomplete: the run stopped here]"))
         for m in METHODS:
             rec = e["methods"].get(m)
             if rec is None:
@@ -860,20 +986,27 @@ def format_table(data: dict) -> str:
             if m == "vps":
                 peak_s += f" (budget {rec['budget_bytes'] / 2**20:.0f})"
             frac = rec.get("fraction_of_raw")
-            lines.append(f"{'':>17}  {LABELS[m]:<16}{rec['median_s']:>9.3f} {rec['ratio_to_vps']:>6.2f}x "
+            rss = rec.get("rss_growth_bytes")
+            rss_s = f"{rss / 2**20:.0f}" if rss is not None else "n/a"
+            ratio = rec.get("ratio_to_vps")
+            lines.append(f"{'':>17}  {LABELS[m]:<16}{rec['median_s']:>9.3f} "
+                         f"{(f'{ratio:.2f}x' if ratio else 'n/a'):>7} "
                          f"{rec['eff_GBps']:>9.3f} {(f'{100 * frac:.0f}%' if frac else 'n/a'):>6} "
-                         f"{(_fmt_mb(wire) if wire is not None else 'n/a'):>9} {peak_s:>20}  "
+                         f"{(_fmt_mb(wire) if wire is not None else 'n/a'):>9} {peak_s:>20} {rss_s:>8}  "
                          f"{'yes' if rec['exact'] else 'NO':>5}")
             if m == "raw_p2p" and "with_local_median_s" in rec:
                 wl = rec["with_local_median_s"]
-                vps = e["methods"]["vps"]["median_s"]
+                vps = e["methods"]["vps"]["median_s"]  # VPS always runs first
                 lines.append(f"{'':>17}  {'  + local copies':<16}{wl:>9.3f} {wl / vps:>6.2f}x "
                              f"{e['plan']['min_bytes'] / wl / 1e9:>9.3f} {'':>6} "
-                             f"{_fmt_mb(rec['local_bytes']) + ' loc':>9} {'':>20}  {'':>5}")
+                             f"{_fmt_mb(rec['local_bytes']) + ' loc':>9}")
     lines.append("")
     lines.append("median s: median over repeats of the slowest rank's time; x VPS: median / VPS median; "
                  "eff GB/s: plan-minimum bytes / median; % raw: raw p2p median / median; wire MB: bytes "
                  "received across ranks (DCP: checkpoint written + read); DCP loads in place (no extra copy);\n"
+                 "peak extra: measured staging (VPS: MoveReport.peak_staging_bytes; full gather: gather "
+                 "output + pack + full tensor; raw: its buffers); RSS+: the rank's resident-set high-water "
+                 "mark above its resident set before the method (verification excluded), max over ranks;\n"
                  "'+ local copies': the raw exchange followed by the plan's same-rank bytes as big contiguous "
                  "memcpys (MB loc), a floor for any switch into separate destination buffers.")
     return "\n".join(lines)
@@ -904,7 +1037,9 @@ def plot(data: dict, path: str) -> None:
                     ys.append(rec["median_s"])
             ax.bar(xs, ys, width, label=LABELS[m], color=colors.get(m))
         for j, e in enumerate(sub):  # speed-up of VPS over the best baseline, above the group
-            v = e["methods"]["vps"]["median_s"]
+            v = e["methods"].get("vps", {}).get("median_s")
+            if not v:
+                continue
             base = [e["methods"][m]["median_s"] for m in ("full_gather", "dcp_disk", "dcp_shm")
                     if "median_s" in e["methods"].get(m, {})]
             if base:
@@ -954,15 +1089,14 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
 
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up of temp dirs
     data = run_bench(args)
-    os.makedirs(args.out, exist_ok=True)
     table = format_table(data)
     print()
     print(table)
     data["table"] = table
-    jpath = os.path.join(args.out, "switch.json")
-    with open(jpath, "w") as f:
-        json.dump(data, f, indent=1, default=str)
+    jpath = _write_json(args.out, data)
     ppath = os.path.join(args.out, "switch.png")
     try:
         plot(data, ppath)
