@@ -194,7 +194,7 @@ def _rank_setup(case: str, size: str, dtype: str, budget: int, keep_reference: b
 
 def _rank_teardown() -> None:
     _S.clear()
-    gc.collect()
+    _trim()
     dist.barrier()
 
 
