@@ -44,8 +44,11 @@ def materialize(layout: Layout, rank: int, tensor_of: Callable[[StateKey], torch
                 fill: float = 0) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s buffers filled from global tensors (padding = ``fill``)."""
     bufs = allocate(layout, rank, fill)
+    sources: dict[StateKey, torch.Tensor] = {}  # one tensor_of call per key, not per fragment
     for f in layout.fragments(rank):
-        src = tensor_of(f.key)
+        src = sources.get(f.key)
+        if src is None:
+            src = sources[f.key] = tensor_of(f.key)
         sl = tuple(slice(l, h) for l, h in zip(f.box.lo, f.box.hi))
         fragment_view(bufs[f.buffer], f).copy_(src[sl])
     return bufs
