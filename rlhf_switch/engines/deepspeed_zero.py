@@ -1,0 +1,361 @@
+"""DeepSpeed ZeRO-1/2/3 as a VPS layout: the engine's own partitions, described and used in place.
+
+Where ZeRO keeps each piece of state (deepspeed 0.19; checked against the engine's tensors in
+tests/test_deepspeed.py):
+
+ZeRO-1/2 (``DeepSpeedZeroOptimizer``)
+    Per param group ``g`` the bit16 parameters are views into one flat buffer
+    ``bit16_groups_flat[g]`` at ``round_robin_bit16_offsets[g]`` — in ``round_robin_bit16_groups``
+    order, not the model's — padded to a multiple of ``2·dp``. Every rank holds it whole. Rank ``r``
+    owns flat ``[r·P, (r+1)·P)`` (``P = partition_size[g]``): its fp32 master is
+    ``single_partition_of_fp32_groups[g]`` and its Adam moments are the torch optimizer's state of
+    that flat tensor.
+ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``)
+    Every parameter is split on its own: ``P = ceil(numel/dp)``, rank ``r`` owns flat
+    ``[r·P, (r+1)·P)`` (the tail zero-padded). Its bit16 slice (``param.ds_tensor``) lives in
+    ``fp16_partitioned_groups_flat[g]`` and its fp32 master in ``fp32_partitioned_groups_flat[g]``,
+    both at ``grad_position[id][1]``; the Adam moments are the state of the fp32 flat tensor.
+
+After the fp32 master is written, the engine's bit16 copy is stale until it is refreshed from the
+master — ``state_written`` runs DeepSpeed's own refresh (ZeRO-1/2: ``update_lp_params``; ZeRO-3:
+copy the partition and re-gather the persistent parameters that keep a full copy).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, Box, ModelSpec, StateKey
+from .optim import AdamWConfig
+from .train_state import LocalState
+
+ADAM_MOMENTS = (EXP_AVG, EXP_AVG_SQ)
+
+
+def import_deepspeed():
+    """Import DeepSpeed for this machine: the CPU accelerator unless a GPU is there, and no
+    JIT build of the shared-memory comm op (inference only; minutes on a cold cache)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401 - the module whose attribute is patched below
+
+    # `import deepspeed.comm.torch as m` binds deepspeed.comm's `torch` attribute, not the module
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    return deepspeed
+
+
+def _join_deepspeed_comm(deepspeed) -> None:
+    """Let DeepSpeed use the process group that already exists (any launcher, not only its own):
+    it reads the rank variables its launcher would have set."""
+    if not dist.is_initialized():
+        raise RuntimeError("initialise torch.distributed before building a DeepSpeed engine")
+    for var, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size()),
+                       ("LOCAL_RANK", int(os.environ.get("LOCAL_RANK", dist.get_rank())))):
+        os.environ.setdefault(var, str(value))
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+
+
+class _DataParallelGroup:
+    """The `mpu` DeepSpeed asks for when the engine lives on a subset of the world: its ranks are
+    one data-parallel group, with no model parallelism."""
+
+    def __init__(self, ranks: Sequence[int], dp_group: dist.ProcessGroup, self_group: dist.ProcessGroup):
+        self._ranks, self._dp, self._self = list(ranks), dp_group, self_group
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank(self._dp)
+
+    def get_data_parallel_world_size(self):
+        return len(self._ranks)
+
+    def get_data_parallel_group_ranks(self):
+        return list(self._ranks)
+
+    def get_model_parallel_group(self):
+        return self._self
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+
+def _groups_for(ranks: Sequence[int]) -> tuple[dist.ProcessGroup | None, _DataParallelGroup | None]:
+    """(dp group, mpu) for an engine on ``ranks``; every world rank must call this (new_group is
+    collective). ``(None, None)`` when the engine spans the whole world."""
+    world = dist.get_world_size()
+    if list(ranks) == list(range(world)):
+        return None, None
+    me = dist.get_rank()
+    dp_group = dist.new_group(list(ranks))
+    selves = [dist.new_group([r]) for r in range(world)]
+    if me not in ranks:
+        return None, None
+    return dp_group, _DataParallelGroup(ranks, dp_group, selves[me])
+
+
+@contextlib.contextmanager
+def _engine_world(engine_group: dist.ProcessGroup | None, ranks: Sequence[int]):
+    """ZeRO-3 calls a few *world* collectives: barriers while it initialises, and a consistency
+    check (broadcast from global rank 0) while it records its parameter trace in the first steps.
+    An engine on a subset of the world would wait there for ranks that never build it; inside this
+    scope those calls go to the engine's own group instead."""
+    if engine_group is None:
+        yield
+        return
+    from deepspeed.comm import comm as ds_comm
+
+    backend = ds_comm.cdb
+    cls = type(backend)
+
+    def world(group) -> bool:
+        return group is None or group is dist.GroupMember.WORLD
+
+    def barrier(group=None, async_op=False, device_ids=None):
+        return cls.barrier(backend, group=engine_group if world(group) else group, async_op=async_op,
+                           device_ids=device_ids)
+
+    def broadcast(tensor, src, group=None, async_op=False):
+        if world(group):
+            group, src = engine_group, ranks[0] if src == 0 else src
+        return cls.broadcast(backend, tensor, src, group=group, async_op=async_op)
+
+    def same_on_engine_ranks(ints):  # DeepSpeed's consistency check, asked of the engine's ranks
+        everyone = [None] * dist.get_world_size(engine_group)
+        dist.all_gather_object(everyone, list(ints), group=engine_group)
+        if any(e != everyone[0] for e in everyone):
+            raise RuntimeError(f"ZeRO-3 ranks {list(ranks)} disagree: {everyone}")
+
+    import deepspeed.runtime.zero.partition_parameters as z3_params
+    import deepspeed.runtime.zero.partitioned_param_coordinator as z3_coordinator
+    import deepspeed.runtime.zero.stage3 as z3_stage
+
+    checkers = [m for m in (z3_params, z3_coordinator, z3_stage) if hasattr(m, "assert_ints_same_as_other_ranks")]
+    saved = [m.assert_ints_same_as_other_ranks for m in checkers]
+    backend.barrier, backend.broadcast = barrier, broadcast
+    for m in checkers:
+        m.assert_ints_same_as_other_ranks = same_on_engine_ranks
+    try:
+        yield
+    finally:
+        del backend.barrier, backend.broadcast  # back to the class's methods
+        for m, fn in zip(checkers, saved):
+            m.assert_ints_same_as_other_ranks = fn
+
+
+@dataclass
+class ZeroTrainer:
+    """A DeepSpeed engine plus the one thing the tests and recipes do with it: a training step on
+    a global batch (each DP rank takes its contiguous slice)."""
+
+    engine: Any
+    adapter: "ZeroAdapter"
+    dp_group: dist.ProcessGroup | None = None
+    ranks: tuple[int, ...] = ()
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def dp(self) -> int:
+        return dist.get_world_size(self.dp_group)
+
+    def train_step(self, input_ids: torch.Tensor) -> float:
+        dp, r = self.dp, dist.get_rank(self.dp_group)
+        if input_ids.shape[0] % dp:
+            raise ValueError(f"global batch {input_ids.shape[0]} is not divisible by DP={dp}")
+        mine = input_ids.chunk(dp)[r]
+        with _engine_world(self.dp_group, self.ranks):
+            loss = self.engine(input_ids=mine, labels=mine).loss
+            self.engine.backward(loss)
+            self.engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=self.dp_group)
+        self.losses.append(mean.item() / dp)
+        return self.losses[-1]
+
+
+def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec, stage: int, micro_batch: int,
+                       ranks: Sequence[int] | None = None, optim: AdamWConfig = AdamWConfig(),
+                       dtype: str = "float32", persistence_threshold: int = 0) -> ZeroTrainer | None:
+    """``model`` under ZeRO ``stage`` with DP over ``ranks`` (default: the world). Every world
+    rank calls this; ranks outside ``ranks`` get ``None``. ``persistence_threshold``: ZeRO-3 keeps
+    parameters smaller than this whole on every rank (DeepSpeed's default is 1e5)."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"DeepSpeed on this machine trains in float32 or bfloat16, not {dtype}")
+    deepspeed = import_deepspeed()
+    _join_deepspeed_comm(deepspeed)
+    ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+    dp_group, mpu = _groups_for(ranks)
+    if dist.get_rank() not in ranks:
+        return None
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": persistence_threshold},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": optim.max_grad_norm,
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    optimizer = optim.make(model.parameters())
+    # DeepSpeed keeps the last engine's mpu in a module global and falls back to it when an
+    # engine is built without one: a world-wide engine after a subset one would inherit its group
+    from deepspeed.utils import groups as ds_groups
+    ds_groups.mpu = mpu
+    with _engine_world(dp_group, ranks):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=optim.scheduler,
+                                          config=config, mpu=mpu)
+    adapter = ZeroAdapter(engine, spec, name=f"ZeRO{stage}·DP{len(ranks)}")
+    return ZeroTrainer(engine, adapter, dp_group, tuple(ranks))
+
+
+class ZeroAdapter:
+    """One rank of a DeepSpeed ZeRO engine, described as VPS fragments over its own buffers."""
+
+    def __init__(self, engine: Any, spec: ModelSpec, name: str | None = None):
+        self.engine = engine
+        self.spec = spec
+        self.stage = engine.zero_optimization_stage()
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"the ZeRO adapter needs ZeRO stage 1, 2 or 3, the engine runs stage {self.stage}")
+        self.opt = engine.optimizer
+        self.name = name or f"ZeRO{self.stage}·DP{engine.dp_world_size}"
+        names = {p: n for p, n in engine.param_names.items()}
+        unknown = sorted(n for n in names.values() if n not in spec)
+        if unknown:
+            raise ValueError(f"{self.name}: parameters {unknown[:5]} are not tensors of model {spec.name!r}")
+        self._names = names
+
+    # --- where each parameter's share is -----------------------------------------------------
+    def _groups(self) -> int:
+        return len(self.opt.fp16_groups) if self.stage == 3 else len(self.opt.bit16_groups)
+
+    def _master(self, g: int) -> torch.Tensor:
+        o = self.opt
+        return o.fp32_partitioned_groups_flat[g] if self.stage == 3 else o.single_partition_of_fp32_groups[g]
+
+    def _owned(self, g: int):
+        """(name, shape, flat lo, flat hi, offset in the group's partition buffers) of each
+        parameter share this rank owns in group ``g``."""
+        o = self.opt
+        if self.stage == 3:
+            for p in o.fp16_groups[g]:
+                _, off, P = o.grad_position[o.get_param_id(p)]
+                r = dist.get_rank(group=p.ds_process_group)
+                lo, hi = r * P, min((r + 1) * P, p.ds_numel)
+                if lo < hi:
+                    yield self._names[p], tuple(p.ds_shape), lo, hi, off
+            return
+        r = dist.get_rank(group=o.real_dp_process_group[g])
+        P = o.partition_size[g]
+        for p, off in zip(o.round_robin_bit16_groups[g], o.round_robin_bit16_offsets[g]):
+            lo, hi = max(off, r * P), min(off + p.numel(), (r + 1) * P)
+            if lo < hi:
+                yield self._names[p], tuple(p.shape), lo - off, hi - off, lo - r * P
+
+    # --- the adapter ---------------------------------------------------------------------------
+    def weights(self) -> LocalState:
+        """The bit16 (compute-dtype) weights: whole on every rank under ZeRO-1/2, this rank's
+        partition of each parameter under ZeRO-3."""
+        out = LocalState()
+        o = self.opt
+        for g in range(self._groups()):
+            if self.stage == 3:
+                buf = out.add_buffer(f"{PARAM}/g{g}", o.fp16_partitioned_groups_flat[g])
+                for name, shape, lo, hi, off in self._owned(g):
+                    out.add_flat(StateKey(name, PARAM), shape, lo, hi, buf, off)
+            else:
+                buf = out.add_buffer(f"{PARAM}/g{g}", o.bit16_groups_flat[g])
+                for p, off in zip(o.round_robin_bit16_groups[g], o.round_robin_bit16_offsets[g]):
+                    out.add_box(StateKey(self._names[p], PARAM), Box.full(p.shape), buf, off)
+        return out
+
+    def state(self) -> LocalState:
+        """fp32 master and Adam moments of this rank's partition (``prepare_state`` first on an
+        engine that has not stepped yet: torch creates Adam state at the first step)."""
+        out = LocalState()
+        base = self.opt.optimizer
+        for g in range(self._groups()):
+            master = self._master(g)
+            st = base.state.get(master, {})
+            missing = [k for k in ADAM_MOMENTS if k not in st]
+            if missing:
+                raise RuntimeError(f"{self.name}: no Adam {missing} yet (the engine has not stepped); "
+                                   f"call prepare_state() before describing a fresh engine")
+            tensors = {MASTER: master, EXP_AVG: st[EXP_AVG], EXP_AVG_SQ: st[EXP_AVG_SQ]}
+            for field_, t in tensors.items():
+                buf = out.add_buffer(f"{field_}/g{g}", t.data)
+                for name, shape, lo, hi, off in self._owned(g):
+                    out.add_flat(StateKey(name, field_), shape, lo, hi, buf, off)
+        return out
+
+    @torch.no_grad()
+    def prepare_state(self) -> None:
+        """Create the Adam state torch would create at the first step (zeros, step 0)."""
+        base = self.opt.optimizer
+        for g in range(self._groups()):
+            master = self._master(g)
+            st = base.state[master]
+            if EXP_AVG not in st:
+                st["step"] = torch.tensor(0.0)
+                st[EXP_AVG] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                st[EXP_AVG_SQ] = torch.zeros_like(master, memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def state_written(self) -> None:
+        """The fp32 master changed under the engine: refresh its bit16 copy the way it would
+        after a step. Collective over the engine's DP group."""
+        o = self.opt
+        if self.stage == 3:
+            for g in range(self._groups()):  # param.ds_tensor are views of this flat buffer
+                o.fp16_partitioned_groups_flat[g].data.copy_(o.fp32_partitioned_groups_flat[g].data)
+            # release every gathered parameter (persistent ones included) as step() does, then
+            # re-gather the persistent ones, whose full copy would otherwise stay stale
+            o._partition_all_parameters()
+            if o.persistent_parameters:
+                o.persistent_parameters[0].all_gather(o.persistent_parameters)
+            o.invalidate_secondary_tensor()
+        else:
+            o._hp_optimizer_states_linked = False  # re-link the lp params' optimizer fragments
+            o._lazy_init_hp_params_optimizer_state()
+            o.update_lp_params()  # fp32 partition -> bit16 partition -> all-gather the flat buffer
+
+    def scalars(self) -> dict[str, Any]:
+        base = self.opt.optimizer
+        steps = {float(st["step"]) for st in base.state.values() if "step" in st}
+        if len(steps) > 1:
+            raise RuntimeError(f"{self.name}: Adam step counts differ between groups: {sorted(steps)}")
+        sched = self.engine.lr_scheduler
+        return {"step": int(steps.pop()) if steps else 0,
+                "global_steps": self.engine.global_steps,
+                "global_samples": self.engine.global_samples,
+                "lr_scheduler": sched.state_dict() if sched is not None else None,
+                "rng": torch.get_rng_state()}
+
+    def load_scalars(self, scalars: Mapping[str, Any]) -> None:
+        base = self.opt.optimizer
+        for st in base.state.values():
+            if "step" in st:
+                st["step"].fill_(float(scalars["step"]))
+        self.engine.global_steps = scalars.get("global_steps", scalars["step"])
+        self.engine.global_samples = scalars.get("global_samples", self.engine.global_samples)
+        sched = self.engine.lr_scheduler
+        if sched is not None and scalars.get("lr_scheduler") is not None:
+            sched.load_state_dict(scalars["lr_scheduler"])
+            for group, lr in zip(base.param_groups, sched.get_last_lr()):
+                group["lr"] = lr  # load_state_dict restores the schedule, not the groups' lr
+        if scalars.get("rng") is not None:
+            torch.set_rng_state(scalars["rng"])

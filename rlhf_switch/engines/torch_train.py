@@ -1,0 +1,303 @@
+"""Tiny torch-native training engines: FSDP2, DTensor TP, TP×DP on a 2-D mesh, pipeline stages.
+
+Each ``build_*`` function is called on EVERY rank of the world (process groups are created
+collectively over the world) and returns a ``TorchTrainer`` on the ranks the engine lives on,
+``None`` elsewhere, so one world can hold several engines on disjoint subsets of its ranks.
+Every engine builds the same Hugging Face ``LlamaForCausalLM`` (fp32, seeded, identical on every
+rank), applies its parallelism, and trains it with the shared ``optim.AdamWConfig`` recipe (torch
+``AdamW`` + ``LambdaLR`` warmup); its parameters keep their HF names, so ``trainer.adapter`` (a
+``TorchTrainAdapter``) describes them in the VPS directly.
+
+``train_step(input_ids)`` takes the GLOBAL batch on every rank; each DP rank takes its contiguous
+slice. Every sample has the same number of tokens (no padding), so averaging the per-rank mean
+losses (FSDP2's gradient reduce-scatter averages over DP) gives the one-process full-batch update.
+
+Rank order on a mesh is Megatron's (TP fastest): ``ranks[dp_rank · tp + tp_rank]``.
+"""
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..vps import llama_spec
+from ..vps.layouts.pipeline import stage_bounds
+from .dtensor_adapter import TorchTrainAdapter
+from .optim import AdamWConfig
+
+DEFAULT_TIMEOUT = timedelta(seconds=120)
+
+
+class TorchTrainer:
+    """One rank of a torch-native engine: ``train_step`` and the ``adapter``."""
+
+    def __init__(self, module: nn.Module, name: str, spec, optim: AdamWConfig,
+                 loss_and_backward: Callable[[torch.Tensor], torch.Tensor],
+                 dp_group: dist.ProcessGroup | None, dp: int, dp_rank: int,
+                 loss_group: dist.ProcessGroup | None = None, loss_src: int | None = None):
+        self.module, self.name, self.spec = module, name, spec
+        self.dp, self.dp_rank, self.dp_group = dp, dp_rank, dp_group
+        self._loss_and_backward = loss_and_backward
+        # pipeline: only the last stage knows the loss; it broadcasts it over the stage group
+        self._loss_group, self._loss_src = loss_group, loss_src
+        if optim.max_grad_norm > 0 and loss_group is not None:
+            # a pipeline stage sees only its own parameters' gradients; the global norm would need
+            # an all-reduce across stages, which these stages do not do yet
+            raise NotImplementedError(f"{name}: gradient clipping is not supported on pipeline stages")
+        self._max_grad_norm = optim.max_grad_norm
+        # the recipe every engine shares, so a switch between engines continues the same update
+        self.optimizer = optim.make(module.parameters())
+        self.scheduler = optim.scheduler(self.optimizer)
+        self.adapter = TorchTrainAdapter(spec, name, module, self.optimizer, self.scheduler)
+
+    def train_step(self, input_ids: torch.Tensor) -> float:
+        B = input_ids.shape[0]
+        if B % self.dp:
+            raise ValueError(f"{self.name}: batch {B} is not divisible by DP={self.dp}")
+        per = B // self.dp
+        loss = self._loss_and_backward(input_ids[self.dp_rank * per:(self.dp_rank + 1) * per])
+        if self._max_grad_norm > 0:  # DTensor gradients: the norm is the global one
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self._max_grad_norm, foreach=False)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._global_mean(loss.detach().clone())
+
+    def _global_mean(self, loss: torch.Tensor) -> float:
+        if self._loss_group is not None:
+            dist.broadcast(loss, src=self._loss_src, group=self._loss_group)
+        if self.dp > 1:
+            dist.all_reduce(loss, group=self.dp_group)
+            loss /= self.dp
+        return float(loss)
+
+
+# --- model and groups ------------------------------------------------------------------------------
+
+def hf_model(hf_config: Any, seed: int) -> nn.Module:
+    """The HF ``LlamaForCausalLM`` of ``hf_config`` (dict or config), fp32, sdpa attention, with
+    weights drawn from ``torch.manual_seed(seed)``: identical on every rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**hf_config) if isinstance(hf_config, Mapping) else copy.deepcopy(hf_config)
+    cfg._attn_implementation = "sdpa"  # the pipeline stages call it directly; keep one kernel everywhere
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).float().train()
+
+
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=input_ids, labels=input_ids).loss
+
+
+def _cfg(hf_config: Any, name: str, default: Any = None) -> Any:
+    return hf_config.get(name, default) if isinstance(hf_config, Mapping) else getattr(hf_config, name, default)
+
+
+def _groups(grid: torch.Tensor, dim: int, timeout: timedelta) -> dist.ProcessGroup | None:
+    """Create the groups along mesh dim ``dim`` of ``grid`` (world ranks) — ``new_group`` is
+    collective over the WORLD, so every rank creates every group — and return this rank's."""
+    mine = None
+    lines = grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
+    for line in lines:
+        g = dist.new_group(line, timeout=timeout)
+        if dist.get_rank() in line:
+            mine = g
+    return mine
+
+
+def device_mesh(ranks: Sequence[int], shape: Sequence[int], names: tuple[str, ...],
+                timeout: timedelta = DEFAULT_TIMEOUT):
+    """A CPU ``DeviceMesh`` over ``ranks`` (row-major into ``shape``), or ``None`` on ranks outside.
+
+    Built from our own groups (``DeviceMesh.from_group``), not by ``DeviceMesh(...)``: that one
+    also calls ``new_group`` on every world rank but with gloo's default 30-minute timeout."""
+    grid = torch.tensor(list(ranks), dtype=torch.int).view(*shape)
+    groups = [_groups(grid, d, timeout) for d in range(len(shape))]
+    if dist.get_rank() not in ranks:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if len(shape) == 1:
+        return DeviceMesh.from_group(groups[0], "cpu", mesh_dim_names=names)
+    return DeviceMesh.from_group(groups, "cpu", mesh=grid, mesh_dim_names=names)
+
+
+def check_tp(hf_config: Any, tp: int) -> None:
+    """TP splits heads, KV heads and the MLP width evenly (Colwise/Rowwise): refuse, before
+    anything is built, a TP that does not divide them."""
+    nh = int(_cfg(hf_config, "num_attention_heads"))
+    nkv = int(_cfg(hf_config, "num_key_value_heads") or nh)
+    inter = int(_cfg(hf_config, "intermediate_size"))
+    bad = [f"{n}={v}" for n, v in (("num_attention_heads", nh), ("num_key_value_heads", nkv),
+                                   ("intermediate_size", inter)) if v % tp]
+    if tp < 1 or bad:
+        raise ValueError(f"TP={tp} must divide {', '.join(bad) or 'the model'}: a TP engine cannot take this layout")
+
+
+def _check_ranks(ranks: Sequence[int], size: int, what: str) -> list[int]:
+    """``ranks`` must be ascending: ``new_group`` numbers a group's members in ascending order,
+    and DTensor collectives and pipeline peers follow that numbering, so a mesh or stage order
+    that is not ascending would put shards and stages on the wrong ranks."""
+    ranks = [int(r) for r in ranks]
+    world = dist.get_world_size()
+    if len(ranks) != size or not all(0 <= r < world for r in ranks) or ranks != sorted(set(ranks)):
+        raise ValueError(f"{what} needs {size} distinct ascending ranks of the world of {world}, got {ranks}")
+    return ranks
+
+
+# --- FSDP2 -----------------------------------------------------------------------------------------
+
+def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWConfig = AdamWConfig(),
+                timeout: timedelta = DEFAULT_TIMEOUT) -> TorchTrainer | None:
+    """FSDP2 over ``ranks`` (DP = len(ranks)): ``fully_shard`` on every decoder layer and the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp = len(_check_ranks(ranks, len(ranks), "FSDP2"))
+    mesh = device_mesh(ranks, (dp,), ("dp",), timeout)
+    if mesh is None:
+        return None
+    model = hf_model(hf_config, seed)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return TorchTrainer(model, f"FSDP2·DP{dp}", llama_spec(model.config), optim,
+                        lambda ids: _backward(causal_lm_loss(model, ids)),
+                        mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
+
+
+def _backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss
+
+
+# --- DTensor TP, and TP×DP -----------------------------------------------------------------------
+
+def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """Megatron-style TP of every decoder layer: q/k/v/gate/up column-parallel, o/down
+    row-parallel (one all-reduce each). Embedding, norms and LM head stay plain replicated
+    tensors: they see replicated activations and replicated (all-reduced) gradients, so they
+    stay bit-identical on every TP rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def build_tp(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWConfig = AdamWConfig(),
+             timeout: timedelta = DEFAULT_TIMEOUT) -> TorchTrainer | None:
+    """DTensor TP over ``ranks`` (TP = len(ranks), no DP)."""
+    tp = len(ranks)
+    check_tp(hf_config, tp)
+    mesh = device_mesh(_check_ranks(ranks, tp, f"TP{tp}"), (tp,), ("tp",), timeout)
+    if mesh is None:
+        return None
+    model = hf_model(hf_config, seed)
+    _tensor_parallel(model, mesh)
+    return TorchTrainer(model, f"TP{tp}", llama_spec(model.config), optim,
+                        lambda ids: _backward(causal_lm_loss(model, ids)), None, 1, 0)
+
+
+def build_tp_dp(hf_config: Any, seed: int, ranks: Sequence[int], *, tp: int,
+                optim: AdamWConfig = AdamWConfig(), timeout: timedelta = DEFAULT_TIMEOUT) -> TorchTrainer | None:
+    """TP inside, FSDP2 over DP on a (dp, tp) mesh (torchtitan's 2-D parallelism):
+    ``ranks[dp_rank · tp + tp_rank]``. TP-sharded weights become 2-D DTensors
+    (``_StridedShard`` over dp + ``Shard`` over tp); replicated ones are sharded over dp only."""
+    from torch.distributed.fsdp import fully_shard
+
+    check_tp(hf_config, tp)
+    if tp < 1 or len(ranks) % tp:
+        raise ValueError(f"TP={tp} must divide the engine's {len(ranks)} ranks")
+    dp = len(ranks) // tp
+    mesh = device_mesh(_check_ranks(ranks, len(ranks), f"TP{tp}·DP{dp}"), (dp, tp), ("dp", "tp"), timeout)
+    if mesh is None:
+        return None
+    model = hf_model(hf_config, seed)
+    _tensor_parallel(model, mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return TorchTrainer(model, f"TP{tp}·DP{dp}", llama_spec(model.config), optim,
+                        lambda ids: _backward(causal_lm_loss(model, ids)),
+                        mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
+
+
+# --- pipeline stages -------------------------------------------------------------------------------
+
+class LlamaStage(nn.Module):
+    """Stage ``s`` of a pipelined ``LlamaForCausalLM`` that keeps the full model's parameter
+    names: ``model.layers`` is a ``ModuleDict`` keyed by the original layer index (torchtitan's
+    trick), holding only this stage's layers; the embedding lives on the first stage, the final
+    norm and LM head on the last. Input: token ids (first stage) or hidden states; output:
+    hidden states, or logits on the last stage."""
+
+    def __init__(self, hf: nn.Module, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.model = hf.model
+        self.model.layers = nn.ModuleDict({str(i): self.model.layers[i] for i in range(lo, hi)})
+        if not first:
+            self.model.embed_tokens = None
+        if not last:
+            self.model.norm = None
+        self.lm_head = hf.lm_head if last else None
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.first else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        rope = self.model.rotary_emb(h, position_ids=positions)
+        for layer in self.model.layers.values():
+            # no mask: HF's sdpa path then runs is_causal, as the full model does without padding
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+        if not self.last:
+            return h
+        return self.lm_head(self.model.norm(h))
+
+
+def build_pp(hf_config: Any, seed: int, ranks: Sequence[int], *, microbatches: int = 2,
+             stage_layers: tuple[int, ...] | None = None, optim: AdamWConfig = AdamWConfig(),
+             timeout: timedelta = DEFAULT_TIMEOUT) -> TorchTrainer | None:
+    """``torch.distributed.pipelining`` over ``ranks`` (PP = len(ranks), one stage per rank,
+    GPipe with ``microbatches``); layers split as ``vps.layouts.pipeline.stage_bounds``."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    pp = len(ranks)
+    if _cfg(hf_config, "tie_word_embeddings", False) and pp > 1:
+        raise NotImplementedError("PP with tied embeddings (the head on the last stage shares the "
+                                  "first stage's embedding) is not implemented")
+    bounds = stage_bounds(int(_cfg(hf_config, "num_hidden_layers")), pp, stage_layers)
+    grid = torch.tensor(_check_ranks(ranks, pp, f"PP{pp}"))
+    group = _groups(grid, 0, timeout)
+    if dist.get_rank() not in ranks:
+        return None
+    s = ranks.index(dist.get_rank())
+    hf = hf_model(hf_config, seed)
+    vocab = hf.config.vocab_size
+    stage = LlamaStage(hf, *bounds[s], first=s == 0, last=s == pp - 1)
+    del hf
+    pipe = PipelineStage(stage, s, pp, torch.device("cpu"), group=group)
+    # the full model's loss, per microbatch (every microbatch has the same number of tokens,
+    # so the schedule's mean over microbatches is the full-batch mean)
+    schedule = ScheduleGPipe(pipe, n_microbatches=microbatches,
+                             loss_fn=lambda logits, ids: ForCausalLMLoss(logits, ids, vocab))
+
+    def loss_and_backward(ids: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if s == 0:
+            schedule.step(ids, target=ids if pp == 1 else None, losses=losses, return_outputs=False)
+        elif s == pp - 1:
+            schedule.step(target=ids, losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
+    return TorchTrainer(stage, f"PP{pp}", llama_spec(stage.model.config), optim, loss_and_backward,
+                        None, 1, 0, loss_group=group if pp > 1 else None, loss_src=ranks[-1])

@@ -1,0 +1,234 @@
+"""The GRPO and PPO math as plain torch functions — the formulas of verl, OpenRLHF and TRL.
+
+Shapes: per-sequence tensors are ``[B]``; per-token tensors are ``[B, T]`` over the *response*
+tokens only (prompt positions are not included), with ``mask[b, t] = 1`` on a real response token
+and 0 on padding. ``logprobs[b, t]`` is the log-probability of response token ``t`` given
+everything before it. Masked positions never count in a result; keep them finite all the same (a
+``nan`` there would still reach the gradients through ``torch.where``'s backward).
+
+GRPO (DeepSeekMath): ``grpo_advantages`` over groups of samples of one prompt, broadcast to its
+tokens (``per_token``), ``policy_loss`` (PPO clip) plus ``kl_coef · aggregate(kl_penalty(...))``
+in the loss. PPO: per-token rewards with the KL penalty folded in (``token_rewards``), ``gae`` on
+the critic's values, ``masked_whiten`` of the advantages, ``policy_loss`` and ``value_loss``.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLEstimator = Literal["k1", "k2", "k3"]
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError("shapes differ: " + ", ".join(f"{n}={s}" for n, s in shapes.items()))
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    # where() rather than values * mask: a masked-out nan/inf must not leak into the sum
+    picked = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return picked.sum() if dim is None else picked.sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over positions where ``mask`` is set; 0 (not nan) where there are none."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over the masked positions (all of them together), Bessel-corrected by default as
+    in verl/TRL."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n < 2:
+            raise ValueError(f"an unbiased variance needs at least 2 masked-in values, got {int(n)}")
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the masked positions; ``shift_mean=False`` adds the
+    mean back (scale only). Masked-out positions come back as 0."""
+    mean = masked_mean(values, mask)
+    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """One advantage per sample: its reward minus its group's mean, over the group's (unbiased)
+    std + eps when ``norm_by_std`` (Dr. GRPO drops that division). ``rewards`` is ``[N·G]`` with
+    prompt ``i``'s ``G`` samples at ``[i·G, (i+1)·G)`` — the order vLLM returns ``n=G`` samples in
+    — or already ``[N, G]``; the result has the input's shape. A group whose samples all got the
+    same reward has advantage 0 everywhere: it carries no signal."""
+    if group_size < 2:
+        raise ValueError(f"GRPO needs group_size >= 2 (one sample has nothing to be compared with), got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.reshape(-1, group_size).float()
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if norm_by_std:
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(rewards.shape)
+
+
+def per_token(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` -> ``[B, T]``: each sequence's value on every one of its response tokens, 0 on padding."""
+    spread = per_sequence[:, None].expand(mask.shape)
+    return torch.where(mask.bool(), spread, torch.zeros_like(spread))
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token-mean") -> torch.Tensor:
+    """Reduce a ``[B, T]`` per-token loss to a scalar.
+
+    ``token-mean``: every token of the batch weighs the same (DAPO; long answers weigh more).
+    ``seq-mean-token-mean``: mean per sequence, then over sequences (original GRPO).
+    ``seq-mean-token-sum``: sum per sequence, then mean over sequences (Dr. GRPO uses the sum
+    divided by a constant; divide by it outside). Sequences without tokens are left out of the
+    sequence means."""
+    if mode == "token-mean":
+        return masked_mean(loss, mask)
+    per_seq = masked_sum(loss, mask, dim=-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(AGGREGATIONS)}")
+    has_tokens = mask.sum(-1) > 0
+    return masked_mean(per_seq, has_tokens)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip_eps: float = 0.2, clip_eps_high: float | None = None,
+                aggregation: Aggregation = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip: ``max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high))`` per token with ``r = exp(logp -
+    old_logp)``, aggregated. ``clip_eps_high`` (DAPO's clip-higher) defaults to ``clip_eps``.
+    Returns the loss and detached stats: ``clipfrac`` (tokens where the clipped branch was taken),
+    ``approx_kl`` (``mean(old - new)``, k1 from the old policy) and ``ratio`` (mean)."""
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    per_token_loss = torch.maximum(unclipped, clipped)
+    loss = aggregate(per_token_loss, mask, aggregation)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).float(), mask),
+            "approx_kl": masked_mean(-log_ratio, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3",
+               clamp: float | None = None) -> torch.Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) from samples of π (Schulman, "Approximating KL
+    divergence"), with ``log_r = ref_logp - logp``:
+
+    ``k1 = -log_r`` (unbiased, high variance, can be negative),
+    ``k2 = log_r² / 2`` (biased, low variance),
+    ``k3 = (exp(log_r) - 1) - log_r`` (unbiased, low variance, never negative; verl's
+    ``low_var_kl``, which also clamps it to ±10 — pass ``clamp=10`` for that)."""
+    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    log_r = ref_logprobs - logprobs
+    if estimator == "k1":
+        kl = -log_r
+    elif estimator == "k2":
+        kl = 0.5 * log_r ** 2
+    elif estimator == "k3":
+        kl = torch.expm1(log_r) - log_r
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[token]``: ``logits [..., V]`` at the positions that *predict*
+    ``tokens [...]`` (for a causal LM, the logits one position before each response token)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the last dim: ``logsumexp(z) - Σ softmax(z)·z`` —
+    stable for large logits, where ``-Σ p log p`` would meet ``0 · -inf``."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last masked-in token (``[B]``); -1 for a row with none."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(-1).values
+
+
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """PPO's per-token reward ``[B, T]``: ``-kl_coef · kl`` on every response token, plus the
+    sequence's score on its *last* response token (the reward model judges the whole answer, so
+    that is where it arrives; GAE carries it back). Rows without tokens get nothing."""
+    rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    if kl is not None and kl_coef:
+        _check_same_shape(kl=kl, mask=mask)
+        rewards = rewards - kl_coef * torch.where(mask.bool(), kl.float(), torch.zeros_like(rewards))
+    last = last_token_index(mask)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] += scores.float()[rows]
+    return rewards
+
+
+def gae(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the response tokens:
+    ``δ_t = r_t + γ·V_{t+1} - V_t``, ``A_t = δ_t + γλ·A_{t+1}``, ``returns = A + V``, with
+    ``V`` after the last response token = 0 (the episode ends there). Masked-out positions are
+    skipped, not treated as steps — the recursion carries ``V_{t+1}`` and ``A_{t+1}`` across them
+    (verl's form, which also handles masks with holes) — and come back as 0 in both outputs.
+    Not whitened: call ``masked_whiten`` on the advantages as the recipe wants."""
+    _check_same_shape(values=values, rewards=rewards, mask=mask)
+    values, rewards, keep = values.detach().float(), rewards.detach().float(), mask.bool()
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        k = keep[:, t]
+        advantages[:, t] = torch.where(k, advantage, torch.zeros_like(advantage))
+        next_value = torch.where(k, values[:, t], next_value)
+        next_advantage = torch.where(k, advantage, next_advantage)
+    returns = torch.where(keep, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_eps: float | None = 0.2, aggregation: Aggregation = "token-mean"
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss ``½·max((V - R)², (V_old + clip(V - V_old, ±ε) - R)²)``, aggregated
+    (``clip_eps=None``: plain ``½(V - R)²``). Stats: ``vf_clipfrac`` (tokens where the clipped
+    error was the larger)."""
+    _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
+    unclipped = (values - returns) ** 2
+    if clip_eps is None:
+        per_token_loss = unclipped
+        clipfrac = torch.zeros(())
+    else:
+        clipped_values = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
+        clipped = (clipped_values - returns) ** 2
+        per_token_loss = torch.maximum(unclipped, clipped)
+        with torch.no_grad():
+            clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    return 0.5 * aggregate(per_token_loss, mask, aggregation), {"vf_clipfrac": clipfrac}

@@ -1,0 +1,506 @@
+"""The run config: typed (pydantic v2), strict, and checked against the world before anything starts.
+
+One YAML file per run (see ``configs/``)::
+
+    world_size: 2                  # devices every phase is colocated on (logical ones on CPU)
+    model: {hf_config: {...}}      # a tiny LlamaConfig as a dict, or {path: dir with config.json}
+    train:     {engine: deepspeed, zero_stage: 3, dp: 2}
+    rollout:   {engine: vllm, tp: 2}
+    reference: {engine: deepspeed, zero_stage: 3, dp: 2}
+    critic:    {...}               # PPO only
+    task:      {name: addition, max_len: 2}
+    algorithm: {name: grpo, group_size: 8, ...}
+
+``load_config(path_or_dict)`` returns a ``RunConfig`` or raises one ``ConfigError`` listing every
+bad field by its path (``train.zero_stage: ...``); an unknown field is an error (typos must not
+be silently ignored), with the closest known name suggested. ``check_fits(config)`` then checks
+what types cannot: every phase's layout covers the world and divides the model (heads, KV heads,
+MLP width, layers) and the batch, the tokenizer fits the model's vocabulary, the task's longest
+prompt plus ``max_new_tokens`` fits its context, and the reward function loads — again one error
+listing every problem.
+
+Layout rule: all phases are colocated, so each one spans the whole world: ``tp·pp·dp ==
+world_size`` for ``train``, ``rollout``, ``reference`` and ``critic`` alike.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .rewards import DEFAULT_REWARDS, RewardError, load_reward_fn, parse_reward_spec
+from .tasks import CharTokenizer, build_task, longest_answer_tokens, longest_prompt_tokens
+
+TrainEngine = Literal["deepspeed", "fsdp2", "torch_tp", "torch_pp"]
+RolloutEngine = Literal["vllm", "torch"]
+# the names rlhf_switch.rl.algorithms accepts (kept here so loading a config never imports torch)
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLEstimator = Literal["k1", "k2", "k3"]
+PHASES = ("train", "rollout", "reference", "critic")
+# LlamaConfig's defaults for the fields a config dict may leave out
+LLAMA_DEFAULT_CONTEXT = 2048
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: ``problems`` lists each reason, the message shows them all."""
+
+    def __init__(self, header: str, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(header + "".join(f"\n  - {p}" for p in self.problems))
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PhaseLayout(Strict):
+    """How one phase spreads over the world: ZeRO stage (DeepSpeed only), tensor, pipeline and
+    data parallel sizes."""
+
+    zero_stage: int = Field(0, ge=0, le=3)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+class TrainLayout(PhaseLayout):
+    """A phase that runs forward (and backward) in a training engine: train, reference, critic."""
+
+    engine: TrainEngine
+
+
+class RolloutLayout(PhaseLayout):
+    engine: RolloutEngine
+
+
+class ModelConfig(Strict):
+    """The actor's architecture: ``hf_config`` (a ``LlamaConfig`` as a dict; the reference and
+    the critic's trunk share it) or ``path`` (a local directory with ``config.json``)."""
+
+    hf_config: dict[str, Any] | None = None
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @field_validator("hf_config")
+    @classmethod
+    def _has_dims(cls, cfg: dict[str, Any] | None) -> dict[str, Any] | None:
+        if cfg is None:
+            return cfg
+        missing = [k for k in ModelDims.REQUIRED if k not in cfg]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        bad = [f"{k}={cfg[k]!r}" for k in ModelDims.REQUIRED + ModelDims.OPTIONAL
+               if k in cfg and cfg[k] is not None and not (isinstance(cfg[k], int) and cfg[k] > 0)]
+        if bad:
+            raise ValueError(f"must be positive integers: {', '.join(bad)}")
+        return cfg
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.hf_config is None) == (self.path is None):
+            raise ValueError("model: give exactly one of hf_config (a dict) or path (a directory)")
+        return self
+
+
+class TaskConfig(Strict):
+    """A generated task (``rlhf_switch.rl.tasks``). Its own ``seed`` (not the run's) fixes the
+    prompts, so runs with different seeds are evaluated on the same held-out set."""
+
+    name: Literal["addition", "sorting", "reversal"]
+    min_len: int = Field(1, ge=1)
+    max_len: int = Field(3, ge=1)
+    num_train: int = Field(2000, ge=1)
+    num_heldout: int = Field(200, ge=1)
+    seed: int = 0
+    reward_fn: str | None = None  # "module:function"; None -> the task's exact match
+
+    @field_validator("reward_fn")
+    @classmethod
+    def _reward_spec_shape(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            parse_reward_spec(spec)
+        return spec
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "TaskConfig":
+        if self.min_len > self.max_len:
+            raise ValueError(f"task: min_len={self.min_len} is above max_len={self.max_len}")
+        if self.reward_fn is None:
+            # written back so a saved config names the reward it actually ran with
+            self.__dict__["reward_fn"] = DEFAULT_REWARDS[self.name]
+        return self
+
+
+class AlgorithmBase(Strict):
+    """What GRPO and PPO share. Per iteration: ``prompts_per_iteration`` prompts, ``group_size``
+    samples each (the rollout batch), then ``epochs`` passes over it in optimizer steps of
+    ``mini_batch_size`` sequences (default: the whole rollout batch, one step), each split over
+    the train DP ranks and run ``micro_batch_size`` sequences per forward."""
+
+    iterations: int = Field(20, ge=1)
+    prompts_per_iteration: int = Field(8, ge=1)
+    mini_batch_size: int | None = Field(None, ge=1)
+    micro_batch_size: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1)
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    clip_eps_high: float | None = Field(None, gt=0)
+    loss_aggregation: Aggregation = "token-mean"
+    kl_coef: float = Field(0.0, ge=0)
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.prompts_per_iteration * self.group_size
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.mini_batch_size or self.rollout_batch_size
+
+
+class GrpoConfig(AlgorithmBase):
+    """GRPO: group-normalised advantages, KL to the reference in the loss (k3 by default)."""
+
+    name: Literal["grpo"]
+    group_size: int = Field(8, ge=2)
+    norm_adv_by_std: bool = True
+    adv_eps: float = Field(1e-6, gt=0)
+    kl_coef: float = Field(0.001, ge=0)
+    kl_estimator: KLEstimator = "k3"
+
+
+class PpoConfig(AlgorithmBase):
+    """PPO: a critic and GAE; the KL to the reference is a per-token reward (k1 by default)."""
+
+    name: Literal["ppo"]
+    group_size: int = Field(1, ge=1)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    critic_lr: float = Field(1e-5, gt=0)
+    value_clip_eps: float | None = Field(0.2, gt=0)
+    whiten_advantages: bool = True
+    kl_coef: float = Field(0.05, ge=0)
+    kl_estimator: KLEstimator = "k1"
+
+
+AlgorithmConfig = Annotated[Union[GrpoConfig, PpoConfig], Field(discriminator="name")]
+
+
+class SftConfig(Strict):
+    """The supervised warm start on the task's train split (prompt → answer + ``<eos>``)."""
+
+    steps: int = Field(200, ge=0)
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(32, ge=1)
+
+
+class RunConfig(Strict):
+    world_size: int = Field(ge=1)
+    seed: int = 0
+    output_dir: str = "runs/default"
+    ray_address: str | None = None  # None: an embedded Ray (address="local"), never a stale cluster
+    model: ModelConfig
+    train: TrainLayout
+    rollout: RolloutLayout
+    reference: TrainLayout | None = None
+    critic: TrainLayout | None = None
+    task: TaskConfig
+    algorithm: AlgorithmConfig
+    sft: SftConfig | None = None
+
+    @model_validator(mode="after")
+    def _phases_for_algorithm(self) -> "RunConfig":
+        problems = []
+        if self.algorithm.name == "ppo" and self.critic is None:
+            problems.append("critic: PPO needs a critic block (engine and layout of the value model)")
+        if self.algorithm.name == "grpo" and self.critic is not None:
+            problems.append("critic: GRPO has no critic; remove the block")
+        if self.algorithm.kl_coef > 0 and self.reference is None:
+            problems.append(f"reference: algorithm.kl_coef={self.algorithm.kl_coef} needs a reference "
+                            f"block (or set kl_coef: 0)")
+        if problems:
+            # one line per problem: _format_errors splits them back into separate entries
+            raise ValueError("\n".join(problems))
+        return self
+
+    def phases(self) -> dict[str, PhaseLayout]:
+        """The layouts this run uses, by phase name."""
+        return {p: getattr(self, p) for p in PHASES if getattr(self, p) is not None}
+
+
+# ---------------------------------------------------------------- loading and error messages
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation may hold (through Optional, Union, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _tag_of(model: type[BaseModel]) -> Any:
+    field = model.model_fields.get("name")
+    args = typing.get_args(field.annotation) if field is not None else ()
+    return args[0] if len(args) == 1 else None
+
+
+def _walk(loc: tuple) -> tuple[str, list[type[BaseModel]]]:
+    """A pydantic error location as the user wrote it (``algorithm.gamma``, without pydantic's
+    union tag ``grpo``), and the model(s) found at its end."""
+    shown: list[str] = []
+    models: list[type[BaseModel]] = [RunConfig]
+    for part in loc:
+        variant = [m for m in models if len(models) > 1 and _tag_of(m) == part]
+        if variant:
+            models = variant
+            continue
+        if isinstance(part, int):
+            shown.append(f"[{part}]")
+            models = []
+            continue
+        shown.append(f".{part}" if shown else str(part))
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        models = _models_in(fields[0].annotation) if fields else []
+    return "".join(shown), models
+
+
+def _shorten(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _format_error(err: Mapping[str, Any]) -> list[str]:
+    loc = tuple(err["loc"])
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        path, _ = _walk(loc)
+        parent_path, parents = _walk(loc[:-1])
+        known = sorted({f for m in parents for f in m.model_fields})
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        where = f" in {parent_path}" if parent_path else ""
+        return [f"{path}: unknown field{where}{hint} (known: {', '.join(known)})"]
+    path, models = _walk(loc)
+    if kind == "value_error":
+        # our own validators: one problem per line, most already starting with their field's path
+        lines = str(err["ctx"]["error"]).split("\n")
+        return [line if not path or line.startswith(f"{path}:") else f"{path}: {line}" for line in lines]
+    if kind in ("union_tag_not_found", "union_tag_invalid"):
+        tags = [str(_tag_of(m)) for m in models]
+        got = "" if kind == "union_tag_not_found" else f" (got {_shorten(err['ctx'].get('tag'))})"
+        return [f"{path}: name must be one of {', '.join(tags)}{got}"]
+    got = "" if kind == "missing" else f" (got {_shorten(err.get('input'))})"
+    return [f"{path or '(top level)'}: {err['msg']}{got}"]
+
+
+def format_validation_error(error: ValidationError) -> list[str]:
+    """One line per bad field, ``path: what is wrong (got value)``."""
+    return [line for err in error.errors(include_url=False) for line in _format_error(err)]
+
+
+def _read_yaml(path: Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"config {path}", [f"no such file: {path}"])
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path}", [f"not valid YAML: {e}"]) from None
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any]) -> RunConfig:
+    """A ``RunConfig`` from a YAML file or an already-parsed dict; ``ConfigError`` lists every
+    bad field."""
+    name = "config" if isinstance(source, Mapping) else f"config {source}"
+    data = source if isinstance(source, Mapping) else _read_yaml(Path(source))
+    if not isinstance(data, Mapping):
+        raise ConfigError(name, [f"the top level must be a mapping of fields, got {type(data).__name__}"])
+    try:
+        return RunConfig.model_validate(dict(data))
+    except ValidationError as e:
+        problems = format_validation_error(e)
+        raise ConfigError(f"{name}: {len(problems)} problem{'s' * (len(problems) != 1)}", problems) from None
+
+
+# ---------------------------------------------------------------- does it fit the world?
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The numbers of a Llama-shaped config the fit check needs."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_context: int
+    special_ids: Mapping[str, int]
+
+    REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    OPTIONAL = ("num_key_value_heads", "max_position_embeddings")
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelDims":
+        heads = int(cfg["num_attention_heads"])
+        return cls(hidden_size=int(cfg["hidden_size"]), num_layers=int(cfg["num_hidden_layers"]),
+                   num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                   intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+                   max_context=int(cfg.get("max_position_embeddings") or LLAMA_DEFAULT_CONTEXT),
+                   special_ids={k: cfg[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")
+                                if cfg.get(k) is not None})
+
+
+def model_dims(model: ModelConfig) -> ModelDims:
+    """From the inline dict, or ``config.json`` in a local ``path`` (read as JSON: nothing is
+    downloaded and transformers is not imported)."""
+    if model.hf_config is not None:
+        return ModelDims.from_hf_config(model.hf_config)
+    config_json = Path(model.path) / "config.json"
+    if not config_json.is_file():
+        raise ConfigError("model", [f"model.path: no config.json at {config_json}"])
+    cfg = json.loads(config_json.read_text())
+    missing = [k for k in ModelDims.REQUIRED if k not in cfg]
+    if missing:
+        raise ConfigError("model", [f"model.path: {config_json} lacks {', '.join(missing)}"])
+    return ModelDims.from_hf_config(cfg)
+
+
+def _layout_problems(phase: str, layout: PhaseLayout, world_size: int) -> list[str]:
+    problems = []
+    if layout.size != world_size:
+        problems.append(f"{phase}: tp·pp·dp = {layout.tp}·{layout.pp}·{layout.dp} = {layout.size}, but "
+                        f"world_size = {world_size} (every phase is colocated on all devices)")
+    if isinstance(layout, RolloutLayout):
+        if layout.pp > 1:
+            problems.append(f"{phase}: rollout engines run tensor parallel replicas only; pp={layout.pp} "
+                            f"must be 1 (use tp and dp)")
+        if layout.zero_stage:
+            problems.append(f"{phase}: rollout engines hold whole (TP-sharded) weights; "
+                            f"zero_stage={layout.zero_stage} must be 0")
+    elif layout.engine == "deepspeed" and (layout.tp > 1 or layout.pp > 1):
+        problems.append(f"{phase}: engine deepspeed is ZeRO data parallelism (tp=1, pp=1); "
+                        f"for tp={layout.tp}, pp={layout.pp} use engine torch_tp / torch_pp")
+    elif layout.engine != "deepspeed" and layout.zero_stage:
+        problems.append(f"{phase}: zero_stage={layout.zero_stage} applies to engine deepspeed only; "
+                        f"{layout.engine} shards by its own layout (set zero_stage: 0)")
+    return problems
+
+
+def _model_split_problems(phase: str, layout: PhaseLayout, dims: ModelDims) -> list[str]:
+    """TP must split heads and the MLP evenly; PP needs a layer per stage."""
+    tp, problems = layout.tp, []
+    if dims.num_heads % tp:
+        problems.append(f"{phase}: tp={tp} does not divide num_attention_heads={dims.num_heads}")
+    kv = dims.num_kv_heads
+    if isinstance(layout, RolloutLayout) and tp > kv:
+        # vLLM (and the torch rollout, in vLLM's layout) replicate KV heads when TP exceeds them
+        if tp % kv:
+            problems.append(f"{phase}: tp={tp} is above num_key_value_heads={kv} and must then be a "
+                            f"multiple of it")
+    elif kv % tp:
+        problems.append(f"{phase}: tp={tp} does not divide num_key_value_heads={kv}")
+    if dims.intermediate_size % tp:
+        problems.append(f"{phase}: tp={tp} does not divide intermediate_size={dims.intermediate_size}")
+    if layout.pp > dims.num_layers:
+        problems.append(f"{phase}: pp={layout.pp} is more stages than num_hidden_layers={dims.num_layers}")
+    return problems
+
+
+def _batch_problems(cfg: RunConfig) -> list[str]:
+    algo = cfg.algorithm
+    rollout_batch, train_batch = algo.rollout_batch_size, algo.train_batch_size
+    problems = []
+    if algo.prompts_per_iteration % cfg.rollout.dp:
+        problems.append(f"rollout: dp={cfg.rollout.dp} does not divide algorithm.prompts_per_iteration="
+                        f"{algo.prompts_per_iteration} (each replica takes whole groups of prompts)")
+    if rollout_batch % train_batch:
+        problems.append(f"algorithm.mini_batch_size={train_batch} does not divide the rollout batch "
+                        f"prompts_per_iteration·group_size = {rollout_batch}")
+    if train_batch % cfg.train.dp:
+        problems.append(f"train: dp={cfg.train.dp} does not divide algorithm.mini_batch_size={train_batch}")
+    elif (train_batch // cfg.train.dp) % algo.micro_batch_size:
+        problems.append(f"algorithm.micro_batch_size={algo.micro_batch_size} does not divide the per-rank "
+                        f"mini batch {train_batch}/{cfg.train.dp} = {train_batch // cfg.train.dp}")
+    if cfg.reference is not None and rollout_batch % cfg.reference.dp:
+        problems.append(f"reference: dp={cfg.reference.dp} does not divide the rollout batch {rollout_batch}")
+    if cfg.critic is not None and train_batch % cfg.critic.dp:
+        problems.append(f"critic: dp={cfg.critic.dp} does not divide algorithm.mini_batch_size={train_batch}")
+    if cfg.sft is not None and cfg.sft.batch_size % cfg.train.dp:
+        problems.append(f"sft: batch_size={cfg.sft.batch_size} is not divisible by train.dp={cfg.train.dp}")
+    return problems
+
+
+def _task_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
+    task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
+    tokenizer = CharTokenizer()
+    problems = []
+    wanted, space = cfg.task.num_train + cfg.task.num_heldout, task.space_size()
+    if wanted > space:
+        problems.append(f"task: {cfg.task.name} with max_len={cfg.task.max_len} has {space} distinct prompts; "
+                        f"num_train + num_heldout = {wanted}")
+    answer = longest_answer_tokens(task, tokenizer)
+    if answer > cfg.algorithm.max_new_tokens:
+        problems.append(f"algorithm.max_new_tokens={cfg.algorithm.max_new_tokens} cannot hold the task's longest "
+                        f"answer ({answer} tokens with <eos>)")
+    if dims is None:
+        return problems
+    prompt = longest_prompt_tokens(task, tokenizer)
+    if prompt + cfg.algorithm.max_new_tokens > dims.max_context:
+        problems.append(f"model: the task's longest prompt is {prompt} tokens; with max_new_tokens="
+                        f"{cfg.algorithm.max_new_tokens} that is {prompt + cfg.algorithm.max_new_tokens} "
+                        f"> max_position_embeddings={dims.max_context}")
+    if tokenizer.vocab_size > dims.vocab_size:
+        problems.append(f"model: vocab_size={dims.vocab_size} is smaller than the tokenizer's "
+                        f"{tokenizer.vocab_size} ids")
+    expected = {"pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    for key, value in dims.special_ids.items():
+        if value != expected[key]:
+            problems.append(f"model: {key}={value}, but the tokenizer's is {expected[key]}")
+    return problems
+
+
+def fit_problems(cfg: RunConfig, load_reward: bool = True) -> list[str]:
+    """Every reason ``cfg`` cannot run on its world; empty when it can."""
+    problems: list[str] = []
+    try:
+        dims: ModelDims | None = model_dims(cfg.model)
+    except ConfigError as e:
+        problems += e.problems
+        dims = None
+    for phase, layout in cfg.phases().items():
+        problems += _layout_problems(phase, layout, cfg.world_size)
+        if dims is not None:
+            problems += _model_split_problems(phase, layout, dims)
+    problems += _batch_problems(cfg)
+    problems += _task_problems(cfg, dims)
+    if load_reward:
+        try:
+            load_reward_fn(cfg.task.reward_fn)
+        except RewardError as e:
+            problems.append(f"task.reward_fn: {e}")
+    return problems
+
+
+def check_fits(cfg: RunConfig, load_reward: bool = True) -> None:
+    """Raise one ``ConfigError`` listing every problem ``fit_problems`` finds; call it before
+    any process, actor or engine starts."""
+    problems = fit_problems(cfg, load_reward)
+    if problems:
+        raise ConfigError(f"the config does not fit world_size={cfg.world_size}: "
+                          f"{len(problems)} problem{'s' * (len(problems) != 1)}", problems)

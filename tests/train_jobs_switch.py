@@ -1,0 +1,134 @@
+"""Rank jobs for tests/test_train_switch.py: real engines (DeepSpeed ZeRO, FSDP2, DTensor TP,
+TP×DP, pipeline stages) switched into each other mid-training through the VPS.
+
+A *recipe* names an engine and the world ranks it lives on: ``(kind, ranks, kwargs)``. Every
+world rank builds every recipe (process groups are created collectively); ranks outside the
+engine get ``None``.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from rlhf_switch.engines import torch_train
+from rlhf_switch.engines.deepspeed_zero import build_zero_trainer
+from rlhf_switch.engines.train_switch import switch_training
+from rlhf_switch.routing import MoveError
+from rlhf_switch.vps import llama_spec
+
+from train_jobs_ds import BATCH, MODEL, OPTIM, batch, read_back, tiny_llama
+
+TORCH_BUILDERS = {"fsdp2": torch_train.build_fsdp2, "tp": torch_train.build_tp,
+                  "tp_dp": torch_train.build_tp_dp, "pp": torch_train.build_pp}
+
+
+def build(recipe: tuple, seed: int, **model_overrides):
+    kind, ranks, kwargs = recipe
+    if kind == "zero":
+        model, spec = tiny_llama(seed, **model_overrides)
+        return build_zero_trainer(model, spec, kwargs["stage"], micro_batch=BATCH // len(ranks),
+                                  ranks=ranks, optim=OPTIM)
+    return TORCH_BUILDERS[kind]({**MODEL, **model_overrides}, seed, ranks, optim=OPTIM, **kwargs)
+
+
+def _first(values):
+    return next(v for v in values if v is not None)
+
+
+def _everyone(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def full_state(trainer) -> dict:
+    """{(tensor, field): full tensor} of an engine's training state, assembled on every world rank
+    from each rank's fragments (the adapters' descriptions are checked against the engines' own
+    gathers in test_deepspeed.py / test_torch_train.py)."""
+    spec = llama_spec(MODEL)
+    pieces = read_back(trainer.adapter.state()) if trainer is not None else {}
+    full = {}
+    for rank_pieces in _everyone(pieces):
+        for (name, field), boxes in rank_pieces.items():
+            t = full.setdefault((name, field), torch.zeros(spec[name].shape))
+            for box, values in boxes:
+                t[tuple(slice(a, b) for a, b in zip(box.lo, box.hi))] = values
+    return full
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _mismatches_against(trainer, full: dict) -> list[str]:
+    """Fragments of ``trainer``'s state whose bits differ from ``full``."""
+    if trainer is None:
+        return []
+    bad = []
+    for key, boxes in read_back(trainer.adapter.state()).items():
+        for box, values in boxes:
+            if not torch.equal(values, full[key][tuple(slice(a, b) for a, b in zip(box.lo, box.hi))]):
+                bad.append(f"{key} {box}")
+    return bad
+
+
+def switch_and_continue(src: tuple, dst: tuple, k: int) -> dict:
+    """Train ``2k`` steps in ``src`` (the reference), then again: ``k`` steps in ``src``, switch
+    to a freshly built ``dst`` (other seed), ``k`` more steps in ``dst``."""
+    ref = build(src, seed=0)
+    ref_losses = [ref.train_step(batch(s)) for s in range(2 * k)] if ref else None
+    ref_final = full_state(ref)
+    ref_losses = _first(_everyone(ref_losses))
+    del ref
+
+    a = build(src, seed=0)
+    losses = [a.train_step(batch(s)) for s in range(k)] if a else None
+    at_switch = full_state(a)
+    b = build(dst, seed=1)
+    full_bytes = 4 * llama_spec(MODEL).numel
+    budget = full_bytes // 8  # far below one full copy: the move must stream
+    report = switch_training(a.adapter if a else None, b.adapter if b else None, budget_bytes=budget)
+    exact = _mismatches_against(b, at_switch)
+    step_after = b.adapter.scalars()["step"] if b else None
+    lr_after = [g["lr"] for g in b.optimizer.param_groups] if b and hasattr(b, "optimizer") else None
+    losses_b = [b.train_step(batch(s)) for s in range(k, 2 * k)] if b else None
+    final = full_state(b)
+    everyone = _everyone({"losses": losses, "losses_b": losses_b, "step": step_after})
+    return {"ref_losses": ref_losses, "losses": _first(e["losses"] for e in everyone) +
+            _first(e["losses_b"] for e in everyone), "exact_mismatches": exact,
+            "steps_after": [e["step"] for e in everyone if e["step"] is not None],
+            "lr_after": lr_after, "max_state_diff": _max_diff(final, ref_final),
+            "bytes_received": report.move.bytes_received, "min_bytes": report.move.min_bytes_received,
+            "peak_staging": report.move.peak_staging_bytes, "budget": budget, "full_bytes": full_bytes,
+            "report": str(report)}
+
+
+def _digest(trainer) -> str | None:
+    if trainer is None:
+        return None
+    h = hashlib.sha256()
+    for name, t in sorted(trainer.adapter.state().tensors.items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def refuse_other_model(src: tuple, dst: tuple) -> dict:
+    """Switch into an engine built for another model: refused on every rank before anything
+    moves; the source's bytes are untouched and it trains on."""
+    a = build(src, seed=0)
+    if a:
+        a.train_step(batch(0))
+    before = _digest(a)
+    b = build(dst, seed=1, num_hidden_layers=MODEL["num_hidden_layers"] + 1)
+    error = None
+    try:
+        switch_training(a.adapter if a else None, b.adapter if b else None)
+    except MoveError as e:
+        error = str(e)
+    after = _digest(a)
+    loss = a.train_step(batch(1)) if a else None
+    return {"error": error, "untouched": before == after, "loss": loss}
