@@ -60,7 +60,10 @@ def _all(ray, calls, timeout=600):
 
 
 def run(config_source, iterations: int | None = None, output_dir: str | None = None,
-        stale_tol: float = 1e-4, quiet: bool = False) -> list[dict]:
+        stale_tol: float = 1e-4, quiet: bool = False, skip_sync_at: tuple[int, ...] = ()) -> list[dict]:
+    """Run the loop; returns the per-iteration records (also in ``<output_dir>/metrics.jsonl``).
+    ``skip_sync_at``: fault injection for tests — iterations that generate WITHOUT syncing the
+    weights first, which the stale-weights check must catch."""
     from rlhf_switch.rl.algorithms import grpo_advantages
     from rlhf_switch.rl.config import check_fits, load_config
     from rlhf_switch.rl.rewards import load_reward_fn, score_samples
@@ -102,8 +105,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
         for it in range(iterations):
             t_it = time.perf_counter()
             # 1. switch train -> rollout
-            reports = _all(ray, [w.sync_weights_to_rollout.remote() for w in workers])
-            switch_s = max(r["wall_seconds"] for r in reports)
+            reports = [] if it in skip_sync_at else _all(ray, [w.sync_weights_to_rollout.remote() for w in workers])
+            switch_s = max((r["wall_seconds"] for r in reports), default=0.0)
             moved = sum(r["bytes_sent"] + r["bytes_local"] for r in reports)
             # 2. generate G samples per prompt
             samples = rng.sample(splits.train, alg.prompts_per_iteration)
