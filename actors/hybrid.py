@@ -4,7 +4,8 @@
 ``remote_class``), one actor per placement-group bundle. The workers form their own gloo world
 (rank 0 opens a TCPStore on port 0 and the driver hands its real port to everyone), and on it:
 
-- the training engine: torch-native FSDP2 over all ranks (``train.engine: fsdp2``) — the actor
+- the training engine over all ranks: torch-native FSDP2 (``train.engine: fsdp2``) or DeepSpeed
+  ZeRO-1/2/3 (``deepspeed``; one forward per optimizer step) — the actor
   whose weights are trained;
 - the reference: a frozen, unsharded copy of the initial weights on every rank (tiny models only);
 - the rollout engine: ``TorchRollout`` in vLLM's per-rank TP layout (``rollout.tp``), replicas =
@@ -83,9 +84,9 @@ class HybridWorker:
         self.cfg, alg = cfg, cfg.algorithm
         if cfg.model.hf_config is None:
             raise NotImplementedError("the hybrid worker builds models from model.hf_config only (no path yet)")
-        if cfg.train.engine != "fsdp2":
-            raise NotImplementedError(f"train.engine={cfg.train.engine!r}: this worker trains with fsdp2 only "
-                                      f"so far (deepspeed / torch_tp / torch_pp land later)")
+        if cfg.train.engine not in ("fsdp2", "deepspeed"):
+            raise NotImplementedError(f"train.engine={cfg.train.engine!r}: this worker trains with fsdp2 or "
+                                      f"deepspeed so far (torch_tp / torch_pp land later)")
         if cfg.rollout.engine != "torch":
             raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r}: this worker runs the torch "
                                       f"rollout engine only so far")
@@ -94,8 +95,47 @@ class HybridWorker:
         hf = cfg.model.hf_config
         optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
         ranks = list(range(self.world))
-        self.trainer = build_fsdp2(hf, cfg.seed, ranks, optim=optim, timeout=TIMEOUT)
-        self.dp, self.dp_rank = self.trainer.dp, self.trainer.dp_rank
+        self.micro_override = None
+        if cfg.train.engine == "fsdp2":
+            t = build_fsdp2(hf, cfg.seed, ranks, optim=optim, timeout=TIMEOUT)
+            self.model, self.spec, self.adapter, self.engine_name = t.module, t.spec, t.adapter, t.name
+            self.dp, self.dp_rank = t.dp, t.dp_rank
+            self._backward = lambda loss: loss.backward()
+
+            def step() -> float:
+                gn = float("nan")
+                if t._max_grad_norm > 0:  # DTensor gradients: the norm is the global one
+                    gn = torch.nn.utils.clip_grad_norm_(t.module.parameters(), t._max_grad_norm, foreach=False)
+                    gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+                t.optimizer.step()
+                t.scheduler.step()
+                t.optimizer.zero_grad(set_to_none=True)
+                return gn
+            self._step = step
+        else:
+            from rlhf_switch.engines.deepspeed_zero import build_zero_trainer
+            from rlhf_switch.vps import llama_spec
+
+            if cfg.train.zero_stage not in (1, 2, 3):
+                raise ValueError(f"train.engine deepspeed needs zero_stage 1, 2 or 3, got {cfg.train.zero_stage}")
+            # one forward per optimizer step: the engine is built with gradient_accumulation_steps=1,
+            # so its micro batch is the whole per-rank mini-batch
+            local_mini = alg.train_batch_size // self.world
+            self.micro_override = local_mini
+            module = hf_model(hf, cfg.seed)
+            spec = llama_spec(module.config)
+            z = build_zero_trainer(module, spec, cfg.train.zero_stage, local_mini, ranks, optim=optim)
+            eng = z.engine
+            self.model, self.spec, self.adapter, self.engine_name = eng, spec, z.adapter, z.adapter.name
+            self.dp, self.dp_rank = z.dp, dist.get_rank(z.dp_group)
+            self._backward = eng.backward
+
+            def step() -> float:
+                eng.step()
+                gn = eng.get_global_grad_norm() if hasattr(eng, "get_global_grad_norm") else None
+                return float(gn) if gn is not None else float("nan")
+            self._step = step
+        self.max_grad_norm = optim.max_grad_norm
         # the reference: the initial weights, frozen (same seed: identical to the trainer at step 0)
         self.reference = hf_model(hf, cfg.seed).eval().requires_grad_(False) if cfg.reference else None
         # rollout: replicas of TP=tp over consecutive ranks
@@ -104,13 +144,15 @@ class HybridWorker:
         groups = [dist.new_group(list(range(r, r + tp)), timeout=TIMEOUT) for r in range(0, self.world, tp)] \
             if tp > 1 else [None] * self.replicas
         self.replica, self.tp_rank = self.rank // tp, self.rank % tp
-        self.rollout = TorchRollout.from_hf_config(self.trainer.spec, self.trainer.module.config, tp=tp,
+        from transformers import LlamaConfig
+
+        self.rollout = TorchRollout.from_hf_config(self.spec, LlamaConfig(**hf), tp=tp,
                                                    tp_rank=self.tp_rank, group=groups[self.replica])
         self.pad_id = int(hf.get("pad_token_id") or 0)
         self.eos_id = hf.get("eos_token_id")
         self.train_steps = 0
-        return {"rank": self.rank, "trainer": self.trainer.name, "rollout": f"TorchRollout TP{tp}×{self.replicas}",
-                "params": sum(p.numel() for p in self.trainer.module.parameters())}
+        return {"rank": self.rank, "trainer": self.engine_name, "rollout": f"TorchRollout TP{tp}×{self.replicas}",
+                "params": self.spec.numel}
 
     # --- phases ------------------------------------------------------------------------------------
     def sync_weights_to_rollout(self) -> dict:
@@ -119,8 +161,8 @@ class HybridWorker:
         from rlhf_switch.routing import move
 
         t0 = time.perf_counter()
-        local = self.trainer.adapter.weights()
-        (src,), _ = gather_layouts([(self.trainer.spec, local)], [f"train:{self.trainer.name}"])
+        local = self.adapter.weights()
+        (src,), _ = gather_layouts([(self.spec, local)], [f"train:{self.engine_name}"])
         dst = self.rollout.layout(self.replicas)
         report = move(src, dst, local.tensors, self.rollout.buffers, timeout=TIMEOUT)
         out = dict(vars(report))
@@ -148,7 +190,7 @@ class HybridWorker:
 
         ``batch``: ``prompts``, ``responses`` (token ids), ``rollout_logprobs`` (per token) and
         ``advantages`` (one per sequence)."""
-        alg, model = self.cfg.algorithm, self.trainer.module
+        alg, model = self.cfg.algorithm, self.model
         B = len(batch["prompts"])
         mini = alg.train_batch_size
         if B % mini or mini % self.dp:
@@ -162,7 +204,7 @@ class HybridWorker:
         for b, lps in enumerate(batch["rollout_logprobs"][lo:hi]):
             p = len(prompts[b])
             rollout_lp[b, p - 1: p - 1 + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        local_mini, micro = mini // self.dp, alg.micro_batch_size
+        local_mini, micro = mini // self.dp, self.micro_override or alg.micro_batch_size
         micro = min(micro, local_mini)
         if local_mini % micro:
             raise ValueError(f"micro_batch_size {micro} does not divide the per-rank mini-batch {local_mini}")
@@ -195,17 +237,13 @@ class HybridWorker:
                     kl_mean = aggregate(kl, mask[s], alg.loss_aggregation)
                     if alg.kl_coef > 0 and self.reference is not None:
                         loss = loss + alg.kl_coef * kl_mean
-                    (loss / n_micro).backward()
+                    self._backward(loss / n_micro)
                     stats["policy_loss"].append(float(pl.detach()))
                     stats["kl"].append(float(kl_mean.detach()))
                     stats["clipfrac"].append(float(st["clipfrac"]))
-                if self.trainer._max_grad_norm > 0:
-                    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), self.trainer._max_grad_norm, foreach=False)
-                    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-                    stats["grad_norm"].append(float(gn))
-                self.trainer.optimizer.step()
-                self.trainer.scheduler.step()
-                self.trainer.optimizer.zero_grad(set_to_none=True)
+                gn = self._step()
+                if gn == gn:
+                    stats["grad_norm"].append(gn)
                 self.train_steps += 1
         out = {k: (sum(v) / len(v) if v else float("nan")) for k, v in stats.items()}
         out.update(stale_logprob_diff=stale_diff, logprob_seconds=logprob_seconds,

@@ -1,5 +1,5 @@
 """End to end: the GRPO loop over Ray hybrid workers (FSDP2 DP2 train, torch rollout TP2) on 2
-logical devices, a tiny model. Every iteration's weight sync is verified: the trainer's log-probs
+logical devices, a tiny model; the same with DeepSpeed ZeRO-3 DP2 as the trainer. Every iteration's weight sync is verified: the trainer's log-probs
 of the generated tokens equal the rollout engine's (the stale-weights check). A third iteration
 generates without syncing first; the check must catch it."""
 from __future__ import annotations
@@ -20,10 +20,11 @@ def digit_reward(prompt: str, response: str, answer: str) -> float:
 
 
 @pytest.mark.slow
-def test_grpo_iterations_over_ray_and_the_stale_weights_check(tmp_path):
+@pytest.mark.parametrize("config", ["grpo_tiny_fsdp.yaml", "grpo_tiny_torch.yaml"])  # FSDP2 / DeepSpeed ZeRO-3
+def test_grpo_iterations_over_ray_and_the_stale_weights_check(tmp_path, config):
     from recipes.grpo import StaleWeightsError, run
 
-    cfg = yaml.safe_load((REPO / "configs" / "grpo_tiny_fsdp.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "configs" / config).read_text())
     cfg["output_dir"] = str(tmp_path / "run")
     cfg["algorithm"].update(iterations=3, prompts_per_iteration=2, group_size=4, mini_batch_size=8,
                             micro_batch_size=4, max_new_tokens=4, lr=1e-3)
