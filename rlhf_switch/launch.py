@@ -27,10 +27,13 @@ import torch.distributed as dist
 
 
 class RankError(RuntimeError):
-    def __init__(self, failures: dict[int, str]):
+    def __init__(self, failures: dict[int, str], stuck: list[int] | None = None):
         self.failures = failures
+        self.stuck = stuck or []
         first = failures[min(failures)]
-        super().__init__(f"job failed on ranks {sorted(failures)}; rank {min(failures)}:\n{first}")
+        more = (f" (ranks {self.stuck} are still inside the job, probably blocked in a collective "
+                f"with them; this world cannot run more jobs)" if self.stuck else "")
+        super().__init__(f"job failed on ranks {sorted(failures)}{more}; rank {min(failures)}:\n{first}")
 
 
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks, results, threads: int):
@@ -57,7 +60,10 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks, resu
 
 
 class LocalWorld:
+    FAILURE_GRACE = 20.0  # seconds the other ranks get to finish after one rank's job failed
+
     def __init__(self, world_size: int, timeout: float = 120.0, threads_per_rank: int = 1):
+        self._broken: str | None = None
         self.world_size = world_size
         self.timeout = timeout
         self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
@@ -75,25 +81,46 @@ class LocalWorld:
 
     def run(self, fn: Callable[..., Any], *args, timeout: float | None = None, **kwargs) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if self._broken:
+            raise RuntimeError(f"this LocalWorld is broken ({self._broken}); start a new one")
         for q in self._tasks:
             q.put((fn, args, kwargs))
         return self._collect(timeout or self.timeout)
 
     def _collect(self, timeout: float) -> list[Any]:
+        """Every rank's answer. A rank that fails usually leaves the others blocked in a collective
+        with it, so after the first failure the others get ``FAILURE_GRACE`` seconds, not the whole
+        timeout; a rank process that dies is noticed within seconds. Either way the world is
+        marked broken: its ranks may still be inside the failed job."""
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
+        now = time.monotonic()
+        deadline, grace = now + timeout, None
         while len(out) + len(failures) < self.world_size:
+            waiting = sorted(set(range(self.world_size)) - set(out) - set(failures))
             try:
-                rank, ok, value = self._results.get(timeout=timeout)
+                rank, ok, value = self._results.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                waiting = sorted(set(range(self.world_size)) - set(out) - set(failures))
-                raise TimeoutError(f"ranks {waiting} did not answer within {timeout:.0f} s"
-                                   + (f"; ranks {dead} died" if dead else "")) from None
+                now = time.monotonic()
+                dead = [r for r in waiting if not self._procs[r].is_alive()]
+                if dead:
+                    self._broken = f"ranks {dead} died"
+                    failures.update({r: "the rank process died (killed, out of memory, or crashed)"
+                                     for r in dead})
+                    raise RankError(failures, stuck=[r for r in waiting if r not in dead])
+                if grace is not None and now > grace:
+                    self._broken = f"ranks {waiting} stuck after ranks {sorted(failures)} failed"
+                    raise RankError(failures, stuck=waiting)
+                if now > deadline:
+                    self._broken = f"ranks {waiting} did not answer within {timeout:.0f} s"
+                    raise TimeoutError(self._broken) from None
+                continue
             if ok:
                 out[rank] = pickle.loads(value)
             else:
                 failures[rank] = value
+                if grace is None:
+                    grace = time.monotonic() + self.FAILURE_GRACE
         if failures:
             raise RankError(failures)
         return [out[r] for r in range(self.world_size)]

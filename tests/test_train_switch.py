@@ -30,6 +30,8 @@ CASES = {
     "TP2·DP2 -> FSDP2·DP4 (back)": (("tp_dp", ALL, {"tp": 2}), ("fsdp2", ALL, {})),
     "TP2 -> PP2": (("tp", [0, 1], {}), ("pp", [2, 3], {})),
     "PP2 -> TP2 (back)": (("pp", [0, 1], {}), ("tp", [2, 3], {})),
+    "TP2·PP2 -> ZeRO3·DP4": (("tp_pp", ALL, {"tp": 2}), ("zero", ALL, {"stage": 3})),
+    "FSDP2·DP4 -> TP2·PP2 (back)": (("fsdp2", ALL, {}), ("tp_pp", ALL, {"tp": 2})),
 }
 K = 2
 

@@ -21,7 +21,8 @@ from rlhf_switch.vps import llama_spec
 from train_jobs_ds import BATCH, MODEL, OPTIM, batch, read_back, tiny_llama
 
 TORCH_BUILDERS = {"fsdp2": torch_train.build_fsdp2, "tp": torch_train.build_tp,
-                  "tp_dp": torch_train.build_tp_dp, "pp": torch_train.build_pp}
+                  "tp_dp": torch_train.build_tp_dp, "pp": torch_train.build_pp,
+                  "tp_pp": torch_train.build_tp_pp}
 
 
 def build(recipe: tuple, seed: int, **model_overrides):

@@ -107,8 +107,9 @@ def _groups_for(ranks: Sequence[int]) -> tuple[dist.ProcessGroup | None, _DataPa
 
 @contextlib.contextmanager
 def _engine_world(engine_group: dist.ProcessGroup | None, ranks: Sequence[int]):
-    """ZeRO-3 calls a few *world* collectives: barriers while it initialises, and a consistency
-    check (broadcast from global rank 0) while it records its parameter trace in the first steps.
+    """DeepSpeed calls a few *world* collectives: ZeRO-3 barriers while it initialises and a
+    consistency check (broadcast from global rank 0) while it records its parameter trace in the
+    first steps; ``save_checkpoint`` validates its tag with a world all-reduce.
     An engine on a subset of the world would wait there for ranks that never build it; inside this
     scope those calls go to the engine's own group instead."""
     if engine_group is None:
@@ -131,6 +132,10 @@ def _engine_world(engine_group: dist.ProcessGroup | None, ranks: Sequence[int]):
             group, src = engine_group, ranks[0] if src == 0 else src
         return cls.broadcast(backend, tensor, src, group=group, async_op=async_op)
 
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        return cls.all_reduce(backend, tensor, op=op, group=engine_group if world(group) else group,
+                              async_op=async_op)
+
     def same_on_engine_ranks(ints):  # DeepSpeed's consistency check, asked of the engine's ranks
         everyone = [None] * dist.get_world_size(engine_group)
         dist.all_gather_object(everyone, list(ints), group=engine_group)
@@ -143,13 +148,13 @@ def _engine_world(engine_group: dist.ProcessGroup | None, ranks: Sequence[int]):
 
     checkers = [m for m in (z3_params, z3_coordinator, z3_stage) if hasattr(m, "assert_ints_same_as_other_ranks")]
     saved = [m.assert_ints_same_as_other_ranks for m in checkers]
-    backend.barrier, backend.broadcast = barrier, broadcast
+    backend.barrier, backend.broadcast, backend.all_reduce = barrier, broadcast, all_reduce
     for m in checkers:
         m.assert_ints_same_as_other_ranks = same_on_engine_ranks
     try:
         yield
     finally:
-        del backend.barrier, backend.broadcast  # back to the class's methods
+        del backend.barrier, backend.broadcast, backend.all_reduce  # back to the class's methods
         for m, fn in zip(checkers, saved):
             m.assert_ints_same_as_other_ranks = fn
 
@@ -169,12 +174,17 @@ class ZeroTrainer:
     def dp(self) -> int:
         return dist.get_world_size(self.dp_group)
 
+    def scope(self):
+        """Where DeepSpeed's world collectives must run for this engine (its own group when it
+        lives on a subset of the world): wrap direct engine calls such as ``save_checkpoint``."""
+        return _engine_world(self.dp_group, self.ranks)
+
     def train_step(self, input_ids: torch.Tensor) -> float:
         dp, r = self.dp, dist.get_rank(self.dp_group)
         if input_ids.shape[0] % dp:
             raise ValueError(f"global batch {input_ids.shape[0]} is not divisible by DP={dp}")
         mine = input_ids.chunk(dp)[r]
-        with _engine_world(self.dp_group, self.ranks):
+        with self.scope():
             loss = self.engine(input_ids=mine, labels=mine).loss
             self.engine.backward(loss)
             self.engine.step()
@@ -186,10 +196,12 @@ class ZeroTrainer:
 
 def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec, stage: int, micro_batch: int,
                        ranks: Sequence[int] | None = None, optim: AdamWConfig = AdamWConfig(),
-                       dtype: str = "float32", persistence_threshold: int = 0) -> ZeroTrainer | None:
+                       dtype: str = "float32", persistence_threshold: int = 0,
+                       extra_config: Mapping[str, Any] | None = None) -> ZeroTrainer | None:
     """``model`` under ZeRO ``stage`` with DP over ``ranks`` (default: the world). Every world
     rank calls this; ranks outside ``ranks`` get ``None``. ``persistence_threshold``: ZeRO-3 keeps
-    parameters smaller than this whole on every rank (DeepSpeed's default is 1e5)."""
+    parameters smaller than this whole on every rank (DeepSpeed's default is 1e5).
+    ``extra_config``: more DeepSpeed config keys (e.g. ``{"checkpoint": {"load_universal": True}}``)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
     if dtype not in ("float32", "bfloat16"):
@@ -209,6 +221,7 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec, stage: int, micr
         "bf16": {"enabled": dtype == "bfloat16"},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        **(extra_config or {}),
     }
     optimizer = optim.make(model.parameters())
     # DeepSpeed keeps the last engine's mpu in a module global and falls back to it when an

@@ -1,4 +1,5 @@
-"""Tiny torch-native training engines: FSDP2, DTensor TP, TP×DP on a 2-D mesh, pipeline stages.
+"""Tiny torch-native training engines: FSDP2, DTensor TP, TP×DP on a 2-D mesh, pipeline stages,
+and TP inside pipeline stages (TP×PP).
 
 Each ``build_*`` function is called on EVERY rank of the world (process groups are created
 collectively over the world) and returns a ``TorchTrainer`` on the ranks the engine lives on,
@@ -12,7 +13,8 @@ rank), applies its parallelism, and trains it with the shared ``optim.AdamWConfi
 slice. Every sample has the same number of tokens (no padding), so averaging the per-rank mean
 losses (FSDP2's gradient reduce-scatter averages over DP) gives the one-process full-batch update.
 
-Rank order on a mesh is Megatron's (TP fastest): ``ranks[dp_rank · tp + tp_rank]``.
+Rank order on a mesh is Megatron's (TP fastest): ``ranks[dp_rank · tp + tp_rank]``, and
+``ranks[pp_rank · tp + tp_rank]`` for TP×PP.
 """
 from __future__ import annotations
 
@@ -180,14 +182,16 @@ def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
     """Megatron-style TP of every decoder layer: q/k/v/gate/up column-parallel, o/down
     row-parallel (one all-reduce each). Embedding, norms and LM head stay plain replicated
     tensors: they see replicated activations and replicated (all-reduced) gradients, so they
-    stay bit-identical on every TP rank."""
+    stay bit-identical on every TP rank. ``model`` is an HF model or a ``LlamaStage`` (whose
+    ``model.layers`` is a ``ModuleDict`` of this stage's layers only)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel()}
-    for layer in model.model.layers:
+    layers = model.model.layers
+    for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
         parallelize_module(layer, tp_mesh, plan)
 
 
@@ -266,23 +270,51 @@ def build_pp(hf_config: Any, seed: int, ranks: Sequence[int], *, microbatches: i
              timeout: timedelta = DEFAULT_TIMEOUT) -> TorchTrainer | None:
     """``torch.distributed.pipelining`` over ``ranks`` (PP = len(ranks), one stage per rank,
     GPipe with ``microbatches``); layers split as ``vps.layouts.pipeline.stage_bounds``."""
+    return _build_pipeline(hf_config, seed, ranks, 1, microbatches, stage_layers, optim, timeout)
+
+
+def build_tp_pp(hf_config: Any, seed: int, ranks: Sequence[int], *, tp: int, microbatches: int = 2,
+                stage_layers: tuple[int, ...] | None = None, optim: AdamWConfig = AdamWConfig(),
+                timeout: timedelta = DEFAULT_TIMEOUT) -> TorchTrainer | None:
+    """Pipeline stages with DTensor TP inside each (PP = len(ranks) // tp): stage ``s``, TP rank
+    ``t`` is ``ranks[s · tp + t]`` (Megatron order). Each stage's decoder layers get
+    ``_tensor_parallel``'s plan on the stage's TP group; its embedding / norm / LM head stay
+    plain replicated tensors. TP rank ``t`` of every stage forms its own pipeline (one group per
+    ``t``): the activations between stages are plain replicated tensors (RowwiseParallel
+    all-reduces them), so each pipeline carries a full copy and no cross-TP traffic is needed."""
+    check_tp(hf_config, tp)
+    if len(ranks) % tp:
+        raise ValueError(f"TP={tp} must divide the engine's {len(ranks)} ranks")
+    return _build_pipeline(hf_config, seed, ranks, tp, microbatches, stage_layers, optim, timeout)
+
+
+def _build_pipeline(hf_config: Any, seed: int, ranks: Sequence[int], tp: int, microbatches: int,
+                    stage_layers: tuple[int, ...] | None, optim: AdamWConfig,
+                    timeout: timedelta) -> TorchTrainer | None:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    pp = len(ranks)
+    pp = len(ranks) // tp
+    name = f"TP{tp}·PP{pp}" if tp > 1 else f"PP{pp}"
     if _cfg(hf_config, "tie_word_embeddings", False) and pp > 1:
         raise NotImplementedError("PP with tied embeddings (the head on the last stage shares the "
                                   "first stage's embedding) is not implemented")
     bounds = stage_bounds(int(_cfg(hf_config, "num_hidden_layers")), pp, stage_layers)
-    grid = torch.tensor(_check_ranks(ranks, pp, f"PP{pp}"))
+    grid = torch.tensor(_check_ranks(ranks, len(ranks), name)).view(pp, tp)
+    # every world rank creates every group, in the same order: pipelines (one per TP rank), then
+    # the stages' TP groups
     group = _groups(grid, 0, timeout)
+    tp_group = _groups(grid, 1, timeout) if tp > 1 else None
     if dist.get_rank() not in ranks:
         return None
-    s = ranks.index(dist.get_rank())
+    s, t = divmod(list(ranks).index(dist.get_rank()), tp)
     hf = hf_model(hf_config, seed)
     vocab = hf.config.vocab_size
     stage = LlamaStage(hf, *bounds[s], first=s == 0, last=s == pp - 1)
     del hf
+    if tp > 1:
+        _tensor_parallel(stage, DeviceMesh.from_group(tp_group, "cpu", mesh_dim_names=("tp",)))
     pipe = PipelineStage(stage, s, pp, torch.device("cpu"), group=group)
     # the full model's loss, per microbatch (every microbatch has the same number of tokens,
     # so the schedule's mean over microbatches is the full-batch mean)
@@ -299,5 +331,7 @@ def build_pp(hf_config: Any, seed: int, ranks: Sequence[int], *, microbatches: i
             schedule.step(return_outputs=False)
         return torch.stack(losses).mean() if losses else torch.zeros(())
 
-    return TorchTrainer(stage, f"PP{pp}", llama_spec(stage.model.config), optim, loss_and_backward,
-                        None, 1, 0, loss_group=group if pp > 1 else None, loss_src=ranks[-1])
+    # the last stage of this rank's pipeline (same TP rank) broadcasts the loss along it
+    return TorchTrainer(stage, name, llama_spec(stage.model.config), optim, loss_and_backward,
+                        None, 1, 0, loss_group=group if pp > 1 else None,
+                        loss_src=int(grid[pp - 1, t]))
