@@ -27,6 +27,7 @@ run: venv
 bench: venv
 	$(PY) -m bench.plan_scale
 	$(PY) -m bench.switch
+	$(PY) -m bench.train_switch
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -80,7 +80,21 @@ def _digests(full: dict | None) -> dict | None:
                    for t in tensors] for name, tensors in full.items()}
 
 
+def _destination(kind: str):
+    """One DP4 destination engine per (size, method), reused by every repeat: DeepSpeed engines are
+    not freed promptly, and a fresh 100M engine per repeat runs a 2-core, 24 GiB box out of memory."""
+    if _STATE.get("dst_kind") != kind:
+        _STATE.pop("dst", None)
+        gc.collect()
+        _STATE["dst"] = _trainer(_STATE["size"], 1, list(range(dist.get_world_size())),
+                                 universal=kind == "universal")
+        _STATE["dst_kind"] = kind
+    return _STATE["dst"]
+
+
 def prepare_source(size: str, steps: int = 2) -> dict:
+    _STATE.clear()
+    gc.collect()
     src = _trainer(size, 0, SRC_RANKS)
     if src is not None:
         g = torch.Generator().manual_seed(0)
@@ -99,9 +113,7 @@ def _timed(fn):
 
 
 def run_vps() -> dict:
-    gc.collect()  # the previous repeat's destination engine
-    src, size = _STATE["src"], _STATE["size"]
-    dst = _trainer(size, 1, list(range(dist.get_world_size())))
+    src, dst = _STATE["src"], _destination("vps")
     seconds, report = _timed(lambda: switch_training(src.adapter if src else None, dst.adapter))
     exact = _digests(_full(dst)) == _truth_everywhere()
     m = report.move
@@ -119,14 +131,12 @@ def run_universal(root: str) -> dict:
     """save (DP2) → ds_to_universal (rank 0) → load into a fresh DP4 engine."""
     from deepspeed.checkpoint import ds_to_universal
 
-    gc.collect()
-    src, size = _STATE["src"], _STATE["size"]
+    src, dst = _STATE["src"], _destination("universal")
     rank = dist.get_rank()
     folder = os.path.join(root, f"ckpt-{os.getpid() if rank == 0 else 0}")
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, folder)
     folder = everyone[0]
-    dst = _trainer(size, 1, list(range(dist.get_world_size())), universal=True)
 
     def save():
         if src is not None:
