@@ -159,6 +159,20 @@ def _engine_world(engine_group: dist.ProcessGroup | None, ranks: Sequence[int]):
             m.assert_ints_same_as_other_ranks = fn
 
 
+def _agree_on_param_ids(group: dist.ProcessGroup | None) -> None:
+    """ZeRO-3 numbers parameters and modules from per-process counters and checks in its first
+    steps that every rank recorded the same module ids. A rank that built other ZeRO-3 engines
+    before (one on a subset of the world) is ahead: start this engine's ids from the largest
+    counters of its ranks."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]  # `count=[0]`
+    counters = torch.tensor([Init.param_id, module_count[0]], dtype=torch.int64)
+    dist.all_reduce(counters, op=dist.ReduceOp.MAX, group=group)
+    Init.param_id, module_count[0] = int(counters[0]), int(counters[1])
+
+
 @dataclass
 class ZeroTrainer:
     """A DeepSpeed engine plus the one thing the tests and recipes do with it: a training step on
@@ -228,6 +242,8 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec, stage: int, micr
     # engine is built without one: a world-wide engine after a subset one would inherit its group
     from deepspeed.utils import groups as ds_groups
     ds_groups.mpu = mpu
+    if stage == 3:
+        _agree_on_param_ids(dp_group)
     with _engine_world(dp_group, ranks):
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=optim.scheduler,
                                           config=config, mpu=mpu)
