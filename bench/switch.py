@@ -160,10 +160,6 @@ def _view(buf: torch.Tensor, offset: int, shape, strides) -> torch.Tensor:
     return torch.as_strided(buf, tuple(shape), tuple(strides), buf.storage_offset() + offset)
 
 
-def _slices(box) -> tuple[slice, ...]:
-    return tuple(slice(lo, hi) for lo, hi in zip(box.lo, box.hi))
-
-
 # --- rank side: state kept between jobs ------------------------------------------------------------
 
 _S: dict = {}
@@ -264,7 +260,7 @@ def _full_gather_prepare() -> dict:
         dt = torch_dtype(src.buffers(rank)[mine_any[0][1].buffer].dtype) if mine_any else None
         e = {"key": key, "shape": t.shape, "numel": t.numel, "cuts": []}
         for f in dst_frags.get(key, ()):
-            e["cuts"].append((_view(dst_bufs[f.buffer], f.offset, f.box.shape, f.strides), _slices(f.box)))
+            e["cuts"].append((_view(dst_bufs[f.buffer], f.offset, f.box.shape, f.strides), f.box.slices))
         everyone_whole = all(len(reg.holders) == world and {h for h, _ in reg.holders} == set(range(world))
                              for reg in regions)
         if everyone_whole:  # e.g. ZeRO-1/2 params: already whole on every rank, nothing to gather
@@ -357,7 +353,7 @@ def _full_gather_run(ctx: dict) -> dict:
                 full = torch.empty(e["shape"], dtype=e["dtype"])
                 staged = full.numel() * full.element_size()
                 for box, v in e["views"]:
-                    full[_slices(box)].copy_(v)
+                    full[box.slices].copy_(v)
         else:
             maxc, dt = e["maxc"], e["dtype"]
             isz = torch.empty((), dtype=dt).element_size()
@@ -382,7 +378,7 @@ def _full_gather_run(ctx: dict) -> dict:
                 full = torch.empty(e["shape"], dtype=dt)
                 staged += full.numel() * isz
                 for at, box in e["pieces"]:
-                    full[_slices(box)].copy_(out[at:at + box.numel].view(box.shape))
+                    full[box.slices].copy_(out[at:at + box.numel].view(box.shape))
             del inp, out
         for v, sl in e["cuts"]:
             v.copy_(full[sl])

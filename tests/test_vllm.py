@@ -332,7 +332,7 @@ def test_layout_truth_real_tp2_workers(rollout, hf_model, spec):
         for f in layout.fragments(r):
             view = got[f.buffer].reshape(-1)
             region = torch.as_strided(view, f.box.shape, f.strides, f.offset)
-            sl = tuple(slice(lo, hi) for lo, hi in zip(f.box.lo, f.box.hi))
+            sl = f.box.slices
             assert torch.equal(bits(region), bits(hf[f.key.tensor][sl])), f"worker {r}: {f.key} {f.box}"
             checked += 1
         for n, t in got.items():  # and nothing else: the whole buffer, padding aside

@@ -9,6 +9,7 @@ from rlhf_switch.engines.optim import AdamWConfig
 from rlhf_switch.engines.train_state import gather_layouts
 from rlhf_switch.engines.train_switch import switch_training
 from rlhf_switch.vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, llama_spec
+from rlhf_switch.vps.materialize import fragment_view
 
 MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=64, vocab_size=96, tie_word_embeddings=False, max_position_embeddings=64)
@@ -62,8 +63,7 @@ def read_back(local) -> dict:
     """The adapter's claim, read from its buffers: {(tensor, field): [(box, values)]}."""
     out = {}
     for f in local.fragments:
-        buf = local.tensors[f.buffer].reshape(-1)
-        v = torch.as_strided(buf, f.box.shape, f.strides, f.offset)
+        v = fragment_view(local.tensors[f.buffer], f)
         out.setdefault((f.key.tensor, f.key.field), []).append((f.box, v.clone()))
     return out
 
@@ -72,7 +72,7 @@ def mismatches(claims: dict, truth: dict) -> list[str]:
     bad = []
     for key, pieces in claims.items():
         for box, values in pieces:
-            want = truth[key][tuple(slice(a, b) for a, b in zip(box.lo, box.hi))]
+            want = truth[key][box.slices]
             if not torch.equal(values, want):
                 bad.append(f"{key} {box}")
     return bad

@@ -18,7 +18,7 @@ from rlhf_switch.engines.train_switch import switch_training
 from rlhf_switch.routing import MoveError
 from rlhf_switch.vps import llama_spec
 
-from train_jobs_ds import BATCH, MODEL, OPTIM, batch, read_back, tiny_llama
+from train_jobs_ds import BATCH, MODEL, OPTIM, batch, mismatches, read_back, tiny_llama
 
 TORCH_BUILDERS = {"fsdp2": torch_train.build_fsdp2, "tp": torch_train.build_tp,
                   "tp_dp": torch_train.build_tp_dp, "pp": torch_train.build_pp,
@@ -55,25 +55,13 @@ def full_state(trainer) -> dict:
         for (name, field), boxes in rank_pieces.items():
             t = full.setdefault((name, field), torch.zeros(spec[name].shape))
             for box, values in boxes:
-                t[tuple(slice(a, b) for a, b in zip(box.lo, box.hi))] = values
+                t[box.slices] = values
     return full
 
 
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
     return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _mismatches_against(trainer, full: dict) -> list[str]:
-    """Fragments of ``trainer``'s state whose bits differ from ``full``."""
-    if trainer is None:
-        return []
-    bad = []
-    for key, boxes in read_back(trainer.adapter.state()).items():
-        for box, values in boxes:
-            if not torch.equal(values, full[key][tuple(slice(a, b) for a, b in zip(box.lo, box.hi))]):
-                bad.append(f"{key} {box}")
-    return bad
 
 
 def switch_and_continue(src: tuple, dst: tuple, k: int) -> dict:
@@ -92,7 +80,7 @@ def switch_and_continue(src: tuple, dst: tuple, k: int) -> dict:
     full_bytes = 4 * llama_spec(MODEL).numel
     budget = full_bytes // 8  # far below one full copy: the move must stream
     report = switch_training(a.adapter if a else None, b.adapter if b else None, budget_bytes=budget)
-    exact = _mismatches_against(b, at_switch)
+    exact = mismatches(read_back(b.adapter.state()), at_switch) if b else []
     step_after = b.adapter.scalars()["step"] if b else None
     lr_after = [g["lr"] for g in b.optimizer.param_groups] if b and hasattr(b, "optimizer") else None
     losses_b = [b.train_step(batch(s)) for s in range(k, 2 * k)] if b else None

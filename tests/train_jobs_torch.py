@@ -30,10 +30,6 @@ def build(cfg: dict, seed: int, plan: tuple) -> torch_train.TorchTrainer | None:
     return BUILDERS[kind](cfg, seed, ranks, **kwargs)
 
 
-def _slices(box) -> tuple[slice, ...]:
-    return tuple(slice(lo, hi) for lo, hi in zip(box.lo, box.hi))
-
-
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
@@ -91,7 +87,7 @@ def _readback_mismatches(trainer, truth: dict[StateKey, torch.Tensor]) -> tuple[
     for local in (trainer.adapter.weights(), trainer.adapter.state()):
         for f in local.fragments:
             got = fragment_view(local.tensors[f.buffer], f)
-            want = truth[f.key][_slices(f.box)]
+            want = truth[f.key][f.box.slices]
             n += 1
             if got.shape != want.shape or not torch.equal(got, want):
                 bad.append(f"{f.key} {f.box}")

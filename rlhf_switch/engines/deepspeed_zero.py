@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, Box, ModelSpec, StateKey
-from .optim import AdamWConfig
+from .optim import AdamWConfig, load_schedule
 from .train_state import LocalState
 
 ADAM_MOMENTS = (EXP_AVG, EXP_AVG_SQ)
@@ -262,7 +262,7 @@ class ZeroAdapter:
             raise ValueError(f"the ZeRO adapter needs ZeRO stage 1, 2 or 3, the engine runs stage {self.stage}")
         self.opt = engine.optimizer
         self.name = name or f"ZeRO{self.stage}·DP{engine.dp_world_size}"
-        names = {p: n for p, n in engine.param_names.items()}
+        names = dict(engine.param_names)
         unknown = sorted(n for n in names.values() if n not in spec)
         if unknown:
             raise ValueError(f"{self.name}: parameters {unknown[:5]} are not tensors of model {spec.name!r}")
@@ -383,8 +383,6 @@ class ZeroAdapter:
         self.engine.global_samples = scalars.get("global_samples", self.engine.global_samples)
         sched = self.engine.lr_scheduler
         if sched is not None and scalars.get("lr_scheduler") is not None:
-            sched.load_state_dict(scalars["lr_scheduler"])
-            for group, lr in zip(base.param_groups, sched.get_last_lr()):
-                group["lr"] = lr  # load_state_dict restores the schedule, not the groups' lr
+            load_schedule(sched, base.param_groups, scalars["lr_scheduler"])
         if scalars.get("rng") is not None:
             torch.set_rng_state(scalars["rng"])

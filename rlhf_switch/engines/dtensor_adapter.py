@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, Box, ModelSpec, StateKey
+from .optim import load_schedule
 from .train_state import LocalState
 
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)  # field name == AdamW's state key
@@ -132,8 +133,6 @@ class TorchTrainAdapter:
             raise ValueError(f"{self.name}: LR scheduler state {'missing' if sched is None else 'given'} "
                              f"but this engine {'has' if self.scheduler is not None else 'has no'} scheduler")
         if sched is not None:
-            self.scheduler.load_state_dict(sched)
-            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-                group["lr"] = lr
+            load_schedule(self.scheduler, self.optimizer.param_groups, sched)
         if scalars.get("rng") is not None:
             torch.set_rng_state(scalars["rng"])

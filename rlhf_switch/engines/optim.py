@@ -34,6 +34,14 @@ class AdamWConfig:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(self.warmup_steps))
 
 
+def load_schedule(scheduler, optimizer_groups, state: dict) -> None:
+    """Restore a scheduler's position and the learning rate it implies: ``load_state_dict``
+    restores the schedule, not the param groups' current ``lr``."""
+    scheduler.load_state_dict(state)
+    for group, lr in zip(optimizer_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+
+
 @dataclass(frozen=True)
 class LinearWarmup:
     warmup_steps: int

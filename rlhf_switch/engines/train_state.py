@@ -28,16 +28,13 @@ import torch.distributed as dist  # noqa: F401 - ProcessGroup in annotations
 
 from ..routing.comm import as_comm
 from ..vps import Box, BufferSpec, Fragment, Layout, LayoutError, ModelSpec, StateKey, flat_range_to_boxes
+from ..vps.materialize import DTYPE_NAMES
 from ..vps.space import row_major_strides
 
-# the dtype names the VPS uses (layouts never import torch)
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                torch.float64: "float64"}
-
-
 def dtype_name(dtype: torch.dtype) -> str:
+    """The name the VPS uses for a torch dtype (layouts never import torch)."""
     try:
-        return _DTYPE_NAMES[dtype]
+        return DTYPE_NAMES[dtype]
     except KeyError:
         raise ValueError(f"the VPS does not move {dtype} tensors") from None
 

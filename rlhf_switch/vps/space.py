@@ -72,6 +72,11 @@ class Box(NamedTuple):
             hi.append(b)
         return tuple_new(Box, (tuple(lo), tuple(hi)))
 
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        """The box as an index into its tensor: ``full[box.slices]``."""
+        return tuple(map(slice, self.lo, self.hi))
+
     def contains(self, other: "Box") -> bool:
         return all(a <= c and d <= b for a, b, c, d in zip(self.lo, self.hi, other.lo, other.hi))
 
