@@ -4,24 +4,32 @@
 ``remote_class``), one actor per placement-group bundle. The workers form their own gloo world
 (rank 0 opens a TCPStore on port 0 and the driver hands its real port to everyone), and on it:
 
-- the training engine over all ranks: torch-native FSDP2 (``train.engine: fsdp2``) or DeepSpeed
-  ZeRO-1/2/3 (``deepspeed``; one forward per optimizer step) — the actor
-  whose weights are trained;
-- the reference: a frozen, unsharded copy of the initial weights on every rank (tiny models only);
-- the rollout engine: ``TorchRollout`` in vLLM's per-rank TP layout (``rollout.tp``), replicas =
-  world / tp, each replica's ranks a TP group.
+- the training engine over all ranks: torch-native FSDP2 (``train.engine: fsdp2``), DTensor TP or
+  TP×FSDP2 (``torch_tp``, ``tp``) or DeepSpeed ZeRO-1/2/3 (``deepspeed``; one forward per
+  optimizer step) — the actor whose weights are trained. Its initial state comes from a
+  checkpoint directory (the warm start, or a run being resumed) through the VPS: rank 0 holds the
+  checkpoint whole (``FullState``) and ``switch_training`` moves it into the engine's layout, the
+  same path that saves it (engine -> ``FullState`` on rank 0 -> disk);
+- the reference: a frozen, unsharded copy of the warm-start weights on every rank (tiny models);
+- the rollout engine: ``TorchRollout`` in vLLM's per-rank TP layout (``rollout.engine: torch``,
+  replicas = world / tp, each replica's ranks a TP group); for ``rollout.engine: vllm`` the
+  rollout engines are separate actors (``actors/vllm_replica.py``) and this worker only sends
+  (``weights_layout`` + ``send_weights``).
 
 ``sync_weights_to_rollout`` moves the trainer's compute weights (``adapter.weights()``, field
 ``param``) into the rollout engine's own buffers with the VPS (``routing.move``); the trainer
-keeps its optimizer state in place (nothing to switch back on CPU). ``train_on`` first recomputes
-the log-probs of the generated tokens with the trainer's model (the *old* log-probs) and compares
-them with what the rollout engine reported — the stale-weights check — then runs the GRPO update.
+keeps its optimizer state in place (on CPU there is no device memory to free for generation).
+``train_on`` first recomputes the log-probs of the generated tokens with the trainer's model (the
+*old* log-probs) and compares them with what the rollout engine reported — the stale-weights
+check — then runs the GRPO update.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -75,29 +83,66 @@ class HybridWorker:
         return {"rank": rank, "pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     # --- engines -----------------------------------------------------------------------------------
-    def build(self, config: dict | RunConfig) -> dict:
+    def build(self, config: dict | RunConfig, init_dir: str, resume_dir: str | None = None) -> dict:
+        """Build the engines of ``config`` on this rank. The trainer starts from the weights in
+        ``init_dir`` (fresh optimizer, step 0) or, when ``resume_dir`` is given, from that
+        checkpoint's weights, Adam moments, step and LR schedule; the reference is ``init_dir``."""
         from rlhf_switch.engines.optim import AdamWConfig
         from rlhf_switch.engines.torch_rollout import TorchRollout
-        from rlhf_switch.engines.torch_train import build_fsdp2, hf_model
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
         self.cfg, alg = cfg, cfg.algorithm
-        if cfg.model.hf_config is None:
-            raise NotImplementedError("the hybrid worker builds models from model.hf_config only (no path yet)")
-        if cfg.train.engine not in ("fsdp2", "deepspeed"):
-            raise NotImplementedError(f"train.engine={cfg.train.engine!r}: this worker trains with fsdp2 or "
-                                      f"deepspeed so far (torch_tp / torch_pp land later)")
-        if cfg.rollout.engine != "torch":
-            raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r}: this worker runs the torch "
-                                      f"rollout engine only so far")
         if cfg.model.dtype != "float32":
             raise NotImplementedError("float32 only on CPU")
-        hf = cfg.model.hf_config
+        hf = hf_config_of(cfg)
         optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
-        ranks = list(range(self.world))
         self.micro_override = None
-        if cfg.train.engine == "fsdp2":
-            t = build_fsdp2(hf, cfg.seed, ranks, optim=optim, timeout=TIMEOUT)
+        self._build_trainer(cfg, hf, optim)
+        self.max_grad_norm = optim.max_grad_norm
+        # the starting state, through the VPS from rank 0's copy of the checkpoint
+        t0 = time.perf_counter()
+        start = self._load_state(resume_dir or init_dir, weights_only=resume_dir is None)
+        load_s = time.perf_counter() - t0
+        # the reference: the warm-start weights, frozen
+        self.reference = None
+        if cfg.reference:
+            from safetensors.torch import load_file
+
+            from rlhf_switch.engines.torch_train import hf_model
+
+            self.reference = hf_model(hf, cfg.seed).eval().requires_grad_(False)
+            self.reference.load_state_dict(load_file(str(Path(init_dir) / "model.safetensors")))
+        # rollout
+        tp = cfg.rollout.tp
+        self.tp, self.replicas = tp, self.world // tp
+        self.replica, self.tp_rank = self.rank // tp, self.rank % tp
+        self.rollout = None
+        if cfg.rollout.engine == "torch":
+            groups = [dist.new_group(list(range(r, r + tp)), timeout=TIMEOUT) for r in range(0, self.world, tp)] \
+                if tp > 1 else [None] * self.replicas
+            from transformers import LlamaConfig
+
+            self.rollout = TorchRollout.from_hf_config(self.spec, LlamaConfig(**hf), tp=tp,
+                                                       tp_rank=self.tp_rank, group=groups[self.replica])
+        self.pad_id = int(hf.get("pad_token_id") or 0)
+        self.eos_id = hf.get("eos_token_id")
+        self.train_steps = int(start.get("step", 0))
+        rollout = f"TorchRollout TP{tp}×{self.replicas}" if self.rollout else f"vLLM TP{tp}×{self.replicas} (separate actors)"
+        return {"rank": self.rank, "trainer": self.engine_name, "rollout": rollout, "params": self.spec.numel,
+                "start": start, "load_seconds": load_s}
+
+    def _build_trainer(self, cfg: RunConfig, hf: dict, optim) -> None:
+        from rlhf_switch.engines.torch_train import build_fsdp2, build_tp, build_tp_dp, hf_model
+
+        ranks = list(range(self.world))
+        engine = cfg.train.engine
+        if engine in ("fsdp2", "torch_tp"):
+            if engine == "fsdp2":
+                t = build_fsdp2(hf, cfg.seed, ranks, optim=optim, timeout=TIMEOUT)
+            elif cfg.train.dp > 1:
+                t = build_tp_dp(hf, cfg.seed, ranks, tp=cfg.train.tp, optim=optim, timeout=TIMEOUT)
+            else:
+                t = build_tp(hf, cfg.seed, ranks, optim=optim, timeout=TIMEOUT)
             self.model, self.spec, self.adapter, self.engine_name = t.module, t.spec, t.adapter, t.name
             self.dp, self.dp_rank = t.dp, t.dp_rank
             self._backward = lambda loss: loss.backward()
@@ -112,7 +157,7 @@ class HybridWorker:
                 t.optimizer.zero_grad(set_to_none=True)
                 return gn
             self._step = step
-        else:
+        elif engine == "deepspeed":
             from rlhf_switch.engines.deepspeed_zero import build_zero_trainer
             from rlhf_switch.vps import llama_spec
 
@@ -120,7 +165,7 @@ class HybridWorker:
                 raise ValueError(f"train.engine deepspeed needs zero_stage 1, 2 or 3, got {cfg.train.zero_stage}")
             # one forward per optimizer step: the engine is built with gradient_accumulation_steps=1,
             # so its micro batch is the whole per-rank mini-batch
-            local_mini = alg.train_batch_size // self.world
+            local_mini = cfg.algorithm.train_batch_size // self.world
             self.micro_override = local_mini
             module = hf_model(hf, cfg.seed)
             spec = llama_spec(module.config)
@@ -135,24 +180,37 @@ class HybridWorker:
                 gn = eng.get_global_grad_norm() if hasattr(eng, "get_global_grad_norm") else None
                 return float(gn) if gn is not None else float("nan")
             self._step = step
-        self.max_grad_norm = optim.max_grad_norm
-        # the reference: the initial weights, frozen (same seed: identical to the trainer at step 0)
-        self.reference = hf_model(hf, cfg.seed).eval().requires_grad_(False) if cfg.reference else None
-        # rollout: replicas of TP=tp over consecutive ranks
-        tp = cfg.rollout.tp
-        self.tp, self.replicas = tp, self.world // tp
-        groups = [dist.new_group(list(range(r, r + tp)), timeout=TIMEOUT) for r in range(0, self.world, tp)] \
-            if tp > 1 else [None] * self.replicas
-        self.replica, self.tp_rank = self.rank // tp, self.rank % tp
-        from transformers import LlamaConfig
+        else:
+            raise NotImplementedError(f"train.engine={engine!r}: the loop trains with fsdp2, torch_tp or deepspeed")
 
-        self.rollout = TorchRollout.from_hf_config(self.spec, LlamaConfig(**hf), tp=tp,
-                                                   tp_rank=self.tp_rank, group=groups[self.replica])
-        self.pad_id = int(hf.get("pad_token_id") or 0)
-        self.eos_id = hf.get("eos_token_id")
-        self.train_steps = 0
-        return {"rank": self.rank, "trainer": self.engine_name, "rollout": f"TorchRollout TP{tp}×{self.replicas}",
-                "params": self.spec.numel}
+    # --- state in and out: checkpoints through the VPS ---------------------------------------------
+    def _load_state(self, path: str, weights_only: bool) -> dict:
+        from rlhf_switch.engines.full_state import FullState
+        from rlhf_switch.engines.train_switch import switch_training
+
+        holder = None
+        if self.rank == 0:
+            holder = FullState.load_dir(path, self.spec, weights_only=weights_only)
+            if weights_only:  # a fresh start: the engine's own step 0, LR schedule and RNG
+                holder.load_scalars(self.adapter.scalars())
+        report = switch_training(holder, self.adapter, timeout=TIMEOUT)
+        extra = getattr(holder, "extra", {}) if holder is not None else {}
+        (extra,) = _broadcast_objects([extra])
+        return {"step": int(report.scalars.get("step", 0)), **extra}
+
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> dict:
+        """Write the trainer's whole state (weights as a HF checkpoint, Adam moments, step, LR
+        schedule) to ``path``: every rank moves its part to rank 0, which writes."""
+        from rlhf_switch.engines.full_state import FullState
+        from rlhf_switch.engines.train_switch import switch_training
+
+        t0 = time.perf_counter()
+        holder = FullState(self.spec, name=f"checkpoint {path}") if self.rank == 0 else None
+        report = switch_training(self.adapter, holder, timeout=TIMEOUT)
+        if holder is not None:
+            holder.save_dir(path, hf_config_of(self.cfg), self.cfg.model.dtype, extra)
+        dist.barrier()
+        return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": report.move.bytes_sent}
 
     # --- phases ------------------------------------------------------------------------------------
     def sync_weights_to_rollout(self) -> dict:
@@ -169,17 +227,45 @@ class HybridWorker:
         out["wall_seconds"] = time.perf_counter() - t0
         return out
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> dict:
+    def weights_layout(self):
+        """The trainer's compute weights as a global Layout (collective; every rank gets it) —
+        the source of a move into rollout engines that live in other processes."""
+        from rlhf_switch.engines.train_state import gather_layouts
+
+        self._weights = self.adapter.weights()
+        (src,), _ = gather_layouts([(self.spec, self._weights)], [f"train:{self.engine_name}"])
+        return src if self.rank == 0 else None
+
+    def send_weights(self, host: str, port: int, world_size: int, src, dst, budget_bytes: int,
+                     timeout_s: float = 300.0) -> dict:
+        """Join the move's gloo group (trainer ranks first, then the rollout workers) as this
+        rank and send this rank's part of ``src`` (placed layouts, from the driver)."""
+        from rlhf_switch.routing.comm import gloo_group
+        from rlhf_switch.routing.executor import move
+
+        t0 = time.perf_counter()
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
+        pg = gloo_group(store, self.rank, world_size, timeout)
+        with torch.no_grad():
+            report = move(src, dst, self._weights.tensors, {}, group=pg, budget_bytes=budget_bytes, timeout=timeout)
+        out = dict(vars(report))
+        out["wall_seconds"] = time.perf_counter() - t0
+        return out
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                 seeds: Sequence[int]) -> dict:
         """This rank's replica generates its contiguous share of ``prompts`` (all TP ranks of a
-        replica return the same); only TP rank 0 of each replica returns its tokens."""
+        replica return the same); only TP rank 0 of each replica returns its tokens. ``seeds``:
+        one per prompt, so a sample does not depend on the rollout layout."""
         n = len(prompts)
         if n % self.replicas:
             raise ValueError(f"{n} sequences do not split over {self.replicas} rollout replicas")
         per = n // self.replicas
-        mine = prompts[self.replica * per:(self.replica + 1) * per]
+        lo, hi = self.replica * per, (self.replica + 1) * per
         t0 = time.perf_counter()
-        tokens, logprobs = self.rollout.generate(mine, max_new_tokens, temperature=temperature,
-                                                 seed=seed + 7919 * self.replica, eos_token_id=self.eos_id)
+        tokens, logprobs = self.rollout.generate(prompts[lo:hi], max_new_tokens, temperature=temperature,
+                                                 seed=list(seeds[lo:hi]), eos_token_id=self.eos_id)
         return {"replica": self.replica, "lead": self.tp_rank == 0, "tokens": tokens, "logprobs": logprobs,
                 "seconds": time.perf_counter() - t0}
 
@@ -255,6 +341,18 @@ class HybridWorker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def hf_config_of(cfg: RunConfig) -> dict:
+    """The model's ``LlamaConfig`` fields: the config's inline dict or ``model.path``'s config.json."""
+    if cfg.model.hf_config is not None:
+        return dict(cfg.model.hf_config)
+    return json.loads((Path(cfg.model.path) / "config.json").read_text())
+
+
+def _broadcast_objects(objs: list) -> list:
+    dist.broadcast_object_list(objs, src=0)
+    return objs
 
 
 def remote_class(num_cpus: float, num_gpus: float = 1):

@@ -1,137 +1,136 @@
 """GRPO, driven by one Ray controller over colocated hybrid workers.
 
-    python -m recipes.grpo configs/grpo_tiny_fsdp.yaml [--iterations N] [--output-dir DIR]
+    rlhf-switch train configs/grpo_tiny.yaml            # or: python -m recipes.grpo CONFIG
+        [--iterations N] [--output-dir DIR] [--resume [DIR]] [--stale-tol T] [--quiet]
 
-Per iteration: sync weights train -> rollout (VPS move) -> generate G samples per prompt ->
-rewards -> group advantages -> train (the stale-weights check first: the trainer's log-probs of the
-generated tokens must equal the rollout engine's within ``--stale-tol``) -> one line and one JSONL
-record in ``<output_dir>/metrics.jsonl``.
+Before iteration 0: the config is checked against the world (one error listing every problem,
+before Ray starts), the warm start is made (SFT on the task, cached) and every engine is built
+from it. Per iteration: switch train -> rollout (VPS move of the weights) -> generate
+``group_size`` samples per prompt -> rewards -> group-normalised advantages -> train (the
+stale-weights check first: the trainer's log-probs of the generated tokens must equal the
+rollout engine's within ``--stale-tol``, else ``StaleWeightsError``) -> one line and one JSONL /
+TensorBoard record. Held-out greedy reward before the first iteration, every ``eval.every``
+iterations and at the end. Checkpoints every ``checkpoint.save_every`` iterations and at the end
+(``<output_dir>/final``: a HF checkpoint transformers and vLLM load, plus the optimizer state);
+``--resume`` continues from the newest one with the same prompts and seeds the uninterrupted
+run would have used. A PNG of reward and time per phase is written at the end.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import random
 import sys
 import time
 from pathlib import Path
 
-REPO = str(Path(__file__).resolve().parents[1])
+from recipes.common import (Cluster, Evaluator, MetricsLog, StaleWeightsError, draw_prompts, fault,
+                            loop_problems, plot_run, prune_checkpoints, resolve_resume, sample_seeds, start_ray,
+                            warm_start)
+
+__all__ = ["run", "main", "StaleWeightsError"]
 
 
-class StaleWeightsError(RuntimeError):
-    pass
-
-
-def _start_ray(cfg, world: int):
-    import ray
-
-    # the actors must import this checkout's packages
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if REPO not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([REPO] + paths)
-    if cfg.ray_address:
-        ray.init(address=cfg.ray_address, log_to_driver=True)
-    else:  # never join a stale cluster on the machine
-        ray.init(address="local", num_cpus=world, num_gpus=world, log_to_driver=True,
-                 include_dashboard=False)
-    return ray
-
-
-def create_workers(ray, world: int, cpus_per_worker: float = 0.5):
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from actors.hybrid import remote_class
-
-    pg = placement_group([{"CPU": 1, "GPU": 1}] * world, strategy="PACK")
-    ray.get(pg.ready(), timeout=120)  # pg.ready() can pend forever
-    cls = remote_class(num_cpus=cpus_per_worker, num_gpus=1)
-    workers = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
-               for i in range(world)]
-    port = ray.get(workers[0].open_store.remote(), timeout=180)
-    infos = ray.get([w.init_world.remote("127.0.0.1", port, r, world) for r, w in enumerate(workers)], timeout=180)
-    return workers, pg, infos
-
-
-def _all(ray, calls, timeout=600):
-    return ray.get(calls, timeout=timeout)
-
-
-def run(config_source, iterations: int | None = None, output_dir: str | None = None,
-        stale_tol: float = 1e-4, quiet: bool = False, skip_sync_at: tuple[int, ...] = ()) -> list[dict]:
-    """Run the loop; returns the per-iteration records (also in ``<output_dir>/metrics.jsonl``).
-    ``skip_sync_at``: fault injection for tests — iterations that generate WITHOUT syncing the
-    weights first, which the stale-weights check must catch."""
-    from rlhf_switch.rl.algorithms import grpo_advantages
-    from rlhf_switch.rl.config import check_fits, load_config
-    from rlhf_switch.rl.rewards import load_reward_fn, score_samples
-    from rlhf_switch.rl.tasks import CharTokenizer, build_task, encode_prompt, make_splits
+def prepare(config_source, iterations=None, output_dir=None):
+    """Load and check the config; everything that can be refused is refused here, before Ray."""
+    from rlhf_switch.rl.config import ConfigError, check_fits, load_config
 
     cfg = load_config(config_source)
     if output_dir:
-        cfg.output_dir = output_dir
+        cfg.output_dir = str(output_dir)
     check_fits(cfg)
+    problems = loop_problems(cfg)
+    if problems:
+        raise ConfigError(f"the loop cannot run this config: {len(problems)} problem{'s' * (len(problems) != 1)}",
+                          problems)
+    return cfg, iterations or cfg.algorithm.iterations
+
+
+def run(config_source, iterations: int | None = None, output_dir: str | None = None,
+        stale_tol: float = 1e-4, quiet: bool = False, resume: str | bool | None = None,
+        skip_sync_at: tuple[int, ...] = (), crash_at: tuple[int, ...] = ()) -> list[dict]:
+    """Run the loop; returns this call's per-iteration records (also in
+    ``<output_dir>/metrics.jsonl``). Fault injection for tests: ``skip_sync_at`` — iterations
+    that generate WITHOUT syncing the weights first (the stale-weights check must catch it);
+    ``crash_at`` — iterations that crash after generating (the last checkpoint must survive)."""
+    import torch
+
+    from rlhf_switch.rl.algorithms import grpo_advantages
+    from rlhf_switch.rl.rewards import load_reward_fn, score_samples
+    from rlhf_switch.rl.tasks import CharTokenizer, build_task, encode_prompt, make_splits
+
+    cfg, iterations = prepare(config_source, iterations, output_dir)
     alg = cfg.algorithm
     if alg.name != "grpo":
-        raise SystemExit(f"recipes.grpo runs algorithm grpo, the config names {alg.name!r}")
-    iterations = iterations or alg.iterations
-    world = cfg.world_size
+        raise SystemExit(f"recipes.grpo runs algorithm grpo, the config names {alg.name!r} (use recipes.ppo)")
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = out_dir / "metrics.jsonl"
-    metrics_path.write_text("")
+    resume_dir = resolve_resume(resume, out_dir)
+
+    def say(msg: str) -> None:
+        if not quiet:
+            from tqdm import tqdm
+            tqdm.write(msg)
 
     tok = CharTokenizer()
     task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
     splits = make_splits(task, cfg.task.num_train, cfg.task.num_heldout, cfg.task.seed)
     reward_fn = load_reward_fn(cfg.task.reward_fn)
-    max_ctx = int(cfg.model.hf_config["max_position_embeddings"])
-    rng = random.Random(f"grpo:{cfg.seed}")
+    from actors.hybrid import hf_config_of
 
-    def say(msg: str) -> None:
-        if not quiet:
-            print(msg, flush=True)
+    max_ctx = int(hf_config_of(cfg).get("max_position_embeddings", 2048))
+    (out_dir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.model_dump(), sort_keys=False))
 
     t_start = time.perf_counter()
-    ray = _start_ray(cfg, world)
-    records = []
+    init_dir = warm_start(cfg, out_dir / "init", quiet)
+    say(f"[grpo] warm start: {init_dir} ({time.perf_counter() - t_start:.1f} s)")
+    log = MetricsLog(out_dir, cfg.tensorboard, append=resume_dir is not None)
+    ray, owns_ray = start_ray(cfg, cfg.world_size)
+    cluster, ok = None, False
+    records: list[dict] = []
     try:
-        workers, _pg, _ = create_workers(ray, world)
-        built = _all(ray, [w.build.remote(cfg.model_dump()) for w in workers])
-        say(f"[grpo] {world} workers: train {built[0]['trainer']}, rollout {built[0]['rollout']}, "
-            f"{built[0]['params']} params; ready in {time.perf_counter() - t_start:.1f} s")
-        for it in range(iterations):
+        cluster = Cluster(cfg, ray, quiet)
+        built = cluster.build(init_dir, resume_dir)
+        first = int(built["start"].get("iteration", -1)) + 1 if resume_dir else 0
+        say(f"[grpo] {cfg.world_size} workers: train {built['trainer']}, rollout {built['rollout']}, "
+            f"{built['params']:,} params; " + (f"resumed from {resume_dir} at iteration {first}; " if resume_dir else "")
+            + f"ready in {time.perf_counter() - t_start:.1f} s")
+        evaluate = Evaluator(cfg, splits, tok, reward_fn, max_ctx)
+        ckpt_root = out_dir / "checkpoints"
+        last = first + iterations - 1 if resume_dir else iterations - 1
+
+        def eval_now(it: int, when: str) -> None:
+            t0 = time.perf_counter()
+            r = evaluate(cluster)
+            rec = {"iteration": it, "heldout_reward": r, "eval": when, "eval_seconds": time.perf_counter() - t0}
+            log.write(rec, it)
+            records.append(rec)
+            say(f"[grpo] held-out greedy reward {when} iteration {it}: {r:.3f} ({len(evaluate.prompts)} prompts)")
+
+        for it in range(first, last + 1):
             t_it = time.perf_counter()
             # 1. switch train -> rollout
-            reports = [] if it in skip_sync_at else _all(ray, [w.sync_weights_to_rollout.remote() for w in workers])
-            switch_s = max((r["wall_seconds"] for r in reports), default=0.0)
-            moved = sum(r["bytes_sent"] + r["bytes_local"] for r in reports)
+            sync = ({"seconds": 0.0, "bytes_moved": 0, "bytes_sent": 0} if it in skip_sync_at else cluster.sync())
+            if it == first:
+                eval_now(it, "before")
             # 2. generate G samples per prompt
-            samples = rng.sample(splits.train, alg.prompts_per_iteration)
+            samples = draw_prompts(cfg, splits, it)
             G = alg.group_size
-            prompt_ids = [encode_prompt(tok, s.prompt, alg.max_new_tokens, max_ctx) for s in samples for _ in range(G)]
+            prompts = [encode_prompt(tok, s.prompt, alg.max_new_tokens, max_ctx) for s in samples for _ in range(G)]
             t0 = time.perf_counter()
-            gens = _all(ray, [w.generate.remote(prompt_ids, alg.max_new_tokens, alg.temperature, cfg.seed * 100003 + it)
-                              for w in workers])
+            responses, rollout_lps = cluster.generate(prompts, sample_seeds(cfg, it, len(prompts)),
+                                                      alg.max_new_tokens, alg.temperature)
             gen_s = time.perf_counter() - t0
-            leads = sorted((g for g in gens if g["lead"]), key=lambda g: g["replica"])
-            responses = [t for g in leads for t in g["tokens"]]
-            rollout_lps = [lp for g in leads for lp in g["logprobs"]]
             n_tokens = sum(len(r) for r in responses)
+            fault(crash_at, it, "after generation")
             # 3. rewards and advantages
-            import torch
-
             texts = [tok.decode(r) for r in responses]
             scores = score_samples(reward_fn, [s.prompt for s in samples for _ in range(G)], texts,
                                    [s.answer for s in samples for _ in range(G)])
             adv = grpo_advantages(torch.tensor(scores), G, alg.norm_adv_by_std, alg.adv_eps)
             # 4. train (stale-weights check inside, before any update)
-            batch = {"prompts": prompt_ids, "responses": responses, "rollout_logprobs": rollout_lps,
+            batch = {"prompts": prompts, "responses": responses, "rollout_logprobs": rollout_lps,
                      "advantages": adv.tolist()}
             t0 = time.perf_counter()
-            stats = _all(ray, [w.train_on.remote(batch) for w in workers])
+            stats = cluster.all("train_on", batch, desc="train")
             train_s = time.perf_counter() - t0
             stale = max(s["stale_logprob_diff"] for s in stats)
             rec = {
@@ -146,43 +145,75 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 "gen_tokens": n_tokens,
                 "gen_seconds": gen_s,
                 "gen_tokens_per_s": n_tokens / gen_s if gen_s > 0 else float("nan"),
-                "switch_train_to_rollout_s": switch_s,
-                "switch_rollout_to_train_s": 0.0,  # trainer state stays in place on CPU: nothing to move back
-                "bytes_moved": moved,
-                "bytes_sent": sum(r["bytes_sent"] for r in reports),
+                "switch_train_to_rollout_s": sync["seconds"],
+                # the trainer keeps its state in place while the rollout runs (CPU: no device
+                # memory to give back), so nothing moves on the way back
+                "switch_rollout_to_train_s": 0.0,
+                "bytes_moved": sync["bytes_moved"],
+                "bytes_sent": sync["bytes_sent"],
                 "train_seconds": train_s,
+                "optimizer_steps": stats[0]["steps"],
                 "iteration_seconds": time.perf_counter() - t_it,
                 "example": {"prompt": samples[0].prompt, "response": texts[0], "answer": samples[0].answer},
             }
             records.append(rec)
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+            log.write(rec, it)
+            log.write_rollouts(it, prompts, responses, rollout_lps, scores)
             say(f"[grpo] it {it}: reward {rec['reward_mean']:.3f}  kl {rec['kl']:.2e}  loss {rec['policy_loss']:+.4f}  "
-                f"gen {rec['gen_tokens_per_s']:.0f} tok/s  switch {switch_s * 1e3:.0f} ms ({moved / 1024:.0f} KiB)  "
-                f"stale Δlogp {stale:.1e}  [{rec['iteration_seconds']:.1f} s]")
+                f"gen {rec['gen_tokens_per_s']:.0f} tok/s  switch {sync['seconds'] * 1e3:.0f} ms "
+                f"({sync['bytes_moved'] / 1024:.0f} KiB) / back 0 ms  stale Δlogp {stale:.1e}  "
+                f"[{rec['iteration_seconds']:.1f} s]")
             if not rec["stale_check_passed"]:
                 raise StaleWeightsError(
                     f"iteration {it}: the trainer's log-probs of the generated tokens differ from the rollout "
                     f"engine's by {stale:.3g} > {stale_tol:g}: the rollout engine ran on stale or wrong weights")
-        _all(ray, [w.shutdown.remote() for w in workers], timeout=60)
+            every = cfg.checkpoint.save_every
+            if every and (it + 1) % every == 0 and it != last:
+                s = cluster.save(ckpt_root / f"step_{it + 1}", {"iteration": it})
+                prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
+                say(f"[grpo] checkpoint {ckpt_root / f'step_{it + 1}'} ({s:.1f} s)")
+            if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it != last:
+                cluster.sync()
+                eval_now(it + 1, "before")
+        # the end: the final policy evaluated and saved
+        cluster.sync()
+        eval_now(last + 1, "after")
+        s = cluster.save(out_dir / "final", {"iteration": last})
+        say(f"[grpo] final actor: {out_dir / 'final'} (HF safetensors + optimizer state, {s:.1f} s)")
+        ok = True
     finally:
-        ray.shutdown()
-    say(f"[grpo] {iterations} iterations in {time.perf_counter() - t_start:.1f} s; metrics: {metrics_path}")
+        log.close()
+        if cluster is not None:
+            cluster.shutdown(graceful=ok)
+        if owns_ray:
+            ray.shutdown()
+    png = plot_run(log.records(), out_dir / "grpo.png", f"GRPO {cfg.task.name}: {cfg.train.engine} → {cfg.rollout.engine}")
+    say(f"[grpo] {len([r for r in records if 'reward_mean' in r])} iterations in {time.perf_counter() - t_start:.1f} s; "
+        f"metrics: {log.path}" + (f"; plot: {png}" if png else ""))
     return records
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rlhf_switch.rl.config import ConfigError
+
+    ap = argparse.ArgumentParser(prog="recipes.grpo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--iterations", type=int)
     ap.add_argument("--output-dir")
+    ap.add_argument("--resume", nargs="?", const=True, default=None,
+                    help="continue from the newest checkpoint of this run, or from DIR")
     ap.add_argument("--stale-tol", type=float, default=1e-4)
+    ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     try:
-        run(a.config, a.iterations, a.output_dir, a.stale_tol)
-    except StaleWeightsError as e:
+        run(a.config, a.iterations, a.output_dir, a.stale_tol, a.quiet, a.resume)
+    except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StaleWeightsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

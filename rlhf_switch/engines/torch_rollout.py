@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -198,16 +198,24 @@ class TorchRollout:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0, eos_token_id: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+                 seed: int | Sequence[int] = 0, eos_token_id: int | None = None
+                 ) -> tuple[list[list[int]], list[list[float]]]:
         """Greedy (``temperature == 0``) or sampled decoding, one prompt at a time with its own
         KV cache. Returns the generated tokens per prompt (stopping after ``eos_token_id``) and
         each token's log-probability under the model's raw logits (vLLM's default
         ``raw_logprobs``). Every TP rank computes the same logits and draws from the same seeded
-        generator, so every rank returns the same tokens."""
-        gen = torch.Generator(device=self.w["model.norm.weight"].device).manual_seed(seed)
+        generator, so every rank returns the same tokens. ``seed``: one generator for the whole
+        call, or one seed per prompt (a sample then depends only on its own seed, not on which
+        replica or batch it ran in)."""
+        per_prompt = not isinstance(seed, int)
+        if per_prompt and len(seed) != len(prompts):
+            raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts")
+        gen = torch.Generator(device=self.w["model.norm.weight"].device).manual_seed(0 if per_prompt else seed)
         device = gen.device
         tokens_out, logprobs_out = [], []
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
+            if per_prompt:
+                gen.manual_seed(int(seed[i]))
             cache = self.new_kv_cache(1, len(prompt) + max_new_tokens)
             ids = torch.tensor([prompt], dtype=torch.long, device=device)
             logits = self.forward(ids, torch.arange(len(prompt), device=device), cache)[0, -1]  # [vocab]

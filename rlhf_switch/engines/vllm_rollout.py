@@ -213,23 +213,14 @@ class VLLMRollout:
         src = place(src_layout, range(n), total)
         dst = place(self.layout, range(n, total), total)
         t0 = time.perf_counter()
-        slept = False
-        if self.can_sleep:  # free weights and KV while the weights are rewritten, then wake the weights
-            if not self._asleep:
-                self.llm.sleep(level=2)
-                self._asleep = True
-            self.llm.wake_up(["weights"])
-            slept = True
         store = dist.TCPStore("127.0.0.1", 0, total + 1, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout_s))
-        src_bytes, dst_bytes = pickle.dumps(src), pickle.dumps(dst)
         box: dict[str, Any] = {}
 
         def workers():
             try:
-                box["workers"] = self._rpc(
-                    "vps_receive", "127.0.0.1", store.port, n, total, src_bytes, dst_bytes, timeout_s,
-                    budget_bytes, timeout=timeout_s + 60)
+                box["workers"] = self.receive("127.0.0.1", store.port, n, total, src, dst,
+                                              budget_bytes=budget_bytes, timeout_s=timeout_s)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 box["error"] = e
 
@@ -248,24 +239,50 @@ class VLLMRollout:
             raise trainer_error
         if "error" in box:
             raise box["error"]
+        received = sum(int(r["bytes_received"]) + int(r["bytes_local"]) for r in box["workers"])
+        return LoadReport(time.perf_counter() - t0, received, self.can_sleep, trainer, box["workers"])
+
+    def receive(self, host: str, port: int, first_rank: int, world_size: int, src: Layout, dst: Layout, *,
+                budget_bytes: int = DEFAULT_BUDGET, timeout_s: float = 300.0) -> list[dict]:
+        """The workers' side of a move whose senders run elsewhere (trainer ranks in other
+        processes, e.g. Ray actors): worker ``i`` joins the gloo group over the TCPStore at
+        ``host:port`` as rank ``first_rank + i`` of ``world_size`` and receives its part of
+        ``dst`` (both layouts already placed on that group's ranks) in place. Blocks until the
+        move is done; then the prefix cache is reset. Returns each worker's MoveReport as a dict."""
+        if self.can_sleep:  # free weights and KV while the weights are rewritten, then wake the weights
+            if not self._asleep:
+                self.llm.sleep(level=2)
+                self._asleep = True
+            self.llm.wake_up(["weights"])
+        answers = self._rpc("vps_receive", host, port, first_rank, world_size, pickle.dumps(src),
+                            pickle.dumps(dst), timeout_s, budget_bytes, timeout=timeout_s + 60)
         self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
-        if slept:
+        if self.can_sleep:
             self.llm.wake_up(["kv_cache"])
             self._asleep = False
-        received = sum(int(r["bytes_received"]) + int(r["bytes_local"]) for r in box["workers"])
-        return LoadReport(time.perf_counter() - t0, received, slept, trainer, box["workers"])
+        return answers
 
     # --- generation ------------------------------------------------------------------------------------
     def generate(self, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int, greedy: bool = True,
-                 seed: int | None = None, temperature: float = 1.0) -> tuple[list[list[int]], list[list[float]]]:
+                 seed: int | Sequence[int] | None = None, temperature: float = 1.0,
+                 eos_token_id: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
         """Generate from token-id prompts: (tokens, log-probabilities of those tokens) per prompt.
-        Log-probabilities are of the raw model distribution (vLLM's default ``raw_logprobs``)."""
+        Log-probabilities are of the raw model distribution (vLLM's default ``raw_logprobs``).
+        ``seed``: one for every prompt, or one per prompt (a sample then depends only on its own
+        seed, not on which replica or batch it ran in). ``eos_token_id``: stop after it (the
+        token is returned); None: always ``max_tokens`` tokens."""
         from vllm import SamplingParams
 
         if self._asleep:
             self.wake_up()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else temperature,
-                                logprobs=0, seed=seed, detokenize=False, ignore_eos=True)
+        n = len(prompts_token_ids)
+        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * n
+        if len(seeds) != n:
+            raise ValueError(f"{len(seeds)} seeds for {n} prompts")
+        stop = [] if eos_token_id is None else [int(eos_token_id)]
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else temperature,
+                                 logprobs=0, seed=s, detokenize=False, ignore_eos=True, stop_token_ids=stop)
+                  for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts_token_ids],
                                  params, use_tqdm=False)
         tokens, logprobs = [], []

@@ -209,11 +209,32 @@ class SftConfig(Strict):
     batch_size: int = Field(32, ge=1)
 
 
+class CheckpointConfig(Strict):
+    """``save_every`` iterations (0: only at the end) the trainer's whole state is written to
+    ``<output_dir>/checkpoints/step_<N>`` (a HF checkpoint + Adam moments + step), keeping the last
+    ``keep``; the final actor always goes to ``<output_dir>/final``."""
+
+    save_every: int = Field(0, ge=0)
+    keep: int = Field(2, ge=1)
+
+
+class EvalConfig(Strict):
+    """Greedy decoding of the first ``num_prompts`` held-out prompts with the rollout engine,
+    scored by the task's reward, before iteration 0, every ``every`` iterations and at the end
+    (``every: 0``: before and at the end only)."""
+
+    every: int = Field(0, ge=0)
+    num_prompts: int = Field(64, ge=1)
+
+
 class RunConfig(Strict):
     world_size: int = Field(ge=1)
     seed: int = 0
     output_dir: str = "runs/default"
     ray_address: str | None = None  # None: an embedded Ray (address="local"), never a stale cluster
+    tensorboard: bool = True        # metrics also as TensorBoard events in <output_dir>/tensorboard
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
     model: ModelConfig
     train: TrainLayout
     rollout: RolloutLayout
@@ -441,6 +462,10 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"reference: dp={cfg.reference.dp} does not divide the rollout batch {rollout_batch}")
     if cfg.critic is not None and train_batch % cfg.critic.dp:
         problems.append(f"critic: dp={cfg.critic.dp} does not divide algorithm.mini_batch_size={train_batch}")
+    if cfg.eval.num_prompts % cfg.rollout.dp:
+        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is not divisible by rollout.dp={cfg.rollout.dp}")
+    if cfg.eval.num_prompts > cfg.task.num_heldout:
+        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than task.num_heldout={cfg.task.num_heldout}")
     if cfg.sft is not None and cfg.sft.batch_size % cfg.train.dp:
         problems.append(f"sft: batch_size={cfg.sft.batch_size} is not divisible by train.dp={cfg.train.dp}")
     return problems

@@ -1,0 +1,186 @@
+"""The whole training state as full tensors on one process — what a checkpoint holds — and the
+VPS moves that save a running engine into it and load it back into any engine.
+
+``FullState`` implements the ``TrainAdapter`` contract for one *holder* rank: every tensor of the
+model whole, as fp32 ``master`` (also described as ``param``: the weights), ``exp_avg`` and
+``exp_avg_sq``, plus the scalars (step, LR scheduler, RNG). So a checkpoint is just another
+layout: ``save`` is ``switch_training(engine, FullState)`` and ``load`` is
+``switch_training(FullState, engine)`` — from any engine layout into any other, without a
+checkpoint format per engine. Only the holder ever has the full state in memory (tiny-model RL and
+tests; a sharded checkpoint for large models would give each rank its own holder of a part).
+
+On disk (``save_dir``/``load_dir``), a Hugging Face directory that ``transformers`` and vLLM load
+as it is, with the optimizer beside it:
+
+- ``config.json`` + ``model.safetensors``: the weights under the model's own parameter names, in
+  the model's dtype;
+- ``optimizer/moments.safetensors``: ``exp_avg/<name>``, ``exp_avg_sq/<name>`` and the fp32
+  ``master/<name>`` where the model dtype is not fp32 (in a subdirectory: vLLM loads every
+  ``*.safetensors`` file at the top as weights);
+- ``optimizer/trainer_state.pt``: the scalars (``torch.save`` of plain values and the RNG tensor).
+
+Files are written under a temporary name and renamed, the directory last (``COMPLETE`` marker): a
+crash mid-save leaves the previous checkpoint intact and the half-written one recognisably
+incomplete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, Box, ModelSpec, StateKey
+from ..vps.materialize import TORCH_DTYPES
+from .train_state import LocalState
+
+MOMENTS = (EXP_AVG, EXP_AVG_SQ)
+COMPLETE = "COMPLETE"
+OPTIMIZER = "optimizer/moments.safetensors"
+TRAINER_STATE = "optimizer/trainer_state.pt"
+
+
+class FullState:
+    """The holder rank's adapter over whole tensors (create one on the holder only; other ranks
+    pass ``None`` to ``switch_training``)."""
+
+    def __init__(self, spec: ModelSpec, master: Mapping[str, torch.Tensor] | None = None,
+                 moments: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+                 scalars: Mapping[str, Any] | None = None, name: str = "full state"):
+        self.spec, self.name = spec, name
+        self.master = {t.name: _fp32_whole(master, t, zero=master is None) for t in spec.tensors}
+        self.moments = {f: {t.name: _fp32_whole((moments or {}).get(f), t, zero=True) for t in spec.tensors}
+                        for f in MOMENTS}
+        self._scalars = dict(scalars) if scalars is not None else None
+
+    # --- TrainAdapter -----------------------------------------------------------------------------
+    def _describe(self, field: str, tensors: Mapping[str, torch.Tensor]) -> LocalState:
+        out = LocalState()
+        for t in self.spec.tensors:
+            buf = out.add_buffer(f"{field}/{t.name}", tensors[t.name].view(-1))
+            out.add_box(StateKey(t.name, field), Box.full(t.shape), buf)
+        return out
+
+    def weights(self) -> LocalState:
+        return self._describe(PARAM, self.master)
+
+    def state(self) -> LocalState:
+        out = self._describe(MASTER, self.master)
+        for f in MOMENTS:
+            out.merge(self._describe(f, self.moments[f]))
+        return out
+
+    def prepare_state(self) -> None:
+        pass
+
+    def state_written(self) -> None:
+        pass
+
+    def scalars(self) -> dict[str, Any]:
+        if self._scalars is None:
+            raise ValueError(f"{self.name} has no scalars (step, LR schedule) to give")
+        return dict(self._scalars)
+
+    def load_scalars(self, scalars: Mapping[str, Any]) -> None:
+        self._scalars = dict(scalars)
+
+    # --- disk ---------------------------------------------------------------------------------------
+    def save_dir(self, path: str | os.PathLike, hf_config: Mapping[str, Any] | None = None,
+                 dtype: str = "float32", extra: Mapping[str, Any] | None = None) -> Path:
+        """Write the checkpoint directory (see the module doc); ``extra`` goes into
+        ``trainer_state.pt`` beside the scalars (e.g. the iteration)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        model_dtype = TORCH_DTYPES[dtype]
+        save_file({n: t.to(model_dtype).contiguous() for n, t in self.master.items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        opt = {f"{f}/{n}": t for f in MOMENTS for n, t in self.moments[f].items()}
+        if model_dtype != torch.float32:
+            opt.update({f"master/{n}": t for n, t in self.master.items()})
+        (tmp / "optimizer").mkdir()
+        save_file(opt, str(tmp / OPTIMIZER))
+        torch.save({"scalars": self._scalars, "extra": dict(extra or {}), "spec_digest": self.spec.digest},
+                   tmp / TRAINER_STATE)
+        if hf_config is not None:
+            write_hf_config(tmp, hf_config, dtype)
+        (tmp / COMPLETE).write_text("")
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+        return path
+
+    @classmethod
+    def load_dir(cls, path: str | os.PathLike, spec: ModelSpec, weights_only: bool = False) -> "FullState":
+        """Read a checkpoint directory written by ``save_dir`` (``weights_only``: any HF directory
+        with ``model.safetensors``; moments zero, no scalars)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "model.safetensors").is_file():
+            raise FileNotFoundError(f"{path} has no model.safetensors")
+        if not weights_only and not (path / COMPLETE).is_file():
+            raise FileNotFoundError(f"{path} is an incomplete checkpoint (no {COMPLETE} marker)")
+        master = load_file(str(path / "model.safetensors"))
+        if weights_only:
+            return cls(spec, master, name=f"weights {path}")
+        opt = load_file(str(path / OPTIMIZER))
+        master.update({k[len("master/"):]: v for k, v in opt.items() if k.startswith("master/")})
+        moments = {f: {k[len(f) + 1:]: v for k, v in opt.items() if k.startswith(f + "/")} for f in MOMENTS}
+        meta = torch.load(path / TRAINER_STATE, weights_only=False)
+        if meta.get("spec_digest") not in (None, spec.digest):
+            raise ValueError(f"{path} holds another model (spec digest {meta['spec_digest']}, "
+                             f"this model {spec.digest})")
+        state = cls(spec, master, moments, meta["scalars"], name=f"checkpoint {path}")
+        state.extra = meta.get("extra", {})
+        return state
+
+
+def _fp32_whole(tensors: Mapping[str, torch.Tensor] | None, t, zero: bool = False) -> torch.Tensor:
+    if tensors is None or t.name not in tensors:
+        if zero:
+            return torch.zeros(t.shape, dtype=torch.float32)
+        raise KeyError(f"no tensor {t.name!r} {list(t.shape)} for the full state")
+    x = tensors[t.name]
+    if tuple(x.shape) != tuple(t.shape):
+        raise ValueError(f"{t.name}: shape {list(x.shape)}, the model's is {list(t.shape)}")
+    return x.detach().to(torch.float32).contiguous().clone()
+
+
+def write_hf_config(path: str | os.PathLike, hf_config: Mapping[str, Any], dtype: str = "float32") -> None:
+    """``config.json`` of a ``LlamaForCausalLM`` that transformers and vLLM load without a
+    tokenizer (``architectures`` names the class; ``torch_dtype`` the saved weights' dtype)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**dict(hf_config))
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.torch_dtype = dtype
+    cfg.save_pretrained(str(path))
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / COMPLETE).is_file()
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete ``step_<N>`` directory under ``root`` (incomplete ones are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = [p for p in root.glob("step_*") if p.is_dir() and is_checkpoint(p) and p.name[5:].isdigit()]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """What a checkpoint directory holds (for messages)."""
+    path = Path(path)
+    meta = torch.load(path / TRAINER_STATE, weights_only=False) if (path / TRAINER_STATE).is_file() else {}
+    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    return {"path": str(path), "complete": is_checkpoint(path), "extra": meta.get("extra", {}),
+            "step": (meta.get("scalars") or {}).get("step"), "architectures": cfg.get("architectures")}
