@@ -179,7 +179,7 @@ class ZeroTrainer:
     a global batch (each DP rank takes its contiguous slice)."""
 
     engine: Any
-    adapter: "ZeroAdapter"
+    adapter: "ZeroAdapter | None"  # None for a model without a VPS description (spec=None)
     dp_group: dist.ProcessGroup | None = None
     ranks: tuple[int, ...] = ()
     losses: list[float] = field(default_factory=list)
@@ -208,13 +208,14 @@ class ZeroTrainer:
         return self.losses[-1]
 
 
-def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec, stage: int, micro_batch: int,
+def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec | None, stage: int, micro_batch: int,
                        ranks: Sequence[int] | None = None, optim: AdamWConfig = AdamWConfig(),
                        dtype: str = "float32", persistence_threshold: int = 0,
                        extra_config: Mapping[str, Any] | None = None) -> ZeroTrainer | None:
     """``model`` under ZeRO ``stage`` with DP over ``ranks`` (default: the world). Every world
     rank calls this; ranks outside ``ranks`` get ``None``. ``persistence_threshold``: ZeRO-3 keeps
     parameters smaller than this whole on every rank (DeepSpeed's default is 1e5).
+    ``spec=None``: a model the VPS has no description of (the critic's value model): no adapter.
     ``extra_config``: more DeepSpeed config keys (e.g. ``{"checkpoint": {"load_universal": True}}``)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
@@ -247,7 +248,7 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec, stage: int, micr
     with _engine_world(dp_group, ranks):
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=optim.scheduler,
                                           config=config, mpu=mpu)
-    adapter = ZeroAdapter(engine, spec, name=f"ZeRO{stage}·DP{len(ranks)}")
+    adapter = ZeroAdapter(engine, spec, name=f"ZeRO{stage}·DP{len(ranks)}") if spec is not None else None
     return ZeroTrainer(engine, adapter, dp_group, tuple(ranks))
 
 

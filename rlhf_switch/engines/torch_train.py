@@ -38,7 +38,7 @@ class TorchTrainer:
     """One rank of a torch-native engine: ``train_step`` and the ``adapter``."""
 
     def __init__(self, module: nn.Module, name: str, spec, optim: AdamWConfig,
-                 loss_and_backward: Callable[[torch.Tensor], torch.Tensor],
+                 loss_and_backward: Callable[[torch.Tensor], torch.Tensor] | None,
                  dp_group: dist.ProcessGroup | None, dp: int, dp_rank: int,
                  loss_group: dist.ProcessGroup | None = None, loss_src: int | None = None):
         self.module, self.name, self.spec = module, name, spec
@@ -54,9 +54,14 @@ class TorchTrainer:
         # the recipe every engine shares, so a switch between engines continues the same update
         self.optimizer = optim.make(module.parameters())
         self.scheduler = optim.scheduler(self.optimizer)
-        self.adapter = TorchTrainAdapter(spec, name, module, self.optimizer, self.scheduler)
+        # spec None: a model the VPS has no description of (the critic's value model) — no adapter
+        self.adapter = (TorchTrainAdapter(spec, name, module, self.optimizer, self.scheduler)
+                        if spec is not None else None)
 
     def train_step(self, input_ids: torch.Tensor) -> float:
+        if self._loss_and_backward is None:
+            raise NotImplementedError(f"{self.name}: this engine was built without a loss; its owner "
+                                      f"runs forward/backward and the optimizer itself")
         B = input_ids.shape[0]
         if B % self.dp:
             raise ValueError(f"{self.name}: batch {B} is not divisible by DP={self.dp}")
@@ -154,18 +159,27 @@ def _check_ranks(ranks: Sequence[int], size: int, what: str) -> list[int]:
 # --- FSDP2 -----------------------------------------------------------------------------------------
 
 def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWConfig = AdamWConfig(),
-                timeout: timedelta = DEFAULT_TIMEOUT) -> TorchTrainer | None:
-    """FSDP2 over ``ranks`` (DP = len(ranks)): ``fully_shard`` on every decoder layer and the root."""
+                timeout: timedelta = DEFAULT_TIMEOUT,
+                model_fn: Callable[[Any, int], nn.Module] | None = None) -> TorchTrainer | None:
+    """FSDP2 over ``ranks`` (DP = len(ranks)): ``fully_shard`` on every decoder layer and the root.
+
+    ``model_fn(hf_config, seed)``: build another model with a Llama trunk at ``.model.layers``
+    instead of the causal LM (e.g. the critic's value model, ``actors.critic.value_model``). Such
+    a trainer has no VPS adapter (``adapter`` is None) and no ``train_step``: its owner runs the
+    forward/backward and ``optimizer``/``scheduler`` itself."""
     from torch.distributed.fsdp import fully_shard
 
     dp = len(_check_ranks(ranks, len(ranks), "FSDP2"))
     mesh = device_mesh(ranks, (dp,), ("dp",), timeout)
     if mesh is None:
         return None
-    model = hf_model(hf_config, seed)
+    model = hf_model(hf_config, seed) if model_fn is None else model_fn(hf_config, seed)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if model_fn is not None:
+        return TorchTrainer(model, f"FSDP2·DP{dp}", None, optim, None,
+                            mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
     return TorchTrainer(model, f"FSDP2·DP{dp}", llama_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)),
                         mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))

@@ -10,6 +10,7 @@ GRPO (DeepSeekMath): ``grpo_advantages`` over groups of samples of one prompt, b
 tokens (``per_token``), ``policy_loss`` (PPO clip) plus ``kl_coef · aggregate(kl_penalty(...))``
 in the loss. PPO: per-token rewards with the KL penalty folded in (``token_rewards``), ``gae`` on
 the critic's values, ``masked_whiten`` of the advantages, ``policy_loss`` and ``value_loss``.
+``ppo_batch`` does rewards, GAE and (global, DP-wide: ``global_masked_whiten``) whitening in one call.
 """
 from __future__ import annotations
 
@@ -232,3 +233,54 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         with torch.no_grad():
             clipfrac = masked_mean((clipped > unclipped).float(), mask)
     return 0.5 * aggregate(per_token_loss, mask, aggregation), {"vf_clipfrac": clipfrac}
+
+
+def global_masked_whiten(values: torch.Tensor, mask: torch.Tensor, group=None, shift_mean: bool = True,
+                         eps: float = 1e-8) -> torch.Tensor:
+    """``masked_whiten`` with the mean and (unbiased) variance of the masked positions of *every*
+    rank of ``group`` (sums all-reduced over it): each DP rank whitens its share of the batch as
+    one process would whiten the whole batch. Without an initialised process group (or a group of
+    one) it is ``masked_whiten``. Collective: every rank of ``group`` must call it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return masked_whiten(values, mask, shift_mean=shift_mean, eps=eps)
+    values = values.float()
+    sums = torch.stack([masked_sum(values, mask), mask.float().sum()]).double()
+    dist.all_reduce(sums, group=group)
+    n = sums[1]
+    if n < 2:
+        raise ValueError(f"an unbiased variance needs at least 2 masked-in values, got {int(n)}")
+    mean = (sums[0] / n).float()
+    sq = masked_sum((values - mean) ** 2, mask).double().reshape(1)
+    dist.all_reduce(sq, group=group)
+    var = (sq[0] / (n - 1)).float()
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def ppo_batch(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, values: torch.Tensor,
+              scores: torch.Tensor, mask: torch.Tensor, *, kl_coef: float = 0.05,
+              kl_estimator: KLEstimator = "k1", gamma: float = 1.0, lam: float = 0.95,
+              whiten: bool = True, group=None) -> dict[str, torch.Tensor]:
+    """Everything PPO needs from one rollout batch, per token ``[B, T]`` (this rank's share):
+
+    ``kl`` = ``kl_penalty(old, ref, kl_estimator)`` (0 without a reference); ``rewards`` =
+    ``token_rewards``: ``-kl_coef·kl`` on every response token plus the sequence's ``scores[b]``
+    on its last one; ``advantages``/``returns`` from ``gae`` on the critic's ``values`` (the
+    returns are the critic's targets and are never whitened); the advantages then whitened over
+    the *global* batch (``global_masked_whiten`` over ``group``, collective) when ``whiten``.
+    Masked-out positions are 0 in every output."""
+    _check_same_shape(old_logprobs=old_logprobs, values=values, mask=mask)
+    if ref_logprobs is None:
+        kl = torch.zeros_like(old_logprobs, dtype=torch.float32)
+    else:
+        kl = kl_penalty(old_logprobs.float(), ref_logprobs.float(), kl_estimator)
+    kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
+    rewards = token_rewards(scores, mask, kl, kl_coef)
+    advantages, returns = gae(values, rewards, mask, gamma=gamma, lam=lam)
+    if whiten:
+        advantages = global_masked_whiten(advantages, mask, group=group)
+    return {"kl": kl, "rewards": rewards, "advantages": advantages, "returns": returns}
