@@ -96,7 +96,6 @@ class HybridWorker:
             raise NotImplementedError("float32 only on CPU")
         hf = hf_config_of(cfg)
         optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
-        self.micro_override = None
         self._build_trainer(cfg, hf, optim)
         self.max_grad_norm = optim.max_grad_norm
         # the starting state, through the VPS from rank 0's copy of the checkpoint
@@ -104,14 +103,17 @@ class HybridWorker:
         start = self._load_state(resume_dir or init_dir, weights_only=resume_dir is None)
         load_s = time.perf_counter() - t0
         # the reference: the warm-start weights, frozen
-        self.reference = None
+        self.reference, self.reference_name = None, None
         if cfg.reference:
-            from safetensors.torch import load_file
+            self.reference, self.reference_name = self._build_reference(cfg, hf, init_dir, optim)
+        # PPO: the critic, its trunk from the warm start, its own engine and layout
+        self.critic = None
+        if cfg.critic is not None:
+            from actors.critic import Critic
 
-            from rlhf_switch.engines.torch_train import hf_model
-
-            self.reference = hf_model(hf, cfg.seed).eval().requires_grad_(False)
-            self.reference.load_state_dict(load_file(str(Path(init_dir) / "model.safetensors")))
+            self.critic = Critic.build(cfg.critic, hf, cfg.seed, list(range(self.world)), lr=alg.critic_lr,
+                                       max_grad_norm=optim.max_grad_norm, micro_batch=alg.micro_batch_size,
+                                       init_from=init_dir, timeout=TIMEOUT)
         # rollout
         tp = cfg.rollout.tp
         self.tp, self.replicas = tp, self.world // tp
@@ -129,59 +131,82 @@ class HybridWorker:
         self.train_steps = int(start.get("step", 0))
         rollout = f"TorchRollout TP{tp}×{self.replicas}" if self.rollout else f"vLLM TP{tp}×{self.replicas} (separate actors)"
         return {"rank": self.rank, "trainer": self.engine_name, "rollout": rollout, "params": self.spec.numel,
+                "reference": self.reference_name, "critic": self.critic.name if self.critic is not None else None,
                 "start": start, "load_seconds": load_s}
 
     def _build_trainer(self, cfg: RunConfig, hf: dict, optim) -> None:
-        from rlhf_switch.engines.torch_train import build_fsdp2, build_tp, build_tp_dp, hf_model
+        eng = self._engine(cfg.train, hf, cfg.seed, optim, cfg.algorithm.train_batch_size // cfg.train.dp)
+        self.model, self.spec, self.adapter, self.engine_name = eng["module"], eng["spec"], eng["adapter"], eng["name"]
+        self.dp, self.dp_rank = eng["dp"], eng["dp_rank"]
+        self._backward, self._step, self.micro_override = eng["backward"], eng["step"], eng["micro_override"]
+
+    def _engine(self, layout, hf: dict, seed: int, optim, local_mini: int) -> dict:
+        """A training engine of ``layout`` (engine + tp/dp/zero_stage) over the whole world: the
+        module to call, its VPS adapter, DP size/rank, and how to step it."""
+        from rlhf_switch.engines.torch_train import build_fsdp2, build_tp, build_tp_dp, clip_grad_norm, hf_model
 
         ranks = list(range(self.world))
-        engine = cfg.train.engine
+        engine = layout.engine
         if engine in ("fsdp2", "torch_tp"):
             if engine == "fsdp2":
-                t = build_fsdp2(hf, cfg.seed, ranks, optim=optim, timeout=TIMEOUT)
-            elif cfg.train.dp > 1:
-                t = build_tp_dp(hf, cfg.seed, ranks, tp=cfg.train.tp, optim=optim, timeout=TIMEOUT)
+                t = build_fsdp2(hf, seed, ranks, optim=optim, timeout=TIMEOUT)
+            elif layout.dp > 1:
+                t = build_tp_dp(hf, seed, ranks, tp=layout.tp, optim=optim, timeout=TIMEOUT)
             else:
-                t = build_tp(hf, cfg.seed, ranks, optim=optim, timeout=TIMEOUT)
-            self.model, self.spec, self.adapter, self.engine_name = t.module, t.spec, t.adapter, t.name
-            self.dp, self.dp_rank = t.dp, t.dp_rank
-            self._backward = lambda loss: loss.backward()
+                t = build_tp(hf, seed, ranks, optim=optim, timeout=TIMEOUT)
 
             def step() -> float:
                 gn = float("nan")
                 if t._max_grad_norm > 0:  # DTensor gradients: the norm is the global one
-                    gn = torch.nn.utils.clip_grad_norm_(t.module.parameters(), t._max_grad_norm, foreach=False)
-                    gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+                    gn = clip_grad_norm(t.module.parameters(), t._max_grad_norm)
                 t.optimizer.step()
                 t.scheduler.step()
                 t.optimizer.zero_grad(set_to_none=True)
                 return gn
-            self._step = step
-        elif engine == "deepspeed":
+            return {"module": t.module, "spec": t.spec, "adapter": t.adapter, "name": t.name, "dp": t.dp,
+                    "dp_rank": t.dp_rank, "backward": lambda loss: loss.backward(), "step": step,
+                    "micro_override": None}
+        if engine == "deepspeed":
             from rlhf_switch.engines.deepspeed_zero import build_zero_trainer
             from rlhf_switch.vps import llama_spec
 
-            if cfg.train.zero_stage not in (1, 2, 3):
-                raise ValueError(f"train.engine deepspeed needs zero_stage 1, 2 or 3, got {cfg.train.zero_stage}")
+            if layout.zero_stage not in (1, 2, 3):
+                raise ValueError(f"engine deepspeed needs zero_stage 1, 2 or 3, got {layout.zero_stage}")
             # one forward per optimizer step: the engine is built with gradient_accumulation_steps=1,
             # so its micro batch is the whole per-rank mini-batch
-            local_mini = cfg.algorithm.train_batch_size // self.world
-            self.micro_override = local_mini
-            module = hf_model(hf, cfg.seed)
+            module = hf_model(hf, seed)
             spec = llama_spec(module.config)
-            z = build_zero_trainer(module, spec, cfg.train.zero_stage, local_mini, ranks, optim=optim)
+            z = build_zero_trainer(module, spec, layout.zero_stage, local_mini, ranks, optim=optim)
             eng = z.engine
-            self.model, self.spec, self.adapter, self.engine_name = eng, spec, z.adapter, z.adapter.name
-            self.dp, self.dp_rank = z.dp, dist.get_rank(z.dp_group)
-            self._backward = eng.backward
 
             def step() -> float:
                 eng.step()
                 gn = eng.get_global_grad_norm() if hasattr(eng, "get_global_grad_norm") else None
                 return float(gn) if gn is not None else float("nan")
-            self._step = step
-        else:
-            raise NotImplementedError(f"train.engine={engine!r}: the loop trains with fsdp2, torch_tp or deepspeed")
+            return {"module": eng, "spec": spec, "adapter": z.adapter, "name": z.adapter.name, "dp": z.dp,
+                    "dp_rank": dist.get_rank(z.dp_group), "backward": eng.backward, "step": step,
+                    "micro_override": local_mini}
+        raise NotImplementedError(f"engine={engine!r}: the loop trains with fsdp2, torch_tp or deepspeed")
+
+    def _build_reference(self, cfg: RunConfig, hf: dict, init_dir: str, optim):
+        """The reference policy in its own engine and layout (``cfg.reference``), holding the
+        warm-start weights (a VPS move from rank 0's copy of ``init_dir``), frozen."""
+        from rlhf_switch.engines.full_state import FullState
+        from rlhf_switch.engines.train_state import gather_layouts
+        from rlhf_switch.routing import move
+
+        ref = self._engine(cfg.reference, hf, cfg.seed, optim, cfg.algorithm.rollout_batch_size // cfg.reference.dp)
+        holder = FullState.load_dir(init_dir, ref["spec"], weights_only=True).weights() if self.rank == 0 else None
+        mine = ref["adapter"].weights()
+        (src, dst), _ = gather_layouts([(ref["spec"], holder) if holder else None, (ref["spec"], mine)],
+                                       ["warm start", f"reference:{ref['name']}"])
+        with torch.no_grad():
+            move(src, dst, holder.tensors if holder else {}, mine.tensors, timeout=TIMEOUT)
+        # (the forward reads exactly these buffers: ZeRO-1/2 bit16 flat groups, ZeRO-3 partitions
+        # gathered at each forward, FSDP2/DTensor local shards; the reference never steps, so its
+        # fp32 master copy is left alone)
+        ref["module"].eval()
+        return ref["module"], ref["name"]
 
     # --- state in and out: checkpoints through the VPS ---------------------------------------------
     def _load_state(self, path: str, weights_only: bool) -> dict:
@@ -209,6 +234,13 @@ class HybridWorker:
         report = switch_training(self.adapter, holder, timeout=TIMEOUT)
         if holder is not None:
             holder.save_dir(path, hf_config_of(self.cfg), self.cfg.model.dtype, extra)
+        if self.critic is not None:  # the value model's weights beside the actor (not its optimizer yet)
+            weights = self.critic.state_dict_full()
+            if self.rank == 0:
+                from safetensors.torch import save_file
+
+                (Path(path) / "critic").mkdir(exist_ok=True)
+                save_file({k: v.contiguous() for k, v in weights.items()}, str(Path(path) / "critic" / "model.safetensors"))
         dist.barrier()
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": report.move.bytes_sent}
 
@@ -270,12 +302,15 @@ class HybridWorker:
                 "seconds": time.perf_counter() - t0}
 
     def train_on(self, batch: dict) -> dict:
-        """One GRPO update on the global ``batch`` (every rank gets all of it and takes its DP
-        slice): stale-weights check, old and reference log-probs, then ``epochs`` passes in
+        """One GRPO or PPO update on the global ``batch`` (every rank gets all of it and takes its
+        DP slice): stale-weights check, old and reference log-probs, then ``epochs`` passes in
         mini-batches of ``mini_batch_size`` sequences, micro-batches of ``micro_batch_size``.
 
         ``batch``: ``prompts``, ``responses`` (token ids), ``rollout_logprobs`` (per token) and
-        ``advantages`` (one per sequence)."""
+        either ``advantages`` (GRPO: one per sequence; the KL to the reference is in the loss) or
+        ``scores`` (PPO: one per sequence; the critic's values, per-token rewards with the KL
+        penalty and GAE give the advantages here, and the critic is updated on each mini-batch
+        after the policy)."""
         alg, model = self.cfg.algorithm, self.model
         B = len(batch["prompts"])
         mini = alg.train_batch_size
@@ -285,7 +320,9 @@ class HybridWorker:
         lo, hi = self.dp_rank * per, (self.dp_rank + 1) * per
         prompts, responses = batch["prompts"][lo:hi], batch["responses"][lo:hi]
         ids, targets, mask = _pad_batch(prompts, responses, self.pad_id)
-        adv = torch.tensor(batch["advantages"][lo:hi], dtype=torch.float32)[:, None] * mask
+        ppo = "scores" in batch
+        if ppo and self.critic is None:
+            raise ValueError("a PPO batch (scores) for a worker without a critic")
         rollout_lp = torch.zeros_like(mask)
         for b, lps in enumerate(batch["rollout_logprobs"][lo:hi]):
             p = len(prompts[b])
@@ -305,11 +342,25 @@ class HybridWorker:
             ref_lp = (torch.cat([_token_logprobs(self.reference, ids[s], targets[s]) for s in chunks(micro)]) * mask
                       if self.reference is not None else old_lp)
         stale_diff = float(((old_lp - rollout_lp).abs() * mask).max()) if mask.any() else 0.0
+        ppo_stats = {}
+        if ppo:
+            from rlhf_switch.rl.algorithms import ppo_batch
+
+            values = self.critic.values(ids, micro_batch=micro) * mask
+            scores = torch.tensor(batch["scores"][lo:hi], dtype=torch.float32)
+            pb = ppo_batch(old_lp, ref_lp if self.reference is not None else None, values, scores, mask,
+                           kl_coef=alg.kl_coef, kl_estimator=alg.kl_estimator, gamma=alg.gamma, lam=alg.lam,
+                           whiten=alg.whiten_advantages, group=self.critic.dp_group)
+            adv, returns = pb["advantages"], pb["returns"]
+            ppo_stats = {"value_mean": float(masked_mean(values, mask)), "return_mean": float(masked_mean(returns, mask))}
+        else:
+            adv = torch.tensor(batch["advantages"][lo:hi], dtype=torch.float32)[:, None] * mask
         logprob_seconds = time.perf_counter() - t0
 
         # the update
         t0 = time.perf_counter()
-        stats: dict[str, list[float]] = {"policy_loss": [], "kl": [], "clipfrac": [], "grad_norm": []}
+        stats: dict[str, list[float]] = {"policy_loss": [], "kl": [], "clipfrac": [], "grad_norm": [],
+                                         "vf_loss": [], "vf_clipfrac": []}
         for _ in range(alg.epochs):
             for m in chunks(local_mini):
                 n_micro = local_mini // micro
@@ -321,7 +372,7 @@ class HybridWorker:
                     loss = pl
                     kl = kl_penalty(lp, ref_lp[s], getattr(alg, "kl_estimator", "k3"))
                     kl_mean = aggregate(kl, mask[s], alg.loss_aggregation)
-                    if alg.kl_coef > 0 and self.reference is not None:
+                    if alg.kl_coef > 0 and self.reference is not None and not ppo:  # PPO: KL is in the reward
                         loss = loss + alg.kl_coef * kl_mean
                     self._backward(loss / n_micro)
                     stats["policy_loss"].append(float(pl.detach()))
@@ -330,8 +381,14 @@ class HybridWorker:
                 gn = self._step()
                 if gn == gn:
                     stats["grad_norm"].append(gn)
+                if ppo:
+                    vs = self.critic.update(ids[m], mask[m], returns[m], values[m], clip_eps=alg.value_clip_eps,
+                                            micro_batch=micro, aggregation=alg.loss_aggregation)
+                    stats["vf_loss"].append(vs["vf_loss"])
+                    stats["vf_clipfrac"].append(vs["vf_clipfrac"])
                 self.train_steps += 1
-        out = {k: (sum(v) / len(v) if v else float("nan")) for k, v in stats.items()}
+        out = {k: (sum(v) / len(v) if v else float("nan")) for k, v in stats.items() if v or k not in ("vf_loss", "vf_clipfrac")}
+        out.update(ppo_stats)
         out.update(stale_logprob_diff=stale_diff, logprob_seconds=logprob_seconds,
                    update_seconds=time.perf_counter() - t0, tokens=int(mask.sum()),
                    old_vs_ref_kl=float(masked_mean(kl_penalty(old_lp, ref_lp, "k3"), mask)) if mask.any() else 0.0,

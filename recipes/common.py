@@ -32,6 +32,13 @@ def loop_problems(cfg) -> list[str]:
         problems.append(f"train.engine: {cfg.train.engine!r} is not run by the loop yet (fsdp2, torch_tp, deepspeed)")
     if cfg.train.engine == "torch_tp" and cfg.train.pp > 1:
         problems.append("train: pipeline stages (pp > 1) are not run by the loop yet")
+    if cfg.critic is not None:
+        if cfg.critic.engine not in ("fsdp2", "deepspeed") or cfg.critic.tp > 1 or cfg.critic.pp > 1:
+            problems.append(f"critic: the critic runs data parallel with fsdp2 or deepspeed (got {cfg.critic.engine}, "
+                            f"tp={cfg.critic.tp}, pp={cfg.critic.pp})")
+        elif cfg.critic.dp != cfg.train.dp:
+            problems.append(f"critic: dp={cfg.critic.dp} must equal train.dp={cfg.train.dp} (the critic and the "
+                            f"actor take the same share of each batch)")
     if cfg.model.dtype != "float32":
         problems.append(f"model.dtype: {cfg.model.dtype} — the CPU loop trains in float32")
     return problems

@@ -68,7 +68,7 @@ class TorchTrainer:
         per = B // self.dp
         loss = self._loss_and_backward(input_ids[self.dp_rank * per:(self.dp_rank + 1) * per])
         if self._max_grad_norm > 0:  # DTensor gradients: the norm is the global one
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self._max_grad_norm, foreach=False)
+            clip_grad_norm(self.module.parameters(), self._max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -84,6 +84,28 @@ class TorchTrainer:
 
 
 # --- model and groups ------------------------------------------------------------------------------
+
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """``clip_grad_norm_`` for parameters on *different* meshes (TP×FSDP2 has 2-D DTensors for
+    the TP-sharded weights and 1-D ones for the rest, and torch's version stacks the per-tensor
+    norms, which DTensor refuses across meshes): each gradient's norm is reduced over its own
+    mesh to a plain number first. Returns the total norm before clipping (``max_norm`` inf:
+    report only)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    norms = []
+    for g in grads:
+        n = torch.linalg.vector_norm(g, 2)
+        norms.append((n.full_tensor() if hasattr(n, "full_tensor") else n).double())
+    total = float(torch.linalg.vector_norm(torch.stack(norms), 2))
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return total
+
 
 def hf_model(hf_config: Any, seed: int) -> nn.Module:
     """The HF ``LlamaForCausalLM`` of ``hf_config`` (dict or config), fp32, sdpa attention, with
