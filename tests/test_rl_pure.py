@@ -443,7 +443,7 @@ def test_impossible_layout_lists_every_problem():
         "train: engine deepspeed is ZeRO data parallelism (tp=1, pp=1)",
         "train: tp=3 does not divide num_attention_heads=4",
         "train: tp=3 does not divide num_key_value_heads=2",
-        "train: tp=3 does not divide intermediate_size=128",
+        "train: tp=3 does not divide intermediate_size=256",
         "rollout: tp·pp·dp = 8·2·1 = 16, but world_size = 4",
         "rollout: rollout engines run tensor parallel replicas only; pp=2 must be 1",
         "rollout: tp=8 does not divide num_attention_heads=4",
