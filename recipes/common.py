@@ -229,19 +229,18 @@ class Cluster:
 def warm_start(cfg, out_dir: Path, quiet: bool = False) -> Path:
     """The checkpoint every engine starts from: the SFT warm start (``cfg.sft``) or the model's
     seeded initial weights, as a HF directory (cached by ``rlhf_switch.rl.sft``)."""
-    try:
-        from rlhf_switch.rl.sft import warm_start as sft_warm_start
-    except ImportError:  # TEMPORARY until the SFT module lands: the seeded initial weights
-        from actors.hybrid import hf_config_of
-        from rlhf_switch.engines.full_state import FullState, write_hf_config
-        from rlhf_switch.engines.torch_train import hf_model
-        from rlhf_switch.vps import llama_spec
+    import torch
 
-        hf = hf_config_of(cfg)
-        m = hf_model(hf, cfg.seed)
-        FullState(llama_spec(m.config), dict(m.named_parameters())).save_dir(out_dir, hf)
-        return out_dir
-    return Path(sft_warm_start(cfg, out_dir))
+    from rlhf_switch.rl.sft import warm_start as sft_warm_start
+
+    # one thread: a tiny model gains nothing from more, and a 2-thread pool on a machine where
+    # another process holds a core waits at every barrier (measured 20x slower SFT on 2 cores)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return Path(sft_warm_start(cfg, out_dir, progress=not quiet, log=None if quiet else print))
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Evaluator:

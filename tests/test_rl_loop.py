@@ -176,3 +176,20 @@ def test_ppo_with_a_critic(ray_session, tmp_path):
     init = load_file(str(out / "init" / "model.safetensors"))
     # the critic's trunk started from the actor's warm start and was trained since
     assert not torch.equal(critic["model.layers.0.mlp.up_proj.weight"], init["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_grpo_raises_the_heldout_reward_from_the_sft_warm_start(ray_session, tmp_path):
+    """The shipped FSDP2 config as it is (SFT warm start, 20 GRPO iterations of 16 prompts × 8
+    samples, fixed seeds): the held-out greedy exact-match reward on 200 prompts rises by at
+    least 0.05 (measured: 0.330 -> 0.415; README)."""
+    from recipes.grpo import run
+
+    out = tmp_path / "learn"
+    cfg = yaml.safe_load((REPO / "configs" / "grpo_tiny_fsdp.yaml").read_text())
+    cfg.update(output_dir=str(out), checkpoint={"save_every": 0})
+    run(cfg, quiet=True)
+    evals = [r for r in records(out) if "heldout_reward" in r]
+    before, after = evals[0]["heldout_reward"], evals[-1]["heldout_reward"]
+    assert evals[0]["iteration"] == 0 and evals[-1]["iteration"] == 20
+    assert before > 0.1, f"the SFT warm start earns almost no reward ({before})"
+    assert after >= before + 0.05, f"held-out reward {before:.3f} -> {after:.3f}: GRPO did not raise it by 0.05"
