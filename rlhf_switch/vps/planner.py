@@ -18,12 +18,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import zlib
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
-from .layout import Fragment, Layout, LayoutError, without_gc
+from .layout import Fragment, Layout, LayoutError, expand, without_gc
 from .space import Box, StateKey, tuple_new
 from .spec import itemsize
 
@@ -150,10 +150,19 @@ def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = 
     if not 0 <= rank < src.world_size:
         raise LayoutError(f"rank {rank} is outside a world of {src.world_size}")
     keys = sorted(src.keys(rank) | dst.keys(rank), key=_order(src))
-    wanted: dict[StateKey, set[Box]] = {}  # key -> the destination boxes `rank` holds
+    wanted: dict[StateKey, list[Fragment]] = {}  # key -> the destination fragments `rank` holds
     for f in dst.fragments(rank):
-        wanted.setdefault(f.key, set()).add(f.box)
-    transfers = [t for k in keys for t in _plan_key(k, src, dst, rank, ranks_per_node, wanted.get(k, set()))]
+        wanted.setdefault(f.key, []).append(f)
+    held: dict[StateKey, list[Fragment]] = {}  # key -> its source fragments
+    for f in src.fragments(rank):
+        held.setdefault(f.key, []).append(f)
+    transfers: list[Transfer] = []
+    for k in keys:
+        dfrags, sfrags = wanted.get(k, ()), held.get(k, [])
+        if len(dfrags) <= 1 and src._is_partition(k) and len({f.box for f in sfrags}) == len(sfrags):
+            _plan_own_part(k, src, dst, rank, ranks_per_node, dfrags[0] if dfrags else None, sfrags, transfers)
+        else:  # overlapping source boxes, or several boxes of one key here: the general walk
+            transfers.extend(_plan_key(k, src, dst, rank, ranks_per_node, {f.box for f in dfrags}))
     local = tuple(t for t in transfers if t.src == t.dst == rank)
     # canonical order within a peer: the keys' order (their position in `keys`), then the box
     position = {k: i for i, k in enumerate(keys)}
@@ -347,3 +356,100 @@ def _pair_digests(rank: int, sends, recvs) -> dict[int, int]:
     for t in recvs:
         out.setdefault(t.src, [[], []])[1 if rank < t.src else 0].append(t)
     return {p: int.from_bytes(hashlib.sha1(repr(v).encode()).digest()[:7], "big") for p, v in out.items()}
+
+
+def _plan_own_part(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None,
+                   dfrag: Fragment | None, sfrags: list[Fragment], out: list[Transfer]) -> None:
+    """``rank``'s transfers of ``key`` when the source's boxes of it are a (replicated) partition
+    — every region is a box — and ``rank`` holds at most one destination box of it. The same
+    choices as ``_plan_key``, found from the holders of the boxes ``rank`` meets only: what it
+    receives (its box against the source boxes that meet it) and what it sends (each of its
+    source boxes against the destination boxes that meet it). Appends to ``out``: local copies
+    and receives in region order, then sends."""
+    seed = None
+    if dfrag is not None:
+        dbox = dfrag.box
+        requesters = dst._holders_of(key, dbox)
+        # this rank's position among the requesters (in rank order; a rank holds a box once)
+        pos = 0
+        for g in requesters:
+            pos += bisect_left(g.ranks, rank)
+        dtype = None
+        covered = 0
+        for rbox, held in src._meeting(key, dbox):
+            piece = rbox.intersect(dbox)
+            covered += piece.numel
+            holders = expand(held)
+            held_by = dict(holders)
+            hf = held_by.get(rank)
+            if hf is None:
+                # its position among the requesters that do not hold the piece themselves
+                i = pos
+                for h in held_by:
+                    if h < rank:
+                        for g in requesters:
+                            if h in g.ranks:
+                                i -= 1
+                if seed is None:
+                    seed = _rotation_seed(key)
+                i += _rotation(seed, piece)
+                if ranks_per_node:
+                    h, hf = _choose(holders, i, rank, ranks_per_node)
+                else:
+                    h, hf = holders[i % len(holders)]
+            else:
+                h = rank
+            if dtype is None:
+                dtype = dst.buffers(rank)[dfrag.buffer].dtype
+            so, ss = hf.view(piece)
+            do, ds = dfrag.view(piece)
+            out.append(tuple_new(Transfer, (h, rank, key, piece, hf.buffer, so, ss, dfrag.buffer, do, ds, dtype)))
+        if covered != dbox.numel:
+            raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
+                              f"{key}{dbox} that {dst.name} needs")
+    for sfrag in sfrags:
+        rbox = sfrag.box
+        holders = expand(src._holders_of(key, rbox))
+        held_by = dict(holders)
+        n = len(holders)
+        near = _by_node(holders, ranks_per_node) if ranks_per_node and n > 1 else None
+        for dbox, requesters in dst._meeting(key, rbox):
+            piece = rbox.intersect(dbox)
+            if seed is None:
+                seed = _rotation_seed(key)
+            rot = _rotation(seed, piece)
+            sview = None
+            # the requesters that do not hold the piece, in rank order, each with its group
+            if len(requesters) == 1:
+                g = requesters[0]
+                remote = [(d, g) for d in g.ranks if d not in held_by]
+            else:
+                remote = sorted(((d, g) for g in requesters for d in g.ranks if d not in held_by), key=_first)
+            for i, (d, g) in enumerate(remote):
+                i += rot
+                if near is None:
+                    h, hf = holders[i % n]
+                else:
+                    close = near.get(d // ranks_per_node)
+                    h, hf = close[i % len(close)] if close else holders[i % n]
+                if h != rank:
+                    continue
+                if sview is None:
+                    sview = hf.view(piece)
+                df = g.fragment
+                dtype = g.dtype if g.dtype is not None else dst.buffers(d)[df.buffer].dtype
+                do, ds = df.view(piece)
+                out.append(tuple_new(Transfer, (rank, d, key, piece, hf.buffer, sview[0], sview[1], df.buffer,
+                                                do, ds, dtype)))
+
+
+def _by_node(holders, ranks_per_node: int) -> dict[int, list]:
+    """node -> the holders on it, in holder order (what ``_choose`` filters for each requester)."""
+    out: dict[int, list] = {}
+    for h in holders:
+        out.setdefault(h[0] // ranks_per_node, []).append(h)
+    return out
+
+
+def _first(item):
+    return item[0]
