@@ -186,7 +186,7 @@ class Layout:
     def lazy(cls, spec: ModelSpec, classes: RankClasses, name: str, recipe: str,
              fields: Sequence[str], holders=None, partition: bool = False) -> "Layout":
         """A layout whose rank classes are built on first use. ``holders(key, box)``, when given,
-        yields ``(box, Holders)`` for the boxes of ``key`` that meet ``box`` (all of them for
+        lists ``(box, Holders)`` for the boxes of ``key`` that meet ``box`` (all of them for
         ``None``) in the order a rank-by-rank walk meets them, exactly as the built classes hold
         them; ``partition`` says that any two boxes of one key are equal or disjoint."""
         self = cls.__new__(cls)
@@ -341,8 +341,11 @@ class Layout:
     def _meeting(self, key: StateKey, box: Box) -> list[tuple[Box, list[Holders]]]:
         """The boxes of ``key`` that meet ``box``, sorted by ``(lo, hi)``, with their holders."""
         if self._holders_fn is not None and self._index is None:
+            items = self._holders_fn(key, box)
+            if len(items) == 1:
+                return [(items[0][0], [items[0][1]])]
             found: dict[Box, list[Holders]] = {}
-            for b, h in self._holders_fn(key, box):
+            for b, h in items:
                 held = found.get(b)
                 if held is None:
                     found[b] = [h]

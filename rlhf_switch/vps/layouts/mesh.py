@@ -195,13 +195,14 @@ class MeshHolders:
             for t, buffer in tensors:
                 self.stages_of.setdefault(t.name, []).append((s, buffer))
         self.tp_boxes: dict[tuple, list] = {}  # (shape, tp role) -> box of each TP rank
+        self.tp_meeting: dict[tuple, list[int]] = {}  # (shape, tp role, box) -> TP ranks meeting it
         self.by_key: dict[int, dict[StateKey, list[Fragment]]] = {}  # class id -> key -> fragments
         self.dtypes: dict[int, dict[str, str]] = {}
 
-    def __call__(self, key: StateKey, box: Box | None):
-        t = self.spec[key.tensor] if key.tensor in self.spec else None
+    def __call__(self, key: StateKey, box: Box | None) -> list[tuple[Box, Holders]]:
+        t = self.spec._by_name.get(key.tensor)
         if t is None or key.field not in self.fields:
-            return
+            return []
         config = self.config
         ep = config.ep
         if t.expert is not None and ep > 1:
@@ -212,12 +213,12 @@ class MeshHolders:
         stages = self.stages_of.get(t.name, ())
         if config.dp_shard == "replicate":
             if t.name not in self.fusable:
-                yield from self._replicated(key, t, stages, eps, tps)
-                return
+                return self._replicated(key, t, stages, eps, tps)
             pairs = [(e, 0) for e in eps]  # (EP rank, DP shard) of the classes
         else:  # each DP rank is one shard, of EP rank d % ep
             pairs = [(d % ep, d) for e in eps for d in range(e, config.dp, ep)]
         found = [self.class_id[(s, w, e, d)] for s, _ in stages for e, d in pairs for w in tps]
+        out = []
         for c in (sorted(set(found)) if len(found) > 1 else found):
             by_key = self.by_key.get(c)
             if by_key is None:
@@ -229,9 +230,10 @@ class MeshHolders:
             ranks, dtypes = self.classes.members[c], self.dtypes[c]
             for f in by_key.get(key, ()):
                 if box is None or _overlap(f.box, box):
-                    yield f.box, tuple_new(Holders, (f, ranks, dtypes.get(f.buffer)))
+                    out.append((f.box, tuple_new(Holders, (f, ranks, dtypes.get(f.buffer)))))
+        return out
 
-    def _replicated(self, key: StateKey, t, stages, eps, tps):
+    def _replicated(self, key: StateKey, t, stages, eps, tps) -> list[tuple[Box, Holders]]:
         """Fragments of an unfused tensor under DP replicate, without building a class: class
         ``(s, w, e)`` holds TP rank ``w``'s shard at offset 0 of buffer ``{field}/{buffer}``."""
         boxes = self._tp_boxes(t)
@@ -241,30 +243,37 @@ class MeshHolders:
         for s, buffer in stages:
             bname = f"{key.field}/{buffer}"
             for w in tps:
-                b = boxes[w]
+                b, strides = boxes[w]
                 if b is None:
                     continue
-                f = tuple_new(Fragment, (key, b, bname, 0, row_major_strides(b.shape)))
+                f = tuple_new(Fragment, (key, b, bname, 0, strides))
                 for e in eps:
                     found.append((class_id[(s, w, e, 0)], f))
         if len(found) > 1:
             found.sort(key=_first)
-        for c, f in found:
-            yield f.box, tuple_new(Holders, (f, members[c], dtype))
+        return [(f[1], tuple_new(Holders, (f, members[c], dtype))) for c, f in found]
 
-    def _tp_boxes(self, t) -> list:
+    def _tp_boxes(self, t) -> list[tuple[Box | None, tuple[int, ...] | None]]:
+        """(box, row-major strides) of each TP rank's shard of ``t`` (None: vocabulary padding)."""
         k = (t.shape, t.tp)
         boxes = self.tp_boxes.get(k)
         if boxes is None:
-            boxes = self.tp_boxes[k] = [tensor_parallel.shard(t, self.config.tp, w, self.config.vocab_divisible_by)[1]
-                                        for w in range(self.config.tp)]
+            boxes = self.tp_boxes[k] = []
+            for w in range(self.config.tp):
+                b = tensor_parallel.shard(t, self.config.tp, w, self.config.vocab_divisible_by)[1]
+                boxes.append((b, row_major_strides(b.shape) if b is not None else None))
         return boxes
 
     def _tp_ranks(self, t, box: Box | None):
         tp = self.config.tp
         if box is None or tp == 1:
             return range(tp)
-        return [w for w, b in enumerate(self._tp_boxes(t)) if b is not None and _overlap(b, box)]
+        k = (t.shape, t.tp, box)
+        found = self.tp_meeting.get(k)
+        if found is None:
+            found = self.tp_meeting[k] = [w for w, (b, _) in enumerate(self._tp_boxes(t))
+                                          if b is not None and _overlap(b, box)]
+        return found
 
 
 def _first(item):

@@ -143,6 +143,7 @@ class Workers:
         self.buffers: dict[str, BufferSpec] = {}
         self.keys = {t.name: StateKey(t.name, PARAM) for t in spec.tensors}
         self.made: dict[tuple[str, int], Fragment | None] = {}  # (tensor, worker) -> its fragment
+        self.geometry: dict[tuple, tuple | None] = {}  # (shape, split, worker) -> box, strides, row numel
         done: set[str] = set()
 
         def put(t: TensorSpec, buffer: str, row: int, split: tuple, local_rows: int, bdtype: str) -> int:
@@ -208,13 +209,19 @@ class Workers:
     def fragment(self, name: str, w: int) -> Fragment | None:
         f = self.made.get((name, w), False)
         if f is False:
-            box = self.box(name, w)
-            if box is None:
+            buffer, row, split, _ = self.place[name]
+            # experts and layers repeat a few shapes: one box (and strides) per shape, split, worker
+            gk = (self.spec[name].shape, split, w)
+            geometry = self.geometry.get(gk)
+            if geometry is None:
+                box = self.box(name, w)
+                geometry = self.geometry[gk] = (box, row_major_strides(box.shape), prod(box.shape[1:])) \
+                    if box is not None else None
+            if geometry is None:
                 f = None
             else:
-                buffer, row, _, _ = self.place[name]
-                shape = box.shape
-                f = tuple_new(Fragment, (self.keys[name], box, buffer, row * prod(shape[1:]), row_major_strides(shape)))
+                box, strides, row_numel = geometry
+                f = tuple_new(Fragment, (self.keys[name], box, buffer, row * row_numel, strides))
             self.made[(name, w)] = f
         return f
 
@@ -234,17 +241,21 @@ class Workers:
         dim, size, _ = split
         return range(box.lo[dim] // size, min((box.hi[dim] - 1) // size + 1, self.tp))
 
-    def holders(self, key: StateKey, box: Box | None):
+    def holders(self, key: StateKey, box: Box | None) -> list[tuple[Box, Holders]]:
         """``(box, Holders)`` of ``key`` meeting ``box``, worker by worker (a worker's first rank
         is ``w``: this is the rank-by-rank order)."""
         name = key.tensor
-        if key.field != PARAM or name not in self.place:
-            return
-        dtype = self.place[name][3]
+        place = self.place.get(name)
+        if place is None or key.field != PARAM:
+            return []
+        out = []
         for w in self.meeting(name, box):
-            f = self.fragment(name, w)
+            f = self.made.get((name, w), False)
+            if f is False:
+                f = self.fragment(name, w)
             if f is not None and (box is None or _overlap(f.box, box)):
-                yield f.box, tuple_new(Holders, (f, range(w, self.world, self.tp), dtype))
+                out.append((f.box, tuple_new(Holders, (f, range(w, self.world, self.tp), place[3]))))
+        return out
 
 
 def _tp_split(t: TensorSpec, tp: int) -> tuple:
