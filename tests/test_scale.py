@@ -129,3 +129,13 @@ def test_rank_plan_fast_path_is_the_plain_walk_on_a_small_moe():
             for r in range(16):
                 p = plan_rank(src, dst, r, rpn)
                 assert (p.local, p.sends, p.recvs) == plain_rank_plan(eager_copy(src), eager_copy(dst), r, rpn)
+
+
+def test_lazy_layouts_pickle_as_the_layouts_they_equal():
+    import pickle
+
+    for lay in (vllm_layout(SMALL_MOE, 4, replicas=2), build_layout(SMALL_MOE, ParallelConfig(pp=2, dp=4, ep=2))):
+        back = pickle.loads(pickle.dumps(lay))
+        assert back == lay and back.name == lay.name
+        assert all(back.fragments(r) == lay.fragments(r) and dict(back.buffers(r)) == dict(lay.buffers(r))
+                   for r in range(lay.world_size))
