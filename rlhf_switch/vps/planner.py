@@ -159,9 +159,10 @@ def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = 
         held.setdefault(f.key, []).append(f)
     transfers: list[Transfer] = []
     dtypes = {n: b.dtype for n, b in dst.buffers(rank).items()}
+    partition = src._is_partition
     for k in keys:
-        dfrags, sfrags = wanted.get(k, ()), held.get(k, [])
-        if len(dfrags) <= 1 and src._is_partition(k) and len({f.box for f in sfrags}) == len(sfrags):
+        dfrags, sfrags = wanted.get(k, ()), held.get(k, ())
+        if len(dfrags) <= 1 and partition(k) and (len(sfrags) <= 1 or len({f.box for f in sfrags}) == len(sfrags)):
             _plan_own_part(k, src, dst, rank, ranks_per_node, dfrags[0] if dfrags else None, sfrags, transfers,
                            dtypes.get(dfrags[0].buffer) if dfrags else None)
         else:  # overlapping source boxes, or several boxes of one key here: the general walk
@@ -463,7 +464,8 @@ def _plan_own_part(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per
         covered = 0
         for rbox, held in src._meeting(key, dbox):
             piece = rbox.intersect(dbox)
-            covered += piece.numel
+            whole = piece == dbox  # the common case: one source box holds all of it
+            covered += dbox.numel if whole else piece.numel
             if len(held) == 1:
                 g = held[0]
                 hf = g.fragment
@@ -498,8 +500,8 @@ def _plan_own_part(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per
                     h, hf = holders[i % len(holders)]
             if dtype is None:
                 dtype = dst.buffers(rank)[dfrag.buffer].dtype
-            so, ss = hf.view(piece)
-            do, ds = dfrag.view(piece)
+            so, ss = (hf.offset, hf.strides) if piece == hf.box else hf.view(piece)
+            do, ds = (dfrag.offset, dfrag.strides) if whole else dfrag.view(piece)
             out.append(tuple_new(Transfer, (h, rank, key, piece, hf.buffer, so, ss, dfrag.buffer, do, ds, dtype)))
         if covered != dbox.numel:
             raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
