@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import gc
 import hashlib
+from bisect import bisect_right
+from itertools import accumulate
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from .space import Box, StateKey, tuple_new
@@ -76,27 +78,142 @@ class Region(NamedTuple):
     holders: tuple[tuple[int, Fragment], ...]
 
 
+class Holders(NamedTuple):
+    """Ranks that hold one box of a key through equal fragments: a class's share of a holder list."""
+
+    fragment: Fragment
+    ranks: Sequence[int]  # ascending: a tuple, or a range for a regular stride
+    dtype: str | None  # of the fragment's buffer on these ranks (None: an undeclared buffer)
+
+
+class RankClasses:
+    """Ranks grouped into classes that hold the same fragments in the same buffers, each class's
+    ``(fragments, buffers)`` built on first use. Layout families give one class per distinct
+    rank (e.g. one per vLLM worker, replicas share it); class ids count from 0 in order of their
+    first rank, so walking classes in id order meets keys and boxes as a rank-by-rank walk does."""
+
+    __slots__ = ("of", "members", "build", "built")
+
+    def __init__(self, of: Sequence[int], members: Sequence[Sequence[int]], build=None, built=None):
+        self.of = of  # rank -> class id
+        self.members = members  # class id -> its ranks, ascending
+        self.build = build  # class id -> (fragments tuple, buffers mapping)
+        self.built = built if built is not None else {}
+
+    def get(self, c: int) -> tuple[tuple[Fragment, ...], Mapping[str, BufferSpec]]:
+        v = self.built.get(c)
+        if v is None:
+            v = self.built[c] = self.build(c)
+        return v
+
+    @classmethod
+    def of_ranks(cls, rank_class: Sequence, build) -> "RankClasses":
+        """Classes from any hashable per rank (``rank_class[r]``), numbered by first rank."""
+        ids: dict = {}
+        of, members, keys = [], [], []
+        for r, k in enumerate(rank_class):
+            c = ids.get(k)
+            if c is None:
+                c = ids[k] = len(members)
+                members.append([])
+                keys.append(k)
+            members[c].append(r)
+            of.append(c)
+        return cls(of, [_ascending(m) for m in members], lambda c: build(keys[c]))
+
+
+def _ascending(ranks: list[int]) -> Sequence[int]:
+    """``ranks`` as a range when they are evenly spaced (cheap membership tests), else a tuple."""
+    if len(ranks) > 2:
+        step = ranks[1] - ranks[0]
+        if step > 0 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
+            return range(ranks[0], ranks[-1] + 1, step)
+    return tuple(ranks)
+
+
+class _PerRank:
+    """``rank -> fragments`` (``item`` 0) or ``rank -> buffers`` (1) of lazily built classes."""
+
+    __slots__ = ("classes", "item")
+
+    def __init__(self, classes: RankClasses, item: int):
+        self.classes, self.item = classes, item
+
+    def __len__(self) -> int:
+        return len(self.classes.of)
+
+    def __getitem__(self, rank: int):
+        return self.classes.get(self.classes.of[rank])[self.item]
+
+    def __iter__(self):
+        get, item = self.classes.get, self.item
+        return (get(c)[item] for c in self.classes.of)
+
+
+def expand(groups: Sequence[Holders]) -> list[tuple[int, Fragment]]:
+    """Holder groups as one ``(rank, fragment)`` list in rank order (stable: within a rank, in
+    the groups' order)."""
+    if len(groups) == 1:
+        f = groups[0].fragment
+        return [(r, f) for r in groups[0].ranks]
+    out = [(r, g.fragment) for g in groups for r in g.ranks]
+    out.sort(key=_rank_of)
+    return out
+
+
 class Layout:
-    """``{rank: [Fragment]}`` plus per-rank buffer declarations, for one model spec."""
+    """``{rank: [Fragment]}`` plus per-rank buffer declarations, for one model spec.
+
+    Built eagerly from per-rank lists, or lazily (``Layout.lazy``) from rank classes that are
+    made on first use, optionally with a ``holders(key, box)`` function that names the holders of
+    one key without building every rank: one rank plans its part of a 1024-rank move from the
+    classes it meets, not from all of them."""
 
     __slots__ = ("spec", "world_size", "name", "_frags", "_buffers", "_recipe", "_digest",
-                 "_index", "_regions", "_rank_keys")
+                 "_classes", "_holders_fn", "_partition", "_fields", "_index", "_key_index_cache",
+                 "_meet", "_part", "_regions", "_class_keys")
 
     def __init__(self, spec: ModelSpec, fragments: Sequence[Sequence[Fragment]],
                  buffers: Sequence[Mapping[str, BufferSpec]], name: str = "layout",
                  recipe: str | None = None):
         if len(fragments) != len(buffers):
             raise LayoutError(f"{name}: {len(fragments)} fragment lists but {len(buffers)} buffer maps")
-        self.spec = spec
-        self.world_size = len(fragments)
-        self.name = name
+        self._setup(spec, len(fragments), name, recipe)
         self._frags = tuple(f if isinstance(f, tuple) else tuple(f) for f in fragments)
         self._buffers = tuple(buffers)
+
+    @classmethod
+    def lazy(cls, spec: ModelSpec, classes: RankClasses, name: str, recipe: str,
+             fields: Sequence[str], holders=None, partition: bool = False) -> "Layout":
+        """A layout whose rank classes are built on first use. ``holders(key, box)``, when given,
+        lists ``(box, Holders)`` for the boxes of ``key`` that meet ``box`` (all of them for
+        ``None``) in the order a rank-by-rank walk meets them, exactly as the built classes hold
+        them; ``partition`` says that any two boxes of one key are equal or disjoint."""
+        self = cls.__new__(cls)
+        self._setup(spec, len(classes.of), name, recipe)
+        self._classes = classes
+        self._frags, self._buffers = _PerRank(classes, 0), _PerRank(classes, 1)
+        self._holders_fn = holders
+        self._partition = partition
+        self._fields = tuple(sorted(set(fields)))
+        return self
+
+    def _setup(self, spec: ModelSpec, world_size: int, name: str, recipe: str | None) -> None:
+        self.spec = spec
+        self.world_size = world_size
+        self.name = name
         self._recipe = recipe  # a builder's exact arguments: a cheap, equivalent digest source
         self._digest = None
+        self._classes = None
+        self._holders_fn = None
+        self._partition = False
+        self._fields = None
         self._index = None
+        self._key_index_cache = {}
+        self._meet = {}
+        self._part = {}
         self._regions = {}
-        self._rank_keys = {}
+        self._class_keys = {}
 
     # --- values -------------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -128,8 +245,8 @@ class Layout:
     def __eq__(self, other) -> bool:
         return isinstance(other, Layout) and self.digest == other.digest
 
-    def __reduce__(self):
-        return (_rebuild_layout, (self.spec, self._frags, self._buffers, self.name, self._recipe))
+    def __reduce__(self):  # a lazy layout pickles as the eager one it equals
+        return (_rebuild_layout, (self.spec, tuple(self._frags), tuple(self._buffers), self.name, self._recipe))
 
     # --- per rank -------------------------------------------------------------------------------
     def fragments(self, rank: int) -> tuple[Fragment, ...]:
@@ -139,64 +256,132 @@ class Layout:
         return self._buffers[rank]
 
     def keys(self, rank: int) -> frozenset[StateKey]:
-        ks = self._rank_keys.get(rank)
+        c = self._rank_classes().of[rank]
+        ks = self._class_keys.get(c)
         if ks is None:
-            ks = self._rank_keys[rank] = frozenset(f.key for f in self._frags[rank])
+            ks = self._class_keys[c] = frozenset(f.key for f in self._frags[rank])
         return ks
 
     def fields(self) -> tuple[str, ...]:
-        return tuple(sorted({k.field for k in self._holder_index()}))
+        if self._fields is None:
+            cl = self._rank_classes()
+            self._fields = tuple(sorted({f.key.field for c in range(len(cl.members)) for f in cl.get(c)[0]}))
+        return self._fields
 
     def numel(self, rank: int) -> int:
         return sum(f.box.numel for f in self._frags[rank])
 
+    def _rank_classes(self) -> RankClasses:
+        """Ranks that share one fragment tuple and one buffer map (replicas) form a class."""
+        if self._classes is None:
+            ids: dict[tuple[int, int], int] = {}
+            of, members, built = [], [], {}
+            for rank, (frags, bufs) in enumerate(zip(self._frags, self._buffers)):
+                k = (id(frags), id(bufs))
+                c = ids.get(k)
+                if c is None:
+                    c = ids[k] = len(members)
+                    members.append([])
+                    built[c] = (frags, bufs)
+                members[c].append(rank)
+                of.append(c)
+            self._classes = RankClasses(of, [_ascending(m) for m in members], None, built)
+        return self._classes
+
     # --- per key ---------------------------------------------------------------------------------
-    def _holder_index(self) -> dict[StateKey, dict[Box, list[tuple[int, Fragment]]]]:
-        """key -> box -> [(rank, fragment)], built once over all ranks."""
+    def _holder_index(self) -> dict[StateKey, dict[Box, list[Holders]]]:
+        """key -> box -> [Holders], built once over all classes."""
         if self._index is None:
             self._index = self._build_index()
         return self._index
 
     @without_gc
-    def _build_index(self) -> dict[StateKey, dict[Box, list[tuple[int, Fragment]]]]:
-        # Replicas share one fragment tuple (DP replicate: 16 ranks, one tuple), so walk each
-        # distinct tuple once, in order of its first rank, and add all of its ranks at once.
-        # Keys and boxes are then first met in the same order as in a rank-by-rank walk (a
-        # key's first holder is always some tuple's first rank); holder lists that get
-        # entries from more than one tuple (or one tuple twice) are put back in rank order
-        # by a stable sort, which keeps each rank's fragments in fragment order.
-        ranks_of: dict[int, tuple[tuple[Fragment, ...], list[int]]] = {}
-        for rank, frags in enumerate(self._frags):
-            entry = ranks_of.get(id(frags))
-            if entry is None:
-                ranks_of[id(frags)] = (frags, [rank])
-            else:
-                entry[1].append(rank)
-        index: dict[StateKey, dict[Box, list[tuple[int, Fragment]]]] = {}
-        unsorted: dict[int, list[tuple[int, Fragment]]] = {}
-        for frags, ranks in ranks_of.values():
-            only = ranks[0] if len(ranks) == 1 else None  # an unreplicated tuple (ZeRO-3, FSDP)
+    def _build_index(self) -> dict[StateKey, dict[Box, list[Holders]]]:
+        # Classes are walked in order of their first rank, so keys and boxes are first met in the
+        # same order as in a rank-by-rank walk (a key's first holder is always some class's first
+        # rank); ``expand`` puts a box's holders back in rank order.
+        cl = self._rank_classes()
+        index: dict[StateKey, dict[Box, list[Holders]]] = {}
+        for c, ranks in enumerate(cl.members):
+            frags, bufs = cl.get(c)
+            dtypes = {n: b.dtype for n, b in bufs.items()}
             for f in frags:
                 boxes = index.get(f.key)
                 if boxes is None:
                     boxes = index[f.key] = {}
-                entries = [(only, f)] if only is not None else [(r, f) for r in ranks]
-                holders = boxes.get(f.box)
-                if holders is None:
-                    boxes[f.box] = entries
+                h = tuple_new(Holders, (f, ranks, dtypes.get(f.buffer)))
+                held = boxes.get(f.box)
+                if held is None:
+                    boxes[f.box] = [h]
                 else:
-                    unsorted[id(holders)] = holders
-                    holders.extend(entries)
-        for holders in unsorted.values():
-            holders.sort(key=_rank_of)
+                    held.append(h)
         return index
+
+    def _key_index(self, key: StateKey) -> dict[Box, list[Holders]]:
+        """box -> [Holders] of one key, from the family's ``holders`` when it has one."""
+        if self._holders_fn is None or self._index is not None:
+            return self._holder_index().get(key, {})
+        boxes = self._key_index_cache.get(key)
+        if boxes is None:
+            boxes = self._key_index_cache[key] = {}
+            for box, h in self._holders_fn(key, None):
+                held = boxes.get(box)
+                if held is None:
+                    boxes[box] = [h]
+                else:
+                    held.append(h)
+        return boxes
+
+    def _holders_of(self, key: StateKey, box: Box) -> list[Holders]:
+        """Every holder of exactly ``box`` of ``key``."""
+        if self._holders_fn is None or self._index is not None:
+            return self._holder_index().get(key, {}).get(box, [])
+        return [h for b, h in self._holders_fn(key, box) if b == box]
+
+    def _meeting(self, key: StateKey, box: Box) -> list[tuple[Box, list[Holders]]]:
+        """The boxes of ``key`` that meet ``box``, sorted by ``(lo, hi)``, with their holders."""
+        if self._holders_fn is not None and self._index is None:
+            items = self._holders_fn(key, box)
+            if len(items) == 1:
+                return [(items[0][0], [items[0][1]])]
+            found: dict[Box, list[Holders]] = {}
+            for b, h in items:
+                held = found.get(b)
+                if held is None:
+                    found[b] = [h]
+                else:
+                    held.append(h)
+            return sorted(found.items(), key=_first)
+        entry = self._meet.get(key)
+        if entry is None:
+            items = sorted(self._key_index(key).items(), key=_first)
+            entry = self._meet[key] = (items, list(accumulate([b.hi[0] for b, _ in items], max)))
+        items, reach = entry
+        end = box.hi[0]
+        out = []
+        for i in range(bisect_right(reach, box.lo[0]), len(items)):
+            b, held = items[i]
+            if b.lo[0] >= end:
+                break
+            if _overlap(b, box):
+                out.append(items[i])
+        return out
+
+    def _is_partition(self, key: StateKey) -> bool:
+        """Whether any two boxes of ``key`` are equal or disjoint (its regions are its boxes)."""
+        if self._partition:
+            return True
+        p = self._part.get(key)
+        if p is None:
+            p = self._part[key] = _pairwise_disjoint(sorted(self._key_index(key)))
+        return p
 
     def all_keys(self) -> Iterable[StateKey]:
         return self._holder_index().keys()
 
     def groups(self, key: StateKey) -> dict[Box, list[tuple[int, Fragment]]]:
         """Distinct boxes of ``key`` and the (rank, fragment)s holding each (replicas share a box)."""
-        return self._holder_index().get(key, {})
+        return {box: expand(held) for box, held in self._key_index(key).items()}
 
     def regions(self, key: StateKey) -> tuple[Region, ...]:
         """Disjoint boxes covering everything held of ``key``, each with all of its holders,
@@ -254,6 +439,10 @@ class Layout:
 
 def _rank_of(holder: tuple[int, Fragment]) -> int:
     return holder[0]
+
+
+def _first(item):
+    return item[0]
 
 
 def _rebuild_layout(spec, frags, buffers, name, recipe):

@@ -18,12 +18,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import zlib
-from bisect import bisect_right
+from zlib import crc32
+from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
-from .layout import Fragment, Layout, LayoutError, without_gc
+from .layout import Fragment, Layout, LayoutError, expand, without_gc
 from .space import Box, StateKey, tuple_new
 from .spec import itemsize
 
@@ -150,10 +151,22 @@ def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = 
     if not 0 <= rank < src.world_size:
         raise LayoutError(f"rank {rank} is outside a world of {src.world_size}")
     keys = sorted(src.keys(rank) | dst.keys(rank), key=_order(src))
-    wanted: dict[StateKey, set[Box]] = {}  # key -> the destination boxes `rank` holds
+    wanted: dict[StateKey, list[Fragment]] = {}  # key -> the destination fragments `rank` holds
     for f in dst.fragments(rank):
-        wanted.setdefault(f.key, set()).add(f.box)
-    transfers = [t for k in keys for t in _plan_key(k, src, dst, rank, ranks_per_node, wanted.get(k, set()))]
+        wanted.setdefault(f.key, []).append(f)
+    held: dict[StateKey, list[Fragment]] = {}  # key -> its source fragments
+    for f in src.fragments(rank):
+        held.setdefault(f.key, []).append(f)
+    transfers: list[Transfer] = []
+    dtypes = {n: b.dtype for n, b in dst.buffers(rank).items()}
+    partition = src._is_partition
+    for k in keys:
+        dfrags, sfrags = wanted.get(k, ()), held.get(k, ())
+        if len(dfrags) <= 1 and partition(k) and (len(sfrags) <= 1 or len({f.box for f in sfrags}) == len(sfrags)):
+            _plan_own_part(k, src, dst, rank, ranks_per_node, dfrags[0] if dfrags else None, sfrags, transfers,
+                           dtypes.get(dfrags[0].buffer) if dfrags else None)
+        else:  # overlapping source boxes, or several boxes of one key here: the general walk
+            transfers.extend(_plan_key(k, src, dst, rank, ranks_per_node, {f.box for f in dfrags}))
     local = tuple(t for t in transfers if t.src == t.dst == rank)
     # canonical order within a peer: the keys' order (their position in `keys`), then the box
     position = {k: i for i, k in enumerate(keys)}
@@ -173,7 +186,10 @@ def plan_transition(src: Layout, dst: Layout, ranks_per_node: int | None = None)
     check_pair(src, dst)
     order = _order(src)
     keys = set(dst.all_keys())
-    transfers = tuple(t for k in sorted(keys, key=order) for t in _plan_key(k, src, dst, None, ranks_per_node))
+    transfers: list[Transfer] = []
+    for k in sorted(keys, key=order):
+        _plan_key_all(k, src, dst, ranks_per_node, transfers)
+    transfers = tuple(transfers)
     return Plan(f"{src.name} -> {dst.name}", input_digest(src, dst, ranks_per_node), src.world_size,
                 transfers, sum(minimum_bytes_received(src, dst, r) for r in range(src.world_size)))
 
@@ -197,8 +213,8 @@ def minimum_bytes_received(src: Layout, dst: Layout, rank: int) -> int:
 
 
 def _order(layout: Layout):
-    spec = layout.spec
-    return lambda k: (spec.order(k.tensor), k.field)
+    order = layout.spec._order()
+    return lambda k: (order[k.tensor], k.field)
 
 
 def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
@@ -284,6 +300,83 @@ def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
                               f"{key}{dbox} that {dst.name} needs")
 
 
+def _plan_key_all(key: StateKey, src: Layout, dst: Layout, ranks_per_node: int | None,
+                  out: list[Transfer]) -> None:
+    """Everyone's transfers of ``key``: ``_plan_key`` with ``rank`` None, in its order, walking
+    the destination's holder groups (a group's buffer dtype is looked up once, not per rank)."""
+    regions = src.regions(key)
+    reach = None
+    seed = None
+    near: dict[int, dict] = {}  # region index -> its holders by node
+    for dbox, groups in dst._key_index(key).items():
+        if len(groups) == 1:
+            g = groups[0]
+            requesters = [(d, g) for d in g.ranks]
+        else:
+            requesters = sorted(((d, g) for g in groups for d in g.ranks), key=_first)
+        covered = 0
+        start = 0
+        end = dbox.hi[0] if dbox.hi else None
+        if end is not None and len(regions) > 8:
+            if reach is None:
+                reach = list(accumulate([r.box.hi[0] for r in regions], max))
+            start = bisect_right(reach, dbox.lo[0])
+        for ri in range(start, len(regions)):
+            reg = regions[ri]
+            if end is not None and reg.box.lo[0] >= end:
+                break
+            piece = reg.box.intersect(dbox)
+            if piece is None:
+                continue
+            covered += piece.numel
+            holders = reg.holders
+            held_by = dict(holders)
+            sviews: dict[int, tuple] = {}
+            dviews: dict[int, tuple] = {}
+            remote = []
+            for d, g in requesters:  # local copies first, in requester order
+                hf = held_by.get(d)
+                if hf is None:
+                    remote.append((d, g))
+                    continue
+                out.append(_transfer_of(d, hf, d, g, piece, dst, sviews, dviews))
+            if not remote:
+                continue
+            if seed is None:
+                seed = _rotation_seed(key)
+            rot = _rotation(seed, piece)
+            n = len(holders)
+            by_node = None
+            if ranks_per_node:
+                by_node = near.get(ri)
+                if by_node is None:
+                    by_node = near[ri] = _by_node(holders, ranks_per_node)
+            for i, (d, g) in enumerate(remote):
+                i += rot
+                if by_node is not None:
+                    close = by_node.get(d // ranks_per_node)
+                    h, hf = close[i % len(close)] if close else holders[i % n]
+                else:
+                    h, hf = holders[i % n]
+                out.append(_transfer_of(h, hf, d, g, piece, dst, sviews, dviews))
+        if covered != dbox.numel:
+            raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
+                              f"{key}{dbox} that {dst.name} needs")
+
+
+def _transfer_of(s: int, sf: Fragment, d: int, g, piece: Box, dst: Layout, sviews: dict, dviews: dict) -> Transfer:
+    """``_transfer`` for a requester ``d`` of holder group ``g``, views memoised per fragment."""
+    sv = sviews.get(id(sf))
+    if sv is None:
+        sv = sviews[id(sf)] = sf.view(piece)
+    df = g.fragment
+    dv = dviews.get(id(df))
+    if dv is None:
+        dv = dviews[id(df)] = df.view(piece)
+    dtype = g.dtype if g.dtype is not None else dst.buffers(d)[df.buffer].dtype
+    return tuple_new(Transfer, (s, d, df.key, piece, sf.buffer, sv[0], sv[1], df.buffer, dv[0], dv[1], dtype))
+
+
 def _remote_position(j: int, held_by, where: dict[int, list[int]]) -> int:
     """Position among the remote requesters (those not in ``held_by``) of entry ``j`` of the
     requesters: ``j`` less the holders' own entries before it. Holders rarely request the box
@@ -347,3 +440,115 @@ def _pair_digests(rank: int, sends, recvs) -> dict[int, int]:
     for t in recvs:
         out.setdefault(t.src, [[], []])[1 if rank < t.src else 0].append(t)
     return {p: int.from_bytes(hashlib.sha1(repr(v).encode()).digest()[:7], "big") for p, v in out.items()}
+
+
+def _plan_own_part(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None,
+                   dfrag: Fragment | None, sfrags: list[Fragment], out: list[Transfer], dtype: str | None) -> None:
+    """``rank``'s transfers of ``key`` when the source's boxes of it are a (replicated) partition
+    — every region is a box — and ``rank`` holds at most one destination box of it. The same
+    choices as ``_plan_key``, found from the holders of the boxes ``rank`` meets only: what it
+    receives (its box against the source boxes that meet it) and what it sends (each of its
+    source boxes against the destination boxes that meet it). Appends to ``out``: local copies
+    and receives in region order, then sends."""
+    seed = None
+    if dfrag is not None:
+        dbox = dfrag.box
+        requesters = dst._holders_of(key, dbox)
+        # this rank's position among the requesters (in rank order; a rank holds a box once)
+        if len(requesters) == 1:
+            pos = bisect_left(requesters[0].ranks, rank)
+        else:
+            pos = 0
+            for g in requesters:
+                pos += bisect_left(g.ranks, rank)
+        covered = 0
+        for rbox, held in src._meeting(key, dbox):
+            piece = rbox.intersect(dbox)
+            whole = piece == dbox  # the common case: one source box holds all of it
+            covered += dbox.numel if whole else piece.numel
+            if len(held) == 1:
+                g = held[0]
+                hf = g.fragment
+                distinct = g.ranks
+                if rank in distinct:
+                    h = rank
+                else:
+                    holders = [(r, hf) for r in distinct]
+                    h = None
+            else:
+                holders = expand(held)
+                distinct = held_by = dict(holders)
+                hf = held_by.get(rank)
+                h = rank if hf is not None else None
+            if h is None:
+                # its position among the requesters that do not hold the piece themselves
+                i = pos
+                for h in distinct:  # ascending
+                    if h >= rank:
+                        break
+                    for g in requesters:
+                        if h in g.ranks:
+                            i -= 1
+                if seed is None:
+                    seed = _rotation_seed(key)
+                i += crc32(str(piece.lo).encode(), seed)
+                if ranks_per_node:
+                    node = rank // ranks_per_node
+                    close = [x for x in holders if x[0] // ranks_per_node == node]
+                    h, hf = close[i % len(close)] if close else holders[i % len(holders)]
+                else:
+                    h, hf = holders[i % len(holders)]
+            if dtype is None:
+                dtype = dst.buffers(rank)[dfrag.buffer].dtype
+            so, ss = (hf.offset, hf.strides) if piece == hf.box else hf.view(piece)
+            do, ds = (dfrag.offset, dfrag.strides) if whole else dfrag.view(piece)
+            out.append(tuple_new(Transfer, (h, rank, key, piece, hf.buffer, so, ss, dfrag.buffer, do, ds, dtype)))
+        if covered != dbox.numel:
+            raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
+                              f"{key}{dbox} that {dst.name} needs")
+    for sfrag in sfrags:
+        rbox = sfrag.box
+        holders = expand(src._holders_of(key, rbox))
+        held_by = dict(holders)
+        n = len(holders)
+        near = _by_node(holders, ranks_per_node) if ranks_per_node and n > 1 else None
+        for dbox, requesters in dst._meeting(key, rbox):
+            piece = rbox.intersect(dbox)
+            if seed is None:
+                seed = _rotation_seed(key)
+            rot = _rotation(seed, piece)
+            sview = None
+            # the requesters that do not hold the piece, in rank order, each with its group
+            if len(requesters) == 1:
+                g = requesters[0]
+                remote = [(d, g) for d in g.ranks if d not in held_by]
+            else:
+                remote = sorted(((d, g) for g in requesters for d in g.ranks if d not in held_by), key=_first)
+            for i, (d, g) in enumerate(remote):
+                i += rot
+                if near is None:
+                    h, hf = holders[i % n]
+                else:
+                    close = near.get(d // ranks_per_node)
+                    h, hf = close[i % len(close)] if close else holders[i % n]
+                if h != rank:
+                    continue
+                if sview is None:
+                    sview = hf.view(piece)
+                df = g.fragment
+                dtype = g.dtype if g.dtype is not None else dst.buffers(d)[df.buffer].dtype
+                do, ds = df.view(piece)
+                out.append(tuple_new(Transfer, (rank, d, key, piece, hf.buffer, sview[0], sview[1], df.buffer,
+                                                do, ds, dtype)))
+
+
+def _by_node(holders, ranks_per_node: int) -> dict[int, list]:
+    """node -> the holders on it, in holder order (what ``_choose`` filters for each requester)."""
+    out: dict[int, list] = {}
+    for h in holders:
+        out.setdefault(h[0] // ranks_per_node, []).append(h)
+    return out
+
+
+def _first(item):
+    return item[0]

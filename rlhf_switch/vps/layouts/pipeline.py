@@ -46,3 +46,25 @@ def stage_tensors(spec: ModelSpec, pp: int, stage: int,
     if spec.tied_lm_head and last and not first and EMBEDDING in spec:
         out.append((spec[EMBEDDING], TIED_HEAD_BUFFER))
     return out
+
+
+def all_stage_tensors(spec: ModelSpec, pp: int,
+                      stage_layers: tuple[int, ...] | None = None) -> list[list[tuple[TensorSpec, str]]]:
+    """``[stage_tensors(spec, pp, s) for s in range(pp)]`` in one pass over the model."""
+    bounds = stage_bounds(spec.num_layers, pp, stage_layers) if spec.num_layers else [(0, 0)] * pp
+    stage_of = {}  # layer -> stage
+    for s, (lo, hi) in enumerate(bounds):
+        for layer in range(lo, hi):
+            stage_of[layer] = s
+    out: list[list[tuple[TensorSpec, str]]] = [[] for _ in range(pp)]
+    for t in spec.tensors:
+        if t.layer is not None:
+            s = stage_of.get(t.layer)
+            if s is None:  # a layer no stage holds (num_layers of 0)
+                continue
+        else:
+            s = pp - 1 if t.anchor == "last" else 0
+        out[s].append((t, t.name))
+    if spec.tied_lm_head and pp > 1 and EMBEDDING in spec:
+        out[pp - 1].append((spec[EMBEDDING], TIED_HEAD_BUFFER))
+    return out

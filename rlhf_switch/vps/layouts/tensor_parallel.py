@@ -18,8 +18,10 @@ are q[4:8], k[2:4], v[2:4].
 """
 from __future__ import annotations
 
+import functools
+
 from ..layout import LayoutError
-from ..space import Box
+from ..space import Box, tuple_new
 from ..spec import FusedGroup, ModelSpec, TensorSpec
 from .local import LocalTensor, Part
 
@@ -87,16 +89,24 @@ def shard(t: TensorSpec, tp: int, rank: int, vocab_divisible_by: int | None) -> 
     return local, Box((lo,) + (0,) * (len(shape) - 1), (hi,) + shape[1:])
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def _shard(shape: tuple[int, ...], role: str, tp: int, rank: int, vocab_divisible_by: int | None):
+    """``shard`` by geometry: the layers of a model repeat a few shapes, so this is a lookup."""
+    return shard(TensorSpec("_", shape, tp=role), tp, rank, vocab_divisible_by)
+
+
 def local_tensors(spec: ModelSpec, tensors: list[tuple[TensorSpec, str]], tp: int, rank: int, *,
                   vocab_divisible_by: int | None = None, fuse_qkv: bool = False,
                   fuse_gate_up: bool = False) -> list[LocalTensor]:
     """Local tensors of TP rank ``rank`` for ``tensors`` = [(spec, buffer name)] of its stage."""
     fused_into: dict[str, FusedGroup] = {}
-    present = {t.name for t, _ in tensors}
-    for g in spec.fused:
-        if not present.issuperset(g.members):  # e.g. a MoE layer's experts split over EP ranks
-            continue
-        if (g.style == "qkv" and fuse_qkv) or (g.style == "concat" and fuse_gate_up):
+    if fuse_qkv or fuse_gate_up:
+        present = {t.name for t, _ in tensors}
+        for g in spec.fused:
+            if not ((g.style == "qkv" and fuse_qkv) or (g.style == "concat" and fuse_gate_up)):
+                continue
+            if not present.issuperset(g.members):  # e.g. a MoE layer's experts split over EP ranks
+                continue
             for m in g.members:
                 fused_into[m] = g
     out: list[LocalTensor] = []
@@ -104,8 +114,9 @@ def local_tensors(spec: ModelSpec, tensors: list[tuple[TensorSpec, str]], tp: in
     for t, buffer in tensors:
         g = fused_into.get(t.name)
         if g is None:
-            local, box = shard(t, tp, rank, vocab_divisible_by)
-            out.append(LocalTensor(buffer, local, (Part(t.name, box, 0),) if box else (), t.dtype))
+            local, box = _shard(t.shape, t.tp, tp, rank, vocab_divisible_by)
+            out.append(tuple_new(LocalTensor, (buffer, local, (tuple_new(Part, (t.name, box, 0)),) if box else (),
+                                               t.dtype)))
         elif g.buffer not in done:
             done.add(g.buffer)
             out.append(_fused(spec, g, tp, rank))

@@ -22,10 +22,12 @@ Worked example (4 heads, 2 KV heads, head_dim 32, T=4): worker 3 holds q rows [9
 """
 from __future__ import annotations
 
-from ..layout import BufferSpec, Fragment, Layout, LayoutError
-from ..space import PARAM, Box, StateKey
-from ..spec import ModelSpec
-from . import data_parallel
+from math import prod
+from typing import Iterable
+
+from ..layout import BufferSpec, Fragment, Holders, Layout, LayoutError, RankClasses, _overlap, without_gc
+from ..space import PARAM, Box, StateKey, row_major_strides, tuple_new
+from ..spec import ModelSpec, TensorSpec
 from .local import LocalTensor, Part, whole
 from .tensor_parallel import shard, undivided_dims
 
@@ -105,32 +107,171 @@ def _fused(spec: ModelSpec, members, buffer: str, style: str, tp: int, rank: int
     return LocalTensor(buffer, (row,) + boxes[0][1].shape[1:], tuple(parts), boxes[0][0].dtype)
 
 
+@without_gc
 def vllm_layout(spec: ModelSpec, tp: int, replicas: int = 1, dtype: str | None = None) -> Layout:
     """The weights of ``replicas`` vLLM engines of TP ``tp`` (``param`` field only: an engine
-    holds no optimizer state). ``dtype`` is the engine's dtype (default: the model's)."""
+    holds no optimizer state). ``dtype`` is the engine's dtype (default: the model's).
+
+    Lazy: a worker's fragments are built when a rank of it is first asked for, and the holders
+    of one tensor come from ``Workers`` without building any worker."""
     if tp < 1 or replicas < 1:
         raise LayoutError(f"vLLM TP and replicas must be >= 1, got tp={tp}, replicas={replicas}")
     check_vllm_tp(spec, tp)
     if dtype is not None and all(t.dtype == dtype for t in spec.tensors):
         dtype = None  # one spelling per layout: the digest must not depend on a redundant argument
-    per_worker = []
-    for t in range(tp):
-        pieces, numels = data_parallel.replicate(worker_tensors(spec, tp, t), 1, 0)
-        frags = tuple(Fragment(StateKey(name, PARAM), box, f"{PARAM}/{buf}", off, strides)
-                      for name, box, buf, off, strides in pieces)
-        bufs = {f"{PARAM}/{b}": BufferSpec(n, dtype or spec[_first_tensor(spec, b)].dtype)
-                for b, n in numels.items()}
-        per_worker.append((frags, bufs))
-    frags = [per_worker[r % tp][0] for r in range(tp * replicas)]
-    bufs = [per_worker[r % tp][1] for r in range(tp * replicas)]
+    world = tp * replicas
+    workers = Workers(spec, tp, world, dtype)
+    classes = RankClasses([r % tp for r in range(world)], [range(t, world, tp) for t in range(tp)], workers.build)
     name = f"vLLM-TP{tp}" + (f"×{replicas}" if replicas > 1 else "")
-    return Layout(spec, frags, bufs, name, f"vllm(tp={tp},replicas={replicas},dtype={dtype})")
+    return Layout.lazy(spec, classes, name, f"vllm(tp={tp},replicas={replicas},dtype={dtype})", (PARAM,),
+                       workers.holders, partition=True)
 
 
-def _first_tensor(spec: ModelSpec, buffer: str) -> str:
-    if buffer in spec:
-        return buffer
-    for g in spec.fused:
-        if g.buffer == buffer:
-            return g.members[0]
-    raise LayoutError(f"no tensor behind vLLM buffer {buffer!r}")
+class Workers:
+    """Where every tensor sits on worker ``w``: its buffer and first row there (the same on every
+    worker) and how its box moves with ``w`` — a split ``(dim, size, rows)`` (worker ``w`` holds
+    ``[w·size, min((w+1)·size, rows))`` of dim ``dim``; none past ``rows``: vocabulary padding),
+    a KV head shared by ``rep`` workers (``T > KV``), or the whole tensor. The same rules as
+    ``worker_tensors``, per tensor: one tensor's holders cost ``O(workers meeting a box)``."""
+
+    def __init__(self, spec: ModelSpec, tp: int, world: int, dtype: str | None):
+        self.spec, self.tp, self.world = spec, tp, world
+        a = spec.attention
+        fused = {m: g for g in spec.fused for m in g.members}
+        self.order: list[str] = []  # a worker's fragments, in worker_tensors' order
+        self.place: dict[str, tuple] = {}  # tensor -> (buffer, first row, split, buffer dtype)
+        self.buffers: dict[str, BufferSpec] = {}
+        self.keys = {t.name: StateKey(t.name, PARAM) for t in spec.tensors}
+        self.made: dict[tuple[str, int], Fragment | None] = {}  # (tensor, worker) -> its fragment
+        self.geometry: dict[tuple, tuple | None] = {}  # (shape, split, worker) -> box, strides, row numel
+        done: set[str] = set()
+
+        def put(t: TensorSpec, buffer: str, row: int, split: tuple, local_rows: int, bdtype: str) -> int:
+            self.order.append(t.name)
+            self.place[t.name] = (f"{PARAM}/{buffer}", row, split, bdtype)
+            return row + local_rows
+
+        for t in spec.tensors:
+            g = fused.get(t.name)
+            if g is not None:
+                if g.buffer in done:
+                    continue
+                done.add(g.buffer)
+                members = [spec[m] for m in g.members]
+                bdtype = dtype or members[0].dtype
+                row = 0
+                if g.style == "qkv":
+                    q, k, v = members
+                    hd, q_heads = a.head_dim, a.num_heads // tp
+                    row = put(q, g.buffer, row, (0, q_heads * hd, q.shape[0]), q_heads * hd, bdtype)
+                    if tp >= a.num_kv_heads:
+                        kv = ("head", hd, tp // a.num_kv_heads)
+                        kv_rows = hd
+                    else:
+                        kv_rows = a.num_kv_heads // tp * hd
+                    for m in (k, v):
+                        row = put(m, g.buffer, row, kv if tp >= a.num_kv_heads else (0, kv_rows, m.shape[0]),
+                                  kv_rows, bdtype)
+                else:
+                    for m in members:
+                        split = _tp_split(m, tp)
+                        row = put(m, g.buffer, row, split, _local_shape(m, split)[0], bdtype)
+                first = _local_shape(members[0], self.place[members[0].name][2])
+                self.buffers[f"{PARAM}/{g.buffer}"] = BufferSpec(row * prod(first[1:]), bdtype)
+            elif t.tp == "vocab":
+                per = padded_vocab(t.shape[0]) // tp
+                put(t, t.name, 0, (0, per, t.shape[0]), per, dtype or t.dtype)
+                self.buffers[f"{PARAM}/{t.name}"] = BufferSpec(per * prod(t.shape[1:]), dtype or t.dtype)
+            else:
+                split = ("whole",) if t.tp == "replicate" or tp == 1 else _tp_split(t, tp)
+                put(t, t.name, 0, split, _local_shape(t, split)[0], dtype or t.dtype)
+                self.buffers[f"{PARAM}/{t.name}"] = BufferSpec(prod(_local_shape(t, split)), dtype or t.dtype)
+
+    def box(self, name: str, w: int) -> Box | None:
+        t = self.spec[name]
+        split = self.place[name][2]
+        kind = split[0]
+        if kind == "whole":
+            return Box.full(t.shape)
+        if kind == "head":
+            _, hd, rep = split
+            lo = w // rep * hd
+            return _rows(t, lo, lo + hd)
+        dim, size, rows = split
+        lo, hi = w * size, min((w + 1) * size, rows)
+        if hi <= lo:
+            return None
+        if dim == 0:
+            return _rows(t, lo, hi)
+        shape = t.shape
+        return Box((0,) * dim + (lo,) + (0,) * (len(shape) - dim - 1), shape[:dim] + (hi,) + shape[dim + 1:])
+
+    def fragment(self, name: str, w: int) -> Fragment | None:
+        f = self.made.get((name, w), False)
+        if f is False:
+            buffer, row, split, _ = self.place[name]
+            # experts and layers repeat a few shapes: one box (and strides) per shape, split, worker
+            gk = (self.spec[name].shape, split, w)
+            geometry = self.geometry.get(gk)
+            if geometry is None:
+                box = self.box(name, w)
+                geometry = self.geometry[gk] = (box, row_major_strides(box.shape), prod(box.shape[1:])) \
+                    if box is not None else None
+            if geometry is None:
+                f = None
+            else:
+                box, strides, row_numel = geometry
+                f = tuple_new(Fragment, (self.keys[name], box, buffer, row * row_numel, strides))
+            self.made[(name, w)] = f
+        return f
+
+    @without_gc
+    def build(self, w: int) -> tuple[tuple[Fragment, ...], dict[str, BufferSpec]]:
+        frags = (self.fragment(n, w) for n in self.order)
+        return tuple(f for f in frags if f is not None), dict(self.buffers)
+
+    def meeting(self, name: str, box: Box | None) -> Iterable[int]:
+        """The workers whose box of ``name`` may meet ``box`` (all for ``None``)."""
+        split = self.place[name][2]
+        if box is None or split[0] == "whole":
+            return range(self.tp)
+        if split[0] == "head":
+            _, hd, rep = split
+            return range(box.lo[0] // hd * rep, min(((box.hi[0] - 1) // hd + 1) * rep, self.tp))
+        dim, size, _ = split
+        return range(box.lo[dim] // size, min((box.hi[dim] - 1) // size + 1, self.tp))
+
+    def holders(self, key: StateKey, box: Box | None) -> list[tuple[Box, Holders]]:
+        """``(box, Holders)`` of ``key`` meeting ``box``, worker by worker (a worker's first rank
+        is ``w``: this is the rank-by-rank order)."""
+        name = key.tensor
+        place = self.place.get(name)
+        if place is None or key.field != PARAM:
+            return []
+        out = []
+        for w in self.meeting(name, box):
+            f = self.made.get((name, w), False)
+            if f is False:
+                f = self.fragment(name, w)
+            if f is not None and (box is None or _overlap(f.box, box)):
+                out.append((f.box, tuple_new(Holders, (f, range(w, self.world, self.tp), place[3]))))
+        return out
+
+
+def _tp_split(t: TensorSpec, tp: int) -> tuple:
+    """``tensor_parallel.shard``'s rule as a split (see ``Workers``)."""
+    if tp == 1 or t.tp == "replicate":
+        return ("whole",)
+    if t.tp == "row":
+        return (1, t.shape[1] // tp, t.shape[1])
+    return (0, t.shape[0] // tp, t.shape[0])  # column; vocab without padding
+
+
+def _local_shape(t: TensorSpec, split: tuple) -> tuple[int, ...]:
+    """The shape of the worker's share of ``t`` under ``split`` (``(dim, size, rows)`` or whole)."""
+    if split[0] == "whole":
+        return t.shape
+    if split[0] == "head":
+        return (split[1],) + t.shape[1:]
+    dim, size = split[0], split[1]
+    return t.shape[:dim] + (size,) + t.shape[dim + 1:]
