@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlhf_switch.engines.optim import AdamWConfig
+from rlhf_switch.vps import ModelSpec, llama_spec
 from rlhf_switch.rl.algorithms import Aggregation, value_loss
 
 TIMEOUT = timedelta(seconds=120)
@@ -95,6 +96,23 @@ def load_trunk(model: nn.Module, checkpoint_dir: str) -> None:
 
 # --- the critic ------------------------------------------------------------------------------------
 
+def value_spec(hf_config: Any, name: str = "llama-value") -> ModelSpec:
+    """The VPS description of ``value_model``: the Llama trunk's tensors (as ``llama_spec``), no
+    LM head, and the value head ``score.weight [1, H]`` + ``score.bias [1]`` (replicated: no TP
+    rule splits a 1-row head). Names and order equal ``value_model(...).named_parameters()`` —
+    so the critic's engines have VPS adapters, and its training state is saved, resumed and
+    switched like the actor's."""
+    from rlhf_switch.vps.spec import TensorSpec
+
+    base = llama_spec(dict(hf_config) if isinstance(hf_config, Mapping) else hf_config)
+    trunk = tuple(t for t in base.tensors if t.name != "lm_head.weight")
+    dtype = trunk[0].dtype
+    H = trunk[0].shape[1]
+    head = (TensorSpec("score.weight", (1, H), dtype, "replicate", anchor="last"),
+            TensorSpec("score.bias", (1,), dtype, "replicate", anchor="last"))
+    return ModelSpec(name, trunk + head, base.num_layers, base.attention, base.fused, False)
+
+
 @dataclass(frozen=True)
 class CriticLayout:
     """What ``Critic.build`` reads of a layout (``rl.config.TrainLayout`` has these fields)."""
@@ -115,6 +133,8 @@ class Critic:
         self.dp_group, self.dp, self.dp_rank = dp_group, dp, dp_rank
         self.micro_batch, self.max_grad_norm = micro_batch, max_grad_norm
         self.trainer = trainer  # TorchTrainer (fsdp2) or ZeroTrainer (deepspeed)
+        self.adapter = trainer.adapter  # the VPS view of its training state (value_spec)
+        self.spec = self.adapter.spec
         self.steps = 0
 
     # --- construction ----------------------------------------------------------------------------
@@ -137,6 +157,7 @@ class Critic:
         if micro_batch < 1:
             raise ValueError(f"critic: micro_batch must be >= 1, got {micro_batch}")
         optim = optim or AdamWConfig(lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm or 0.0)
+        spec = value_spec(hf_config)
 
         def make(cfg, s):
             return value_model(cfg, s, init_from=init_from, head_std=head_std)
@@ -144,7 +165,7 @@ class Critic:
         if engine == "fsdp2":
             from rlhf_switch.engines.torch_train import build_fsdp2
 
-            t = build_fsdp2(hf_config, seed, ranks, optim=optim, timeout=timeout, model_fn=make)
+            t = build_fsdp2(hf_config, seed, ranks, optim=optim, timeout=timeout, model_fn=make, spec=spec)
             if t is None:
                 return None
             module = t.module
@@ -159,7 +180,7 @@ class Critic:
                 raise ValueError(f"critic: engine deepspeed needs zero_stage 1, 2 or 3, got {stage}")
             # only ranks of the engine build the model (ZeRO-3 counts its parameters)
             module = make(hf_config, seed) if dist.get_rank() in ranks else torch.nn.Linear(1, 1)
-            z = build_zero_trainer(module, None, stage, micro_batch, ranks, optim=optim)
+            z = build_zero_trainer(module, spec, stage, micro_batch, ranks, optim=optim)
             if z is None:
                 return None
             return cls(kind="deepspeed", module=z.engine.module, forward=z.engine,

@@ -114,6 +114,8 @@ class HybridWorker:
             self.critic = Critic.build(cfg.critic, hf, cfg.seed, list(range(self.world)), lr=alg.critic_lr,
                                        max_grad_norm=optim.max_grad_norm, micro_batch=alg.micro_batch_size,
                                        init_from=init_dir, timeout=TIMEOUT)
+            if resume_dir is not None:  # its weights, moments, step and LR schedule
+                self._load_state(str(Path(resume_dir) / "critic"), weights_only=False, adapter=self.critic.adapter)
         # rollout
         tp = cfg.rollout.tp
         self.tp, self.replicas = tp, self.world // tp
@@ -209,40 +211,47 @@ class HybridWorker:
         return ref["module"], ref["name"]
 
     # --- state in and out: checkpoints through the VPS ---------------------------------------------
-    def _load_state(self, path: str, weights_only: bool) -> dict:
+    def _load_state(self, path: str, weights_only: bool, adapter=None) -> dict:
+        """Rank 0 reads the checkpoint at ``path`` whole; the VPS moves it into ``adapter``'s
+        layout (default: the trainer's). ``weights_only``: a warm start — the engine keeps its
+        own fresh step, LR schedule and RNG, and zero moments."""
         from rlhf_switch.engines.full_state import FullState
         from rlhf_switch.engines.train_switch import switch_training
 
+        adapter = adapter or self.adapter
         holder = None
         if self.rank == 0:
-            holder = FullState.load_dir(path, self.spec, weights_only=weights_only)
-            if weights_only:  # a fresh start: the engine's own step 0, LR schedule and RNG
-                holder.load_scalars(self.adapter.scalars())
-        report = switch_training(holder, self.adapter, timeout=TIMEOUT)
+            holder = FullState.load_dir(path, adapter.spec, weights_only=weights_only)
+            if weights_only:
+                holder.load_scalars(adapter.scalars())
+        report = switch_training(holder, adapter, timeout=TIMEOUT)
         extra = getattr(holder, "extra", {}) if holder is not None else {}
         (extra,) = _broadcast_objects([extra])
         return {"step": int(report.scalars.get("step", 0)), **extra}
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> dict:
         """Write the trainer's whole state (weights as a HF checkpoint, Adam moments, step, LR
-        schedule) to ``path``: every rank moves its part to rank 0, which writes."""
+        schedule) to ``path`` — and the critic's to ``path/critic`` — : every rank moves its part
+        to rank 0, which writes."""
         from rlhf_switch.engines.full_state import FullState
         from rlhf_switch.engines.train_switch import switch_training
 
         t0 = time.perf_counter()
-        holder = FullState(self.spec, name=f"checkpoint {path}") if self.rank == 0 else None
-        report = switch_training(self.adapter, holder, timeout=TIMEOUT)
-        if holder is not None:
-            holder.save_dir(path, hf_config_of(self.cfg), self.cfg.model.dtype, extra)
-        if self.critic is not None:  # the value model's weights beside the actor (not its optimizer yet)
-            weights = self.critic.state_dict_full()
-            if self.rank == 0:
-                from safetensors.torch import save_file
-
-                (Path(path) / "critic").mkdir(exist_ok=True)
-                save_file({k: v.contiguous() for k, v in weights.items()}, str(Path(path) / "critic" / "model.safetensors"))
+        sent = 0
+        parts = [(self.adapter, Path(path), hf_config_of(self.cfg))]
+        if self.critic is not None:
+            parts.append((self.critic.adapter, Path(path) / "critic", None))
+        for i, (adapter, where, hf) in enumerate(parts):
+            holder = FullState(adapter.spec, name=f"checkpoint {where}") if self.rank == 0 else None
+            report = switch_training(adapter, holder, timeout=TIMEOUT)
+            sent += report.move.bytes_sent
+            if holder is not None:
+                if i == 0:  # the actor's directory first: the critic's goes inside it
+                    holder.save_dir(where, hf, self.cfg.model.dtype, extra)
+                else:
+                    holder.save_dir(where, hf, "float32", extra)
         dist.barrier()
-        return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": report.move.bytes_sent}
+        return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": sent}
 
     # --- phases ------------------------------------------------------------------------------------
     def sync_weights_to_rollout(self) -> dict:

@@ -70,6 +70,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     ``crash_at`` — iterations that crash after generating (the last checkpoint must survive)."""
     import torch
 
+    from rlhf_switch.engines.full_state import is_checkpoint
     from rlhf_switch.rl.algorithms import grpo_advantages
     from rlhf_switch.rl.rewards import load_reward_fn, score_samples
     from rlhf_switch.rl.tasks import CharTokenizer, build_task, encode_prompt, make_splits
@@ -85,9 +86,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     resume_dir = resolve_resume(resume, out_dir)
-    if resume_dir is not None and cfg.critic is not None:
-        raise FileNotFoundError(f"--resume: {resume_dir} holds the actor and the critic's weights, but resuming "
-                                f"PPO also needs the critic's optimizer state, which checkpoints do not hold yet")
+    if resume_dir is not None and cfg.critic is not None and not is_checkpoint(resume_dir / "critic"):
+        raise FileNotFoundError(f"--resume: {resume_dir} has no complete critic checkpoint (critic/) for this PPO run")
 
     def say(msg: str) -> None:
         if not quiet:

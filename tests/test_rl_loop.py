@@ -161,12 +161,20 @@ def test_ppo_with_a_critic(ray_session, tmp_path):
     out = tmp_path / "ppo"
     cfg = small("ppo_tiny.yaml", out, train={"engine": "fsdp2", "dp": 2},
                 rollout={"engine": "torch", "tp": 1, "dp": 2}, reference={"engine": "fsdp2", "dp": 2},
-                critic={"engine": "deepspeed", "zero_stage": 2, "dp": 2}, checkpoint={"save_every": 0})
+                critic={"engine": "deepspeed", "zero_stage": 2, "dp": 2}, checkpoint={"save_every": 1})
     cfg["algorithm"].update(iterations=2, prompts_per_iteration=8, group_size=1, mini_batch_size=4,
                             micro_batch_size=2, epochs=1)
     run(cfg, quiet=True)
     recs = [r for r in records(out) if "reward_mean" in r]
     assert len(recs) == 2
+    # resume from the checkpoint after iteration 0: actor AND critic state (weights, Adam moments,
+    # step) come back, so iteration 1 repeats exactly
+    again = tmp_path / "ppo_again"
+    run({**cfg, "output_dir": str(again)}, iterations=1, quiet=True, resume=str(out / "checkpoints" / "step_1"))
+    redo = [r for r in records(again) if "reward_mean" in r]
+    assert [r["iteration"] for r in redo] == [1]
+    for k in ("reward_mean", "policy_loss", "vf_loss", "value_mean", "return_mean"):
+        assert redo[0][k] == recs[1][k], (k, redo[0][k], recs[1][k])
     for rec in recs:
         assert rec["stale_check_passed"], rec
         for k in ("vf_loss", "value_mean", "return_mean", "policy_loss"):

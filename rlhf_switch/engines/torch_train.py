@@ -182,13 +182,13 @@ def _check_ranks(ranks: Sequence[int], size: int, what: str) -> list[int]:
 
 def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWConfig = AdamWConfig(),
                 timeout: timedelta = DEFAULT_TIMEOUT,
-                model_fn: Callable[[Any, int], nn.Module] | None = None) -> TorchTrainer | None:
+                model_fn: Callable[[Any, int], nn.Module] | None = None, spec=None) -> TorchTrainer | None:
     """FSDP2 over ``ranks`` (DP = len(ranks)): ``fully_shard`` on every decoder layer and the root.
 
     ``model_fn(hf_config, seed)``: build another model with a Llama trunk at ``.model.layers``
-    instead of the causal LM (e.g. the critic's value model, ``actors.critic.value_model``). Such
-    a trainer has no VPS adapter (``adapter`` is None) and no ``train_step``: its owner runs the
-    forward/backward and ``optimizer``/``scheduler`` itself."""
+    instead of the causal LM (e.g. the critic's value model, ``actors.critic.value_model``), whose
+    VPS description is ``spec`` (None: no adapter). Such a trainer has no ``train_step``: its
+    owner runs the forward/backward and ``optimizer``/``scheduler`` itself."""
     from torch.distributed.fsdp import fully_shard
 
     dp = len(_check_ranks(ranks, len(ranks), "FSDP2"))
@@ -200,7 +200,7 @@ def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamW
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if model_fn is not None:
-        return TorchTrainer(model, f"FSDP2·DP{dp}", None, optim, None,
+        return TorchTrainer(model, f"FSDP2·DP{dp}", spec, optim, None,
                             mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
     return TorchTrainer(model, f"FSDP2·DP{dp}", llama_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)),
