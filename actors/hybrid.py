@@ -139,7 +139,7 @@ class HybridWorker:
     def _build_trainer(self, cfg: RunConfig, hf: dict, optim) -> None:
         eng = self._engine(cfg.train, hf, cfg.seed, optim, cfg.algorithm.train_batch_size // cfg.train.dp)
         self.model, self.spec, self.adapter, self.engine_name = eng["module"], eng["spec"], eng["adapter"], eng["name"]
-        self.dp, self.dp_rank = eng["dp"], eng["dp_rank"]
+        self.dp, self.dp_rank, self.dp_group = eng["dp"], eng["dp_rank"], eng["dp_group"]
         self._backward, self._step, self.micro_override = eng["backward"], eng["step"], eng["micro_override"]
 
     def _engine(self, layout, hf: dict, seed: int, optim, local_mini: int) -> dict:
@@ -166,7 +166,7 @@ class HybridWorker:
                 t.optimizer.zero_grad(set_to_none=True)
                 return gn
             return {"module": t.module, "spec": t.spec, "adapter": t.adapter, "name": t.name, "dp": t.dp,
-                    "dp_rank": t.dp_rank, "backward": lambda loss: loss.backward(), "step": step,
+                    "dp_rank": t.dp_rank, "dp_group": t.dp_group, "backward": lambda loss: loss.backward(), "step": step,
                     "micro_override": None}
         if engine == "deepspeed":
             from rlhf_switch.engines.deepspeed_zero import build_zero_trainer
@@ -186,7 +186,7 @@ class HybridWorker:
                 gn = eng.get_global_grad_norm() if hasattr(eng, "get_global_grad_norm") else None
                 return float(gn) if gn is not None else float("nan")
             return {"module": eng, "spec": spec, "adapter": z.adapter, "name": z.adapter.name, "dp": z.dp,
-                    "dp_rank": dist.get_rank(z.dp_group), "backward": eng.backward, "step": step,
+                    "dp_rank": dist.get_rank(z.dp_group), "dp_group": z.dp_group, "backward": eng.backward, "step": step,
                     "micro_override": local_mini}
         raise NotImplementedError(f"engine={engine!r}: the loop trains with fsdp2, torch_tp or deepspeed")
 
@@ -372,7 +372,14 @@ class HybridWorker:
                                          "vf_loss": [], "vf_clipfrac": []}
         for _ in range(alg.epochs):
             for m in chunks(local_mini):
-                n_micro = local_mini // micro
+                # each micro-batch's loss weighted by its share of the whole mini-batch across the
+                # DP ranks (tokens for token-mean, sequences otherwise), times DP because the
+                # engines average gradients over DP: the step is the one-process full-batch step
+                # even when ranks and micro-batches hold different numbers of tokens
+                total = _weight(mask[m], alg.loss_aggregation).double()
+                if self.dp > 1:
+                    dist.all_reduce(total, group=self.dp_group)
+                scale = self.dp / max(float(total), 1.0)
                 for s in range(m.start, m.stop, micro):
                     s = slice(s, s + micro)
                     lp = _token_logprobs(model, ids[s], targets[s])
@@ -383,7 +390,7 @@ class HybridWorker:
                     kl_mean = aggregate(kl, mask[s], alg.loss_aggregation)
                     if alg.kl_coef > 0 and self.reference is not None and not ppo:  # PPO: KL is in the reward
                         loss = loss + alg.kl_coef * kl_mean
-                    self._backward(loss / n_micro)
+                    self._backward(loss * (_weight(mask[s], alg.loss_aggregation) * scale))
                     stats["policy_loss"].append(float(pl.detach()))
                     stats["kl"].append(float(kl_mean.detach()))
                     stats["clipfrac"].append(float(st["clipfrac"]))
@@ -407,6 +414,12 @@ class HybridWorker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _weight(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """How much a (micro-)batch counts in an aggregated loss: its tokens for ``token-mean``, its
+    sequences with tokens for the ``seq-mean-*`` aggregations."""
+    return mask.sum() if aggregation == "token-mean" else (mask.sum(-1) > 0).sum().float()
 
 
 def hf_config_of(cfg: RunConfig) -> dict:
