@@ -112,3 +112,23 @@ def attempt_move(src: Layout, dst: Layout) -> dict:
     src_bufs = materialize(src, rank, tensor_source(src, 0))
     dst_bufs = garbage_like(allocate(dst, rank, fill=None), rank)
     return _attempt(src, dst, src_bufs, dst_bufs)
+
+
+def move_twice_with_merge(merge_bytes: int, src: Layout, dst: Layout, **kw) -> dict:
+    """``move_and_check`` twice with ``schedule.MERGE_BYTES`` set on this rank (0: every
+    contiguous piece travels zero-copy), the second move reusing the cached schedule."""
+    from rlhf_switch.routing import executor, schedule
+    old = schedule.MERGE_BYTES
+    schedule.MERGE_BYTES = merge_bytes
+    executor._SCHEDULES.clear()
+    try:
+        first = move_and_check(src, dst, **kw)
+        key = next(reversed(executor._SCHEDULES))
+        cached = executor._SCHEDULES[key]
+        second = move_and_check(src, dst, seed=kw.get("seed", 0) + 7,
+                                **{k: v for k, v in kw.items() if k != "seed"})
+        return {"wrong": first["wrong"] + second["wrong"], "reports": [first["report"], second["report"]],
+                "reused": executor._SCHEDULES[key] is cached and len(executor._SCHEDULES) == 1}
+    finally:
+        schedule.MERGE_BYTES = old
+        executor._SCHEDULES.clear()

@@ -148,3 +148,23 @@ def _unpicklable():
 def test_a_job_returning_something_unpicklable_fails_at_once(world4):
     with pytest.raises(RankError, match="cannot pickle"):
         world4.run(_unpicklable, timeout=30)
+
+
+@pytest.mark.parametrize("merge", [0, 128 << 10])
+def test_zero_copy_and_overlapped_moves_are_exact_and_reuse_their_schedule(world4, layouts4, merge):
+    """Zero-copy messages (``MERGE_BYTES`` 0: every contiguous piece goes straight from/into the
+    buffers) and staged ones in flight together, under a roomy and a tiny budget; the second,
+    identical move runs from the cached schedule."""
+    cases = [(a, b, budget) for a, b in [("zero3", "tp4"), ("fsdp", "tp2xpp2"), ("zero1-flat", "tp2xdp2")]
+             for budget in (1000, 1 << 20)] + [("tp2xdp2", "pp2", 64)]
+    for a, b, budget in cases:
+        src, dst = layouts4[a], layouts4[b]
+        results = world4.run(rank_jobs.move_twice_with_merge, merge, src, dst, budget_bytes=budget)
+        plan = plan_transition(src, dst)
+        for r, res in enumerate(results):
+            assert res["wrong"] == [], f"{a} -> {b} (budget {budget}) rank {r}: {res['wrong']}"
+            assert res["reused"]
+            for rep in res["reports"]:
+                assert rep.bytes_received == rep.min_bytes_received
+                assert rep.peak_staging_bytes == rep.planned_peak_staging_bytes <= budget
+        assert sum(res["reports"][0].bytes_sent for res in results) == plan.min_bytes

@@ -65,3 +65,84 @@ def test_both_ends_cut_the_same_chunks(layouts4):
 def test_budget_below_one_element_is_refused(layouts4):
     with pytest.raises(LayoutError, match="cannot hold one element"):
         build_schedule(plan_rank(layouts4["zero3"], layouts4["tp4"], 0), 4)
+
+
+def _replay_staging(sched):
+    """Replay the staging program: blocks in flight never overlap, never leave the pool, and
+    never hold more than the budget; returns the most steps in flight at once."""
+    program, peak = sched.staged
+    alive, most = [], 0
+    for st in program:
+        assert st.retire <= len(alive)
+        alive = alive[st.retire:]  # the oldest retire first
+        block = (st.offset, st.offset + st.recv_bytes + st.send_bytes)
+        assert st.offset % sched.align == 0 and block[1] <= peak <= sched.budget_bytes
+        assert all(block[1] <= a or b <= block[0] for a, b in alive), "staging blocks overlap"
+        alive.append(block)
+        assert sum(b - a for a, b in alive) <= sched.budget_bytes
+        most = max(most, len(alive))
+    return most
+
+
+@pytest.mark.parametrize("pair", [("zero3", "tp4"), ("fsdp", "tp2xpp2"), ("zero1-flat", "tp2xdp2"),
+                                  ("tp2xdp2", "pp2")])
+@pytest.mark.parametrize("merge", [0, None])
+def test_messages_are_zero_copy_where_contiguous_and_cut_alike_on_both_ends(layouts4, pair, merge, monkeypatch):
+    """With ``MERGE_BYTES`` 0 every contiguous piece of the tiny model travels straight from/into
+    the buffers; with the default, small pieces are merged into staged messages."""
+    from rlhf_switch.routing import schedule
+    from rlhf_switch.routing.schedule import contiguous
+    if merge is not None:
+        monkeypatch.setattr(schedule, "MERGE_BYTES", merge)
+    src, dst = layouts4[pair[0]], layouts4[pair[1]]
+    for budget in (64, 1000, 1 << 20):
+        scheds = [build_schedule(plan_rank(src, dst, r), budget) for r in range(4)]
+        direct = 0
+        for a in range(4):
+            for ex in scheds[a].exchanges:
+                other = next(e for e in scheds[ex.peer].exchanges if e.peer == a)
+                mine = [s for s, _ in ex.steps if s]
+                theirs = [r for _, r in other.steps if r]
+                assert [(m.pieces, m.offsets, m.nbytes, m.stage_send, m.stage_recv) for m in mine] == \
+                       [(m.pieces, m.offsets, m.nbytes, m.stage_send, m.stage_recv) for m in theirs]
+                for m in mine:
+                    assert m.nbytes <= budget // 2
+                    for side, staged in (("src", m.stage_send), ("dst", m.stage_recv)):
+                        if staged:
+                            continue
+                        direct += 1
+                        # one contiguous range of one buffer, the pieces back to back, no padding
+                        pos = None
+                        for p, o in zip(m.pieces, m.offsets):
+                            t = p.transfer
+                            off, strides = p.src_view() if side == "src" else p.dst_view()
+                            buf = t.src_buffer if side == "src" else t.dst_buffer
+                            assert contiguous(p.box.shape, strides)
+                            assert pos is None or pos == (buf, off)
+                            pos = (buf, off + p.box.numel)
+                        assert m.offsets == tuple(sum(p.nbytes for p in m.pieces[:i]) for i in range(len(m.pieces)))
+            _replay_staging(scheds[a])
+        if budget == 1 << 20 and merge == 0:
+            assert direct, f"{pair}: nothing travels zero-copy"
+
+
+def test_staging_overlaps_steps_within_the_budget(layouts4):
+    src, dst = layouts4["zero3"], layouts4["tp2xpp2"]
+    overlapped = False
+    for budget in (16, 64, 100, 1000, 4096):
+        for r in range(4):
+            sched = build_schedule(plan_rank(src, dst, r), budget)
+            most = _replay_staging(sched)
+            overlapped |= most > 1
+            assert sched.peak_staging_bytes <= budget
+    assert overlapped, "no step was ever packed while an older one was in flight"
+
+
+def test_repeated_prepare_reuses_the_schedule(layouts4):
+    src, dst = layouts4["fsdp"], layouts4["tp4"]
+    a = prepare(src, dst, 1, allocate(src, 1), allocate(dst, 1), 4096)
+    b = prepare(src, dst, 1, allocate(src, 1), allocate(dst, 1), 4096)
+    assert a is b
+    assert prepare(src, dst, 1, allocate(src, 1), allocate(dst, 1), 8192) is not a  # budget is in the key
+    with pytest.raises(ValueError, match="missing"):  # the buffers are still checked every time
+        prepare(src, dst, 1, {}, allocate(dst, 1), 4096)

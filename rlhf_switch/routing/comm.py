@@ -15,18 +15,28 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 deprecates ``all_gather_into_tensor`` (a FutureWarning per call) in favour of
+# ``all_gather_single``, the same collective: use the new name where it exists
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Comm:
     rank: int
     size: int
 
-    def isend(self, tensor: torch.Tensor, peer: int):
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         raise NotImplementedError
 
-    def irecv(self, tensor: torch.Tensor, peer: int):
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         raise NotImplementedError
 
     def all_gather_object(self, obj) -> list:
         raise NotImplementedError
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]] | None:
+        """Every rank's ``values`` (the same number of int64s on every rank), in one small
+        collective; ``None`` where this comm has no such collective (callers fall back)."""
+        return None
 
 
 class TorchComm(Comm):
@@ -40,11 +50,20 @@ class TorchComm(Comm):
     def _global(self, peer: int) -> int:
         return peer if self.group is None else dist.get_global_rank(self.group, peer)
 
-    def isend(self, tensor, peer):
-        return dist.isend(tensor, self._global(peer), group=self.group)
+    def isend(self, tensor, peer, tag=0):
+        return dist.isend(tensor, self._global(peer), group=self.group, tag=tag)
 
-    def irecv(self, tensor, peer):
-        return dist.irecv(tensor, self._global(peer), group=self.group)
+    def irecv(self, tensor, peer, tag=0):
+        return dist.irecv(tensor, self._global(peer), group=self.group, tag=tag)
+
+    def all_gather_ints(self, values):
+        device = torch.device("cpu")
+        if dist.get_backend(self.group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=device)
+        _all_gather_single(out, mine, group=self.group)
+        return out.view(self.size, -1).tolist()
 
     def all_gather_object(self, obj) -> list:
         out = [None] * self.size
@@ -61,11 +80,17 @@ class GroupComm(Comm):
         self.size = pg.size()
         self.device = torch.device(device)
 
-    def isend(self, tensor, peer):
-        return self.pg.send([tensor], peer, 0)
+    def isend(self, tensor, peer, tag=0):
+        return self.pg.send([tensor], peer, tag)
 
-    def irecv(self, tensor, peer):
-        return self.pg.recv([tensor], peer, 0)
+    def irecv(self, tensor, peer, tag=0):
+        return self.pg.recv([tensor], peer, tag)
+
+    def all_gather_ints(self, values):
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        outs = [torch.empty_like(mine) for _ in range(self.size)]
+        self.pg.allgather([outs], [mine]).wait()
+        return [o.tolist() for o in outs]
 
     def all_gather_object(self, obj) -> list:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)

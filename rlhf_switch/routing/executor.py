@@ -3,19 +3,29 @@
 ``move`` is the whole protocol, in this order:
 
 1. every rank plans its own part (``plan_rank``) and checks its buffers against both layouts;
-2. one ``all_gather_object`` of (plan digest, per-peer digests, error): if any rank failed or any
-   two ranks disagree on what they are about to exchange, *every* rank raises the same
-   ``MoveError`` — before a byte has moved;
-3. local copies (source view → destination view, no staging);
-4. the schedule's exchanges, round by round: per step one ``isend`` and/or one ``irecv`` of at
-   most ``budget/2`` bytes each, straight from/into the buffers when the piece is contiguous.
+   the schedule is cached per (both layouts' digests, rank, budget), so a repeated switch (the
+   RL loop's every iteration) only re-checks the buffers;
+2. one small all-gather of (error flag, plan digest, a signed sum of the per-peer digests): if
+   every rank is fine and they agree, go; otherwise one ``all_gather_object`` of (plan digest,
+   per-peer digests, error) and *every* rank raises the same ``MoveError`` — before a byte has
+   moved;
+3. every message that is one contiguous range of the buffers on this rank's side is posted at
+   once, straight from/into the buffers (zero copy; each message of a pair has its own tag, so
+   posting order does not matter);
+4. local copies (source view → destination view, no staging), while those are in flight;
+5. the staged steps (pieces that must be packed or unpacked), in the schedule's (round, step)
+   order through one staging pool that never exceeds the budget: a step is packed and posted
+   while older ones are still in flight, and waits only for older steps (``Schedule.staged``);
+6. wait for everything, unpacking the staged receives.
 
 Every wait has a timeout. Source buffers are only read, so a failed move loses no state.
 """
 from __future__ import annotations
 
+import hashlib
 import time
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Mapping
 
@@ -51,6 +61,7 @@ class MoveReport:
     budget_bytes: int
     seconds: float
     dry_run: bool = False
+    phases: dict = field(default_factory=dict)  # seconds per phase (prepare, agree, post, local, staged, wait)
 
     def __str__(self) -> str:
         return (f"rank {self.rank}: {self.transition}: sent {self.bytes_sent} B, received "
@@ -70,6 +81,7 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     With ``dry_run`` nothing is communicated: the schedule is returned (it states its peak
     staging memory and every message it would send); without a process group it plans rank 0.
     """
+    t_start = time.perf_counter()
     comm = as_comm(group) if not dry_run or dist.is_initialized() or group is not None else None
     rank = comm.rank if comm else 0
     world = comm.size if comm else src.world_size
@@ -85,20 +97,44 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
         if error:
             raise MoveError(error)
         return schedule
+    t_prep = time.perf_counter()
     _agree(schedule.plan if schedule else None, error, comm, src, dst)
-    return _run(schedule, src_buffers, dst_buffers, comm, timeout)
+    t_agree = time.perf_counter()
+    report = _run(schedule, src_buffers, dst_buffers, comm, timeout)
+    report.phases = dict(prepare=t_prep - t_start, agree=t_agree - t_prep, **report.phases)
+    report.seconds = time.perf_counter() - t_start
+    return report
+
+
+_SCHEDULES: OrderedDict = OrderedDict()
+_SCHEDULE_CACHE = 64
 
 
 def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budget_bytes: int,
             ranks_per_node: int | None = None) -> Schedule:
-    check_pair(src, dst)
-    _validated(src)
-    _validated(dst)
-    plan = plan_rank(src, dst, rank, ranks_per_node)
+    """This rank's schedule, after checking the layouts and the buffers. Schedules are cached
+    per (source digest, destination digest, rank, budget, ranks per node): a layout's digest
+    covers everything it says, so an equal key means an equal plan; the buffers are checked on
+    every call."""
+    key = (src.digest, dst.digest, rank, budget_bytes, ranks_per_node)
+    schedule = _SCHEDULES.get(key)
+    if schedule is None:
+        check_pair(src, dst)
+        _validated(src)
+        _validated(dst)
+        plan = plan_rank(src, dst, rank, ranks_per_node)
     _check_buffers("source", src, rank, src_buffers)
     _check_buffers("destination", dst, rank, dst_buffers)
-    src_dtypes = {n: b.dtype for n, b in src.buffers(rank).items()}
-    return build_schedule(plan, budget_bytes, src_dtypes)
+    if schedule is None:
+        src_dtypes = {n: b.dtype for n, b in src.buffers(rank).items()}
+        schedule = build_schedule(plan, budget_bytes, src_dtypes)
+        schedule.staged  # computed once, here, not inside the timed move
+        _SCHEDULES[key] = schedule
+        while len(_SCHEDULES) > _SCHEDULE_CACHE:
+            _SCHEDULES.popitem(last=False)
+    else:
+        _SCHEDULES.move_to_end(key)
+    return schedule
 
 
 _VALID: set[str] = set()
@@ -126,8 +162,33 @@ def _check_buffers(what: str, layout: Layout, rank: int, buffers: Mapping[str, t
         raise ValueError(f"{what} buffers of rank {rank} do not match {layout.name}: " + "; ".join(problems))
 
 
+_P = (1 << 61) - 1  # a Mersenne prime: the pair digests are summed modulo it
+
+
+def _agreement_row(plan: RankPlan | None, error: str | None, rank: int) -> list[int]:
+    """(error?, plan digest as two 48-bit ints, signed sum of the pair digests). Every pair's
+    digest enters the sum once with + (from its lower rank) and once with - (from its higher
+    rank), mixed with the pair's ranks, so the sums of all ranks cancel exactly when every pair
+    agrees and, short of a 2^-61 accident, do not when some pair does not."""
+    if plan is None:
+        return [1, 0, 0, 0]
+    d = int(hashlib.sha256(plan.digest.encode()).hexdigest()[:24], 16)
+    total = 0
+    for p, dig in plan.pair_digests.items():
+        a, b = min(rank, p), max(rank, p)
+        term = (dig * 0x9E3779B97F4A7C15 + a * 0x100000001B3 + b * 0xC2B2AE3D27D4EB4F + 1) % _P
+        total = (total + (term if rank < p else -term)) % _P
+    return [1 if error else 0, d >> 48, d & ((1 << 48) - 1), total]
+
+
 def _agree(plan: RankPlan | None, error: str | None, comm: Comm, src, dst) -> None:
     rank, world = comm.rank, comm.size
+    rows = comm.all_gather_ints(_agreement_row(plan, error, rank))
+    if rows is not None and not any(r[0] for r in rows) and len({(r[1], r[2]) for r in rows}) == 1 \
+            and sum(r[3] for r in rows) % _P == 0:
+        return  # everyone is fine and agrees: the common case, one 32-byte gather per rank
+    # someone failed or disagrees (every rank saw the same rows, so every rank is here): gather
+    # the details and raise the same error everywhere
     mine = (plan.digest if plan else None, plan.pair_digests if plan else {}, error)
     everyone = comm.all_gather_object(mine)
     errors = [(r, e) for r, (_, _, e) in enumerate(everyone) if e]
@@ -150,6 +211,11 @@ def _agree(plan: RankPlan | None, error: str | None, comm: Comm, src, dst) -> No
         if theirs != d:
             raise MoveError(f"rank {rank} and rank {p} disagree on the transfers between them "
                             f"({d} vs {theirs}); refusing to move {src.name} -> {dst.name}")
+    bad = sorted({(min(r, p), max(r, p)) for r, (_, pairs, _) in enumerate(everyone)
+                  for p, d in pairs.items() if everyone[p][1].get(r) != d})
+    if bad:  # ranks whose own pairs agree refuse too: their peers will not take part
+        raise MoveError(f"ranks {bad} disagree on the transfers between them; refusing to move "
+                        f"{src.name} -> {dst.name}")
 
 
 def _view(buffers, name: str, offset: int, shape, strides) -> torch.Tensor:
@@ -157,43 +223,17 @@ def _view(buffers, name: str, offset: int, shape, strides) -> torch.Tensor:
     return torch.as_strided(buf, shape, strides, buf.storage_offset() + offset)
 
 
-class _Staging:
-    """Counts the bytes of staging tensors alive at once (what a budget promises)."""
-
-    def __init__(self):
-        self.current = 0
-        self.peak = 0
-
-    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)  # NCCL needs it on the GPU
-
-    def free(self, t: torch.Tensor | None) -> None:
-        if t is not None:
-            self.current -= t.numel()
+def _flat(buffers, name: str, offset: int, nbytes: int) -> torch.Tensor:
+    buf = buffers[name]
+    n = nbytes // buf.element_size()
+    return buf.view(-1)[offset:offset + n].view(torch.uint8)
 
 
-def _pack(chunk: Chunk, src_buffers, staging: _Staging) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if not chunk.stage_send:
-        p = chunk.pieces[0]
-        off, strides = p.src_view()
-        return _view(src_buffers, p.transfer.src_buffer, off, p.box.shape, strides).reshape(-1).view(torch.uint8), None
-    buf = staging.alloc(chunk.nbytes, src_buffers[chunk.pieces[0].transfer.src_buffer].device)
+def _pack(chunk: Chunk, src_buffers, out: torch.Tensor) -> None:
     for p, o in zip(chunk.pieces, chunk.offsets):
         off, strides = p.src_view()
         src = _view(src_buffers, p.transfer.src_buffer, off, p.box.shape, strides)
-        buf[o:o + p.nbytes].view(torch_dtype(p.transfer.dtype)).view(p.box.shape).copy_(src)
-    return buf, buf
-
-
-def _recv_target(chunk: Chunk, dst_buffers, staging: _Staging) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if not chunk.stage_recv:
-        p = chunk.pieces[0]
-        off, strides = p.dst_view()
-        return _view(dst_buffers, p.transfer.dst_buffer, off, p.box.shape, strides).reshape(-1).view(torch.uint8), None
-    buf = staging.alloc(chunk.nbytes, dst_buffers[chunk.pieces[0].transfer.dst_buffer].device)
-    return buf, buf
+        out[o:o + p.nbytes].view(torch_dtype(p.transfer.dtype)).view(p.box.shape).copy_(src)
 
 
 def _unpack(chunk: Chunk, buf: torch.Tensor, dst_buffers) -> None:
@@ -203,33 +243,113 @@ def _unpack(chunk: Chunk, buf: torch.Tensor, dst_buffers) -> None:
             buf[o:o + p.nbytes].view(torch_dtype(p.transfer.dtype)).view(p.box.shape))
 
 
-def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: timedelta) -> MoveReport:
+def _copy_local(schedule: Schedule, src_buffers, dst_buffers) -> None:
+    for run in schedule.local_runs:
+        t = run.transfer
+        if run.flat:
+            sb, db = src_buffers[t.src_buffer], dst_buffers[t.dst_buffer]
+            db.view(-1)[t.dst_offset:t.dst_offset + run.numel].copy_(
+                sb.view(-1)[t.src_offset:t.src_offset + run.numel])
+        else:
+            _view(dst_buffers, t.dst_buffer, t.dst_offset, t.box.shape, t.dst_strides).copy_(
+                _view(src_buffers, t.src_buffer, t.src_offset, t.box.shape, t.src_strides))
+
+
+TAG_BASE = 1 << 20  # message i of a pair (each direction) travels with tag TAG_BASE + i
+
+
+def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: timedelta | None) -> MoveReport:
     plan = schedule.plan
+    timeout = timeout or DEFAULT_TIMEOUT
     t0 = time.perf_counter()
-    for t in plan.local:
-        _view(dst_buffers, t.dst_buffer, t.dst_offset, t.box.shape, t.dst_strides).copy_(
-            _view(src_buffers, t.src_buffer, t.src_offset, t.box.shape, t.src_strides))
-    staging = _Staging()
-    messages = 0
-    for ex in schedule.exchanges:
+    exchanges = schedule.exchanges
+    # 1. every message that needs no staging on this side, posted at once
+    direct = []
+    for ex in exchanges:
         peer = ex.peer
-        for send, recv in ex.steps:
-            works, rbuf, sbuf_owned, rbuf_owned = [], None, None, None
-            if recv is not None:
-                rbuf, rbuf_owned = _recv_target(recv, dst_buffers, staging)
-                works.append(comm.irecv(rbuf, peer))
-            if send is not None:
-                sbuf, sbuf_owned = _pack(send, src_buffers, staging)
-                works.append(comm.isend(sbuf, peer))
+        for i, (send, recv) in enumerate(ex.steps):
+            if recv is not None and not recv.stage_recv:
+                p = recv.pieces[0]
+                direct.append(comm.irecv(_flat(dst_buffers, p.transfer.dst_buffer, p.dst_view()[0], recv.nbytes),
+                                         peer, TAG_BASE + i))
+            if send is not None and not send.stage_send:
+                p = send.pieces[0]
+                direct.append(comm.isend(_flat(src_buffers, p.transfer.src_buffer, p.src_view()[0], send.nbytes),
+                                         peer, TAG_BASE + i))
+    t1 = time.perf_counter()
+    # 2. local copies while those travel: done where the staged program would first block (the
+    # steps posted before then travel meanwhile), or after it has posted everything
+    local_done = False
+    t_local = 0.0
+
+    def copy_local():
+        nonlocal local_done, t_local
+        if local_done:
+            return
+        local_done = True
+        tl = time.perf_counter()
+        _copy_local(schedule, src_buffers, dst_buffers)
+        t_local = time.perf_counter() - tl
+
+    t2 = time.perf_counter()
+    # 3. staged steps through one pool, following the schedule's program
+    program, planned_peak = schedule.staged
+    staged_msgs = 0
+    peak = 0
+    alive_bytes = 0
+    if program:
+        send, recv = exchanges[program[0].exchange].steps[program[0].step]
+        device = (dst_buffers[recv.pieces[0].transfer.dst_buffer].device if program[0].recv_bytes
+                  else src_buffers[send.pieces[0].transfer.src_buffer].device)
+        pool = torch.empty(planned_peak, dtype=torch.uint8, device=device)  # NCCL needs it on the GPU
+        inflight: deque = deque()
+
+        def retire():
+            nonlocal alive_bytes
+            works, recv, buf, size = inflight.popleft()
             for w in works:
                 w.wait(timeout)
-            messages += len(works)
-            if recv is not None and rbuf_owned is not None:
-                _unpack(recv, rbuf, dst_buffers)
-            staging.free(sbuf_owned)
-            staging.free(rbuf_owned)
-    if staging.peak > schedule.budget_bytes:  # a broken promise is a bug, never a silent one
-        raise AssertionError(f"staging peaked at {staging.peak} B over the {schedule.budget_bytes} B budget")
+            if recv is not None:
+                _unpack(recv, buf, dst_buffers)
+            alive_bytes -= size
+
+        for st in program:
+            if st.retire:
+                copy_local()
+            for _ in range(st.retire):
+                retire()
+            ex = exchanges[st.exchange]
+            send, recv = ex.steps[st.step]
+            tag = TAG_BASE + st.step
+            works, rbuf = [], None
+            if st.recv_bytes:
+                rbuf = pool[st.offset:st.offset + recv.nbytes]
+                works.append(comm.irecv(rbuf, ex.peer, tag))
+            if st.send_bytes:
+                sbuf = pool[st.offset + st.recv_bytes:st.offset + st.recv_bytes + send.nbytes]
+                _pack(send, src_buffers, sbuf)
+                works.append(comm.isend(sbuf, ex.peer, tag))
+            size = st.recv_bytes + st.send_bytes
+            alive_bytes += size
+            peak = max(peak, st.offset + size)
+            if alive_bytes > schedule.budget_bytes:  # a broken promise is a bug, never a silent one
+                raise AssertionError(f"staging holds {alive_bytes} B over the {schedule.budget_bytes} B budget")
+            staged_msgs += len(works)
+            inflight.append((works, recv if st.recv_bytes else None, rbuf, size))
+        copy_local()
+        t3 = time.perf_counter()
+        while inflight:
+            retire()
+        del pool
+    else:
+        copy_local()
+        t3 = time.perf_counter()
+    for w in direct:
+        w.wait(timeout)
+    t4 = time.perf_counter()
+    if peak > schedule.budget_bytes:
+        raise AssertionError(f"staging peaked at {peak} B over the {schedule.budget_bytes} B budget")
     return MoveReport(plan.rank, plan.transition, plan.bytes_sent, plan.bytes_received, plan.bytes_local,
-                      plan.min_bytes_received, messages, staging.peak, schedule.peak_staging_bytes,
-                      schedule.budget_bytes, time.perf_counter() - t0)
+                      plan.min_bytes_received, len(direct) + staged_msgs, peak, planned_peak,
+                      schedule.budget_bytes, t4 - t0,
+                      phases=dict(post=t1 - t0, local=t_local, staged=t3 - t2 - t_local, wait=t4 - t3))

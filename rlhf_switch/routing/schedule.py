@@ -1,9 +1,13 @@
 """Turn one rank's plan into a schedule: chunks under a staging budget, in deadlock-free rounds.
 
-*Chunks.* Transfers to one peer are packed, in the plan's canonical order, into chunks of at
-most ``budget // 2`` bytes (a step stages at most one outgoing and one incoming chunk). A
-transfer larger than that is cut into sub-boxes in row-major order. Both ends cut identically
-because both start from the same transfer list.
+*Messages (chunks).* Transfers to one peer are cut, in the plan's canonical order, into
+messages of at most ``budget // 4`` bytes (``budget // 2`` when a quarter cannot hold an
+element); a transfer larger than that is cut into sub-boxes in row-major order. A message is a
+run of pieces that is one contiguous range of the source buffer (sent straight from it: zero
+copy), of the destination buffer (received straight into it), both, or neither (packed into /
+unpacked from staging). Small pieces are merged into staged messages when the copies cost less
+than the messages they save (``MERGE_BYTES``). Both ends cut identically because both start from
+the same transfer list and decide from the two views alone.
 
 *Rounds.* Pairs of ranks talk in the rounds of a round-robin tournament (the circle method):
 in round ``k`` every rank has at most one partner, so no rank can wait on a peer that waits on
@@ -14,12 +18,13 @@ peers without knowing anyone else's plan and without any extra collective::
     round(a, b) = a            if b == m   (the fixed player)
                 = (a + b) / 2  mod m        otherwise
 
-*Staging.* A piece that is contiguous on its side of the wire and travels alone is sent from, or
-received into, the buffer itself; everything else goes through a staging tensor. The schedule
-knows the exact peak before anything runs.
+*Staging.* The staged steps of all exchanges share one pool laid out as a ring
+(``Schedule.staged``): a step is packed and posted while older ones are in flight, and retires
+the oldest when it does not fit. The schedule knows the exact peak before anything runs.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -63,20 +68,76 @@ class Exchange(NamedTuple):
     steps: tuple[tuple[Chunk | None, Chunk | None], ...]  # (send, recv) per step
 
 
+class StagedStep(NamedTuple):
+    """A step that stages something: where its bytes sit in the staging pool, and how many of the
+    oldest steps still in flight must finish (and be unpacked) before it is packed and posted."""
+
+    exchange: int  # index into Schedule.exchanges
+    step: int  # index into that exchange's steps
+    offset: int  # byte offset of the step's block in the pool: [recv chunk | send chunk]
+    recv_bytes: int  # 0 when the step's receive is direct (or absent)
+    send_bytes: int
+    retire: int
+
+
 @dataclass(frozen=True)
 class Schedule:
     plan: RankPlan
     budget_bytes: int
     exchanges: tuple[Exchange, ...]
+    local_runs: tuple = ()
+    align: int = ALIGN  # staging blocks start at multiples of this (the largest item size)
+
+    @functools.cached_property
+    def staged(self) -> tuple[tuple[StagedStep, ...], int]:
+        """The staging program and its peak (the pool's size), computed once.
+
+        Steps that stage are laid out in one pool of ``budget_bytes`` as a ring, in execution
+        order; a step whose block does not fit retires the oldest steps in flight until it does.
+        A step needs at most two chunks of at most ``budget // 2`` bytes, so it always fits once
+        everything older has retired, and a step only ever waits for older steps: the order
+        (round, step) is the same on both ends of every pair, so no rank waits on a peer that
+        waits on it. The executor follows this program exactly, so its peak is this peak."""
+        out: list[StagedStep] = []
+        alive: list[tuple[int, int]] = []  # (offset, size) of steps in flight, oldest first
+        head = 0  # index of the oldest step in flight
+        peak = 0
+        cap = self.budget_bytes
+        for ei, ex in enumerate(self.exchanges):
+            for si, (send, recv) in enumerate(ex.steps):
+                rb = _up(recv.nbytes, self.align) if recv is not None and recv.stage_recv else 0
+                sb = _up(send.nbytes, self.align) if send is not None and send.stage_send else 0
+                need = rb + sb
+                if not need:
+                    continue
+                retire = 0
+                while True:
+                    live = alive[head:]
+                    if not live:
+                        at = 0
+                        break
+                    first, (last_off, last_size) = live[0][0], live[-1]
+                    tail = last_off + last_size
+                    if first <= last_off:  # not wrapped: free space after the tail and before the head
+                        if tail + need <= cap:
+                            at = tail
+                            break
+                        if need <= first:
+                            at = 0
+                            break
+                    elif tail + need <= first:  # wrapped: free space between the tail and the head
+                        at = tail
+                        break
+                    head += 1
+                    retire += 1
+                alive.append((at, need))
+                peak = max(peak, at + need)
+                out.append(StagedStep(ei, si, at, rb, sb, retire))
+        return tuple(out), peak
 
     @property
     def peak_staging_bytes(self) -> int:
-        peak = 0
-        for ex in self.exchanges:
-            for send, recv in ex.steps:
-                peak = max(peak, (send.nbytes if send and send.stage_send else 0)
-                           + (recv.nbytes if recv and recv.stage_recv else 0))
-        return peak
+        return self.staged[1]
 
     @property
     def messages(self) -> int:
@@ -104,7 +165,6 @@ def contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
 def build_schedule(plan: RankPlan, budget_bytes: int, src_dtypes: dict[str, str] | None = None) -> Schedule:
     """``src_dtypes``: this rank's source buffer dtypes (a sender casting to the wire dtype must
     stage); without it, sends are assumed not to need a cast."""
-    cap = budget_bytes // 2
     by_peer_send: dict[int, list[Transfer]] = {}
     by_peer_recv: dict[int, list[Transfer]] = {}
     for t in plan.sends:
@@ -112,9 +172,14 @@ def build_schedule(plan: RankPlan, budget_bytes: int, src_dtypes: dict[str, str]
     for t in plan.recvs:
         by_peer_recv.setdefault(t.src, []).append(t)
     biggest_item = max((itemsize(t.dtype) for t in plan.sends + plan.recvs), default=1)
-    if cap < biggest_item:
+    if budget_bytes // 2 < biggest_item:
         raise LayoutError(f"a staging budget of {budget_bytes} B cannot hold one element in each "
                           f"direction (needs >= {2 * biggest_item} B)")
+    # a quarter of the budget per message when that holds an element: two steps fit in staging
+    # at once, so the next step is packed and posted while the previous one is in flight
+    cap = _down(budget_bytes // 4, biggest_item)
+    if cap < biggest_item:
+        cap = _down(budget_bytes // 2, biggest_item)
     exchanges = []
     for peer in sorted(set(by_peer_send) | set(by_peer_recv)):
         sends = _chunks(by_peer_send.get(peer, []), cap, src_dtypes)
@@ -123,49 +188,170 @@ def build_schedule(plan: RankPlan, budget_bytes: int, src_dtypes: dict[str, str]
                       for i in range(max(len(sends), len(recvs))))
         exchanges.append(Exchange(pair_round(plan.rank, peer, plan.world_size), peer, steps))
     exchanges.sort(key=lambda e: (e.round, e.peer))
-    return Schedule(plan, budget_bytes, tuple(exchanges))
+    return Schedule(plan, budget_bytes, tuple(exchanges), _local_runs(plan.local), biggest_item)
+
+
+MERGE_BYTES = 128 << 10  # staging copies worth one message less (see _joins)
+
+
+class _Run:
+    """The message being built: its pieces, and per side the contiguous run they form (if any)."""
+
+    __slots__ = ("pieces", "dtype", "nbytes", "src_end", "dst_end")
+
+    def __init__(self, p: Piece, src_end, dst_end):
+        self.pieces = [p]
+        self.dtype = p.transfer.dtype
+        self.nbytes = p.nbytes
+        self.src_end = src_end  # (buffer, element offset just past the run) or None: staged
+        self.dst_end = dst_end
+
+
+def _ends(p: Piece):
+    t = p.transfer
+    n = p.box.numel
+    src_end = dst_end = None
+    if contiguous(p.box.shape, t.src_strides):
+        src_end = (t.src_buffer, p.src_view()[0] + n)
+    if contiguous(p.box.shape, t.dst_strides):
+        dst_end = (t.dst_buffer, p.dst_view()[0] + n)
+    return src_end, dst_end
 
 
 def _chunks(transfers: list[Transfer], cap: int, src_dtypes: dict[str, str] | None) -> list[Chunk]:
-    chunks: list[Chunk] = []
-    cur: list[Piece] = []
-    size = 0
+    """Messages to or from one peer, cut identically on both ends (from the transfers alone).
 
-    def close():
-        nonlocal cur, size
-        if cur:
-            chunks.append(_chunk(tuple(cur), size, src_dtypes))
-        cur, size = [], 0
-
+    A message is a run of pieces that is one contiguous range of the source buffer (sent
+    straight from it), of the destination buffer (received straight into it), both, or neither
+    (packed into / unpacked from staging, as the old chunks were). Whether a side is direct
+    depends only on the two views, which both ends know; a sender that must cast stages a
+    message it could otherwise send directly (its own decision: the bytes on the wire are the
+    same)."""
+    out: list[Chunk] = []
+    cur: _Run | None = None
     for t in transfers:
         per = itemsize(t.dtype)
         for box in split_box(t.box, cap // per):
             p = Piece(t, box)
-            if _aligned(size) + p.nbytes > cap:
-                close()
-            cur.append(p)
-            size = _aligned(size) + p.nbytes
-    close()
-    return chunks
+            src_end, dst_end = _ends(p)
+            if cur is not None and _joins(cur, p, src_end, dst_end, cap):
+                _extend(cur, p, src_end, dst_end)
+                continue
+            if cur is not None:
+                out.append(_close(cur, src_dtypes))
+            cur = _Run(p, src_end, dst_end)
+    if cur is not None:
+        out.append(_close(cur, src_dtypes))
+    return out
+
+
+def _extend(cur: _Run, p: Piece, src_end, dst_end) -> None:
+    t = p.transfer
+    start = p.src_view()[0], p.dst_view()[0]
+    n = p.box.numel
+    same = t.dtype == cur.dtype
+    src = cur.src_end is not None and same and src_end is not None and cur.src_end == (t.src_buffer, start[0])
+    dst = cur.dst_end is not None and same and dst_end is not None and cur.dst_end == (t.dst_buffer, start[1])
+    if src or dst:
+        cur.nbytes += p.nbytes  # still one direct run on some side: unpadded
+        cur.src_end = (t.src_buffer, start[0] + n) if src else None
+        cur.dst_end = (t.dst_buffer, start[1] + n) if dst else None
+    else:  # staged on both sides from now on: the padded layout, laid out again in _close
+        cur.nbytes = _padded(cur.pieces) if (cur.src_end or cur.dst_end) else cur.nbytes
+        cur.nbytes = _aligned(cur.nbytes) + p.nbytes
+        cur.src_end = cur.dst_end = None
+    cur.pieces.append(p)
+
+
+def _padded(pieces) -> int:
+    off = 0
+    for q in pieces:
+        off = _aligned(off) + q.nbytes
+    return off
+
+
+def _joins(cur: _Run, p: Piece, src_end, dst_end, cap: int) -> bool:
+    """Whether ``p`` joins the message being built. A message per piece costs a message's fixed
+    price (on gloo about what copying ~100 KiB costs); one staged message costs a copy of every
+    byte on its staged sides. So ``p`` joins when it extends the message's direct runs, or when
+    staging what that takes (the message so far on a side whose run ``p`` breaks, ``p`` itself
+    on a side where it could have travelled directly) copies at most ``MERGE_BYTES``."""
+    t = p.transfer
+    direct = cur.src_end is not None or cur.dst_end is not None
+    start = p.src_view()[0], p.dst_view()[0]
+    ext_src = cur.src_end is not None and src_end is not None and cur.src_end == (t.src_buffer, start[0])
+    ext_dst = cur.dst_end is not None and dst_end is not None and cur.dst_end == (t.dst_buffer, start[1])
+    still_direct = (ext_src or ext_dst) and t.dtype == cur.dtype
+    size = cur.nbytes if still_direct else _aligned(_padded(cur.pieces) if direct else cur.nbytes)
+    if size + p.nbytes > cap:
+        return False
+    if still_direct and (ext_src or cur.src_end is None) and (ext_dst or cur.dst_end is None):
+        # both direct runs (those it has) go on; a side already staged stages p too
+        return (cur.src_end is not None or src_end is None or p.nbytes <= MERGE_BYTES) and \
+               (cur.dst_end is not None or dst_end is None or p.nbytes <= MERGE_BYTES)
+    # p breaks a run, or a dtype change breaks the unpadded layout: price the staging it costs
+    if direct and t.dtype != cur.dtype:
+        demote_src, demote_dst = cur.src_end is not None, cur.dst_end is not None
+    else:
+        demote_src = cur.src_end is not None and not ext_src
+        demote_dst = cur.dst_end is not None and not ext_dst
+    keep_src = cur.src_end is not None and not demote_src
+    keep_dst = cur.dst_end is not None and not demote_dst
+    cost = (cur.nbytes if demote_src else 0) + (cur.nbytes if demote_dst else 0)
+    cost += (p.nbytes if src_end is not None and not keep_src else 0)
+    cost += (p.nbytes if dst_end is not None and not keep_dst else 0)
+    return cost <= MERGE_BYTES
+
+
+def _close(run: _Run, src_dtypes: dict[str, str] | None) -> Chunk:
+    pieces = tuple(run.pieces)
+    offsets, off = [], 0
+    padded = run.src_end is None and run.dst_end is None
+    for p in pieces:
+        off = _aligned(off) if padded else off
+        offsets.append(off)
+        off += p.nbytes
+    cast = src_dtypes is not None and any(src_dtypes.get(p.transfer.src_buffer, p.transfer.dtype)
+                                          != p.transfer.dtype for p in pieces)
+    return Chunk(pieces, tuple(offsets), off, cast or run.src_end is None, run.dst_end is None)
 
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _chunk(pieces: tuple[Piece, ...], nbytes: int, src_dtypes: dict[str, str] | None) -> Chunk:
-    offsets, off = [], 0
-    for p in pieces:
-        off = _aligned(off)
-        offsets.append(off)
-        off += p.nbytes
-    if len(pieces) > 1:
-        return Chunk(pieces, tuple(offsets), nbytes, True, True)
-    p = pieces[0]
-    t = p.transfer
-    cast = src_dtypes is not None and src_dtypes.get(t.src_buffer, t.dtype) != t.dtype
-    return Chunk(pieces, (0,), nbytes, cast or not contiguous(p.box.shape, t.src_strides),
-                 not contiguous(p.box.shape, t.dst_strides))
+def _up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _down(n: int, a: int) -> int:
+    return n // a * a
+
+
+class LocalRun(NamedTuple):
+    """A same-rank copy: one transfer, or several adjacent on both sides merged into one range."""
+
+    transfer: Transfer  # the first one (buffers, views); numel covers the whole run when merged
+    numel: int
+    flat: bool  # merged: copy ``numel`` elements as flat ranges
+
+
+def _local_runs(local: Sequence[Transfer]) -> tuple[LocalRun, ...]:
+    out: list[LocalRun] = []
+    end = None
+    for t in local:
+        if contiguous(t.box.shape, t.src_strides) and contiguous(t.box.shape, t.dst_strides):
+            n = t.box.numel
+            if end is not None and end == (t.src_buffer, t.src_offset, t.dst_buffer, t.dst_offset):
+                prev = out[-1]
+                out[-1] = LocalRun(prev.transfer, prev.numel + n, True)
+            else:
+                out.append(LocalRun(t, n, True))
+            end = (t.src_buffer, t.src_offset + n, t.dst_buffer, t.dst_offset + n)
+        else:
+            out.append(LocalRun(t, t.box.numel, False))
+            end = None
+    return tuple(out)
 
 
 def split_box(box: Box, max_numel: int) -> list[Box]:
