@@ -30,7 +30,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist

@@ -16,7 +16,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -382,5 +382,3 @@ def fault(at: Sequence[int], iteration: int, what: str) -> None:
     if iteration in at:
         raise RuntimeError(f"injected crash in iteration {iteration} ({what})")
 
-
-Say = Callable[[str], None]
