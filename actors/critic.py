@@ -278,24 +278,13 @@ class Critic:
                 gn = engine.get_global_grad_norm()
                 grad_norm = float(gn) if gn is not None else float("nan")
             else:
-                grad_norm = self._fsdp_step()
+                grad_norm = self.trainer.optimizer_step(report_norm=True)
         stats = torch.stack([loss_sum, clip_sum])
         if self.dp > 1:
             dist.all_reduce(stats, group=self.dp_group)
         self.steps += 1
         return {"vf_loss": float(stats[0]) / max(W, 1.0), "vf_clipfrac": float(stats[1]) / max(tokens, 1.0),
                 "grad_norm": grad_norm, "tokens": int(tokens)}
-
-    def _fsdp_step(self) -> float:
-        t = self.trainer
-        # the norm of DTensor gradients is the global one; max_norm=inf leaves the gradients as they are
-        limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        gn = torch.nn.utils.clip_grad_norm_(t.module.parameters(), limit, foreach=False)
-        gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
-        t.optimizer.step()
-        t.scheduler.step()
-        t.optimizer.zero_grad(set_to_none=True)
-        return gn
 
     def state_dict_full(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter whole, fp32, by its HF name (``model.*``, ``score.*``) — on DP rank 0

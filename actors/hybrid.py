@@ -145,7 +145,7 @@ class HybridWorker:
     def _engine(self, layout, hf: dict, seed: int, optim, local_mini: int) -> dict:
         """A training engine of ``layout`` (engine + tp/dp/zero_stage) over the whole world: the
         module to call, its VPS adapter, DP size/rank, and how to step it."""
-        from rlhf_switch.engines.torch_train import build_fsdp2, build_tp, build_tp_dp, clip_grad_norm, hf_model
+        from rlhf_switch.engines.torch_train import build_fsdp2, build_tp, build_tp_dp, hf_model
 
         ranks = list(range(self.world))
         engine = layout.engine
@@ -156,17 +156,8 @@ class HybridWorker:
                 t = build_tp_dp(hf, seed, ranks, tp=layout.tp, optim=optim, timeout=TIMEOUT)
             else:
                 t = build_tp(hf, seed, ranks, optim=optim, timeout=TIMEOUT)
-
-            def step() -> float:
-                gn = float("nan")
-                if t._max_grad_norm > 0:  # DTensor gradients: the norm is the global one
-                    gn = clip_grad_norm(t.module.parameters(), t._max_grad_norm)
-                t.optimizer.step()
-                t.scheduler.step()
-                t.optimizer.zero_grad(set_to_none=True)
-                return gn
             return {"module": t.module, "spec": t.spec, "adapter": t.adapter, "name": t.name, "dp": t.dp,
-                    "dp_rank": t.dp_rank, "dp_group": t.dp_group, "backward": lambda loss: loss.backward(), "step": step,
+                    "dp_rank": t.dp_rank, "dp_group": t.dp_group, "backward": lambda loss: loss.backward(), "step": t.optimizer_step,
                     "micro_override": None}
         if engine == "deepspeed":
             from rlhf_switch.engines.deepspeed_zero import build_zero_trainer
@@ -256,14 +247,12 @@ class HybridWorker:
     # --- phases ------------------------------------------------------------------------------------
     def sync_weights_to_rollout(self) -> dict:
         """VPS move: trainer compute weights -> this rank's rollout buffers. Returns the MoveReport."""
-        from rlhf_switch.engines.train_state import gather_layouts
         from rlhf_switch.routing import move
 
         t0 = time.perf_counter()
-        local = self.adapter.weights()
-        (src,), _ = gather_layouts([(self.spec, local)], [f"train:{self.engine_name}"])
+        src = self._gather_weights_layout()
         dst = self.rollout.layout(self.replicas)
-        report = move(src, dst, local.tensors, self.rollout.buffers, timeout=TIMEOUT)
+        report = move(src, dst, self._weights.tensors, self.rollout.buffers, timeout=TIMEOUT)
         out = dict(vars(report))
         out["wall_seconds"] = time.perf_counter() - t0
         return out
@@ -271,25 +260,27 @@ class HybridWorker:
     def weights_layout(self):
         """The trainer's compute weights as a global Layout (collective; every rank gets it) —
         the source of a move into rollout engines that live in other processes."""
+        src = self._gather_weights_layout()
+        return src if self.rank == 0 else None
+
+    def _gather_weights_layout(self):
+        """This rank's compute weights (kept in ``self._weights`` for the move) and everyone's, as
+        one global Layout (collective)."""
         from rlhf_switch.engines.train_state import gather_layouts
 
         self._weights = self.adapter.weights()
         (src,), _ = gather_layouts([(self.spec, self._weights)], [f"train:{self.engine_name}"])
-        return src if self.rank == 0 else None
+        return src
 
     def send_weights(self, host: str, port: int, world_size: int, src, dst, budget_bytes: int,
                      timeout_s: float = 300.0) -> dict:
         """Join the move's gloo group (trainer ranks first, then the rollout workers) as this
         rank and send this rank's part of ``src`` (placed layouts, from the driver)."""
-        from rlhf_switch.routing.comm import gloo_group
-        from rlhf_switch.routing.executor import move
+        from rlhf_switch.engines.vllm_rollout import send_to_workers
 
         t0 = time.perf_counter()
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-        pg = gloo_group(store, self.rank, world_size, timeout)
-        with torch.no_grad():
-            report = move(src, dst, self._weights.tensors, {}, group=pg, budget_bytes=budget_bytes, timeout=timeout)
+        report = send_to_workers(host, port, self.rank, world_size, src, dst, self._weights.tensors,
+                                 budget_bytes, timeout_s)
         out = dict(vars(report))
         out["wall_seconds"] = time.perf_counter() - t0
         return out

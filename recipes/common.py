@@ -105,7 +105,10 @@ class Cluster:
 
         from actors.hybrid import remote_class
 
+        from actors.hybrid import hf_config_of
+
         self.cfg, self.quiet, self.ray = cfg, quiet, ray
+        self.hf = hf_config_of(cfg)
         self.world = world = cfg.world_size
         self.workers, self.replicas = [], []
         self.pg = placement_group([{"CPU": 1, "GPU": 1}] * world, strategy="PACK")
@@ -133,9 +136,7 @@ class Cluster:
 
     def build(self, init_dir: Path, resume_dir: Path | None) -> dict:
         """Build every engine; vLLM replicas start (from ``init_dir``) while the trainers build."""
-        from actors.hybrid import hf_config_of
-
-        hf = hf_config_of(self.cfg)
+        hf = self.hf
         starts = [r.start.remote(str(init_dir), hf, self.tp, self.cfg.seed, int(hf.get("max_position_embeddings", 2048)), i)
                   for i, r in enumerate(self.replicas)]
         built = self.all("build", self.cfg.model_dump(), str(init_dir), str(resume_dir) if resume_dir else None,
@@ -186,7 +187,7 @@ class Cluster:
             if n % R:
                 raise ValueError(f"{n} prompts do not split over {R} vLLM replicas")
             per = n // R
-            eos = self._eos()
+            eos = self.hf.get("eos_token_id")
             refs = [r.generate.remote(prompts[i * per:(i + 1) * per], max_new_tokens, temperature,
                                       list(seeds[i * per:(i + 1) * per]), eos) for i, r in enumerate(self.replicas)]
             gens = wait_all(self.ray, refs, "generate (vLLM)", self.quiet)
@@ -194,11 +195,6 @@ class Cluster:
             gens = self.all("generate", prompts, max_new_tokens, temperature, list(seeds), desc="generate")
         leads = sorted((g for g in gens if g["lead"]), key=lambda g: g["replica"])
         return [t for g in leads for t in g["tokens"]], [lp for g in leads for lp in g["logprobs"]]
-
-    def _eos(self) -> int | None:
-        from actors.hybrid import hf_config_of
-
-        return hf_config_of(self.cfg).get("eos_token_id")
 
     def save(self, path: Path, extra: dict) -> float:
         t0 = time.perf_counter()

@@ -25,7 +25,6 @@ incomplete.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -176,11 +175,3 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     done = [p for p in root.glob("step_*") if p.is_dir() and is_checkpoint(p) and p.name[5:].isdigit()]
     return max(done, key=lambda p: int(p.name[5:]), default=None)
 
-
-def describe(path: str | os.PathLike) -> dict:
-    """What a checkpoint directory holds (for messages)."""
-    path = Path(path)
-    meta = torch.load(path / TRAINER_STATE, weights_only=False) if (path / TRAINER_STATE).is_file() else {}
-    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    return {"path": str(path), "complete": is_checkpoint(path), "extra": meta.get("extra", {}),
-            "step": (meta.get("scalars") or {}).get("step"), "architectures": cfg.get("architectures")}

@@ -67,12 +67,21 @@ class TorchTrainer:
             raise ValueError(f"{self.name}: batch {B} is not divisible by DP={self.dp}")
         per = B // self.dp
         loss = self._loss_and_backward(input_ids[self.dp_rank * per:(self.dp_rank + 1) * per])
-        if self._max_grad_norm > 0:  # DTensor gradients: the norm is the global one
-            clip_grad_norm(self.module.parameters(), self._max_grad_norm)
+        self.optimizer_step()
+        return self._global_mean(loss.detach().clone())
+
+    def optimizer_step(self, report_norm: bool = False) -> float:
+        """Clip (when ``max_grad_norm`` > 0), step the optimizer and the LR schedule, zero the
+        gradients. Returns the global gradient norm before clipping — NaN when clipping is off,
+        unless ``report_norm`` (then it is computed anyway)."""
+        gn = float("nan")
+        if self._max_grad_norm > 0 or report_norm:  # DTensor gradients: the norm is the global one
+            limit = self._max_grad_norm if self._max_grad_norm > 0 else float("inf")
+            gn = clip_grad_norm(self.module.parameters(), limit)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._global_mean(loss.detach().clone())
+        return gn
 
     def _global_mean(self, loss: torch.Tensor) -> float:
         if self._loss_group is not None:

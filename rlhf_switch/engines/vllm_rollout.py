@@ -320,26 +320,36 @@ class VLLMRollout:
         self.shutdown()
 
 
-def _send(host: str, port: int, world_size: int, src: Layout, dst: Layout, timeout_s: float,
-          budget_bytes: int, make_buffers: Callable[..., dict], args: tuple, kwargs: dict):
-    """Trainer-rank job: build this rank's source buffers, join the move's group, send."""
+def send_to_workers(host: str, port: int, rank: int, world_size: int, src: Layout, dst: Layout,
+                    buffers: dict, budget_bytes: int, timeout_s: float):
+    """A sender's side of a move into vLLM workers: join the move's bare gloo group over the
+    TCPStore at ``host:port`` as ``rank`` of ``world_size`` and send this rank's part of ``src``
+    (both layouts already placed on that group) from ``buffers``. Returns the MoveReport."""
     import torch
     import torch.distributed as dist
 
     from ..routing.comm import gloo_group
     from ..routing.executor import move
 
-    rank = dist.get_rank()
     timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
+    pg = gloo_group(store, rank, world_size, timeout)
+    with torch.no_grad():
+        return move(src, dst, buffers, {}, group=pg, budget_bytes=budget_bytes, timeout=timeout)
+
+
+def _send(host: str, port: int, world_size: int, src: Layout, dst: Layout, timeout_s: float,
+          budget_bytes: int, make_buffers: Callable[..., dict], args: tuple, kwargs: dict):
+    """Trainer-rank job: build this rank's source buffers, join the move's group, send."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
     try:
         buffers, error = make_buffers(*args, **kwargs), None
     except Exception as e:  # noqa: BLE001 - still join, so every rank refuses the move at once
         buffers, error = {}, e  # (missing buffers make `move` refuse on every rank, workers included)
-    store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-    pg = gloo_group(store, rank, world_size, timeout)
     try:
-        with torch.no_grad():
-            report = move(src, dst, buffers, {}, group=pg, budget_bytes=budget_bytes, timeout=timeout)
+        report = send_to_workers(host, port, rank, world_size, src, dst, buffers, budget_bytes, timeout_s)
     except Exception:
         if error is not None:
             raise error from None
