@@ -99,6 +99,19 @@ def move_with_bad_buffer_on(bad_rank: int, src: Layout, dst: Layout) -> dict:
     return _attempt(src, dst, src_bufs, dst_bufs)
 
 
+def move_into_source_memory_on(bad_rank: int, src: Layout, dst: Layout) -> dict:
+    """On ``bad_rank`` one destination buffer is a view into a source buffer's memory."""
+    rank = dist.get_rank()
+    src_bufs = materialize(src, rank, tensor_source(src, 0))
+    dst_bufs = garbage_like(allocate(dst, rank, fill=None), rank)
+    if rank == bad_rank:
+        name, want = min(((n, t) for n, t in dst_bufs.items() if n.startswith("param/")), key=lambda x: x[1].numel())
+        host = max((t for t in src_bufs.values() if t.dtype == want.dtype), key=lambda t: t.numel())
+        assert host.numel() >= want.numel() + 3, "the test needs a source buffer larger than the destination one"
+        dst_bufs[name] = host.view(-1)[3:3 + want.numel()]
+    return _attempt(src, dst, src_bufs, dst_bufs)
+
+
 def move_with_different_dst_on(odd_rank: int, src: Layout, dst: Layout, other: Layout) -> dict:
     rank = dist.get_rank()
     mine = other if rank == odd_rank else dst

@@ -91,6 +91,16 @@ def test_bad_buffers_on_one_rank_stop_every_rank_before_any_byte(world4, layouts
         assert res["untouched"], f"rank {r} wrote into its destination"
 
 
+def test_destination_in_source_memory_is_refused_before_any_byte(world4, layouts4):
+    # local copies run while transfers are in flight: an aliased buffer would be read after it
+    # was overwritten, so the move is refused on every rank
+    results = world4.run(rank_jobs.move_into_source_memory_on, 1, layouts4["fsdp"], layouts4["tp2xpp2"])
+    for r, res in enumerate(results):
+        assert res["error"].startswith("MoveError: move DP4[fsdp] -> TP2·PP2 refused before any data moved: rank 1:")
+        assert "share memory" in res["error"], res["error"]
+        assert res["untouched"], f"rank {r} wrote into its destination"
+
+
 def test_plan_digest_mismatch_is_caught(world4, layouts4):
     # rank 3 was handed another destination layout: every rank refuses, naming who planned what
     results = world4.run(rank_jobs.move_with_different_dst_on, 3, layouts4["zero3"],

@@ -125,6 +125,7 @@ def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budge
         plan = plan_rank(src, dst, rank, ranks_per_node)
     _check_buffers("source", src, rank, src_buffers)
     _check_buffers("destination", dst, rank, dst_buffers)
+    _check_disjoint(src, dst, rank, src_buffers, dst_buffers)
     if schedule is None:
         src_dtypes = {n: b.dtype for n, b in src.buffers(rank).items()}
         schedule = build_schedule(plan, budget_bytes, src_dtypes)
@@ -160,6 +161,28 @@ def _check_buffers(what: str, layout: Layout, rank: int, buffers: Mapping[str, t
             problems.append(f"{name!r} is not contiguous")
     if problems:
         raise ValueError(f"{what} buffers of rank {rank} do not match {layout.name}: " + "; ".join(problems))
+
+
+def _check_disjoint(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers) -> None:
+    """Source and destination bytes must not share memory: pieces are read while others are
+    already written (local copies overlap the transfers), so an aliased buffer would be read
+    after it was overwritten — a silently wrong result, refused here instead."""
+    spans = []
+    for side, layout, buffers in (("source", src, src_buffers), ("destination", dst, dst_buffers)):
+        for name, b in layout.buffers(rank).items():
+            t = buffers[name]
+            if b.numel:
+                start = t.data_ptr()
+                spans.append((str(t.device), start, start + b.numel * t.element_size(), side, name))
+    spans.sort()
+    reach = None  # the span reaching furthest so far on this device: (device, end, side, name)
+    for device, start, end, side, name in spans:
+        if reach and reach[0] == device and start < reach[1] and reach[2] != side:
+            a, b = (reach[3], name) if reach[2] == "source" else (name, reach[3])
+            raise ValueError(f"rank {rank}: source buffer {a!r} and destination buffer {b!r} share memory; "
+                             f"a move needs separate buffers (copy one side first)")
+        if not reach or reach[0] != device or end > reach[1]:
+            reach = (device, end, side, name)
 
 
 _P = (1 << 61) - 1  # a Mersenne prime: the pair digests are summed modulo it
