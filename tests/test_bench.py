@@ -54,7 +54,8 @@ def test_train_switch_bench_matches_deepspeed_universal_checkpoint(tmp_path):
     for method in ("vps", "universal:shm", "universal:disk"):
         assert row[method]["exact"] is True, method
         assert row[method]["seconds"] > 0
-    assert row["vps"]["bytes_received"] == row["vps"]["min_bytes"]
+    assert row["vps"]["bytes_received"] == row["vps"]["min_bytes"] > 0  # summed over the ranks
+    assert 0 < row["vps"]["move_s"] <= row["vps"]["seconds"]
     assert {"save", "convert", "load"} <= set(row["universal:shm"])
 
 
