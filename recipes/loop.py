@@ -24,9 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from recipes.common import (Cluster, Evaluator, MetricsLog, StaleWeightsError, draw_prompts, fault,
-                            loop_problems, plot_run, prune_checkpoints, resolve_resume, sample_seeds, start_ray,
-                            warm_start)
+from recipes.cluster import Cluster, start_ray
+from recipes.common import (Evaluator, StaleWeightsError, draw_prompts, fault, loop_problems, prune_checkpoints,
+                            resolve_resume, sample_seeds, warm_start)
+from recipes.run_log import MetricsLog, plot_run
 
 __all__ = ["run", "main", "StaleWeightsError"]
 
