@@ -20,7 +20,8 @@ import hashlib
 import zlib
 from zlib import crc32
 from bisect import bisect_left, bisect_right
-from itertools import accumulate
+from itertools import accumulate, chain, groupby
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
@@ -160,11 +161,17 @@ def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = 
     transfers: list[Transfer] = []
     dtypes = {n: b.dtype for n, b in dst.buffers(rank).items()}
     partition = src._is_partition
+    receipts: dict = {}  # (src geometry, dst geometry, box) -> _receipt's steps
     for k in keys:
         dfrags, sfrags = wanted.get(k, ()), held.get(k, ())
         if len(dfrags) <= 1 and partition(k) and (len(sfrags) <= 1 or len({f.box for f in sfrags}) == len(sfrags)):
-            _plan_own_part(k, src, dst, rank, ranks_per_node, dfrags[0] if dfrags else None, sfrags, transfers,
-                           dtypes.get(dfrags[0].buffer) if dfrags else None)
+            # the fast path: only the holders of the boxes `rank` meets, found per key
+            if dfrags:
+                d = dfrags[0]
+                dtype = dtypes.get(d.buffer) or dst.buffers(rank)[d.buffer].dtype
+                _receive(k, src, dst, rank, ranks_per_node, d, dtype, transfers, receipts)
+            if sfrags:
+                _send(k, src, dst, rank, ranks_per_node, sfrags, transfers)
         else:  # overlapping source boxes, or several boxes of one key here: the general walk
             transfers.extend(_plan_key(k, src, dst, rank, ranks_per_node, {f.box for f in dfrags}))
     local = tuple(t for t in transfers if t.src == t.dst == rank)
@@ -201,14 +208,14 @@ def minimum_bytes_received(src: Layout, dst: Layout, rank: int) -> int:
     for f in src.fragments(rank):
         mine.setdefault(f.key, []).append(f.box)
     total = 0
-    bufs = dst.buffers(rank)
+    sizes = {n: itemsize(b.dtype) for n, b in dst.buffers(rank).items()}
     for f in dst.fragments(rank):
-        have = 0
+        need = f.box.numel
         for b in mine.get(f.key, ()):
             inter = f.box.intersect(b)
             if inter is not None:
-                have += inter.numel
-        total += (f.box.numel - have) * itemsize(bufs[f.buffer].dtype)
+                need -= inter.numel
+        total += need * sizes[f.buffer]
     return total
 
 
@@ -434,78 +441,129 @@ def _transfer(s: int, sf: Fragment, d: int, df: Fragment, piece: Box, dst: Layou
 
 def _pair_digests(rank: int, sends, recvs) -> dict[int, int]:
     """Per peer, a hash of the pair's transfers in both directions, the same on both ends."""
-    out: dict[int, list] = {}
-    for t in sends:
-        out.setdefault(t.dst, [[], []])[0 if rank < t.dst else 1].append(t)
-    for t in recvs:
-        out.setdefault(t.src, [[], []])[1 if rank < t.src else 0].append(t)
-    return {p: int.from_bytes(hashlib.sha1(repr(v).encode()).digest()[:7], "big") for p, v in out.items()}
+    pairs: dict[int, list] = {}
+    for peer, ts in groupby(sends, _dst_of):  # sends come grouped by peer, and so do receives
+        pairs.setdefault(peer, [(), ()])[0 if rank < peer else 1] = tuple(ts)
+    for peer, ts in groupby(recvs, _src_of):
+        pairs.setdefault(peer, [(), ()])[1 if rank < peer else 0] = tuple(ts)
+    return {p: _digest(lower, upper) for p, (lower, upper) in pairs.items()}
 
 
-def _plan_own_part(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None,
-                   dfrag: Fragment | None, sfrags: list[Fragment], out: list[Transfer], dtype: str | None) -> None:
-    """``rank``'s transfers of ``key`` when the source's boxes of it are a (replicated) partition
-    — every region is a box — and ``rank`` holds at most one destination box of it. The same
-    choices as ``_plan_key``, found from the holders of the boxes ``rank`` meets only: what it
-    receives (its box against the source boxes that meet it) and what it sends (each of its
-    source boxes against the destination boxes that meet it). Appends to ``out``: local copies
-    and receives in region order, then sends."""
-    seed = None
-    if dfrag is not None:
-        dbox = dfrag.box
-        requesters = dst._holders_of(key, dbox)
-        # this rank's position among the requesters (in rank order; a rank holds a box once)
-        if len(requesters) == 1:
-            pos = bisect_left(requesters[0].ranks, rank)
+_src_of, _dst_of = itemgetter(0), itemgetter(1)
+_numbers_of = itemgetter(0, 1, 3, 5, 6, 8, 9)  # ranks, box, offsets and strides: ints only
+_key_of, _names_of = itemgetter(2), itemgetter(4, 7, 10)  # key (tensor, field); buffers, dtype
+
+
+def _digest(*lists) -> int:
+    """56 bits of a hash of transfer lists. Their numbers go through ``hash`` (CPython's hash
+    of ints and tuples of them is the same in every process; only str hashes are randomised),
+    their names through SHA-1 in one string: every step runs in C. (SHA-1 of the transfers'
+    ``repr`` ran Python code three times per transfer, a fifth of a 1024-rank MoE rank's plan.)"""
+    h = hashlib.sha1()
+    numbers = []
+    for ts in lists:
+        numbers.append(hash(tuple(map(_numbers_of, ts))))
+        h.update("\0".join(chain.from_iterable(map(_key_of, ts))).encode())  # tensor, field
+        h.update(b"\1")
+        h.update("\0".join(chain.from_iterable(map(_names_of, ts))).encode())
+        h.update(b"\1")
+    h.update(repr(numbers).encode())
+    return int.from_bytes(h.digest()[:7], "big")
+
+
+def _receipt(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None,
+             dfrag: Fragment) -> list[tuple]:
+    """How ``rank`` receives its box of ``key`` (``dfrag``), one step per source box meeting it:
+    ``(piece, str(piece.lo) encoded, pos, choices, dst offset delta)``. The holder is
+    ``choices[0]`` when ``pos`` is None (``rank`` holds the piece: a local copy), else
+    ``choices[(pos + rotation) % len(choices)]``, the rotation being the key's checksum continued
+    over the piece's lower corner (``_rotation``). A choice is ``(rank, fragment, src offset
+    delta)``; offsets are deltas from the fragments' own, so the steps serve every key of the
+    same geometry (``Layout.lazy``), each with its own fragments' buffers and offsets."""
+    dbox = dfrag.box
+    requesters = dst._holders_of(key, dbox)
+    # this rank's position among the requesters (in rank order; a rank holds a box once)
+    if len(requesters) == 1:
+        pos = bisect_left(requesters[0].ranks, rank)
+    else:
+        pos = 0
+        for g in requesters:
+            pos += bisect_left(g.ranks, rank)
+    steps = []
+    covered = 0
+    for rbox, held in src._meeting(key, dbox):
+        piece = rbox.intersect(dbox)
+        whole = piece == dbox  # the common case: one source box holds all of it
+        covered += dbox.numel if whole else piece.numel
+        if len(held) == 1:
+            distinct = held[0].ranks
+            holders = [(r, held[0].fragment) for r in distinct]
         else:
-            pos = 0
-            for g in requesters:
-                pos += bisect_left(g.ranks, rank)
-        covered = 0
-        for rbox, held in src._meeting(key, dbox):
-            piece = rbox.intersect(dbox)
-            whole = piece == dbox  # the common case: one source box holds all of it
-            covered += dbox.numel if whole else piece.numel
-            if len(held) == 1:
-                g = held[0]
-                hf = g.fragment
-                distinct = g.ranks
-                if rank in distinct:
-                    h = rank
-                else:
-                    holders = [(r, hf) for r in distinct]
-                    h = None
-            else:
-                holders = expand(held)
-                distinct = held_by = dict(holders)
-                hf = held_by.get(rank)
-                h = rank if hf is not None else None
-            if h is None:
-                # its position among the requesters that do not hold the piece themselves
-                i = pos
-                for h in distinct:  # ascending
-                    if h >= rank:
-                        break
-                    for g in requesters:
-                        if h in g.ranks:
-                            i -= 1
-                if seed is None:
-                    seed = _rotation_seed(key)
-                i += crc32(str(piece.lo).encode(), seed)
-                if ranks_per_node:
-                    node = rank // ranks_per_node
-                    close = [x for x in holders if x[0] // ranks_per_node == node]
-                    h, hf = close[i % len(close)] if close else holders[i % len(holders)]
-                else:
-                    h, hf = holders[i % len(holders)]
-            if dtype is None:
-                dtype = dst.buffers(rank)[dfrag.buffer].dtype
-            so, ss = (hf.offset, hf.strides) if piece == hf.box else hf.view(piece)
-            do, ds = (dfrag.offset, dfrag.strides) if whole else dfrag.view(piece)
-            out.append(tuple_new(Transfer, (h, rank, key, piece, hf.buffer, so, ss, dfrag.buffer, do, ds, dtype)))
-        if covered != dbox.numel:
-            raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
-                              f"{key}{dbox} that {dst.name} needs")
+            holders = expand(held)
+            distinct = dict(holders)
+        if rank in distinct:
+            i = None
+            choices = [(rank, dict(holders)[rank])]
+        else:
+            # its position among the requesters that do not hold the piece themselves
+            i = pos
+            for h in distinct:  # ascending
+                if h >= rank:
+                    break
+                for g in requesters:
+                    if h in g.ranks:
+                        i -= 1
+            choices = holders
+            if ranks_per_node:
+                node = rank // ranks_per_node
+                choices = [x for x in holders if x[0] // ranks_per_node == node] or holders
+        views = {}  # replicas share fragments: one view each
+        for h, hf in choices:
+            if id(hf) not in views:
+                views[id(hf)] = 0 if piece == hf.box else hf.view(piece)[0] - hf.offset
+        choices = [(h, hf, views[id(hf)]) for h, hf in choices]
+        steps.append((piece, str(piece.lo).encode(), i, choices, 0 if whole else dfrag.view(piece)[0] - dfrag.offset))
+    if covered != dbox.numel:
+        raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
+                          f"{key}{dbox} that {dst.name} needs")
+    return steps
+
+
+def _receive(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None, dfrag: Fragment,
+             dtype: str, out: list[Transfer], receipts: dict) -> None:
+    """``rank``'s local copies and receives of ``key`` (its one destination fragment ``dfrag``,
+    of dtype ``dtype``) when the source's boxes of it are a (replicated) partition, in region
+    order: the choices of ``_plan_key``, from the holders of the source boxes meeting ``dfrag``.
+    ``receipts`` memoises ``_receipt`` per (source geometry, destination geometry, box): a MoE
+    layer's experts are received alike, each from its own fragments."""
+    sg = src._geometry(key)
+    dg = dst._geometry(key) if sg is not None else None
+    if dg is None:
+        steps = _receipt(key, src, dst, rank, ranks_per_node, dfrag)
+    else:
+        steps = receipts.get((sg, dg, dfrag.box))
+        if steps is None:
+            steps = receipts[(sg, dg, dfrag.box)] = _receipt(key, src, dst, rank, ranks_per_node, dfrag)
+    seed = None
+    dbuf, doff, dstrides = dfrag.buffer, dfrag.offset, dfrag.strides
+    for piece, lo, pos, choices, ddelta in steps:
+        if pos is None:
+            h, hf, sdelta = choices[0]
+        else:
+            if seed is None:
+                seed = _rotation_seed(key)
+            h, hf, sdelta = choices[(pos + crc32(lo, seed)) % len(choices)]
+        sbuf, soff = (hf.buffer, hf.offset) if hf.key is key else src._relocate(key, hf)
+        out.append(tuple_new(Transfer, (h, rank, key, piece, sbuf, soff + sdelta, hf.strides, dbuf,
+                                        doff + ddelta, dstrides, dtype)))
+
+
+def _send(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None,
+          sfrags: list[Fragment], out: list[Transfer]) -> None:
+    """``rank``'s sends of ``key`` from its source fragments ``sfrags`` (distinct boxes of a
+    (replicated) partition): each against the destination boxes that meet it, the holder chosen
+    for each remote requester as ``_plan_key`` chooses it, kept where that is ``rank``."""
+    seed = None
     for sfrag in sfrags:
         rbox = sfrag.box
         holders = expand(src._holders_of(key, rbox))

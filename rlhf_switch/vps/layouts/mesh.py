@@ -197,6 +197,7 @@ class MeshHolders:
         self.tp_boxes: dict[tuple, list] = {}  # (shape, tp role) -> box of each TP rank
         self.tp_meeting: dict[tuple, list[int]] = {}  # (shape, tp role, box) -> TP ranks meeting it
         self.by_key: dict[int, dict[StateKey, list[Fragment]]] = {}  # class id -> key -> fragments
+        self.geometries: dict[str, tuple | None] = {}  # tensor -> geometry (less the field)
         self.dtypes: dict[int, dict[str, str]] = {}
 
     def __call__(self, key: StateKey, box: Box | None) -> list[tuple[Box, Holders]]:
@@ -232,6 +233,32 @@ class MeshHolders:
                 if box is None or _overlap(f.box, box):
                     out.append((f.box, tuple_new(Holders, (f, ranks, dtypes.get(f.buffer)))))
         return out
+
+    def geometry(self, key: StateKey):
+        """Under DP ``replicate``, an unfused tensor of one stage is held as its TP shards, at
+        offset 0 of its own buffer, by the classes of that stage and of its expert's EP rank:
+        tensors equal in those (the experts of one EP rank in one stage, the like layers of one
+        stage) share a geometry. None for every other tensor."""
+        if key.field not in self.fields:
+            return None
+        g = self.geometries.get(key.tensor, False)
+        if g is False:
+            g = self.geometries[key.tensor] = self._geometry(key.tensor)
+        return (g, key.field) if g is not None else None
+
+    def _geometry(self, name: str):
+        t = self.spec._by_name.get(name)
+        if self.config.dp_shard != "replicate" or t is None or name in self.fusable:
+            return None
+        stages = self.stages_of.get(name, ())
+        if len(stages) != 1:
+            return None
+        ep = self.config.ep
+        e = t.expert // (self.spec.num_experts // ep) if t.expert is not None and ep > 1 else None
+        return (t.shape, t.tp, t.dtype, stages[0][0], e)
+
+    def relocate(self, key: StateKey, fragment: Fragment) -> tuple[str, int]:
+        return f"{key.field}/{self.stages_of[key.tensor][0][1]}", 0
 
     def _replicated(self, key: StateKey, t, stages, eps, tps) -> list[tuple[Box, Holders]]:
         """Fragments of an unfused tensor under DP replicate, without building a class: class

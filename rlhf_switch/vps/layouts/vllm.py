@@ -124,7 +124,7 @@ def vllm_layout(spec: ModelSpec, tp: int, replicas: int = 1, dtype: str | None =
     classes = RankClasses([r % tp for r in range(world)], [range(t, world, tp) for t in range(tp)], workers.build)
     name = f"vLLM-TP{tp}" + (f"×{replicas}" if replicas > 1 else "")
     return Layout.lazy(spec, classes, name, f"vllm(tp={tp},replicas={replicas},dtype={dtype})", (PARAM,),
-                       workers.holders, partition=True)
+                       workers, partition=True)
 
 
 class Workers:
@@ -139,16 +139,17 @@ class Workers:
         a = spec.attention
         fused = {m: g for g in spec.fused for m in g.members}
         self.order: list[str] = []  # a worker's fragments, in worker_tensors' order
-        self.place: dict[str, tuple] = {}  # tensor -> (buffer, first row, split, buffer dtype)
+        # tensor -> (buffer, first row, split, buffer dtype, geometry)
+        self.place: dict[str, tuple] = {}
         self.buffers: dict[str, BufferSpec] = {}
-        self.keys = {t.name: StateKey(t.name, PARAM) for t in spec.tensors}
+        self.keys = {t.name: tuple_new(StateKey, (t.name, PARAM)) for t in spec.tensors}
         self.made: dict[tuple[str, int], Fragment | None] = {}  # (tensor, worker) -> its fragment
-        self.geometry: dict[tuple, tuple | None] = {}  # (shape, split, worker) -> box, strides, row numel
+        self.boxes: dict[tuple, tuple | None] = {}  # (shape, split, worker) -> box, strides, row numel
         done: set[str] = set()
 
         def put(t: TensorSpec, buffer: str, row: int, split: tuple, local_rows: int, bdtype: str) -> int:
             self.order.append(t.name)
-            self.place[t.name] = (f"{PARAM}/{buffer}", row, split, bdtype)
+            self.place[t.name] = (f"{PARAM}/{buffer}", row, split, bdtype, (t.shape, split, bdtype))
             return row + local_rows
 
         for t in spec.tensors:
@@ -209,13 +210,13 @@ class Workers:
     def fragment(self, name: str, w: int) -> Fragment | None:
         f = self.made.get((name, w), False)
         if f is False:
-            buffer, row, split, _ = self.place[name]
+            buffer, row, split = self.place[name][:3]
             # experts and layers repeat a few shapes: one box (and strides) per shape, split, worker
             gk = (self.spec[name].shape, split, w)
-            geometry = self.geometry.get(gk)
+            geometry = self.boxes.get(gk)
             if geometry is None:
                 box = self.box(name, w)
-                geometry = self.geometry[gk] = (box, row_major_strides(box.shape), prod(box.shape[1:])) \
+                geometry = self.boxes[gk] = (box, row_major_strides(box.shape), prod(box.shape[1:])) \
                     if box is not None else None
             if geometry is None:
                 f = None
@@ -241,6 +242,18 @@ class Workers:
         dim, size, _ = split
         return range(box.lo[dim] // size, min((box.hi[dim] - 1) // size + 1, self.tp))
 
+    def geometry(self, key: StateKey):
+        """Tensors of one shape, split and buffer dtype are held as the same boxes by the same
+        workers (e.g. every expert's gate, up and down projections of every layer)."""
+        place = self.place.get(key.tensor)
+        return place[4] if place is not None and key.field == PARAM else None
+
+    def relocate(self, key: StateKey, fragment: Fragment) -> tuple[str, int]:
+        # a fragment is its row-major box at the tensor's first row in the buffer, on every worker
+        # (``fragment``): its offset is that row times a row's numel, which is strides[0]
+        buffer, row = self.place[key.tensor][:2]
+        return buffer, row * fragment.strides[0] if fragment.strides else 0
+
     def holders(self, key: StateKey, box: Box | None) -> list[tuple[Box, Holders]]:
         """``(box, Holders)`` of ``key`` meeting ``box``, worker by worker (a worker's first rank
         is ``w``: this is the rank-by-rank order)."""
@@ -256,6 +269,9 @@ class Workers:
             if f is not None and (box is None or _overlap(f.box, box)):
                 out.append((f.box, tuple_new(Holders, (f, range(w, self.world, self.tp), place[3]))))
         return out
+
+
+    __call__ = holders  # what Layout.lazy asks (it also finds geometry and relocate here)
 
 
 def _tp_split(t: TensorSpec, tp: int) -> tuple:
