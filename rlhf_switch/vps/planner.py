@@ -233,7 +233,7 @@ def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
     # only at the regions it holds for the boxes others receive (its sends)
     mine = regions if rank is None else [r for r in regions if _holds(r.holders, rank)]
     rot_seed = None  # crc32 of the key's part of the rotation string, computed on first use
-    reach = None  # see below, computed on first use
+    reach = None  # see _pieces, computed on first use
     for dbox, requesters in dst.groups(key).items():
         # `rank` is among the requesters (a set lookup rather than a scan of all the replicas)
         wants = rank is None or (dbox in wanted if wanted is not None else _holds(requesters, rank))
@@ -244,24 +244,9 @@ def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
             for j, (d, _) in enumerate(requesters):
                 where.setdefault(d, []).append(j)
         covered = 0
-        # Regions come sorted by their lower corner, so those that can meet the box on dim 0 are
-        # one run: stop at the first region that starts at or past the box's end, and (for many
-        # regions) skip the head whose regions all end before the box begins, found by bisection
-        # of ``reach[i]``, the furthest dim-0 end among ``regions[:i + 1]``.
-        candidates = regions if wants else mine
-        end = dbox.hi[0] if dbox.hi else None
-        if wants and end is not None and len(regions) > 8:
-            if reach is None:
-                reach = list(accumulate([r.box.hi[0] for r in regions], max))
-            skip = bisect_right(reach, dbox.lo[0])
-            if skip:
-                candidates = regions[skip:]
-        for reg in candidates:
-            if end is not None and reg.box.lo[0] >= end:
-                break
-            piece = reg.box.intersect(dbox)
-            if piece is None:
-                continue
+        if wants and reach is None and len(regions) > 8:
+            reach = _reach(regions)
+        for _, reg, piece in (_pieces(regions, dbox, reach) if wants else _pieces(mine, dbox, None)):
             covered += piece.numel
             holders = reg.holders
             held_by = dict(holders)
@@ -322,19 +307,9 @@ def _plan_key_all(key: StateKey, src: Layout, dst: Layout, ranks_per_node: int |
         else:
             requesters = sorted(((d, g) for g in groups for d in g.ranks), key=_first)
         covered = 0
-        start = 0
-        end = dbox.hi[0] if dbox.hi else None
-        if end is not None and len(regions) > 8:
-            if reach is None:
-                reach = list(accumulate([r.box.hi[0] for r in regions], max))
-            start = bisect_right(reach, dbox.lo[0])
-        for ri in range(start, len(regions)):
-            reg = regions[ri]
-            if end is not None and reg.box.lo[0] >= end:
-                break
-            piece = reg.box.intersect(dbox)
-            if piece is None:
-                continue
+        if reach is None and len(regions) > 8:
+            reach = _reach(regions)
+        for ri, reg, piece in _pieces(regions, dbox, reach):
             covered += piece.numel
             holders = reg.holders
             held_by = dict(holders)
@@ -369,6 +344,31 @@ def _plan_key_all(key: StateKey, src: Layout, dst: Layout, ranks_per_node: int |
         if covered != dbox.numel:
             raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
                               f"{key}{dbox} that {dst.name} needs")
+
+
+def _reach(regions) -> list[int]:
+    """``reach[i]``: the furthest dim-0 end among ``regions[:i + 1]`` (for ``_pieces``)."""
+    return list(accumulate([r.box.hi[0] for r in regions], max))
+
+
+def _pieces(regions, box: Box, reach: list[int] | None):
+    """``(index, region, piece)`` for each of ``regions`` that meets ``box``, ``piece`` being
+    their intersection. Regions come sorted by their lower corner, so those that can meet the
+    box on dim 0 are one run: stop at the first region that starts at or past the box's end, and
+    (given ``reach``, worth it for many regions) skip the head whose regions all end before the
+    box begins, found by bisection of ``reach``."""
+    if not box.hi:  # a scalar: every region is the whole of it
+        for i, reg in enumerate(regions):
+            yield i, reg, reg.box
+        return
+    end = box.hi[0]
+    for i in range(bisect_right(reach, box.lo[0]) if reach is not None else 0, len(regions)):
+        reg = regions[i]
+        if reg.box.lo[0] >= end:
+            break
+        piece = reg.box.intersect(box)
+        if piece is not None:
+            yield i, reg, piece
 
 
 def _transfer_of(s: int, sf: Fragment, d: int, g, piece: Box, dst: Layout, sviews: dict, dviews: dict) -> Transfer:
