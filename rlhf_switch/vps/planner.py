@@ -161,7 +161,9 @@ def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = 
     transfers: list[Transfer] = []
     dtypes = {n: b.dtype for n, b in dst.buffers(rank).items()}
     partition = src._is_partition
-    receipts: dict = {}  # (src geometry, dst geometry, box) -> _receipt's steps
+    # (src geometry, dst geometry, box) -> _receipt's steps, when both layouts name geometries
+    receipts = {} if src._geometry_fn is not None and dst._geometry_fn is not None else None
+    walked = False  # whether some key took the general walk
     for k in keys:
         dfrags, sfrags = wanted.get(k, ()), held.get(k, ())
         if len(dfrags) <= 1 and partition(k) and (len(sfrags) <= 1 or len({f.box for f in sfrags}) == len(sfrags)):
@@ -173,17 +175,21 @@ def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = 
             if sfrags:
                 _send(k, src, dst, rank, ranks_per_node, sfrags, transfers)
         else:  # overlapping source boxes, or several boxes of one key here: the general walk
+            walked = True
             transfers.extend(_plan_key(k, src, dst, rank, ranks_per_node, {f.box for f in dfrags}))
     local = tuple(t for t in transfers if t.src == t.dst == rank)
     # canonical order within a peer: the keys' order (their position in `keys`), then the box
     position = {k: i for i, k in enumerate(keys)}
     sends = tuple(sorted((t for t in transfers if t.src == rank and t.dst != rank),
                          key=lambda t: (t.dst, position[t.key], t.box.lo)))
-    recvs = tuple(sorted((t for t in transfers if t.dst == rank and t.src != rank),
-                         key=lambda t: (t.src, position[t.key], t.box.lo)))
+    recvs = [t for t in transfers if t.dst == rank and t.src != rank]
+    if walked:
+        recvs.sort(key=lambda t: (t.src, position[t.key], t.box.lo))
+    else:  # already in key order, and a key's receives in box order (_receive's region order)
+        recvs.sort(key=_src_of)
     return RankPlan(rank, src.world_size, f"{src.name} -> {dst.name}",
-                    input_digest(src, dst, ranks_per_node), local, sends, recvs,
-                    minimum_bytes_received(src, dst, rank), _pair_digests(rank, sends, recvs))
+                    input_digest(src, dst, ranks_per_node), local, sends, tuple(recvs),
+                    _minimum_bytes(wanted, held, dst.buffers(rank)), _pair_digests(rank, sends, recvs))
 
 
 @functools.lru_cache(maxsize=32)
@@ -204,24 +210,42 @@ def plan_transition(src: Layout, dst: Layout, ranks_per_node: int | None = None)
 def minimum_bytes_received(src: Layout, dst: Layout, rank: int) -> int:
     """Bytes ``rank`` needs that it does not already hold: every destination element it must
     have, less what its own source fragments of the same key cover. No plan can move less."""
-    mine: dict[StateKey, list[Box]] = {}
-    for f in src.fragments(rank):
-        mine.setdefault(f.key, []).append(f.box)
-    total = 0
-    sizes = {n: itemsize(b.dtype) for n, b in dst.buffers(rank).items()}
+    wanted: dict[StateKey, list[Fragment]] = {}
     for f in dst.fragments(rank):
-        need = f.box.numel
-        for b in mine.get(f.key, ()):
-            inter = f.box.intersect(b)
-            if inter is not None:
-                need -= inter.numel
-        total += need * sizes[f.buffer]
+        wanted.setdefault(f.key, []).append(f)
+    held: dict[StateKey, list[Fragment]] = {}
+    for f in src.fragments(rank):
+        held.setdefault(f.key, []).append(f)
+    return _minimum_bytes(wanted, held, dst.buffers(rank))
+
+
+def _minimum_bytes(wanted: dict[StateKey, list[Fragment]], held: dict[StateKey, list[Fragment]], buffers) -> int:
+    """``minimum_bytes_received`` from a rank's destination (``wanted``) and source (``held``)
+    fragments by key and its destination buffers."""
+    sizes = {n: itemsize(b.dtype) for n, b in buffers.items()}
+    total = 0
+    numels: dict[Box, int] = {}  # replicas and like tensors share boxes
+    for k, dfrags in wanted.items():
+        mine = held.get(k, ())
+        for f in dfrags:
+            need = numels.get(f.box)
+            if need is None:
+                need = numels[f.box] = f.box.numel
+            for s in mine:
+                inter = f.box.intersect(s.box)
+                if inter is not None:
+                    need -= inter.numel
+            total += need * sizes[f.buffer]
     return total
 
 
 def _order(layout: Layout):
+    """Sort key of the state keys of ``layout``: model order, then field (an int: cheaper to
+    compare than a tuple, for tens of thousands of keys)."""
     order = layout.spec._order()
-    return lambda k: (order[k.tensor], k.field)
+    fields = {f: i for i, f in enumerate(sorted(layout.fields()))}
+    n = len(fields)
+    return lambda k: order[k.tensor] * n + fields[k.field]
 
 
 def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
@@ -534,10 +558,13 @@ def _receive(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node:
     """``rank``'s local copies and receives of ``key`` (its one destination fragment ``dfrag``,
     of dtype ``dtype``) when the source's boxes of it are a (replicated) partition, in region
     order: the choices of ``_plan_key``, from the holders of the source boxes meeting ``dfrag``.
-    ``receipts`` memoises ``_receipt`` per (source geometry, destination geometry, box): a MoE
-    layer's experts are received alike, each from its own fragments."""
-    sg = src._geometry(key)
-    dg = dst._geometry(key) if sg is not None else None
+    ``receipts`` (None when a layout names no geometries) memoises ``_receipt`` per (source
+    geometry, destination geometry, box): a MoE layer's experts are received alike, each from
+    its own fragments."""
+    sg = dg = None
+    if receipts is not None:
+        sg = src._geometry_fn(key)
+        dg = dst._geometry_fn(key) if sg is not None else None
     if dg is None:
         steps = _receipt(key, src, dst, rank, ranks_per_node, dfrag)
     else:
@@ -551,7 +578,7 @@ def _receive(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node:
             h, hf, sdelta = choices[0]
         else:
             if seed is None:
-                seed = _rotation_seed(key)
+                seed = crc32(f"{key.tensor}|{key.field}|".encode())  # _rotation_seed, inlined
             h, hf, sdelta = choices[(pos + crc32(lo, seed)) % len(choices)]
         sbuf, soff = (hf.buffer, hf.offset) if hf.key is key else src._relocate(key, hf)
         out.append(tuple_new(Transfer, (h, rank, key, piece, sbuf, soff + sdelta, hf.strides, dbuf,
@@ -569,35 +596,52 @@ def _send(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: in
         holders = expand(src._holders_of(key, rbox))
         held_by = dict(holders)
         n = len(holders)
+        mine = [p for p, (h, _) in enumerate(holders) if h == rank]  # `rank`'s places among them
         near = _by_node(holders, ranks_per_node) if ranks_per_node and n > 1 else None
         for dbox, requesters in dst._meeting(key, rbox):
             piece = rbox.intersect(dbox)
             if seed is None:
                 seed = _rotation_seed(key)
             rot = _rotation(seed, piece)
-            sview = None
             # the requesters that do not hold the piece, in rank order, each with its group
             if len(requesters) == 1:
                 g = requesters[0]
                 remote = [(d, g) for d in g.ranks if d not in held_by]
             else:
                 remote = sorted(((d, g) for g in requesters for d in g.ranks if d not in held_by), key=_first)
-            for i, (d, g) in enumerate(remote):
-                i += rot
+            # Requester i gets holders[(i + rot) % n], or with a node preference the same from
+            # the holders on its node when there are some. So `rank` sends to every n-th
+            # requester from each of its places, less those on nodes with holders, and to those
+            # on its own node that pick it there: found without asking every requester.
+            chosen = [i for p in mine for i in range((p - rot) % n, len(remote), n)]
+            if near is not None:
+                chosen = [i for i in chosen if remote[i][0] // ranks_per_node not in near]
+                node = rank // ranks_per_node
+                close = near[node]
+                for i in range(bisect_left(remote, node * ranks_per_node, key=_first),
+                               bisect_left(remote, (node + 1) * ranks_per_node, key=_first)):
+                    if close[(i + rot) % len(close)][0] == rank:
+                        chosen.append(i)
+            if len(chosen) > 1 and (len(mine) > 1 or near is not None):
+                chosen.sort()
+            sview = None
+            dviews = {}  # replicas share their fragment: one view each
+            for i in chosen:
+                d, g = remote[i]
                 if near is None:
-                    h, hf = holders[i % n]
+                    hf = holders[(i + rot) % n][1]
                 else:
                     close = near.get(d // ranks_per_node)
-                    h, hf = close[i % len(close)] if close else holders[i % n]
-                if h != rank:
-                    continue
+                    hf = close[(i + rot) % len(close)][1] if close else holders[(i + rot) % n][1]
                 if sview is None:
                     sview = hf.view(piece)
                 df = g.fragment
                 dtype = g.dtype if g.dtype is not None else dst.buffers(d)[df.buffer].dtype
-                do, ds = df.view(piece)
+                dv = dviews.get(id(df))
+                if dv is None:
+                    dv = dviews[id(df)] = df.view(piece)
                 out.append(tuple_new(Transfer, (rank, d, key, piece, hf.buffer, sview[0], sview[1], df.buffer,
-                                                do, ds, dtype)))
+                                                dv[0], dv[1], dtype)))
 
 
 def _by_node(holders, ranks_per_node: int) -> dict[int, list]:

@@ -197,7 +197,8 @@ class MeshHolders:
         self.tp_boxes: dict[tuple, list] = {}  # (shape, tp role) -> box of each TP rank
         self.tp_meeting: dict[tuple, list[int]] = {}  # (shape, tp role, box) -> TP ranks meeting it
         self.by_key: dict[int, dict[StateKey, list[Fragment]]] = {}  # class id -> key -> fragments
-        self.geometries: dict[str, tuple | None] = {}  # tensor -> geometry (less the field)
+        self.geometries: dict[str, int | None] = {}  # tensor -> geometry (less the field)
+        self.kinds: dict[tuple, int] = {}  # what a geometry stands for -> its number
         self.dtypes: dict[int, dict[str, str]] = {}
 
     def __call__(self, key: StateKey, box: Box | None) -> list[tuple[Box, Holders]]:
@@ -239,12 +240,10 @@ class MeshHolders:
         offset 0 of its own buffer, by the classes of that stage and of its expert's EP rank:
         tensors equal in those (the experts of one EP rank in one stage, the like layers of one
         stage) share a geometry. None for every other tensor."""
-        if key.field not in self.fields:
-            return None
         g = self.geometries.get(key.tensor, False)
         if g is False:
             g = self.geometries[key.tensor] = self._geometry(key.tensor)
-        return (g, key.field) if g is not None else None
+        return (g, key.field) if g is not None and key.field in self.fields else None
 
     def _geometry(self, name: str):
         t = self.spec._by_name.get(name)
@@ -255,7 +254,8 @@ class MeshHolders:
             return None
         ep = self.config.ep
         e = t.expert // (self.spec.num_experts // ep) if t.expert is not None and ep > 1 else None
-        return (t.shape, t.tp, t.dtype, stages[0][0], e)
+        kind = (t.shape, t.tp, t.dtype, stages[0][0], e)
+        return self.kinds.setdefault(kind, len(self.kinds))  # a number: cheap to hash and compare
 
     def relocate(self, key: StateKey, fragment: Fragment) -> tuple[str, int]:
         return f"{key.field}/{self.stages_of[key.tensor][0][1]}", 0

@@ -139,17 +139,20 @@ class Workers:
         a = spec.attention
         fused = {m: g for g in spec.fused for m in g.members}
         self.order: list[str] = []  # a worker's fragments, in worker_tensors' order
-        # tensor -> (buffer, first row, split, buffer dtype, geometry)
+        # tensor -> (buffer, first row, split, buffer dtype, geometry): the geometry is a number
+        # per (shape, split, buffer dtype), the tensor's box on every worker follows from those
         self.place: dict[str, tuple] = {}
+        geometries: dict[tuple, int] = {}
         self.buffers: dict[str, BufferSpec] = {}
         self.keys = {t.name: tuple_new(StateKey, (t.name, PARAM)) for t in spec.tensors}
         self.made: dict[tuple[str, int], Fragment | None] = {}  # (tensor, worker) -> its fragment
-        self.boxes: dict[tuple, tuple | None] = {}  # (shape, split, worker) -> box, strides, row numel
+        self.boxes: dict[tuple, tuple | None] = {}  # (geometry, worker) -> box, strides, row numel
         done: set[str] = set()
 
         def put(t: TensorSpec, buffer: str, row: int, split: tuple, local_rows: int, bdtype: str) -> int:
             self.order.append(t.name)
-            self.place[t.name] = (f"{PARAM}/{buffer}", row, split, bdtype, (t.shape, split, bdtype))
+            geometry = geometries.setdefault((t.shape, split, bdtype), len(geometries))
+            self.place[t.name] = (buffer, row, split, bdtype, geometry)
             return row + local_rows
 
         for t in spec.tensors:
@@ -160,32 +163,37 @@ class Workers:
                 done.add(g.buffer)
                 members = [spec[m] for m in g.members]
                 bdtype = dtype or members[0].dtype
+                bname = f"{PARAM}/{g.buffer}"
                 row = 0
                 if g.style == "qkv":
                     q, k, v = members
                     hd, q_heads = a.head_dim, a.num_heads // tp
-                    row = put(q, g.buffer, row, (0, q_heads * hd, q.shape[0]), q_heads * hd, bdtype)
+                    row = put(q, bname, row, (0, q_heads * hd, q.shape[0]), q_heads * hd, bdtype)
                     if tp >= a.num_kv_heads:
                         kv = ("head", hd, tp // a.num_kv_heads)
                         kv_rows = hd
                     else:
                         kv_rows = a.num_kv_heads // tp * hd
                     for m in (k, v):
-                        row = put(m, g.buffer, row, kv if tp >= a.num_kv_heads else (0, kv_rows, m.shape[0]),
+                        row = put(m, bname, row, kv if tp >= a.num_kv_heads else (0, kv_rows, m.shape[0]),
                                   kv_rows, bdtype)
                 else:
+                    splits: dict[tuple, tuple] = {}  # a MoE layer's experts: a few shapes, many times
                     for m in members:
-                        split = _tp_split(m, tp)
-                        row = put(m, g.buffer, row, split, _local_shape(m, split)[0], bdtype)
+                        at = splits.get((m.shape, m.tp))
+                        if at is None:
+                            split = _tp_split(m, tp)
+                            at = splits[(m.shape, m.tp)] = (split, _local_shape(m, split)[0])
+                        row = put(m, bname, row, at[0], at[1], bdtype)
                 first = _local_shape(members[0], self.place[members[0].name][2])
                 self.buffers[f"{PARAM}/{g.buffer}"] = BufferSpec(row * prod(first[1:]), bdtype)
             elif t.tp == "vocab":
                 per = padded_vocab(t.shape[0]) // tp
-                put(t, t.name, 0, (0, per, t.shape[0]), per, dtype or t.dtype)
+                put(t, f"{PARAM}/{t.name}", 0, (0, per, t.shape[0]), per, dtype or t.dtype)
                 self.buffers[f"{PARAM}/{t.name}"] = BufferSpec(per * prod(t.shape[1:]), dtype or t.dtype)
             else:
                 split = ("whole",) if t.tp == "replicate" or tp == 1 else _tp_split(t, tp)
-                put(t, t.name, 0, split, _local_shape(t, split)[0], dtype or t.dtype)
+                put(t, f"{PARAM}/{t.name}", 0, split, _local_shape(t, split)[0], dtype or t.dtype)
                 self.buffers[f"{PARAM}/{t.name}"] = BufferSpec(prod(_local_shape(t, split)), dtype or t.dtype)
 
     def box(self, name: str, w: int) -> Box | None:
@@ -210,19 +218,14 @@ class Workers:
     def fragment(self, name: str, w: int) -> Fragment | None:
         f = self.made.get((name, w), False)
         if f is False:
-            buffer, row, split = self.place[name][:3]
-            # experts and layers repeat a few shapes: one box (and strides) per shape, split, worker
-            gk = (self.spec[name].shape, split, w)
-            geometry = self.boxes.get(gk)
-            if geometry is None:
+            buffer, row, _, _, geometry = self.place[name]
+            # experts and layers repeat a few geometries: one box (and strides) per geometry, worker
+            at = self.boxes.get((geometry, w), False)
+            if at is False:
                 box = self.box(name, w)
-                geometry = self.boxes[gk] = (box, row_major_strides(box.shape), prod(box.shape[1:])) \
-                    if box is not None else None
-            if geometry is None:
-                f = None
-            else:
-                box, strides, row_numel = geometry
-                f = tuple_new(Fragment, (self.keys[name], box, buffer, row * row_numel, strides))
+                at = self.boxes[(geometry, w)] = None if box is None else \
+                    (box, row_major_strides(box.shape), prod(box.shape[1:]))
+            f = None if at is None else tuple_new(Fragment, (self.keys[name], at[0], buffer, row * at[2], at[1]))
             self.made[(name, w)] = f
         return f
 
