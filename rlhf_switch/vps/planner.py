@@ -161,12 +161,14 @@ def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = 
     transfers: list[Transfer] = []
     dtypes = {n: b.dtype for n, b in dst.buffers(rank).items()}
     partition = src._is_partition
+    every_key_partitioned = src._partition  # (then no need to ask per key)
     # (src geometry, dst geometry, box) -> _receipt's steps, when both layouts name geometries
     receipts = {} if src._geometry_fn is not None and dst._geometry_fn is not None else None
     walked = False  # whether some key took the general walk
     for k in keys:
         dfrags, sfrags = wanted.get(k, ()), held.get(k, ())
-        if len(dfrags) <= 1 and partition(k) and (len(sfrags) <= 1 or len({f.box for f in sfrags}) == len(sfrags)):
+        if len(dfrags) <= 1 and (every_key_partitioned or partition(k)) and \
+                (len(sfrags) <= 1 or len({f.box for f in sfrags}) == len(sfrags)):
             # the fast path: only the holders of the boxes `rank` meets, found per key
             if dfrags:
                 d = dfrags[0]

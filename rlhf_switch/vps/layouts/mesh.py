@@ -197,8 +197,7 @@ class MeshHolders:
         self.tp_boxes: dict[tuple, list] = {}  # (shape, tp role) -> box of each TP rank
         self.tp_meeting: dict[tuple, list[int]] = {}  # (shape, tp role, box) -> TP ranks meeting it
         self.by_key: dict[int, dict[StateKey, list[Fragment]]] = {}  # class id -> key -> fragments
-        self.geometries: dict[str, int | None] = {}  # tensor -> geometry (less the field)
-        self.kinds: dict[tuple, int] = {}  # what a geometry stands for -> its number
+        self.geometries: dict[str, int] | None = None  # tensor -> geometry (less the field)
         self.dtypes: dict[int, dict[str, str]] = {}
 
     def __call__(self, key: StateKey, box: Box | None) -> list[tuple[Box, Holders]]:
@@ -240,22 +239,27 @@ class MeshHolders:
         offset 0 of its own buffer, by the classes of that stage and of its expert's EP rank:
         tensors equal in those (the experts of one EP rank in one stage, the like layers of one
         stage) share a geometry. None for every other tensor."""
-        g = self.geometries.get(key.tensor, False)
-        if g is False:
-            g = self.geometries[key.tensor] = self._geometry(key.tensor)
+        if self.geometries is None:
+            self.geometries = self._geometries()
+        g = self.geometries.get(key.tensor)
         return (g, key.field) if g is not None and key.field in self.fields else None
 
-    def _geometry(self, name: str):
-        t = self.spec._by_name.get(name)
-        if self.config.dp_shard != "replicate" or t is None or name in self.fusable:
-            return None
-        stages = self.stages_of.get(name, ())
-        if len(stages) != 1:
-            return None
+    def _geometries(self) -> dict[str, int]:
+        """tensor -> its geometry, a number per (shape, TP role, dtype, stage, EP rank), for the
+        tensors that have one (all of them, in one pass: a MoE model has tens of thousands)."""
+        if self.config.dp_shard != "replicate":
+            return {}
         ep = self.config.ep
-        e = t.expert // (self.spec.num_experts // ep) if t.expert is not None and ep > 1 else None
-        kind = (t.shape, t.tp, t.dtype, stages[0][0], e)
-        return self.kinds.setdefault(kind, len(self.kinds))  # a number: cheap to hash and compare
+        per = self.spec.num_experts // ep if ep > 1 else None
+        kinds: dict[tuple, int] = {}
+        out = {}
+        for name, stages in self.stages_of.items():
+            if len(stages) != 1 or name in self.fusable:
+                continue
+            t = self.spec._by_name[name]
+            kind = (t.shape, t.tp, t.dtype, stages[0][0], t.expert // per if per and t.expert is not None else None)
+            out[name] = kinds.setdefault(kind, len(kinds))
+        return out
 
     def relocate(self, key: StateKey, fragment: Fragment) -> tuple[str, int]:
         return f"{key.field}/{self.stages_of[key.tensor][0][1]}", 0

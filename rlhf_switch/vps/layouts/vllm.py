@@ -231,8 +231,22 @@ class Workers:
 
     @without_gc
     def build(self, w: int) -> tuple[tuple[Fragment, ...], dict[str, BufferSpec]]:
-        frags = (self.fragment(n, w) for n in self.order)
-        return tuple(f for f in frags if f is not None), dict(self.buffers)
+        # ``fragment`` for every tensor, written out: a MoE worker holds tens of thousands
+        made, place, boxes, keys = self.made, self.place, self.boxes, self.keys
+        frags = []
+        for name in self.order:
+            f = made.get((name, w), False)
+            if f is False:
+                buffer, row, _, _, geometry = place[name]
+                at = boxes.get((geometry, w), False)
+                if at is False:
+                    f = self.fragment(name, w)
+                else:
+                    f = made[(name, w)] = None if at is None else \
+                        tuple_new(Fragment, (keys[name], at[0], buffer, row * at[2], at[1]))
+            if f is not None:
+                frags.append(f)
+        return tuple(frags), dict(self.buffers)
 
     def meeting(self, name: str, box: Box | None) -> Iterable[int]:
         """The workers whose box of ``name`` may meet ``box`` (all for ``None``)."""
