@@ -161,7 +161,7 @@ class Workers:
                 if g.buffer in done:
                     continue
                 done.add(g.buffer)
-                members = [spec[m] for m in g.members]
+                members = [spec._by_name[m] for m in g.members]
                 bdtype = dtype or members[0].dtype
                 bname = f"{PARAM}/{g.buffer}"
                 row = 0
@@ -178,13 +178,18 @@ class Workers:
                         row = put(m, bname, row, kv if tp >= a.num_kv_heads else (0, kv_rows, m.shape[0]),
                                   kv_rows, bdtype)
                 else:
-                    splits: dict[tuple, tuple] = {}  # a MoE layer's experts: a few shapes, many times
+                    # a MoE layer's experts: a few shapes, many times (``put``, written out)
+                    splits: dict[tuple, tuple] = {}
+                    order, place = self.order, self.place
                     for m in members:
                         at = splits.get((m.shape, m.tp))
                         if at is None:
                             split = _tp_split(m, tp)
-                            at = splits[(m.shape, m.tp)] = (split, _local_shape(m, split)[0])
-                        row = put(m, bname, row, at[0], at[1], bdtype)
+                            geometry = geometries.setdefault((m.shape, split, bdtype), len(geometries))
+                            at = splits[(m.shape, m.tp)] = (split, _local_shape(m, split)[0], geometry)
+                        order.append(m.name)
+                        place[m.name] = (bname, row, at[0], bdtype, at[2])
+                        row += at[1]
                 first = _local_shape(members[0], self.place[members[0].name][2])
                 self.buffers[f"{PARAM}/{g.buffer}"] = BufferSpec(row * prod(first[1:]), bdtype)
             elif t.tp == "vocab":
