@@ -595,11 +595,14 @@ def _send(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: in
     seed = None
     for sfrag in sfrags:
         rbox = sfrag.box
-        holders = expand(src._holders_of(key, rbox))
-        held_by = dict(holders)
-        n = len(holders)
-        mine = [p for p, (h, _) in enumerate(holders) if h == rank]  # `rank`'s places among them
-        near = _by_node(holders, ranks_per_node) if ranks_per_node and n > 1 else None
+        held = src._holders_of(key, rbox)
+        if len(held) == 1:  # one fragment on all its holders (replicas): the common case
+            ranks, holders, hf = held[0].ranks, None, held[0].fragment
+        else:
+            holders = expand(held)
+            ranks = tuple(h for h, _ in holders)
+        members, mine, near = _places(ranks, rank, ranks_per_node)
+        n = len(ranks)
         for dbox, requesters in dst._meeting(key, rbox):
             piece = rbox.intersect(dbox)
             if seed is None:
@@ -608,10 +611,10 @@ def _send(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: in
             # the requesters that do not hold the piece, in rank order, each with its group
             if len(requesters) == 1:
                 g = requesters[0]
-                remote = [(d, g) for d in g.ranks if d not in held_by]
+                remote = [(d, g) for d in g.ranks if d not in members]
             else:
-                remote = sorted(((d, g) for g in requesters for d in g.ranks if d not in held_by), key=_first)
-            # Requester i gets holders[(i + rot) % n], or with a node preference the same from
+                remote = sorted(((d, g) for g in requesters for d in g.ranks if d not in members), key=_first)
+            # Requester i gets holder (i + rot) % n, or with a node preference the same from
             # the holders on its node when there are some. So `rank` sends to every n-th
             # requester from each of its places, less those on nodes with holders, and to those
             # on its own node that pick it there: found without asking every requester.
@@ -622,7 +625,7 @@ def _send(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: in
                 close = near[node]
                 for i in range(bisect_left(remote, node * ranks_per_node, key=_first),
                                bisect_left(remote, (node + 1) * ranks_per_node, key=_first)):
-                    if close[(i + rot) % len(close)][0] == rank:
+                    if ranks[close[(i + rot) % len(close)]] == rank:
                         chosen.append(i)
             if len(chosen) > 1 and (len(mine) > 1 or near is not None):
                 chosen.sort()
@@ -630,11 +633,9 @@ def _send(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: in
             dviews = {}  # replicas share their fragment: one view each
             for i in chosen:
                 d, g = remote[i]
-                if near is None:
-                    hf = holders[(i + rot) % n][1]
-                else:
-                    close = near.get(d // ranks_per_node)
-                    hf = close[(i + rot) % len(close)][1] if close else holders[(i + rot) % n][1]
+                if holders is not None:
+                    close = near.get(d // ranks_per_node) if near is not None else None
+                    hf = holders[close[(i + rot) % len(close)] if close else (i + rot) % n][1]
                 if sview is None:
                     sview = hf.view(piece)
                 df = g.fragment
@@ -644,6 +645,22 @@ def _send(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: in
                     dv = dviews[id(df)] = df.view(piece)
                 out.append(tuple_new(Transfer, (rank, d, key, piece, hf.buffer, sview[0], sview[1], df.buffer,
                                                 dv[0], dv[1], dtype)))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _places(ranks, rank: int, ranks_per_node: int | None) -> tuple:
+    """For the holders ``ranks`` of a box (ascending, as ``expand`` lists them): a container to
+    test who holds it, ``rank``'s positions among them, and (with a node preference, for more
+    than one holder) node -> the positions of the holders on it. The keys of a layer share
+    holders: this is worked out once for them all."""
+    members = ranks if isinstance(ranks, range) else frozenset(ranks)
+    mine = tuple(p for p, h in enumerate(ranks) if h == rank)
+    near = None
+    if ranks_per_node and len(ranks) > 1:
+        near = {}
+        for p, h in enumerate(ranks):
+            near.setdefault(h // ranks_per_node, []).append(p)
+    return members, mine, near
 
 
 def _by_node(holders, ranks_per_node: int) -> dict[int, list]:
