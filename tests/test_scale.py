@@ -139,3 +139,48 @@ def test_lazy_layouts_pickle_as_the_layouts_they_equal():
         assert back == lay and back.name == lay.name
         assert all(back.fragments(r) == lay.fragments(r) and dict(back.buffers(r)) == dict(lay.buffers(r))
                    for r in range(lay.world_size))
+
+
+GEOMETRY_LAYOUTS = [lambda: vllm_layout(SMALL_MOE, 4, replicas=2), lambda: vllm_layout(SMALL_MOE, 16),
+                    lambda: vllm_layout(TIED, 2, replicas=2),
+                    lambda: build_layout(SMALL_MOE, ParallelConfig(pp=2, dp=8, ep=4), fields=("param", "exp_avg")),
+                    lambda: build_layout(SMALL_MOE, ParallelConfig(tp=2, pp=2, dp=4, ep=2, fuse_qkv=True)),
+                    lambda: build_layout(TIED, ParallelConfig(tp=2, pp=2, dp=2, vocab_divisible_by=8))]
+
+
+@pytest.mark.parametrize("make", GEOMETRY_LAYOUTS)
+def test_keys_of_one_geometry_are_held_alike(make):
+    """What the planner relies on to reuse one key's receipt for another: keys of equal
+    ``_geometry`` have the same holders of the same boxes, fragments differing only in key,
+    buffer and offset, and ``_relocate`` names those."""
+    lay = make()
+    eager = eager_copy(lay)
+    first: dict = {}
+    shared = 0
+    for key in eager.all_keys():
+        g = lay._geometry(key)
+        if g is None:
+            continue
+        rep = first.setdefault(g, key)
+        if rep == key:
+            continue
+        shared += 1
+        moved = [(b, [(Fragment(key, h.fragment.box, *lay._relocate(key, h.fragment), h.fragment.strides),
+                       tuple(h.ranks), h.dtype) for h in held]) for b, held in lay._key_index(rep).items()]
+        assert moved == holder_rows(eager._key_index(key)), (key, rep)
+    assert shared > 0
+
+
+def test_pair_digests_agree_between_the_two_ends_and_name_the_transfers():
+    src = build_layout(SMALL_MOE, ParallelConfig(pp=2, dp=8, ep=4))
+    dst = vllm_layout(SMALL_MOE, 4, replicas=4)
+    plans = [plan_rank(src, dst, r, 4) for r in range(16)]
+    for p in plans:
+        assert set(p.pair_digests) == set(p.peers())
+        for q, d in p.pair_digests.items():
+            assert plans[q].pair_digests[p.rank] == d
+    p = next(p for p in plans if p.sends)
+    t = p.sends[0]
+    for changed in (t._replace(src_offset=t.src_offset + 1), t._replace(dst_buffer=t.dst_buffer + "x"),
+                    t._replace(key=StateKey(t.key.tensor, "exp_avg"))):
+        assert planner._pair_digests(p.rank, (changed,) + p.sends[1:], p.recvs)[t.dst] != p.pair_digests[t.dst]

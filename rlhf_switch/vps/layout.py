@@ -167,11 +167,18 @@ class Layout:
     Built eagerly from per-rank lists, or lazily (``Layout.lazy``) from rank classes that are
     made on first use, optionally with a ``holders(key, box)`` function that names the holders of
     one key without building every rank: one rank plans its part of a 1024-rank move from the
-    classes it meets, not from all of them."""
+    classes it meets, not from all of them.
+
+    A ``holders`` object may also name each key's *geometry* (``holders.geometry(key)``): keys of
+    equal geometry are held as the same boxes by the same ranks with the same strides, their
+    fragments differing only in key, buffer and offset (``holders.relocate(key, fragment)`` gives
+    ``key``'s buffer and offset for the fragment another key of its geometry has there). The
+    planner works out a geometry once and reuses it for every key of it: a MoE layer's 128
+    experts are a few geometries."""
 
     __slots__ = ("spec", "world_size", "name", "_frags", "_buffers", "_recipe", "_digest",
                  "_classes", "_holders_fn", "_partition", "_fields", "_index", "_key_index_cache",
-                 "_meet", "_part", "_regions", "_class_keys")
+                 "_meet", "_part", "_regions", "_class_keys", "_geometry_fn", "_relocate_fn")
 
     def __init__(self, spec: ModelSpec, fragments: Sequence[Sequence[Fragment]],
                  buffers: Sequence[Mapping[str, BufferSpec]], name: str = "layout",
@@ -194,6 +201,8 @@ class Layout:
         self._classes = classes
         self._frags, self._buffers = _PerRank(classes, 0), _PerRank(classes, 1)
         self._holders_fn = holders
+        self._geometry_fn = getattr(holders, "geometry", None)
+        self._relocate_fn = getattr(holders, "relocate", None)
         self._partition = partition
         self._fields = tuple(sorted(set(fields)))
         return self
@@ -206,6 +215,8 @@ class Layout:
         self._digest = None
         self._classes = None
         self._holders_fn = None
+        self._geometry_fn = None
+        self._relocate_fn = None
         self._partition = False
         self._fields = None
         self._index = None
@@ -366,6 +377,17 @@ class Layout:
             if _overlap(b, box):
                 out.append(items[i])
         return out
+
+    def _geometry(self, key: StateKey):
+        """A hashable naming ``key``'s geometry (see ``Layout.lazy``), or None (no other key is
+        known to share it)."""
+        return self._geometry_fn(key) if self._geometry_fn is not None else None
+
+    def _relocate(self, key: StateKey, fragment: Fragment) -> tuple[str, int]:
+        """(buffer, offset) of ``key``'s fragment where a key of the same geometry has ``fragment``."""
+        if key == fragment.key:
+            return fragment.buffer, fragment.offset
+        return self._relocate_fn(key, fragment)
 
     def _is_partition(self, key: StateKey) -> bool:
         """Whether any two boxes of ``key`` are equal or disjoint (its regions are its boxes)."""

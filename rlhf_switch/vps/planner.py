@@ -20,7 +20,8 @@ import hashlib
 import zlib
 from zlib import crc32
 from bisect import bisect_left, bisect_right
-from itertools import accumulate
+from itertools import accumulate, chain, groupby
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
@@ -160,23 +161,37 @@ def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = 
     transfers: list[Transfer] = []
     dtypes = {n: b.dtype for n, b in dst.buffers(rank).items()}
     partition = src._is_partition
+    every_key_partitioned = src._partition  # (then no need to ask per key)
+    # (src geometry, dst geometry, box) -> _receipt's steps, when both layouts name geometries
+    receipts = {} if src._geometry_fn is not None and dst._geometry_fn is not None else None
+    walked = False  # whether some key took the general walk
     for k in keys:
         dfrags, sfrags = wanted.get(k, ()), held.get(k, ())
-        if len(dfrags) <= 1 and partition(k) and (len(sfrags) <= 1 or len({f.box for f in sfrags}) == len(sfrags)):
-            _plan_own_part(k, src, dst, rank, ranks_per_node, dfrags[0] if dfrags else None, sfrags, transfers,
-                           dtypes.get(dfrags[0].buffer) if dfrags else None)
+        if len(dfrags) <= 1 and (every_key_partitioned or partition(k)) and \
+                (len(sfrags) <= 1 or len({f.box for f in sfrags}) == len(sfrags)):
+            # the fast path: only the holders of the boxes `rank` meets, found per key
+            if dfrags:
+                d = dfrags[0]
+                dtype = dtypes.get(d.buffer) or dst.buffers(rank)[d.buffer].dtype
+                _receive(k, src, dst, rank, ranks_per_node, d, dtype, transfers, receipts)
+            if sfrags:
+                _send(k, src, dst, rank, ranks_per_node, sfrags, transfers)
         else:  # overlapping source boxes, or several boxes of one key here: the general walk
+            walked = True
             transfers.extend(_plan_key(k, src, dst, rank, ranks_per_node, {f.box for f in dfrags}))
     local = tuple(t for t in transfers if t.src == t.dst == rank)
     # canonical order within a peer: the keys' order (their position in `keys`), then the box
     position = {k: i for i, k in enumerate(keys)}
     sends = tuple(sorted((t for t in transfers if t.src == rank and t.dst != rank),
                          key=lambda t: (t.dst, position[t.key], t.box.lo)))
-    recvs = tuple(sorted((t for t in transfers if t.dst == rank and t.src != rank),
-                         key=lambda t: (t.src, position[t.key], t.box.lo)))
+    recvs = [t for t in transfers if t.dst == rank and t.src != rank]
+    if walked:
+        recvs.sort(key=lambda t: (t.src, position[t.key], t.box.lo))
+    else:  # already in key order, and a key's receives in box order (_receive's region order)
+        recvs.sort(key=_src_of)
     return RankPlan(rank, src.world_size, f"{src.name} -> {dst.name}",
-                    input_digest(src, dst, ranks_per_node), local, sends, recvs,
-                    minimum_bytes_received(src, dst, rank), _pair_digests(rank, sends, recvs))
+                    input_digest(src, dst, ranks_per_node), local, sends, tuple(recvs),
+                    _minimum_bytes(wanted, held, dst.buffers(rank)), _pair_digests(rank, sends, recvs))
 
 
 @functools.lru_cache(maxsize=32)
@@ -197,24 +212,42 @@ def plan_transition(src: Layout, dst: Layout, ranks_per_node: int | None = None)
 def minimum_bytes_received(src: Layout, dst: Layout, rank: int) -> int:
     """Bytes ``rank`` needs that it does not already hold: every destination element it must
     have, less what its own source fragments of the same key cover. No plan can move less."""
-    mine: dict[StateKey, list[Box]] = {}
-    for f in src.fragments(rank):
-        mine.setdefault(f.key, []).append(f.box)
-    total = 0
-    bufs = dst.buffers(rank)
+    wanted: dict[StateKey, list[Fragment]] = {}
     for f in dst.fragments(rank):
-        have = 0
-        for b in mine.get(f.key, ()):
-            inter = f.box.intersect(b)
-            if inter is not None:
-                have += inter.numel
-        total += (f.box.numel - have) * itemsize(bufs[f.buffer].dtype)
+        wanted.setdefault(f.key, []).append(f)
+    held: dict[StateKey, list[Fragment]] = {}
+    for f in src.fragments(rank):
+        held.setdefault(f.key, []).append(f)
+    return _minimum_bytes(wanted, held, dst.buffers(rank))
+
+
+def _minimum_bytes(wanted: dict[StateKey, list[Fragment]], held: dict[StateKey, list[Fragment]], buffers) -> int:
+    """``minimum_bytes_received`` from a rank's destination (``wanted``) and source (``held``)
+    fragments by key and its destination buffers."""
+    sizes = {n: itemsize(b.dtype) for n, b in buffers.items()}
+    total = 0
+    numels: dict[Box, int] = {}  # replicas and like tensors share boxes
+    for k, dfrags in wanted.items():
+        mine = held.get(k, ())
+        for f in dfrags:
+            need = numels.get(f.box)
+            if need is None:
+                need = numels[f.box] = f.box.numel
+            for s in mine:
+                inter = f.box.intersect(s.box)
+                if inter is not None:
+                    need -= inter.numel
+            total += need * sizes[f.buffer]
     return total
 
 
 def _order(layout: Layout):
+    """Sort key of the state keys of ``layout``: model order, then field (an int: cheaper to
+    compare than a tuple, for tens of thousands of keys)."""
     order = layout.spec._order()
-    return lambda k: (order[k.tensor], k.field)
+    fields = {f: i for i, f in enumerate(sorted(layout.fields()))}
+    n = len(fields)
+    return lambda k: order[k.tensor] * n + fields[k.field]
 
 
 def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
@@ -226,7 +259,7 @@ def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
     # only at the regions it holds for the boxes others receive (its sends)
     mine = regions if rank is None else [r for r in regions if _holds(r.holders, rank)]
     rot_seed = None  # crc32 of the key's part of the rotation string, computed on first use
-    reach = None  # see below, computed on first use
+    reach = None  # see _pieces, computed on first use
     for dbox, requesters in dst.groups(key).items():
         # `rank` is among the requesters (a set lookup rather than a scan of all the replicas)
         wants = rank is None or (dbox in wanted if wanted is not None else _holds(requesters, rank))
@@ -237,24 +270,9 @@ def _plan_key(key: StateKey, src: Layout, dst: Layout, rank: int | None,
             for j, (d, _) in enumerate(requesters):
                 where.setdefault(d, []).append(j)
         covered = 0
-        # Regions come sorted by their lower corner, so those that can meet the box on dim 0 are
-        # one run: stop at the first region that starts at or past the box's end, and (for many
-        # regions) skip the head whose regions all end before the box begins, found by bisection
-        # of ``reach[i]``, the furthest dim-0 end among ``regions[:i + 1]``.
-        candidates = regions if wants else mine
-        end = dbox.hi[0] if dbox.hi else None
-        if wants and end is not None and len(regions) > 8:
-            if reach is None:
-                reach = list(accumulate([r.box.hi[0] for r in regions], max))
-            skip = bisect_right(reach, dbox.lo[0])
-            if skip:
-                candidates = regions[skip:]
-        for reg in candidates:
-            if end is not None and reg.box.lo[0] >= end:
-                break
-            piece = reg.box.intersect(dbox)
-            if piece is None:
-                continue
+        if wants and reach is None and len(regions) > 8:
+            reach = _reach(regions)
+        for _, reg, piece in (_pieces(regions, dbox, reach) if wants else _pieces(mine, dbox, None)):
             covered += piece.numel
             holders = reg.holders
             held_by = dict(holders)
@@ -315,19 +333,9 @@ def _plan_key_all(key: StateKey, src: Layout, dst: Layout, ranks_per_node: int |
         else:
             requesters = sorted(((d, g) for g in groups for d in g.ranks), key=_first)
         covered = 0
-        start = 0
-        end = dbox.hi[0] if dbox.hi else None
-        if end is not None and len(regions) > 8:
-            if reach is None:
-                reach = list(accumulate([r.box.hi[0] for r in regions], max))
-            start = bisect_right(reach, dbox.lo[0])
-        for ri in range(start, len(regions)):
-            reg = regions[ri]
-            if end is not None and reg.box.lo[0] >= end:
-                break
-            piece = reg.box.intersect(dbox)
-            if piece is None:
-                continue
+        if reach is None and len(regions) > 8:
+            reach = _reach(regions)
+        for ri, reg, piece in _pieces(regions, dbox, reach):
             covered += piece.numel
             holders = reg.holders
             held_by = dict(holders)
@@ -362,6 +370,31 @@ def _plan_key_all(key: StateKey, src: Layout, dst: Layout, ranks_per_node: int |
         if covered != dbox.numel:
             raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
                               f"{key}{dbox} that {dst.name} needs")
+
+
+def _reach(regions) -> list[int]:
+    """``reach[i]``: the furthest dim-0 end among ``regions[:i + 1]`` (for ``_pieces``)."""
+    return list(accumulate([r.box.hi[0] for r in regions], max))
+
+
+def _pieces(regions, box: Box, reach: list[int] | None):
+    """``(index, region, piece)`` for each of ``regions`` that meets ``box``, ``piece`` being
+    their intersection. Regions come sorted by their lower corner, so those that can meet the
+    box on dim 0 are one run: stop at the first region that starts at or past the box's end, and
+    (given ``reach``, worth it for many regions) skip the head whose regions all end before the
+    box begins, found by bisection of ``reach``."""
+    if not box.hi:  # a scalar: every region is the whole of it
+        for i, reg in enumerate(regions):
+            yield i, reg, reg.box
+        return
+    end = box.hi[0]
+    for i in range(bisect_right(reach, box.lo[0]) if reach is not None else 0, len(regions)):
+        reg = regions[i]
+        if reg.box.lo[0] >= end:
+            break
+        piece = reg.box.intersect(box)
+        if piece is not None:
+            yield i, reg, piece
 
 
 def _transfer_of(s: int, sf: Fragment, d: int, g, piece: Box, dst: Layout, sviews: dict, dviews: dict) -> Transfer:
@@ -434,112 +467,200 @@ def _transfer(s: int, sf: Fragment, d: int, df: Fragment, piece: Box, dst: Layou
 
 def _pair_digests(rank: int, sends, recvs) -> dict[int, int]:
     """Per peer, a hash of the pair's transfers in both directions, the same on both ends."""
-    out: dict[int, list] = {}
-    for t in sends:
-        out.setdefault(t.dst, [[], []])[0 if rank < t.dst else 1].append(t)
-    for t in recvs:
-        out.setdefault(t.src, [[], []])[1 if rank < t.src else 0].append(t)
-    return {p: int.from_bytes(hashlib.sha1(repr(v).encode()).digest()[:7], "big") for p, v in out.items()}
+    pairs: dict[int, list] = {}
+    for peer, ts in groupby(sends, _dst_of):  # sends come grouped by peer, and so do receives
+        pairs.setdefault(peer, [(), ()])[0 if rank < peer else 1] = tuple(ts)
+    for peer, ts in groupby(recvs, _src_of):
+        pairs.setdefault(peer, [(), ()])[1 if rank < peer else 0] = tuple(ts)
+    return {p: _digest(lower, upper) for p, (lower, upper) in pairs.items()}
 
 
-def _plan_own_part(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None,
-                   dfrag: Fragment | None, sfrags: list[Fragment], out: list[Transfer], dtype: str | None) -> None:
-    """``rank``'s transfers of ``key`` when the source's boxes of it are a (replicated) partition
-    — every region is a box — and ``rank`` holds at most one destination box of it. The same
-    choices as ``_plan_key``, found from the holders of the boxes ``rank`` meets only: what it
-    receives (its box against the source boxes that meet it) and what it sends (each of its
-    source boxes against the destination boxes that meet it). Appends to ``out``: local copies
-    and receives in region order, then sends."""
-    seed = None
-    if dfrag is not None:
-        dbox = dfrag.box
-        requesters = dst._holders_of(key, dbox)
-        # this rank's position among the requesters (in rank order; a rank holds a box once)
-        if len(requesters) == 1:
-            pos = bisect_left(requesters[0].ranks, rank)
+_src_of, _dst_of = itemgetter(0), itemgetter(1)
+_numbers_of = itemgetter(0, 1, 3, 5, 6, 8, 9)  # ranks, box, offsets and strides: ints only
+_key_of, _names_of = itemgetter(2), itemgetter(4, 7, 10)  # key (tensor, field); buffers, dtype
+
+
+def _digest(*lists) -> int:
+    """56 bits of a hash of transfer lists. Their numbers go through ``hash`` (CPython's hash
+    of ints and tuples of them is the same in every process; only str hashes are randomised),
+    their names through SHA-1 in one string: every step runs in C. (SHA-1 of the transfers'
+    ``repr`` ran Python code three times per transfer, a fifth of a 1024-rank MoE rank's plan.)"""
+    h = hashlib.sha1()
+    numbers = []
+    for ts in lists:
+        numbers.append(hash(tuple(map(_numbers_of, ts))))
+        h.update("\0".join(chain.from_iterable(map(_key_of, ts))).encode())  # tensor, field
+        h.update(b"\1")
+        h.update("\0".join(chain.from_iterable(map(_names_of, ts))).encode())
+        h.update(b"\1")
+    h.update(repr(numbers).encode())
+    return int.from_bytes(h.digest()[:7], "big")
+
+
+def _receipt(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None,
+             dfrag: Fragment) -> list[tuple]:
+    """How ``rank`` receives its box of ``key`` (``dfrag``), one step per source box meeting it:
+    ``(piece, str(piece.lo) encoded, pos, choices, dst offset delta)``. The holder is
+    ``choices[0]`` when ``pos`` is None (``rank`` holds the piece: a local copy), else
+    ``choices[(pos + rotation) % len(choices)]``, the rotation being the key's checksum continued
+    over the piece's lower corner (``_rotation``). A choice is ``(rank, fragment, src offset
+    delta)``; offsets are deltas from the fragments' own, so the steps serve every key of the
+    same geometry (``Layout.lazy``), each with its own fragments' buffers and offsets."""
+    dbox = dfrag.box
+    requesters = dst._holders_of(key, dbox)
+    # this rank's position among the requesters (in rank order; a rank holds a box once)
+    if len(requesters) == 1:
+        pos = bisect_left(requesters[0].ranks, rank)
+    else:
+        pos = 0
+        for g in requesters:
+            pos += bisect_left(g.ranks, rank)
+    steps = []
+    covered = 0
+    for rbox, held in src._meeting(key, dbox):
+        piece = rbox.intersect(dbox)
+        whole = piece == dbox  # the common case: one source box holds all of it
+        covered += dbox.numel if whole else piece.numel
+        if len(held) == 1:
+            distinct = held[0].ranks
+            holders = [(r, held[0].fragment) for r in distinct]
         else:
-            pos = 0
-            for g in requesters:
-                pos += bisect_left(g.ranks, rank)
-        covered = 0
-        for rbox, held in src._meeting(key, dbox):
-            piece = rbox.intersect(dbox)
-            whole = piece == dbox  # the common case: one source box holds all of it
-            covered += dbox.numel if whole else piece.numel
-            if len(held) == 1:
-                g = held[0]
-                hf = g.fragment
-                distinct = g.ranks
-                if rank in distinct:
-                    h = rank
-                else:
-                    holders = [(r, hf) for r in distinct]
-                    h = None
-            else:
-                holders = expand(held)
-                distinct = held_by = dict(holders)
-                hf = held_by.get(rank)
-                h = rank if hf is not None else None
-            if h is None:
-                # its position among the requesters that do not hold the piece themselves
-                i = pos
-                for h in distinct:  # ascending
-                    if h >= rank:
-                        break
-                    for g in requesters:
-                        if h in g.ranks:
-                            i -= 1
-                if seed is None:
-                    seed = _rotation_seed(key)
-                i += crc32(str(piece.lo).encode(), seed)
-                if ranks_per_node:
-                    node = rank // ranks_per_node
-                    close = [x for x in holders if x[0] // ranks_per_node == node]
-                    h, hf = close[i % len(close)] if close else holders[i % len(holders)]
-                else:
-                    h, hf = holders[i % len(holders)]
-            if dtype is None:
-                dtype = dst.buffers(rank)[dfrag.buffer].dtype
-            so, ss = (hf.offset, hf.strides) if piece == hf.box else hf.view(piece)
-            do, ds = (dfrag.offset, dfrag.strides) if whole else dfrag.view(piece)
-            out.append(tuple_new(Transfer, (h, rank, key, piece, hf.buffer, so, ss, dfrag.buffer, do, ds, dtype)))
-        if covered != dbox.numel:
-            raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
-                              f"{key}{dbox} that {dst.name} needs")
+            holders = expand(held)
+            distinct = dict(holders)
+        if rank in distinct:
+            i = None
+            choices = [(rank, dict(holders)[rank])]
+        else:
+            # its position among the requesters that do not hold the piece themselves
+            i = pos
+            for h in distinct:  # ascending
+                if h >= rank:
+                    break
+                for g in requesters:
+                    if h in g.ranks:
+                        i -= 1
+            choices = holders
+            if ranks_per_node:
+                node = rank // ranks_per_node
+                choices = [x for x in holders if x[0] // ranks_per_node == node] or holders
+        views = {}  # replicas share fragments: one view each
+        for h, hf in choices:
+            if id(hf) not in views:
+                views[id(hf)] = 0 if piece == hf.box else hf.view(piece)[0] - hf.offset
+        choices = [(h, hf, views[id(hf)]) for h, hf in choices]
+        steps.append((piece, str(piece.lo).encode(), i, choices, 0 if whole else dfrag.view(piece)[0] - dfrag.offset))
+    if covered != dbox.numel:
+        raise LayoutError(f"{src.name} holds only {covered} of the {dbox.numel} elements of "
+                          f"{key}{dbox} that {dst.name} needs")
+    return steps
+
+
+def _receive(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None, dfrag: Fragment,
+             dtype: str, out: list[Transfer], receipts: dict) -> None:
+    """``rank``'s local copies and receives of ``key`` (its one destination fragment ``dfrag``,
+    of dtype ``dtype``) when the source's boxes of it are a (replicated) partition, in region
+    order: the choices of ``_plan_key``, from the holders of the source boxes meeting ``dfrag``.
+    ``receipts`` (None when a layout names no geometries) memoises ``_receipt`` per (source
+    geometry, destination geometry, box): a MoE layer's experts are received alike, each from
+    its own fragments."""
+    sg = dg = None
+    if receipts is not None:
+        sg = src._geometry_fn(key)
+        dg = dst._geometry_fn(key) if sg is not None else None
+    if dg is None:
+        steps = _receipt(key, src, dst, rank, ranks_per_node, dfrag)
+    else:
+        steps = receipts.get((sg, dg, dfrag.box))
+        if steps is None:
+            steps = receipts[(sg, dg, dfrag.box)] = _receipt(key, src, dst, rank, ranks_per_node, dfrag)
+    seed = None
+    dbuf, doff, dstrides = dfrag.buffer, dfrag.offset, dfrag.strides
+    for piece, lo, pos, choices, ddelta in steps:
+        if pos is None:
+            h, hf, sdelta = choices[0]
+        else:
+            if seed is None:
+                seed = crc32(f"{key.tensor}|{key.field}|".encode())  # _rotation_seed, inlined
+            h, hf, sdelta = choices[(pos + crc32(lo, seed)) % len(choices)]
+        sbuf, soff = (hf.buffer, hf.offset) if hf.key is key else src._relocate(key, hf)
+        out.append(tuple_new(Transfer, (h, rank, key, piece, sbuf, soff + sdelta, hf.strides, dbuf,
+                                        doff + ddelta, dstrides, dtype)))
+
+
+def _send(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None,
+          sfrags: list[Fragment], out: list[Transfer]) -> None:
+    """``rank``'s sends of ``key`` from its source fragments ``sfrags`` (distinct boxes of a
+    (replicated) partition): each against the destination boxes that meet it, the holder chosen
+    for each remote requester as ``_plan_key`` chooses it, kept where that is ``rank``."""
+    seed = None
     for sfrag in sfrags:
         rbox = sfrag.box
-        holders = expand(src._holders_of(key, rbox))
-        held_by = dict(holders)
-        n = len(holders)
-        near = _by_node(holders, ranks_per_node) if ranks_per_node and n > 1 else None
+        held = src._holders_of(key, rbox)
+        if len(held) == 1:  # one fragment on all its holders (replicas): the common case
+            ranks, holders, hf = held[0].ranks, None, held[0].fragment
+        else:
+            holders = expand(held)
+            ranks = tuple(h for h, _ in holders)
+        members, mine, near = _places(ranks, rank, ranks_per_node)
+        n = len(ranks)
         for dbox, requesters in dst._meeting(key, rbox):
             piece = rbox.intersect(dbox)
             if seed is None:
                 seed = _rotation_seed(key)
             rot = _rotation(seed, piece)
-            sview = None
             # the requesters that do not hold the piece, in rank order, each with its group
             if len(requesters) == 1:
                 g = requesters[0]
-                remote = [(d, g) for d in g.ranks if d not in held_by]
+                remote = [(d, g) for d in g.ranks if d not in members]
             else:
-                remote = sorted(((d, g) for g in requesters for d in g.ranks if d not in held_by), key=_first)
-            for i, (d, g) in enumerate(remote):
-                i += rot
-                if near is None:
-                    h, hf = holders[i % n]
-                else:
-                    close = near.get(d // ranks_per_node)
-                    h, hf = close[i % len(close)] if close else holders[i % n]
-                if h != rank:
-                    continue
+                remote = sorted(((d, g) for g in requesters for d in g.ranks if d not in members), key=_first)
+            # Requester i gets holder (i + rot) % n, or with a node preference the same from
+            # the holders on its node when there are some. So `rank` sends to every n-th
+            # requester from each of its places, less those on nodes with holders, and to those
+            # on its own node that pick it there: found without asking every requester.
+            chosen = [i for p in mine for i in range((p - rot) % n, len(remote), n)]
+            if near is not None:
+                chosen = [i for i in chosen if remote[i][0] // ranks_per_node not in near]
+                node = rank // ranks_per_node
+                close = near[node]
+                for i in range(bisect_left(remote, node * ranks_per_node, key=_first),
+                               bisect_left(remote, (node + 1) * ranks_per_node, key=_first)):
+                    if ranks[close[(i + rot) % len(close)]] == rank:
+                        chosen.append(i)
+            if len(chosen) > 1 and (len(mine) > 1 or near is not None):
+                chosen.sort()
+            sview = None
+            dviews = {}  # replicas share their fragment: one view each
+            for i in chosen:
+                d, g = remote[i]
+                if holders is not None:
+                    close = near.get(d // ranks_per_node) if near is not None else None
+                    hf = holders[close[(i + rot) % len(close)] if close else (i + rot) % n][1]
                 if sview is None:
                     sview = hf.view(piece)
                 df = g.fragment
                 dtype = g.dtype if g.dtype is not None else dst.buffers(d)[df.buffer].dtype
-                do, ds = df.view(piece)
+                dv = dviews.get(id(df))
+                if dv is None:
+                    dv = dviews[id(df)] = df.view(piece)
                 out.append(tuple_new(Transfer, (rank, d, key, piece, hf.buffer, sview[0], sview[1], df.buffer,
-                                                do, ds, dtype)))
+                                                dv[0], dv[1], dtype)))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _places(ranks, rank: int, ranks_per_node: int | None) -> tuple:
+    """For the holders ``ranks`` of a box (ascending, as ``expand`` lists them): a container to
+    test who holds it, ``rank``'s positions among them, and (with a node preference, for more
+    than one holder) node -> the positions of the holders on it. The keys of a layer share
+    holders: this is worked out once for them all."""
+    members = ranks if isinstance(ranks, range) else frozenset(ranks)
+    mine = tuple(p for p, h in enumerate(ranks) if h == rank)
+    near = None
+    if ranks_per_node and len(ranks) > 1:
+        near = {}
+        for p, h in enumerate(ranks):
+            near.setdefault(h // ranks_per_node, []).append(p)
+    return members, mine, near
 
 
 def _by_node(holders, ranks_per_node: int) -> dict[int, list]:

@@ -197,6 +197,7 @@ class MeshHolders:
         self.tp_boxes: dict[tuple, list] = {}  # (shape, tp role) -> box of each TP rank
         self.tp_meeting: dict[tuple, list[int]] = {}  # (shape, tp role, box) -> TP ranks meeting it
         self.by_key: dict[int, dict[StateKey, list[Fragment]]] = {}  # class id -> key -> fragments
+        self.geometries: dict[str, int] | None = None  # tensor -> geometry (less the field)
         self.dtypes: dict[int, dict[str, str]] = {}
 
     def __call__(self, key: StateKey, box: Box | None) -> list[tuple[Box, Holders]]:
@@ -232,6 +233,36 @@ class MeshHolders:
                 if box is None or _overlap(f.box, box):
                     out.append((f.box, tuple_new(Holders, (f, ranks, dtypes.get(f.buffer)))))
         return out
+
+    def geometry(self, key: StateKey):
+        """Under DP ``replicate``, an unfused tensor of one stage is held as its TP shards, at
+        offset 0 of its own buffer, by the classes of that stage and of its expert's EP rank:
+        tensors equal in those (the experts of one EP rank in one stage, the like layers of one
+        stage) share a geometry. None for every other tensor."""
+        if self.geometries is None:
+            self.geometries = self._geometries()
+        g = self.geometries.get(key.tensor)
+        return (g, key.field) if g is not None and key.field in self.fields else None
+
+    def _geometries(self) -> dict[str, int]:
+        """tensor -> its geometry, a number per (shape, TP role, dtype, stage, EP rank), for the
+        tensors that have one (all of them, in one pass: a MoE model has tens of thousands)."""
+        if self.config.dp_shard != "replicate":
+            return {}
+        ep = self.config.ep
+        per = self.spec.num_experts // ep if ep > 1 else None
+        kinds: dict[tuple, int] = {}
+        out = {}
+        for name, stages in self.stages_of.items():
+            if len(stages) != 1 or name in self.fusable:
+                continue
+            t = self.spec._by_name[name]
+            kind = (t.shape, t.tp, t.dtype, stages[0][0], t.expert // per if per and t.expert is not None else None)
+            out[name] = kinds.setdefault(kind, len(kinds))
+        return out
+
+    def relocate(self, key: StateKey, fragment: Fragment) -> tuple[str, int]:
+        return f"{key.field}/{self.stages_of[key.tensor][0][1]}", 0
 
     def _replicated(self, key: StateKey, t, stages, eps, tps) -> list[tuple[Box, Holders]]:
         """Fragments of an unfused tensor under DP replicate, without building a class: class

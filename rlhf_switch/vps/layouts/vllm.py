@@ -124,7 +124,7 @@ def vllm_layout(spec: ModelSpec, tp: int, replicas: int = 1, dtype: str | None =
     classes = RankClasses([r % tp for r in range(world)], [range(t, world, tp) for t in range(tp)], workers.build)
     name = f"vLLM-TP{tp}" + (f"×{replicas}" if replicas > 1 else "")
     return Layout.lazy(spec, classes, name, f"vllm(tp={tp},replicas={replicas},dtype={dtype})", (PARAM,),
-                       workers.holders, partition=True)
+                       workers, partition=True)
 
 
 class Workers:
@@ -139,16 +139,20 @@ class Workers:
         a = spec.attention
         fused = {m: g for g in spec.fused for m in g.members}
         self.order: list[str] = []  # a worker's fragments, in worker_tensors' order
-        self.place: dict[str, tuple] = {}  # tensor -> (buffer, first row, split, buffer dtype)
+        # tensor -> (buffer, first row, split, buffer dtype, geometry): the geometry is a number
+        # per (shape, split, buffer dtype), the tensor's box on every worker follows from those
+        self.place: dict[str, tuple] = {}
+        geometries: dict[tuple, int] = {}
         self.buffers: dict[str, BufferSpec] = {}
-        self.keys = {t.name: StateKey(t.name, PARAM) for t in spec.tensors}
+        self.keys = {t.name: tuple_new(StateKey, (t.name, PARAM)) for t in spec.tensors}
         self.made: dict[tuple[str, int], Fragment | None] = {}  # (tensor, worker) -> its fragment
-        self.geometry: dict[tuple, tuple | None] = {}  # (shape, split, worker) -> box, strides, row numel
+        self.boxes: dict[tuple, tuple | None] = {}  # (geometry, worker) -> box, strides, row numel
         done: set[str] = set()
 
         def put(t: TensorSpec, buffer: str, row: int, split: tuple, local_rows: int, bdtype: str) -> int:
             self.order.append(t.name)
-            self.place[t.name] = (f"{PARAM}/{buffer}", row, split, bdtype)
+            geometry = geometries.setdefault((t.shape, split, bdtype), len(geometries))
+            self.place[t.name] = (buffer, row, split, bdtype, geometry)
             return row + local_rows
 
         for t in spec.tensors:
@@ -157,34 +161,44 @@ class Workers:
                 if g.buffer in done:
                     continue
                 done.add(g.buffer)
-                members = [spec[m] for m in g.members]
+                members = [spec._by_name[m] for m in g.members]
                 bdtype = dtype or members[0].dtype
+                bname = f"{PARAM}/{g.buffer}"
                 row = 0
                 if g.style == "qkv":
                     q, k, v = members
                     hd, q_heads = a.head_dim, a.num_heads // tp
-                    row = put(q, g.buffer, row, (0, q_heads * hd, q.shape[0]), q_heads * hd, bdtype)
+                    row = put(q, bname, row, (0, q_heads * hd, q.shape[0]), q_heads * hd, bdtype)
                     if tp >= a.num_kv_heads:
                         kv = ("head", hd, tp // a.num_kv_heads)
                         kv_rows = hd
                     else:
                         kv_rows = a.num_kv_heads // tp * hd
                     for m in (k, v):
-                        row = put(m, g.buffer, row, kv if tp >= a.num_kv_heads else (0, kv_rows, m.shape[0]),
+                        row = put(m, bname, row, kv if tp >= a.num_kv_heads else (0, kv_rows, m.shape[0]),
                                   kv_rows, bdtype)
                 else:
+                    # a MoE layer's experts: a few shapes, many times (``put``, written out)
+                    splits: dict[tuple, tuple] = {}
+                    order, place = self.order, self.place
                     for m in members:
-                        split = _tp_split(m, tp)
-                        row = put(m, g.buffer, row, split, _local_shape(m, split)[0], bdtype)
+                        at = splits.get((m.shape, m.tp))
+                        if at is None:
+                            split = _tp_split(m, tp)
+                            geometry = geometries.setdefault((m.shape, split, bdtype), len(geometries))
+                            at = splits[(m.shape, m.tp)] = (split, _local_shape(m, split)[0], geometry)
+                        order.append(m.name)
+                        place[m.name] = (bname, row, at[0], bdtype, at[2])
+                        row += at[1]
                 first = _local_shape(members[0], self.place[members[0].name][2])
                 self.buffers[f"{PARAM}/{g.buffer}"] = BufferSpec(row * prod(first[1:]), bdtype)
             elif t.tp == "vocab":
                 per = padded_vocab(t.shape[0]) // tp
-                put(t, t.name, 0, (0, per, t.shape[0]), per, dtype or t.dtype)
+                put(t, f"{PARAM}/{t.name}", 0, (0, per, t.shape[0]), per, dtype or t.dtype)
                 self.buffers[f"{PARAM}/{t.name}"] = BufferSpec(per * prod(t.shape[1:]), dtype or t.dtype)
             else:
                 split = ("whole",) if t.tp == "replicate" or tp == 1 else _tp_split(t, tp)
-                put(t, t.name, 0, split, _local_shape(t, split)[0], dtype or t.dtype)
+                put(t, f"{PARAM}/{t.name}", 0, split, _local_shape(t, split)[0], dtype or t.dtype)
                 self.buffers[f"{PARAM}/{t.name}"] = BufferSpec(prod(_local_shape(t, split)), dtype or t.dtype)
 
     def box(self, name: str, w: int) -> Box | None:
@@ -209,26 +223,35 @@ class Workers:
     def fragment(self, name: str, w: int) -> Fragment | None:
         f = self.made.get((name, w), False)
         if f is False:
-            buffer, row, split, _ = self.place[name]
-            # experts and layers repeat a few shapes: one box (and strides) per shape, split, worker
-            gk = (self.spec[name].shape, split, w)
-            geometry = self.geometry.get(gk)
-            if geometry is None:
+            buffer, row, _, _, geometry = self.place[name]
+            # experts and layers repeat a few geometries: one box (and strides) per geometry, worker
+            at = self.boxes.get((geometry, w), False)
+            if at is False:
                 box = self.box(name, w)
-                geometry = self.geometry[gk] = (box, row_major_strides(box.shape), prod(box.shape[1:])) \
-                    if box is not None else None
-            if geometry is None:
-                f = None
-            else:
-                box, strides, row_numel = geometry
-                f = tuple_new(Fragment, (self.keys[name], box, buffer, row * row_numel, strides))
+                at = self.boxes[(geometry, w)] = None if box is None else \
+                    (box, row_major_strides(box.shape), prod(box.shape[1:]))
+            f = None if at is None else tuple_new(Fragment, (self.keys[name], at[0], buffer, row * at[2], at[1]))
             self.made[(name, w)] = f
         return f
 
     @without_gc
     def build(self, w: int) -> tuple[tuple[Fragment, ...], dict[str, BufferSpec]]:
-        frags = (self.fragment(n, w) for n in self.order)
-        return tuple(f for f in frags if f is not None), dict(self.buffers)
+        # ``fragment`` for every tensor, written out: a MoE worker holds tens of thousands
+        made, place, boxes, keys = self.made, self.place, self.boxes, self.keys
+        frags = []
+        for name in self.order:
+            f = made.get((name, w), False)
+            if f is False:
+                buffer, row, _, _, geometry = place[name]
+                at = boxes.get((geometry, w), False)
+                if at is False:
+                    f = self.fragment(name, w)
+                else:
+                    f = made[(name, w)] = None if at is None else \
+                        tuple_new(Fragment, (keys[name], at[0], buffer, row * at[2], at[1]))
+            if f is not None:
+                frags.append(f)
+        return tuple(frags), dict(self.buffers)
 
     def meeting(self, name: str, box: Box | None) -> Iterable[int]:
         """The workers whose box of ``name`` may meet ``box`` (all for ``None``)."""
@@ -240,6 +263,18 @@ class Workers:
             return range(box.lo[0] // hd * rep, min(((box.hi[0] - 1) // hd + 1) * rep, self.tp))
         dim, size, _ = split
         return range(box.lo[dim] // size, min((box.hi[dim] - 1) // size + 1, self.tp))
+
+    def geometry(self, key: StateKey):
+        """Tensors of one shape, split and buffer dtype are held as the same boxes by the same
+        workers (e.g. every expert's gate, up and down projections of every layer)."""
+        place = self.place.get(key.tensor)
+        return place[4] if place is not None and key.field == PARAM else None
+
+    def relocate(self, key: StateKey, fragment: Fragment) -> tuple[str, int]:
+        # a fragment is its row-major box at the tensor's first row in the buffer, on every worker
+        # (``fragment``): its offset is that row times a row's numel, which is strides[0]
+        buffer, row = self.place[key.tensor][:2]
+        return buffer, row * fragment.strides[0] if fragment.strides else 0
 
     def holders(self, key: StateKey, box: Box | None) -> list[tuple[Box, Holders]]:
         """``(box, Holders)`` of ``key`` meeting ``box``, worker by worker (a worker's first rank
@@ -256,6 +291,9 @@ class Workers:
             if f is not None and (box is None or _overlap(f.box, box)):
                 out.append((f.box, tuple_new(Holders, (f, range(w, self.world, self.tp), place[3]))))
         return out
+
+
+    __call__ = holders  # what Layout.lazy asks (it also finds geometry and relocate here)
 
 
 def _tp_split(t: TensorSpec, tp: int) -> tuple:
