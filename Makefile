@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: venv test run demo bench clean
+.PHONY: venv test run demo bench bench-full clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,10 +29,16 @@ run: venv
 demo: venv
 	$(PY) -m recipes.switch_demo
 
+# the README's tables (~20 min on 2 cores); bench-full adds the 300M model and bf16 (much longer)
 bench: venv
 	$(PY) -m bench.plan_scale
-	$(PY) -m bench.switch
 	$(PY) -m bench.train_switch
+	$(PY) -m bench.switch --quick --cases a,b,c,d $(BENCH_ARGS)
+
+bench-full: venv
+	$(PY) -m bench.plan_scale
+	$(PY) -m bench.train_switch
+	$(PY) -m bench.switch $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
