@@ -580,7 +580,7 @@ def _receive(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node:
             h, hf, sdelta = choices[0]
         else:
             if seed is None:
-                seed = crc32(f"{key.tensor}|{key.field}|".encode())  # _rotation_seed, inlined
+                seed = _rotation_seed(key)
             h, hf, sdelta = choices[(pos + crc32(lo, seed)) % len(choices)]
         sbuf, soff = (hf.buffer, hf.offset) if hf.key is key else src._relocate(key, hf)
         out.append(tuple_new(Transfer, (h, rank, key, piece, sbuf, soff + sdelta, hf.strides, dbuf,

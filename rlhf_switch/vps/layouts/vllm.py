@@ -178,18 +178,13 @@ class Workers:
                         row = put(m, bname, row, kv if tp >= a.num_kv_heads else (0, kv_rows, m.shape[0]),
                                   kv_rows, bdtype)
                 else:
-                    # a MoE layer's experts: a few shapes, many times (``put``, written out)
-                    splits: dict[tuple, tuple] = {}
-                    order, place = self.order, self.place
+                    splits: dict[tuple, tuple] = {}  # a MoE layer's experts: a few shapes, many times
                     for m in members:
                         at = splits.get((m.shape, m.tp))
                         if at is None:
                             split = _tp_split(m, tp)
-                            geometry = geometries.setdefault((m.shape, split, bdtype), len(geometries))
-                            at = splits[(m.shape, m.tp)] = (split, _local_shape(m, split)[0], geometry)
-                        order.append(m.name)
-                        place[m.name] = (bname, row, at[0], bdtype, at[2])
-                        row += at[1]
+                            at = splits[(m.shape, m.tp)] = (split, _local_shape(m, split)[0])
+                        row = put(m, bname, row, at[0], at[1], bdtype)
                 first = _local_shape(members[0], self.place[members[0].name][2])
                 self.buffers[f"{PARAM}/{g.buffer}"] = BufferSpec(row * prod(first[1:]), bdtype)
             elif t.tp == "vocab":
@@ -236,22 +231,8 @@ class Workers:
 
     @without_gc
     def build(self, w: int) -> tuple[tuple[Fragment, ...], dict[str, BufferSpec]]:
-        # ``fragment`` for every tensor, written out: a MoE worker holds tens of thousands
-        made, place, boxes, keys = self.made, self.place, self.boxes, self.keys
-        frags = []
-        for name in self.order:
-            f = made.get((name, w), False)
-            if f is False:
-                buffer, row, _, _, geometry = place[name]
-                at = boxes.get((geometry, w), False)
-                if at is False:
-                    f = self.fragment(name, w)
-                else:
-                    f = made[(name, w)] = None if at is None else \
-                        tuple_new(Fragment, (keys[name], at[0], buffer, row * at[2], at[1]))
-            if f is not None:
-                frags.append(f)
-        return tuple(frags), dict(self.buffers)
+        frags = (self.fragment(n, w) for n in self.order)
+        return tuple(f for f in frags if f is not None), dict(self.buffers)
 
     def meeting(self, name: str, box: Box | None) -> Iterable[int]:
         """The workers whose box of ``name`` may meet ``box`` (all for ``None``)."""
@@ -291,7 +272,6 @@ class Workers:
             if f is not None and (box is None or _overlap(f.box, box)):
                 out.append((f.box, tuple_new(Holders, (f, range(w, self.world, self.tp), place[3]))))
         return out
-
 
     __call__ = holders  # what Layout.lazy asks (it also finds geometry and relocate here)
 
