@@ -35,7 +35,6 @@ import torch.distributed as dist
 from ..vps.layout import Layout, LayoutError
 from ..vps.materialize import torch_dtype
 from ..vps.planner import RankPlan, check_pair, plan_rank
-from ..vps.spec import itemsize
 from .comm import Comm, as_comm
 from .schedule import Chunk, Schedule, build_schedule
 
@@ -320,22 +319,22 @@ def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: time
     staged_msgs = 0
     peak = 0
     alive_bytes = 0
+    inflight: deque = deque()
+
+    def retire():
+        nonlocal alive_bytes
+        works, recv, buf, size = inflight.popleft()
+        for w in works:
+            w.wait(timeout)
+        if recv is not None:
+            _unpack(recv, buf, dst_buffers)
+        alive_bytes -= size
+
     if program:
         send, recv = exchanges[program[0].exchange].steps[program[0].step]
         device = (dst_buffers[recv.pieces[0].transfer.dst_buffer].device if program[0].recv_bytes
                   else src_buffers[send.pieces[0].transfer.src_buffer].device)
         pool = torch.empty(planned_peak, dtype=torch.uint8, device=device)  # NCCL needs it on the GPU
-        inflight: deque = deque()
-
-        def retire():
-            nonlocal alive_bytes
-            works, recv, buf, size = inflight.popleft()
-            for w in works:
-                w.wait(timeout)
-            if recv is not None:
-                _unpack(recv, buf, dst_buffers)
-            alive_bytes -= size
-
         for st in program:
             if st.retire:
                 copy_local()
@@ -359,14 +358,10 @@ def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: time
                 raise AssertionError(f"staging holds {alive_bytes} B over the {schedule.budget_bytes} B budget")
             staged_msgs += len(works)
             inflight.append((works, recv if st.recv_bytes else None, rbuf, size))
-        copy_local()
-        t3 = time.perf_counter()
-        while inflight:
-            retire()
-        del pool
-    else:
-        copy_local()
-        t3 = time.perf_counter()
+    copy_local()
+    t3 = time.perf_counter()
+    while inflight:
+        retire()
     for w in direct:
         w.wait(timeout)
     t4 = time.perf_counter()

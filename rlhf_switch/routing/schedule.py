@@ -245,17 +245,23 @@ def _chunks(transfers: list[Transfer], cap: int, src_dtypes: dict[str, str] | No
     return out
 
 
-def _extend(cur: _Run, p: Piece, src_end, dst_end) -> None:
+def _continues(cur: _Run, p: Piece, src_end, dst_end) -> tuple[bool, bool]:
+    """Whether ``p`` starts where the message's direct run ends, on the source and the
+    destination side (dtypes aside)."""
     t = p.transfer
-    start = p.src_view()[0], p.dst_view()[0]
-    n = p.box.numel
-    same = t.dtype == cur.dtype
-    src = cur.src_end is not None and same and src_end is not None and cur.src_end == (t.src_buffer, start[0])
-    dst = cur.dst_end is not None and same and dst_end is not None and cur.dst_end == (t.dst_buffer, start[1])
+    ext_src = cur.src_end is not None and src_end is not None and cur.src_end == (t.src_buffer, p.src_view()[0])
+    ext_dst = cur.dst_end is not None and dst_end is not None and cur.dst_end == (t.dst_buffer, p.dst_view()[0])
+    return ext_src, ext_dst
+
+
+def _extend(cur: _Run, p: Piece, src_end, dst_end) -> None:
+    ext_src, ext_dst = _continues(cur, p, src_end, dst_end)
+    same = p.transfer.dtype == cur.dtype
+    src, dst = ext_src and same, ext_dst and same
     if src or dst:
         cur.nbytes += p.nbytes  # still one direct run on some side: unpadded
-        cur.src_end = (t.src_buffer, start[0] + n) if src else None
-        cur.dst_end = (t.dst_buffer, start[1] + n) if dst else None
+        cur.src_end = src_end if src else None  # the piece's own ends are the run's new ends
+        cur.dst_end = dst_end if dst else None
     else:  # staged on both sides from now on: the padded layout, laid out again in _close
         cur.nbytes = _padded(cur.pieces) if (cur.src_end or cur.dst_end) else cur.nbytes
         cur.nbytes = _aligned(cur.nbytes) + p.nbytes
@@ -278,9 +284,7 @@ def _joins(cur: _Run, p: Piece, src_end, dst_end, cap: int) -> bool:
     on a side where it could have travelled directly) copies at most ``MERGE_BYTES``."""
     t = p.transfer
     direct = cur.src_end is not None or cur.dst_end is not None
-    start = p.src_view()[0], p.dst_view()[0]
-    ext_src = cur.src_end is not None and src_end is not None and cur.src_end == (t.src_buffer, start[0])
-    ext_dst = cur.dst_end is not None and dst_end is not None and cur.dst_end == (t.dst_buffer, start[1])
+    ext_src, ext_dst = _continues(cur, p, src_end, dst_end)
     still_direct = (ext_src or ext_dst) and t.dtype == cur.dtype
     size = cur.nbytes if still_direct else _aligned(_padded(cur.pieces) if direct else cur.nbytes)
     if size + p.nbytes > cap:
@@ -317,7 +321,7 @@ def _close(run: _Run, src_dtypes: dict[str, str] | None) -> Chunk:
 
 
 def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+    return _up(n, ALIGN)
 
 
 def _up(n: int, a: int) -> int:
