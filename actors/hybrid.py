@@ -229,18 +229,16 @@ class HybridWorker:
 
         t0 = time.perf_counter()
         sent = 0
-        parts = [(self.adapter, Path(path), hf_config_of(self.cfg))]
+        # the actor's directory first: the critic's goes inside it
+        parts = [(self.adapter, Path(path), hf_config_of(self.cfg), self.cfg.model.dtype)]
         if self.critic is not None:
-            parts.append((self.critic.adapter, Path(path) / "critic", None))
-        for i, (adapter, where, hf) in enumerate(parts):
+            parts.append((self.critic.adapter, Path(path) / "critic", None, "float32"))
+        for adapter, where, hf, dtype in parts:
             holder = FullState(adapter.spec, name=f"checkpoint {where}") if self.rank == 0 else None
             report = switch_training(adapter, holder, timeout=TIMEOUT)
             sent += report.move.bytes_sent
             if holder is not None:
-                if i == 0:  # the actor's directory first: the critic's goes inside it
-                    holder.save_dir(where, hf, self.cfg.model.dtype, extra)
-                else:
-                    holder.save_dir(where, hf, "float32", extra)
+                holder.save_dir(where, hf, dtype, extra)
         dist.barrier()
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": sent}
 
