@@ -1,27 +1,28 @@
-"""The colocated hybrid worker: one per logical device, a training engine and a rollout engine.
+"""The colocated hybrid worker: one per logical device, its training engines and (placement
+``worker``) its rollout engine — all built through the engine interfaces (``engines/base.py``).
 
 ``HybridWorker`` is a plain class; the recipe makes it a Ray actor with ``ray.remote`` (see
 ``remote_class``), one actor per placement-group bundle. The workers form their own gloo world
-(rank 0 opens a TCPStore on port 0 and the driver hands its real port to everyone), and on it:
+(rank 0 opens a TCPStore on a free port of its own node and hands out its address), and on it:
 
-- the training engine over all ranks: torch-native FSDP2 (``train.engine: fsdp2``), DTensor TP or
-  TP×FSDP2 (``torch_tp``, ``tp``) or DeepSpeed ZeRO-1/2/3 (``deepspeed``; one forward per
-  optimizer step) — the actor whose weights are trained. Its initial state comes from a
+- the trainer: the training engine ``train.engine`` names (``fsdp2``, ``torch_tp``, ``torch_pp``,
+  ``deepspeed`` or a user's ``module:Class``) over all ranks. Its starting state comes from a
   checkpoint directory (the warm start, or a run being resumed) through the VPS: rank 0 holds the
   checkpoint whole (``FullState``) and ``switch_training`` moves it into the engine's layout, the
   same path that saves it (engine -> ``FullState`` on rank 0 -> disk);
-- the reference: a frozen, unsharded copy of the warm-start weights on every rank (tiny models);
-- the rollout engine: ``TorchRollout`` in vLLM's per-rank TP layout (``rollout.engine: torch``,
-  replicas = world / tp, each replica's ranks a TP group); for ``rollout.engine: vllm`` the
-  rollout engines are separate actors (``actors/vllm_replica.py``) and this worker only sends
-  (``weights_layout`` + ``send_weights``).
+- the reference: a training engine of its own (``reference``), the warm-start weights moved in
+  through the VPS, frozen;
+- PPO's critic: a training engine whose model has a value head (``actors/critic.py``);
+- a rollout engine of placement ``worker`` (the torch engine): one TP worker per rank, each
+  replica's ranks a TP group of this world. Engines of placement ``replica`` (vLLM) live in their
+  own actors (``actors/rollout_replica.py``); this worker only sends to them.
 
-``sync_weights_to_rollout`` moves the trainer's compute weights (``adapter.weights()``, field
-``param``) into the rollout engine's own buffers with the VPS (``routing.move``); the trainer
-keeps its optimizer state in place (on CPU there is no device memory to free for generation).
-``train_on`` first recomputes the log-probs of the generated tokens with the trainer's model (the
-*old* log-probs) and compares them with what the rollout engine reported — the stale-weights
-check — then runs the GRPO update.
+The weights reach the rollout engine through the run's weight channel (``engines/channel.py``),
+opened once (``channel_open``): every sync is ``sync_send`` — one VPS move from the trainer's
+compute weights (``adapter.weights()``) into the rollout buffers. The trainer keeps its optimizer
+state in place (on CPU there is no device memory to free for generation). ``train_on`` first
+recomputes the log-probs of the generated tokens with the trainer (the *old* log-probs) and
+compares them with what the rollout engine reported — the stale-weights check — then updates.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from rlhf_switch.rl.algorithms import aggregate, kl_penalty, logprobs_from_logits, masked_mean, policy_loss
+from rlhf_switch.rl.algorithms import aggregate, kl_penalty, masked_mean, policy_loss
 from rlhf_switch.rl.config import RunConfig, load_config
 
 TIMEOUT = timedelta(seconds=120)
@@ -54,25 +55,27 @@ def _pad_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[in
     return ids, ids[:, 1:], mask
 
 
-def _token_logprobs(model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``[B, T-1]`` log-probs of ``targets`` under ``model`` (no attention mask: right padding
-    and causal attention leave every real position untouched)."""
-    logits = model(input_ids=ids).logits[:, :-1]
-    return logprobs_from_logits(logits, targets)
+class ChannelStale(RuntimeError):
+    """The trainer's weights are no longer where the channel's plan says (an engine was rebuilt
+    without re-planning): nothing was moved."""
 
 
 class HybridWorker:
     """One rank of the colocated world (call every method on every worker, concurrently)."""
 
     def __init__(self):
-        self._store = None
+        self._store = self._channel_store = None
         self.rank = self.world = None
+        self.channel = None
 
     # --- the world ---------------------------------------------------------------------------------
-    def open_store(self) -> int:
-        """Rank 0 only: the TCPStore of the workers' world on a free port; returns the port."""
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-        return self._store.port
+    def open_store(self) -> tuple[str, int]:
+        """Rank 0 only: the TCPStore of the workers' world on a free port of this node; returns
+        (address, port) for the others."""
+        from rlhf_switch.engines.channel import open_store
+
+        self._store, host, port = open_store(TIMEOUT.total_seconds())
+        return host, port
 
     def init_world(self, host: str, port: int, rank: int, world: int) -> dict:
         torch.set_num_threads(1)
@@ -87,8 +90,11 @@ class HybridWorker:
         """Build the engines of ``config`` on this rank. The trainer starts from the weights in
         ``init_dir`` (fresh optimizer, step 0) or, when ``resume_dir`` is given, from that
         checkpoint's weights, Adam moments, step and LR schedule; the reference is ``init_dir``."""
+        from dataclasses import replace
+
+        from actors.critic import Critic
+        from rlhf_switch.engines.base import RolloutContext, TrainingContext, rollout_engine, training_engine
         from rlhf_switch.engines.optim import AdamWConfig
-        from rlhf_switch.engines.torch_rollout import TorchRollout
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
         self.cfg, alg = cfg, cfg.algorithm
@@ -96,110 +102,67 @@ class HybridWorker:
             raise NotImplementedError("float32 only on CPU")
         hf = hf_config_of(cfg)
         optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
-        self._build_trainer(cfg, hf, optim)
-        self.max_grad_norm = optim.max_grad_norm
+        ctx = TrainingContext(hf, cfg.seed, tuple(range(self.world)), optim, micro_batch=alg.micro_batch_size,
+                              timeout=TIMEOUT)
+        self.trainer = training_engine(cfg.train.engine).build(cfg.train, ctx)
+        self.spec = self.trainer.spec
         # the starting state, through the VPS from rank 0's copy of the checkpoint
         t0 = time.perf_counter()
         start = self._load_state(resume_dir or init_dir, weights_only=resume_dir is None)
         load_s = time.perf_counter() - t0
-        # the reference: the warm-start weights, frozen
-        self.reference, self.reference_name = None, None
+        # the reference: the warm-start weights, frozen, in its own engine and layout
+        self.reference = None
         if cfg.reference:
-            self.reference, self.reference_name = self._build_reference(cfg, hf, init_dir, optim)
+            self.reference = training_engine(cfg.reference.engine).build(cfg.reference, ctx)
+            self._load_weights(init_dir, self.reference)
+            self.reference.freeze()
         # PPO: the critic, its trunk from the warm start, its own engine and layout
         self.critic = None
         if cfg.critic is not None:
-            from actors.critic import Critic
-
-            self.critic = Critic.build(cfg.critic, hf, cfg.seed, list(range(self.world)), lr=alg.critic_lr,
-                                       max_grad_norm=optim.max_grad_norm, micro_batch=alg.micro_batch_size,
-                                       init_from=init_dir, timeout=TIMEOUT)
+            critic_optim = replace(optim, lr=alg.critic_lr)
+            engine = training_engine(cfg.critic.engine).build(
+                cfg.critic, replace(ctx, optim=critic_optim, head="value", init_from=init_dir))
+            self.critic = Critic(engine, micro_batch=alg.micro_batch_size)
             if resume_dir is not None:  # its weights, moments, step and LR schedule
                 self._load_state(str(Path(resume_dir) / "critic"), weights_only=False, adapter=self.critic.adapter)
-        # rollout
+        # rollout (placement "worker": here; placement "replica": separate actors)
         tp = cfg.rollout.tp
         self.tp, self.replicas = tp, self.world // tp
         self.replica, self.tp_rank = self.rank // tp, self.rank % tp
+        self.rollout_cls = rollout_engine(cfg.rollout.engine)
         self.rollout = None
-        if cfg.rollout.engine == "torch":
+        if self.rollout_cls.placement == "worker":
             groups = [dist.new_group(list(range(r, r + tp)), timeout=TIMEOUT) for r in range(0, self.world, tp)] \
                 if tp > 1 else [None] * self.replicas
-            from transformers import LlamaConfig
-
-            self.rollout = TorchRollout.from_hf_config(self.spec, LlamaConfig(**hf), tp=tp,
-                                                       tp_rank=self.tp_rank, group=groups[self.replica])
+            self.rollout = self.rollout_cls.build(RolloutContext(
+                hf, self.spec, init_dir, tp, self.replicas, self.replica, cfg.seed,
+                int(hf.get("max_position_embeddings", 2048)), tp_rank=self.tp_rank, group=groups[self.replica]))
         self.pad_id = int(hf.get("pad_token_id") or 0)
         self.eos_id = hf.get("eos_token_id")
         self.train_steps = int(start.get("step", 0))
-        rollout = f"TorchRollout TP{tp}×{self.replicas}" if self.rollout else f"vLLM TP{tp}×{self.replicas} (separate actors)"
-        return {"rank": self.rank, "trainer": self.engine_name, "rollout": rollout, "params": self.spec.numel,
-                "reference": self.reference_name, "critic": self.critic.name if self.critic is not None else None,
+        rollout = (f"{self.rollout.name}×{self.replicas}" if self.rollout is not None
+                   else f"{cfg.rollout.engine} TP{tp}×{self.replicas} (separate actors)")
+        return {"rank": self.rank, "trainer": self.trainer.name, "rollout": rollout, "params": self.spec.numel,
+                "reference": self.reference.name if self.reference is not None else None,
+                "critic": self.critic.name if self.critic is not None else None,
                 "start": start, "load_seconds": load_s}
 
-    def _build_trainer(self, cfg: RunConfig, hf: dict, optim) -> None:
-        eng = self._engine(cfg.train, hf, cfg.seed, optim, cfg.algorithm.train_batch_size // cfg.train.dp)
-        self.model, self.spec, self.adapter, self.engine_name = eng["module"], eng["spec"], eng["adapter"], eng["name"]
-        self.dp, self.dp_rank, self.dp_group = eng["dp"], eng["dp_rank"], eng["dp_group"]
-        self._backward, self._step, self.micro_override = eng["backward"], eng["step"], eng["micro_override"]
-
-    def _engine(self, layout, hf: dict, seed: int, optim, local_mini: int) -> dict:
-        """A training engine of ``layout`` (engine + tp/dp/zero_stage) over the whole world: the
-        module to call, its VPS adapter, DP size/rank, and how to step it."""
-        from rlhf_switch.engines.torch_train import build_fsdp2, build_tp, build_tp_dp, hf_model
-
-        ranks = list(range(self.world))
-        engine = layout.engine
-        if engine in ("fsdp2", "torch_tp"):
-            if engine == "fsdp2":
-                t = build_fsdp2(hf, seed, ranks, optim=optim, timeout=TIMEOUT)
-            elif layout.dp > 1:
-                t = build_tp_dp(hf, seed, ranks, tp=layout.tp, optim=optim, timeout=TIMEOUT)
-            else:
-                t = build_tp(hf, seed, ranks, optim=optim, timeout=TIMEOUT)
-            return {"module": t.module, "spec": t.spec, "adapter": t.adapter, "name": t.name, "dp": t.dp,
-                    "dp_rank": t.dp_rank, "dp_group": t.dp_group, "backward": lambda loss: loss.backward(), "step": t.optimizer_step,
-                    "micro_override": None}
-        if engine == "deepspeed":
-            from rlhf_switch.engines.deepspeed_zero import build_zero_trainer
-            from rlhf_switch.vps import llama_spec
-
-            if layout.zero_stage not in (1, 2, 3):
-                raise ValueError(f"engine deepspeed needs zero_stage 1, 2 or 3, got {layout.zero_stage}")
-            # one forward per optimizer step: the engine is built with gradient_accumulation_steps=1,
-            # so its micro batch is the whole per-rank mini-batch
-            module = hf_model(hf, seed)
-            spec = llama_spec(module.config)
-            z = build_zero_trainer(module, spec, layout.zero_stage, local_mini, ranks, optim=optim)
-            eng = z.engine
-
-            def step() -> float:
-                eng.step()
-                gn = eng.get_global_grad_norm() if hasattr(eng, "get_global_grad_norm") else None
-                return float(gn) if gn is not None else float("nan")
-            return {"module": eng, "spec": spec, "adapter": z.adapter, "name": z.adapter.name, "dp": z.dp,
-                    "dp_rank": dist.get_rank(z.dp_group), "dp_group": z.dp_group, "backward": eng.backward, "step": step,
-                    "micro_override": local_mini}
-        raise NotImplementedError(f"engine={engine!r}: the loop trains with fsdp2, torch_tp or deepspeed")
-
-    def _build_reference(self, cfg: RunConfig, hf: dict, init_dir: str, optim):
-        """The reference policy in its own engine and layout (``cfg.reference``), holding the
-        warm-start weights (a VPS move from rank 0's copy of ``init_dir``), frozen."""
+    def _load_weights(self, path: str, engine) -> None:
+        """The weights of the checkpoint at ``path`` into ``engine`` (a VPS move from rank 0's
+        whole copy): the reference's starting point. Its forward reads exactly these buffers
+        (ZeRO-1/2 bit16 flat groups, ZeRO-3 partitions, FSDP2/DTensor local shards, stages); it
+        never steps, so its fp32 master copy is left alone."""
         from rlhf_switch.engines.full_state import FullState
         from rlhf_switch.engines.train_state import gather_layouts
         from rlhf_switch.routing import move
 
-        ref = self._engine(cfg.reference, hf, cfg.seed, optim, cfg.algorithm.rollout_batch_size // cfg.reference.dp)
-        holder = FullState.load_dir(init_dir, ref["spec"], weights_only=True).weights() if self.rank == 0 else None
-        mine = ref["adapter"].weights()
-        (src, dst), _ = gather_layouts([(ref["spec"], holder) if holder else None, (ref["spec"], mine)],
-                                       ["warm start", f"reference:{ref['name']}"])
+        spec = engine.spec
+        holder = FullState.load_dir(path, spec, weights_only=True).weights() if self.rank == 0 else None
+        mine = engine.adapter.weights()
+        (src, dst), _ = gather_layouts([(spec, holder) if holder else None, (spec, mine)],
+                                       ["warm start", f"reference:{engine.name}"])
         with torch.no_grad():
             move(src, dst, holder.tensors if holder else {}, mine.tensors, timeout=TIMEOUT)
-        # (the forward reads exactly these buffers: ZeRO-1/2 bit16 flat groups, ZeRO-3 partitions
-        # gathered at each forward, FSDP2/DTensor local shards; the reference never steps, so its
-        # fp32 master copy is left alone)
-        ref["module"].eval()
-        return ref["module"], ref["name"]
 
     # --- state in and out: checkpoints through the VPS ---------------------------------------------
     def _load_state(self, path: str, weights_only: bool, adapter=None) -> dict:
@@ -209,7 +172,7 @@ class HybridWorker:
         from rlhf_switch.engines.full_state import FullState
         from rlhf_switch.engines.train_switch import switch_training
 
-        adapter = adapter or self.adapter
+        adapter = adapter or self.trainer.adapter
         holder = None
         if self.rank == 0:
             holder = FullState.load_dir(path, adapter.spec, weights_only=weights_only)
@@ -230,7 +193,7 @@ class HybridWorker:
         t0 = time.perf_counter()
         sent = 0
         # the actor's directory first: the critic's goes inside it
-        parts = [(self.adapter, Path(path), hf_config_of(self.cfg), self.cfg.model.dtype)]
+        parts = [(self.trainer.adapter, Path(path), hf_config_of(self.cfg), self.cfg.model.dtype)]
         if self.critic is not None:
             parts.append((self.critic.adapter, Path(path) / "critic", None, "float32"))
         for adapter, where, hf, dtype in parts:
@@ -242,47 +205,71 @@ class HybridWorker:
         dist.barrier()
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": sent}
 
-    # --- phases ------------------------------------------------------------------------------------
-    def sync_weights_to_rollout(self) -> dict:
-        """VPS move: trainer compute weights -> this rank's rollout buffers. Returns the MoveReport."""
-        from rlhf_switch.routing import move
-
-        t0 = time.perf_counter()
+    # --- the weight channel ------------------------------------------------------------------------
+    def channel_source(self):
+        """The trainer's compute weights as one global Layout (collective; rank 0 returns it,
+        the others None) — the source of the channel into rollout engines in other processes."""
         src = self._gather_weights_layout()
-        dst = self.rollout.layout(self.replicas)
-        report = move(src, dst, self._weights.tensors, self.rollout.buffers, timeout=TIMEOUT)
+        return src if self.rank == 0 else None
+
+    def channel_store(self) -> tuple[str, int]:
+        """Rank 0 only: a TCPStore for the weight channel on a free port of this node."""
+        from rlhf_switch.engines.channel import open_store
+
+        self._channel_store, host, port = open_store(300.0)
+        return host, port
+
+    def channel_open(self, endpoint=None) -> dict:
+        """Join the run's weight channel, once. ``endpoint`` (``engines.channel.Endpoint``): the
+        channel into replica engines in other processes, this rank ``endpoint.first_rank``; None:
+        the rollout engine lives on these ranks (placement ``worker``) — the channel is a group of
+        this world and both layouts are worked out here (collective)."""
+        from rlhf_switch.engines.channel import ChannelEnd
+
+        if self.channel is not None:
+            self.channel.close()
+        if endpoint is None:
+            self.channel = ChannelEnd.over(timeout_s=300.0)
+            src = self._gather_weights_layout()
+            self.channel.set_layouts(src, self.rollout_cls.rollout_layout(src.spec, self.tp, self.replicas))
+        else:
+            self._weights = self.trainer.adapter.weights()
+            self.channel = ChannelEnd.join(endpoint.host, endpoint.port, endpoint.first_rank, endpoint.world_size,
+                                           store=self._channel_store if self.rank == 0 else None,
+                                           timeout_s=endpoint.timeout_s, budget_bytes=endpoint.budget_bytes)
+            self.channel.set_layouts(endpoint.src, endpoint.dst)
+        self._planned = (tuple(self._weights.fragments), dict(self._weights.buffers))
+        return self.channel.stats()
+
+    def sync_send(self) -> dict:
+        """One sync through the channel: this rank's part of the move of the trainer's compute
+        weights (and, placement ``worker``, its receive into the rollout engine's buffers)."""
+        t0 = time.perf_counter()
+        weights = self.trainer.adapter.weights()
+        if (tuple(weights.fragments), dict(weights.buffers)) != self._planned:
+            raise ChannelStale(f"rank {self.rank}: the weights of {self.trainer.name} are not where the "
+                               f"weight channel's plan has them; re-open the channel after rebuilding an engine")
+        dst = self.rollout.buffers() if self.rollout is not None else {}
+        report = self.channel.move(weights.tensors, dst)
+        if self.rollout is not None:
+            self.rollout.weights_updated()
         out = dict(vars(report))
         out["wall_seconds"] = time.perf_counter() - t0
         return out
 
-    def weights_layout(self):
-        """The trainer's compute weights as a global Layout (collective; every rank gets it) —
-        the source of a move into rollout engines that live in other processes."""
-        src = self._gather_weights_layout()
-        return src if self.rank == 0 else None
+    def channel_stats(self) -> dict:
+        return self.channel.stats() if self.channel is not None else {}
 
     def _gather_weights_layout(self):
         """This rank's compute weights (kept in ``self._weights`` for the move) and everyone's, as
         one global Layout (collective)."""
         from rlhf_switch.engines.train_state import gather_layouts
 
-        self._weights = self.adapter.weights()
-        (src,), _ = gather_layouts([(self.spec, self._weights)], [f"train:{self.engine_name}"])
+        self._weights = self.trainer.adapter.weights()
+        (src,), _ = gather_layouts([(self.spec, self._weights)], [f"train:{self.trainer.name}"])
         return src
 
-    def send_weights(self, host: str, port: int, world_size: int, src, dst, budget_bytes: int,
-                     timeout_s: float = 300.0) -> dict:
-        """Join the move's gloo group (trainer ranks first, then the rollout workers) as this
-        rank and send this rank's part of ``src`` (placed layouts, from the driver)."""
-        from rlhf_switch.engines.vllm_rollout import send_to_workers
-
-        t0 = time.perf_counter()
-        report = send_to_workers(host, port, self.rank, world_size, src, dst, self._weights.tensors,
-                                 budget_bytes, timeout_s)
-        out = dict(vars(report))
-        out["wall_seconds"] = time.perf_counter() - t0
-        return out
-
+    # --- phases ------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                  seeds: Sequence[int]) -> dict:
         """This rank's replica generates its contiguous share of ``prompts`` (all TP ranks of a
@@ -294,8 +281,8 @@ class HybridWorker:
         per = n // self.replicas
         lo, hi = self.replica * per, (self.replica + 1) * per
         t0 = time.perf_counter()
-        tokens, logprobs = self.rollout.generate(prompts[lo:hi], max_new_tokens, temperature=temperature,
-                                                 seed=list(seeds[lo:hi]), eos_token_id=self.eos_id)
+        tokens, logprobs = self.rollout.generate(prompts[lo:hi], max_new_tokens, temperature,
+                                                 list(seeds[lo:hi]), self.eos_id)
         return {"replica": self.replica, "lead": self.tp_rank == 0, "tokens": tokens, "logprobs": logprobs,
                 "seconds": time.perf_counter() - t0}
 
@@ -309,15 +296,16 @@ class HybridWorker:
         ``scores`` (PPO: one per sequence; the critic's values, per-token rewards with the KL
         penalty and GAE give the advantages here, and the critic is updated on each mini-batch
         after the policy)."""
-        alg, model = self.cfg.algorithm, self.model
+        alg, trainer = self.cfg.algorithm, self.trainer
+        dp = trainer.dp
         B = len(batch["prompts"])
         mini = alg.train_batch_size
-        if B % mini or mini % self.dp:
-            raise ValueError(f"batch {B}, mini-batch {mini} and DP {self.dp} do not divide")
-        per = B // self.dp
-        lo, hi = self.dp_rank * per, (self.dp_rank + 1) * per
+        if B % mini or mini % dp:
+            raise ValueError(f"batch {B}, mini-batch {mini} and DP {dp} do not divide")
+        per = B // dp
+        lo, hi = trainer.dp_rank * per, (trainer.dp_rank + 1) * per
         prompts, responses = batch["prompts"][lo:hi], batch["responses"][lo:hi]
-        ids, targets, mask = _pad_batch(prompts, responses, self.pad_id)
+        ids, _, mask = _pad_batch(prompts, responses, self.pad_id)
         ppo = "scores" in batch
         if ppo and self.critic is None:
             raise ValueError("a PPO batch (scores) for a worker without a critic")
@@ -325,26 +313,20 @@ class HybridWorker:
         for b, lps in enumerate(batch["rollout_logprobs"][lo:hi]):
             p = len(prompts[b])
             rollout_lp[b, p - 1: p - 1 + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        local_mini, micro = mini // self.dp, self.micro_override or alg.micro_batch_size
-        micro = min(micro, local_mini)
+        local_mini, micro = mini // dp, min(alg.micro_batch_size, mini // dp)
         if local_mini % micro:
             raise ValueError(f"micro_batch_size {micro} does not divide the per-rank mini-batch {local_mini}")
 
-        def chunks(n: int):
-            return [slice(i, i + n) for i in range(0, per, n)]
-
         # old log-probs (the trainer's current weights = what was just synced) and the check
         t0 = time.perf_counter()
-        with torch.no_grad():
-            old_lp = torch.cat([_token_logprobs(model, ids[s], targets[s]) for s in chunks(micro)]) * mask
-            ref_lp = (torch.cat([_token_logprobs(self.reference, ids[s], targets[s]) for s in chunks(micro)]) * mask
-                      if self.reference is not None else old_lp)
+        old_lp = trainer.outputs(ids) * mask
+        ref_lp = self.reference.outputs(ids) * mask if self.reference is not None else old_lp
         stale_diff = float(((old_lp - rollout_lp).abs() * mask).max()) if mask.any() else 0.0
         ppo_stats = {}
         if ppo:
             from rlhf_switch.rl.algorithms import ppo_batch
 
-            values = self.critic.values(ids, micro_batch=micro) * mask
+            values = self.critic.values(ids) * mask
             scores = torch.tensor(batch["scores"][lo:hi], dtype=torch.float32)
             pb = ppo_batch(old_lp, ref_lp if self.reference is not None else None, values, scores, mask,
                            kl_coef=alg.kl_coef, kl_estimator=alg.kl_estimator, gamma=alg.gamma, lam=alg.lam,
@@ -359,33 +341,36 @@ class HybridWorker:
         t0 = time.perf_counter()
         stats: dict[str, list[float]] = {"policy_loss": [], "kl": [], "clipfrac": [], "grad_norm": [],
                                          "vf_loss": [], "vf_clipfrac": []}
+        kl_in_loss = alg.kl_coef > 0 and self.reference is not None and not ppo  # PPO: KL is in the reward
         for _ in range(alg.epochs):
-            for m in chunks(local_mini):
+            for start in range(0, per, local_mini):
+                m = slice(start, start + local_mini)
                 # each micro-batch's loss weighted by its share of the whole mini-batch across the
                 # DP ranks (tokens for token-mean, sequences otherwise), times DP because the
                 # engines average gradients over DP: the step is the one-process full-batch step
                 # even when ranks and micro-batches hold different numbers of tokens
                 total = _weight(mask[m], alg.loss_aggregation).double()
-                if self.dp > 1:
-                    dist.all_reduce(total, group=self.dp_group)
-                scale = self.dp / max(float(total), 1.0)
-                for s in range(m.start, m.stop, micro):
-                    s = slice(s, s + micro)
-                    lp = _token_logprobs(model, ids[s], targets[s])
-                    pl, st = policy_loss(lp, old_lp[s], adv[s], mask[s], clip_eps=alg.clip_eps,
+                if dp > 1:
+                    dist.all_reduce(total, group=trainer.dp_group)
+                scale = dp / max(float(total), 1.0)
+
+                def loss_fn(lp, s, m=m, scale=scale):
+                    rows = slice(m.start + s.start, m.start + s.stop)
+                    pl, st = policy_loss(lp, old_lp[rows], adv[rows], mask[rows], clip_eps=alg.clip_eps,
                                          clip_eps_high=alg.clip_eps_high, aggregation=alg.loss_aggregation)
-                    loss = pl
-                    kl = kl_penalty(lp, ref_lp[s], getattr(alg, "kl_estimator", "k3"))
-                    kl_mean = aggregate(kl, mask[s], alg.loss_aggregation)
-                    if alg.kl_coef > 0 and self.reference is not None and not ppo:  # PPO: KL is in the reward
-                        loss = loss + alg.kl_coef * kl_mean
-                    self._backward(loss * (_weight(mask[s], alg.loss_aggregation) * scale))
-                    stats["policy_loss"].append(float(pl.detach()))
-                    stats["kl"].append(float(kl_mean.detach()))
-                    stats["clipfrac"].append(float(st["clipfrac"]))
-                gn = self._step()
-                if gn == gn:
-                    stats["grad_norm"].append(gn)
+                    kl_mean = aggregate(kl_penalty(lp, ref_lp[rows], getattr(alg, "kl_estimator", "k3")),
+                                        mask[rows], alg.loss_aggregation)
+                    loss = pl + alg.kl_coef * kl_mean if kl_in_loss else pl
+                    return loss * (_weight(mask[rows], alg.loss_aggregation) * scale), {
+                        "policy_loss": float(pl.detach()), "kl": float(kl_mean.detach()),
+                        "clipfrac": float(st["clipfrac"])}
+
+                step = trainer.train_step(ids[m], micro, loss_fn)
+                for st in step["stats"]:
+                    for k, v in st.items():
+                        stats[k].append(v)
+                if step["grad_norm"] == step["grad_norm"]:
+                    stats["grad_norm"].append(step["grad_norm"])
                 if ppo:
                     vs = self.critic.update(ids[m], mask[m], returns[m], values[m], clip_eps=alg.value_clip_eps,
                                             micro_batch=micro, aggregation=alg.loss_aggregation)
@@ -401,6 +386,9 @@ class HybridWorker:
         return out
 
     def shutdown(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -2,8 +2,9 @@
 
 The driver is Ray's single controller. ``Cluster`` owns the actors: one ``HybridWorker`` per
 logical device (training engine, reference, and for ``rollout.engine: torch`` the rollout engine)
-and, for ``rollout.engine: vllm``, one ``VLLMReplica`` per rollout replica, colocated on the same
-placement-group bundles. ``Cluster.sync`` is the weight switch train -> rollout through the VPS.
+and, for a rollout engine of placement ``replica`` (vLLM), one ``RolloutReplica`` per replica, colocated on the same
+placement-group bundles. ``Cluster.open_channel`` forms the run's weight channel once; ``Cluster.sync``
+is the weight switch train -> rollout through it.
 """
 from __future__ import annotations
 
@@ -73,9 +74,8 @@ class Cluster:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from actors.hybrid import remote_class
-
-        from actors.hybrid import hf_config_of
+        from actors.hybrid import hf_config_of, remote_class
+        from rlhf_switch.engines.base import rollout_engine
 
         self.cfg, self.quiet, self.ray = cfg, quiet, ray
         self.hf = hf_config_of(cfg)
@@ -87,80 +87,106 @@ class Cluster:
         def on(bundle: int):
             return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
-        # colocation: the hybrid worker and (with vLLM) a rollout replica share each device
+        # colocation: the hybrid worker and (placement "replica") a rollout replica share each device
         cls = remote_class(num_cpus=0.5, num_gpus=0.5)
         self.workers = [cls.options(scheduling_strategy=on(i)).remote() for i in range(world)]
-        self.vllm = cfg.rollout.engine == "vllm"
+        self.rollout_cls = rollout_engine(cfg.rollout.engine)
+        self.in_world = self.rollout_cls.placement == "worker"
         self.tp, self.n_replicas = cfg.rollout.tp, world // cfg.rollout.tp
-        if self.vllm:
-            from actors.vllm_replica import remote_class as replica_class
+        if not self.in_world:
+            from actors.rollout_replica import remote_class as replica_class
 
             rcls = replica_class(num_cpus=0.4, num_gpus=0.5)
             self.replicas = [rcls.options(scheduling_strategy=on(r * self.tp)).remote() for r in range(self.n_replicas)]
-        port = ray.get(self.workers[0].open_store.remote(), timeout=180)
-        ray.get([w.init_world.remote("127.0.0.1", port, r, world) for r, w in enumerate(self.workers)], timeout=180)
+        # rank 0 hosts the world's store on its own node's address: nothing assumes one host
+        host, port = ray.get(self.workers[0].open_store.remote(), timeout=180)
+        ray.get([w.init_world.remote(host, port, r, world) for r, w in enumerate(self.workers)], timeout=180)
+        self.channel_opened = 0
 
     def all(self, method: str, *args, desc: str | None = None, **kwargs) -> list:
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return wait_all(self.ray, refs, desc or method, self.quiet)
 
     def build(self, init_dir: Path, resume_dir: Path | None) -> dict:
-        """Build every engine; vLLM replicas start (from ``init_dir``) while the trainers build."""
+        """Build every engine (rollout replicas start from ``init_dir`` while the trainers
+        build), then open the weight channel between them — once for the whole run."""
+        from rlhf_switch.engines.base import RolloutContext
+        from rlhf_switch.models import model_spec
+
         hf = self.hf
-        starts = [r.start.remote(str(init_dir), hf, self.tp, self.cfg.seed, int(hf.get("max_position_embeddings", 2048)), i)
+        spec = model_spec(hf)
+        max_len = int(hf.get("max_position_embeddings", 2048))
+        starts = [r.start.remote(self.cfg.rollout.engine,
+                                 RolloutContext(hf, spec, str(init_dir), self.tp, self.n_replicas, i, self.cfg.seed, max_len))
                   for i, r in enumerate(self.replicas)]
         built = self.all("build", self.cfg.model_dump(), str(init_dir), str(resume_dir) if resume_dir else None,
                          desc="build engines")
         if starts:
-            wait_all(self.ray, starts, "start vLLM", self.quiet)
+            wait_all(self.ray, starts, "start rollout replicas", self.quiet)
+        self.open_channel()
         return built[0]
 
-    # --- the switch train -> rollout --------------------------------------------------------------
-    def sync(self, budget_bytes: int | None = None) -> dict:
-        """Move the trainer's weights into the rollout engine(s); returns seconds and bytes."""
+    # --- the weight channel train -> rollout -------------------------------------------------------
+    def open_channel(self, budget_bytes: int | None = None) -> None:
+        """Form the weight channel between the trainer's ranks and the rollout workers: one process
+        group, both layouts placed on it, handed out once. Called again only when a layout changes
+        (it re-plans; the members' groups are made anew only then)."""
+        from rlhf_switch.engines.channel import Endpoint
         from rlhf_switch.routing.executor import DEFAULT_BUDGET
-
-        budget = budget_bytes or DEFAULT_BUDGET
-        t0 = time.perf_counter()
-        if not self.vllm:
-            reports = self.all("sync_weights_to_rollout", desc="sync weights")
-            moved = sum(r["bytes_sent"] + r["bytes_local"] for r in reports)
-            return {"seconds": time.perf_counter() - t0, "bytes_moved": moved,
-                    "bytes_sent": sum(r["bytes_sent"] for r in reports)}
-        import torch.distributed as dist
-
-        from rlhf_switch.vps.layouts.vllm import vllm_layout
         from rlhf_switch.vps.placement import place
 
-        src = next(x for x in self.all("weights_layout", desc="describe weights") if x is not None)
-        n, total = self.world, self.world + self.n_replicas * self.tp
-        src_p = place(src, range(n), total)
-        dst_p = place(vllm_layout(src.spec, self.tp, self.n_replicas), range(n, total), total)
-        store = dist.TCPStore("127.0.0.1", 0, total + 1, is_master=True, wait_for_workers=False)
-        refs = [r.receive.remote("127.0.0.1", store.port, n + i * self.tp, total, src_p, dst_p, budget)
-                for i, r in enumerate(self.replicas)]
-        refs += [w.send_weights.remote("127.0.0.1", store.port, total, src_p, dst_p, budget) for w in self.workers]
-        out = wait_all(self.ray, refs, "sync weights -> vLLM", self.quiet)
-        del store
-        senders = out[len(self.replicas):]
-        return {"seconds": time.perf_counter() - t0,
+        if self.in_world:  # the rollout engine lives on the trainer's ranks: a group of their world
+            self.all("channel_open", desc="open weight channel")
+        else:
+            src = next(x for x in self.all("channel_source", desc="describe weights") if x is not None)
+            n, total = self.world, self.world + self.n_replicas * self.tp
+            dst = self.rollout_cls.rollout_layout(src.spec, self.tp, self.n_replicas)
+            host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=60)
+            ep = Endpoint(host, port, total, 0, place(src, range(n), total), place(dst, range(n, total), total),
+                          budget_bytes or DEFAULT_BUDGET)
+            refs = [r.channel_open.remote(ep.at(n + i * self.tp)) for i, r in enumerate(self.replicas)]
+            refs += [w.channel_open.remote(ep.at(rank)) for rank, w in enumerate(self.workers)]
+            wait_all(self.ray, refs, "open weight channel", self.quiet)
+        self.channel_opened += 1
+
+    def sync(self) -> dict:
+        """Move the trainer's weights into the rollout engine(s) through the channel; returns the
+        seconds the driver saw, bytes, and where the time went (slowest member's move, the
+        replicas' receive including the cache reset)."""
+        t0 = time.perf_counter()
+        recv = [r.channel_receive.remote() for r in self.replicas]
+        send = [w.sync_send.remote() for w in self.workers]
+        out = self.ray.get(recv + send, timeout=600)
+        seconds = time.perf_counter() - t0
+        senders, receivers = out[len(recv):], out[:len(recv)]
+        reports = senders + [w for r in receivers for w in r["workers"]]
+        return {"seconds": seconds,
                 "bytes_moved": sum(r["bytes_sent"] + r["bytes_local"] for r in senders),
-                "bytes_sent": sum(r["bytes_sent"] for r in senders)}
+                "bytes_sent": sum(r["bytes_sent"] for r in senders),
+                "breakdown": {"move_s": max(r["seconds"] for r in reports),
+                              "send_wall_s": max(r["wall_seconds"] for r in senders),
+                              "receive_wall_s": max((r["wall_seconds"] for r in receivers), default=0.0)}}
+
+    def channel_stats(self) -> dict:
+        """Every member's channel counters, open file descriptors and threads."""
+        stats = self.ray.get([w.channel_stats.remote() for w in self.workers]
+                             + [r.channel_stats.remote() for r in self.replicas], timeout=120)
+        return {"trainers": stats[:self.world], "replicas": stats[self.world:]}
 
     # --- generation -------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], seeds: Sequence[int], max_new_tokens: int,
                  temperature: float) -> tuple[list[list[int]], list[list[float]]]:
         """Every prompt's response and its per-token log-probs, in prompt order; each replica
         takes a contiguous share, each sample its own seed."""
-        if self.vllm:
+        if not self.in_world:
             R, n = self.n_replicas, len(prompts)
             if n % R:
-                raise ValueError(f"{n} prompts do not split over {R} vLLM replicas")
+                raise ValueError(f"{n} prompts do not split over {R} rollout replicas")
             per = n // R
             eos = self.hf.get("eos_token_id")
             refs = [r.generate.remote(prompts[i * per:(i + 1) * per], max_new_tokens, temperature,
                                       list(seeds[i * per:(i + 1) * per]), eos) for i, r in enumerate(self.replicas)]
-            gens = wait_all(self.ray, refs, "generate (vLLM)", self.quiet)
+            gens = wait_all(self.ray, refs, f"generate ({self.cfg.rollout.engine})", self.quiet)
         else:
             gens = self.all("generate", prompts, max_new_tokens, temperature, list(seeds), desc="generate")
         leads = sorted((g for g in gens if g["lead"]), key=lambda g: g["replica"])

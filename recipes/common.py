@@ -14,19 +14,29 @@ class StaleWeightsError(RuntimeError):
 
 
 def loop_problems(cfg) -> list[str]:
-    """What the config asks for that this loop does not run (checked before anything starts)."""
+    """What the config asks for that this loop cannot run, checked before anything starts: each
+    phase's engine is resolved through the registry (a registered name or ``module:Class``) and
+    asked whether it runs that phase's layout."""
+    from rlhf_switch.engines.base import EngineError, rollout_engine, training_engine
+    from rlhf_switch.rl.config import ConfigError, model_dims
+
+    try:
+        dims = model_dims(cfg.model)
+    except ConfigError:
+        dims = None  # check_fits reports it
     problems = []
-    if cfg.train.engine not in ("fsdp2", "torch_tp", "deepspeed"):
-        problems.append(f"train.engine: {cfg.train.engine!r} is not run by the loop yet (fsdp2, torch_tp, deepspeed)")
-    if cfg.train.engine == "torch_tp" and cfg.train.pp > 1:
-        problems.append("train: pipeline stages (pp > 1) are not run by the loop yet")
-    if cfg.critic is not None:
-        if cfg.critic.engine not in ("fsdp2", "deepspeed") or cfg.critic.tp > 1 or cfg.critic.pp > 1:
-            problems.append(f"critic: the critic runs data parallel with fsdp2 or deepspeed (got {cfg.critic.engine}, "
-                            f"tp={cfg.critic.tp}, pp={cfg.critic.pp})")
-        elif cfg.critic.dp != cfg.train.dp:
-            problems.append(f"critic: dp={cfg.critic.dp} must equal train.dp={cfg.train.dp} (the critic and the "
-                            f"actor take the same share of each batch)")
+    for phase, layout in cfg.phases().items():
+        try:
+            if phase == "rollout":
+                problems += rollout_engine(layout.engine).layout_problems(phase, layout, dims)
+            else:
+                head = "value" if phase == "critic" else "lm"
+                problems += training_engine(layout.engine).layout_problems(phase, layout, dims, head=head)
+        except EngineError as e:
+            problems.append(f"{phase}.engine: {e}")
+    if cfg.critic is not None and cfg.critic.dp != cfg.train.dp:
+        problems.append(f"critic: dp={cfg.critic.dp} must equal train.dp={cfg.train.dp} (the critic and the "
+                        f"actor take the same share of each batch)")
     if cfg.model.dtype != "float32":
         problems.append(f"model.dtype: {cfg.model.dtype} — the CPU loop trains in float32")
     return problems

@@ -178,6 +178,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 "switch_rollout_to_train_s": 0.0,
                 "bytes_moved": sync["bytes_moved"],
                 "bytes_sent": sync["bytes_sent"],
+                "switch_breakdown": sync.get("breakdown", {}),
                 "train_seconds": train_s,
                 "optimizer_steps": stats[0]["steps"],
                 **({k: stats[0][k] for k in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean") if k in stats[0]}),

@@ -70,8 +70,20 @@ def test_what_the_loop_does_not_run_is_refused_up_front():
     from recipes.loop import prepare
     from rlhf_switch.rl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="train.engine: .torch_pp. is not run by the loop yet"):
-        prepare(config(**{"train": {"engine": "torch_pp", "pp": 2, "dp": 1}}))
+    # every phase's engine is asked, through the registry, whether it runs its layout
+    with pytest.raises(ConfigError) as e:
+        prepare(config(**{"train": {"engine": "torch_pp", "pp": 1, "dp": 2},
+                          "reference": {"engine": "deepspeed", "zero_stage": 0, "dp": 2},
+                          "rollout": {"engine": "sglang", "tp": 2}}))
+    text = str(e.value)
+    assert "train: engine torch_pp runs dp=1 only (got dp=2" in text, text
+    assert "reference: engine deepspeed needs zero_stage 1, 2 or 3, got 0" in text, text
+    assert "rollout.engine: unknown rollout engine 'sglang' (registered: torch, vllm; or give your own as " \
+           "'module:Class')" in text, text
+    with pytest.raises(ConfigError, match="train.engine: training engine 'no_such_module:Engine': cannot import"):
+        prepare(config(**{"train.engine": "no_such_module:Engine"}))
+    with pytest.raises(ConfigError, match="not a subclass of rlhf_switch.engines.base.TrainingEngine"):
+        prepare(config(**{"train.engine": "test_loop_inputs:raising_reward"}))
     ppo = yaml.safe_load((REPO / "configs" / "ppo_tiny.yaml").read_text())
     ppo["world_size"] = 4
     for phase in ("rollout", "reference"):

@@ -29,6 +29,7 @@ from ..vps.layout import Layout
 from ..vps.layouts.vllm import padded_vocab, vllm_layout, worker_tensors
 from ..vps.materialize import allocate
 from ..vps.spec import ModelSpec
+from .base import RolloutContext, RolloutEngine
 
 
 @dataclass
@@ -237,3 +238,25 @@ class TorchRollout:
             tokens_out.append(toks)
             logprobs_out.append(lps)
         return tokens_out, logprobs_out
+
+
+class TorchRolloutEngine(RolloutEngine):
+    """``TorchRollout`` behind the rollout-engine interface: one TP worker per rank of the
+    trainer's world (placement ``worker``), its weights the very buffers the channel writes."""
+
+    placement = "worker"
+
+    @classmethod
+    def build(cls, ctx: RolloutContext) -> "TorchRolloutEngine":
+        self = cls()
+        self.engine = TorchRollout.from_hf_config(ctx.spec, dict(ctx.hf_config), tp=ctx.tp, tp_rank=ctx.tp_rank,
+                                                  group=ctx.group)
+        self.name = f"TorchRollout TP{ctx.tp}"
+        return self
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return self.engine.buffers
+
+    def generate(self, prompts, max_new_tokens, temperature, seeds, eos_token_id):
+        return self.engine.generate([list(p) for p in prompts], max_new_tokens, temperature=temperature,
+                                    seed=list(seeds), eos_token_id=eos_token_id)

@@ -18,7 +18,6 @@ Rank order on a mesh is Megatron's (TP fastest): ``ranks[dp_rank · tp + tp_rank
 """
 from __future__ import annotations
 
-import copy
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -28,6 +27,7 @@ from torch import nn
 
 from ..vps import llama_spec
 from ..vps.layouts.pipeline import stage_bounds
+from ..models import causal_lm as hf_model  # noqa: F401 - the name tests and benches import
 from .dtensor_adapter import TorchTrainAdapter
 from .optim import AdamWConfig
 
@@ -116,17 +116,6 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
     return total
 
 
-def hf_model(hf_config: Any, seed: int) -> nn.Module:
-    """The HF ``LlamaForCausalLM`` of ``hf_config`` (dict or config), fp32, sdpa attention, with
-    weights drawn from ``torch.manual_seed(seed)``: identical on every rank."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**hf_config) if isinstance(hf_config, Mapping) else copy.deepcopy(hf_config)
-    cfg._attn_implementation = "sdpa"  # the pipeline stages call it directly; keep one kernel everywhere
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).float().train()
-
-
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids, labels=input_ids).loss
 
@@ -195,7 +184,7 @@ def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamW
     """FSDP2 over ``ranks`` (DP = len(ranks)): ``fully_shard`` on every decoder layer and the root.
 
     ``model_fn(hf_config, seed)``: build another model with a Llama trunk at ``.model.layers``
-    instead of the causal LM (e.g. the critic's value model, ``actors.critic.value_model``), whose
+    instead of the causal LM (e.g. the critic's value model, ``rlhf_switch.models.value_model``), whose
     VPS description is ``spec`` (None: no adapter). Such a trainer has no ``train_step``: its
     owner runs the forward/backward and ``optimizer``/``scheduler`` itself."""
     from torch.distributed.fsdp import fully_shard

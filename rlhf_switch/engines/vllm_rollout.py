@@ -35,6 +35,7 @@ from ..vps.layout import Layout, LayoutError
 from ..vps.layouts.vllm import vllm_layout, worker_tensors
 from ..vps.placement import place
 from ..vps.spec import ModelSpec
+from .base import RolloutContext, RolloutEngine
 
 WORKER_EXTENSION = "rlhf_switch.engines.vllm_worker.VpsWorkerExtension"
 PREFIX = "param/"
@@ -262,6 +263,38 @@ class VLLMRollout:
             self._asleep = False
         return answers
 
+    # --- the weight channel: joined once, then one move per sync ----------------------------------------
+    def channel_open(self, endpoint) -> list[dict]:
+        """Every worker joins the run's weight channel (``engines.channel.Endpoint``) as rank
+        ``endpoint.first_rank + tp_rank`` and keeps both layouts. Blocks until every member joined."""
+        e = endpoint
+        return self._rpc("vps_channel_open", e.host, e.port, e.first_rank, e.world_size, pickle.dumps(e.src),
+                         pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, timeout=e.timeout_s + 60)
+
+    def channel_layouts(self, src: Layout, dst: Layout) -> list[dict]:
+        return self._rpc("vps_channel_layouts", pickle.dumps(src), pickle.dumps(dst))
+
+    def channel_receive(self, timeout_s: float = 300.0) -> list[dict]:
+        """The workers' part of one sync (the trainer ranks send meanwhile), then the prefix cache
+        reset; sleep/wake around it where the platform has sleep mode."""
+        if self.can_sleep:
+            if not self._asleep:
+                self.llm.sleep(level=2)
+                self._asleep = True
+            self.llm.wake_up(["weights"])
+        answers = self._rpc("vps_channel_receive", timeout=timeout_s)
+        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+        if self.can_sleep:
+            self.llm.wake_up(["kv_cache"])
+            self._asleep = False
+        return answers
+
+    def channel_stats(self) -> list[dict]:
+        return self._rpc("vps_channel_stats")
+
+    def channel_close(self) -> None:
+        self._rpc("vps_channel_close")
+
     # --- generation ------------------------------------------------------------------------------------
     def generate(self, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int, greedy: bool = True,
                  seed: int | Sequence[int] | None = None, temperature: float = 1.0,
@@ -355,3 +388,44 @@ def _send(host: str, port: int, world_size: int, src: Layout, dst: Layout, timeo
             raise error from None
         raise
     return report
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """vLLM behind the rollout-engine interface: one ``VLLMRollout`` per replica (its own TP
+    workers), weights received in place through the weight channel."""
+
+    placement = "replica"
+
+    @classmethod
+    def build(cls, ctx: RolloutContext) -> "VLLMRolloutEngine":
+        self = cls()
+        self.rollout = VLLMRollout(ctx.model_dir, ctx.spec, tp=ctx.tp, seed=ctx.seed,
+                                   max_model_len=ctx.max_model_len, **dict(ctx.options))
+        self.name = f"vLLM TP{ctx.tp}"
+        self.workers = len(self.rollout.description)
+        return self
+
+    def generate(self, prompts, max_new_tokens, temperature, seeds, eos_token_id):
+        return self.rollout.generate(prompts, max_new_tokens, greedy=temperature == 0, seed=list(seeds),
+                                     temperature=temperature or 1.0, eos_token_id=eos_token_id)
+
+    def channel_open(self, endpoint) -> None:
+        self.rollout.channel_open(endpoint)
+
+    def channel_receive(self) -> list[dict]:
+        return self.rollout.channel_receive()
+
+    def channel_stats(self) -> list[dict]:
+        return self.rollout.channel_stats()
+
+    def channel_close(self) -> None:
+        self.rollout.channel_close()
+
+    def sleep(self) -> bool:
+        return self.rollout.sleep()
+
+    def wake_up(self) -> bool:
+        return self.rollout.wake_up()
+
+    def shutdown(self) -> None:
+        self.rollout.shutdown()

@@ -177,3 +177,44 @@ class VpsWorkerExtension:
         bufs = {PREFIX + n: p.detach() for n, p in self._vps_model().named_parameters()}
         chosen = bufs if names is None else {n: bufs[n] for n in names}
         return save({n: t.contiguous().clone() for n, t in chosen.items()})
+
+    # --- the weight channel (engines/channel.py): joined once, then one move per sync --------------
+    @_answer
+    def vps_channel_open(self, host: str, port: int, first_rank: int, world_size: int, src_layout: bytes,
+                         dst_layout: bytes, timeout_s: float, budget_bytes: int) -> dict:
+        """Join the run's weight channel as rank ``first_rank + tp_rank`` and keep it (and both
+        layouts) for every later ``vps_channel_receive``."""
+        from .channel import ChannelEnd
+
+        tp_rank, _ = _tp_rank_and_size()
+        old = getattr(self, "_vps_channel", None)
+        if old is not None:
+            old.close()
+        self._vps_channel = ChannelEnd.join(host, port, first_rank + tp_rank, world_size,
+                                            timeout_s=timeout_s, budget_bytes=budget_bytes)
+        self._vps_channel.set_layouts(pickle.loads(src_layout), pickle.loads(dst_layout))
+        return self._vps_channel.stats()
+
+    @_answer
+    def vps_channel_layouts(self, src_layout: bytes, dst_layout: bytes) -> dict:
+        """New layouts for the same channel (an engine was rebuilt): the next move re-plans."""
+        self._vps_channel.set_layouts(pickle.loads(src_layout), pickle.loads(dst_layout))
+        return self._vps_channel.stats()
+
+    @_answer
+    @torch.no_grad()
+    def vps_channel_receive(self) -> dict:
+        """This worker's part of one move through the channel, straight into its parameters."""
+        return dataclasses.asdict(self._vps_channel.move({}, self.vps_buffers()))
+
+    @_answer
+    def vps_channel_stats(self) -> dict:
+        return self._vps_channel.stats()
+
+    @_answer
+    def vps_channel_close(self) -> bool:
+        channel = getattr(self, "_vps_channel", None)
+        if channel is not None:
+            channel.close()
+            self._vps_channel = None
+        return True

@@ -38,8 +38,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .rewards import DEFAULT_REWARDS, RewardError, load_reward_fn, parse_reward_spec
 from .tasks import CharTokenizer, build_task, longest_answer_tokens, longest_prompt_tokens
 
-TrainEngine = Literal["deepspeed", "fsdp2", "torch_tp", "torch_pp"]
-RolloutEngine = Literal["vllm", "torch"]
+# an engine is a registered name (training: deepspeed, fsdp2, torch_tp, torch_pp; rollout: vllm,
+# torch) or "module:Class" — a user's own engine. Which names exist and which layouts each engine
+# runs is the engines' registry's to say (rlhf_switch.engines.base), asked before anything starts
+# (recipes.common.loop_problems); here only the form is checked, so loading a config imports no engine.
+EngineName = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")]
 # the names rlhf_switch.rl.algorithms accepts (kept here so loading a config never imports torch)
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -77,11 +80,11 @@ class PhaseLayout(Strict):
 class TrainLayout(PhaseLayout):
     """A phase that runs forward (and backward) in a training engine: train, reference, critic."""
 
-    engine: TrainEngine
+    engine: EngineName
 
 
 class RolloutLayout(PhaseLayout):
-    engine: RolloutEngine
+    engine: EngineName
 
 
 class ModelConfig(Strict):
@@ -372,6 +375,7 @@ class ModelDims:
     vocab_size: int
     max_context: int
     special_ids: Mapping[str, int]
+    tie_word_embeddings: bool = False
 
     REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     OPTIONAL = ("num_key_value_heads", "max_position_embeddings")
@@ -384,7 +388,8 @@ class ModelDims:
                    intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
                    max_context=int(cfg.get("max_position_embeddings") or LLAMA_DEFAULT_CONTEXT),
                    special_ids={k: cfg[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")
-                                if cfg.get(k) is not None})
+                                if cfg.get(k) is not None},
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
 def model_dims(model: ModelConfig) -> ModelDims:
@@ -403,24 +408,12 @@ def model_dims(model: ModelConfig) -> ModelDims:
 
 
 def _layout_problems(phase: str, layout: PhaseLayout, world_size: int) -> list[str]:
-    problems = []
+    """Every phase is colocated on the whole world. (What each engine runs — ZeRO stages, TP, PP —
+    its own ``layout_problems`` says: ``recipes.common.loop_problems``.)"""
     if layout.size != world_size:
-        problems.append(f"{phase}: tp·pp·dp = {layout.tp}·{layout.pp}·{layout.dp} = {layout.size}, but "
-                        f"world_size = {world_size} (every phase is colocated on all devices)")
-    if isinstance(layout, RolloutLayout):
-        if layout.pp > 1:
-            problems.append(f"{phase}: rollout engines run tensor parallel replicas only; pp={layout.pp} "
-                            f"must be 1 (use tp and dp)")
-        if layout.zero_stage:
-            problems.append(f"{phase}: rollout engines hold whole (TP-sharded) weights; "
-                            f"zero_stage={layout.zero_stage} must be 0")
-    elif layout.engine == "deepspeed" and (layout.tp > 1 or layout.pp > 1):
-        problems.append(f"{phase}: engine deepspeed is ZeRO data parallelism (tp=1, pp=1); "
-                        f"for tp={layout.tp}, pp={layout.pp} use engine torch_tp / torch_pp")
-    elif layout.engine != "deepspeed" and layout.zero_stage:
-        problems.append(f"{phase}: zero_stage={layout.zero_stage} applies to engine deepspeed only; "
-                        f"{layout.engine} shards by its own layout (set zero_stage: 0)")
-    return problems
+        return [f"{phase}: tp·pp·dp = {layout.tp}·{layout.pp}·{layout.dp} = {layout.size}, but "
+                f"world_size = {world_size} (every phase is colocated on all devices)"]
+    return []
 
 
 def _model_split_problems(phase: str, layout: PhaseLayout, dims: ModelDims) -> list[str]:

@@ -37,9 +37,9 @@ FINGERPRINT_VERSION = 1
 
 def build_initial_model(hf_config: Mapping[str, Any], seed: int) -> torch.nn.Module:
     """The run's initial ``LlamaForCausalLM`` (fp32, sdpa), weights drawn from ``seed``."""
-    from rlhf_switch.engines.torch_train import hf_model
+    from rlhf_switch.models import causal_lm
 
-    return hf_model(hf_config, seed)
+    return causal_lm(hf_config, seed)
 
 
 def _max_context(model: torch.nn.Module) -> int:

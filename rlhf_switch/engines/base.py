@@ -1,0 +1,311 @@
+"""The two engine interfaces — a training engine and a rollout engine — and one registry for each.
+
+The loop, the weight channel and (later) the elastic manager talk only to these interfaces. A
+config's ``engine:`` names a registered engine (``deepspeed``, ``fsdp2``, ``torch_tp``, ``torch_pp``;
+``vllm``, ``torch``) or ``module:Class`` — a user's own engine, imported by name like
+``task.reward_fn``, so adding one needs no edit of this package. Config validation asks the
+engine class which layouts it runs (``layout_problems``) instead of a hard-coded list.
+
+Training engine (the trainer, the reference and the PPO critic alike — the critic is a training
+engine whose model has a value head, ``head="value"``)::
+
+    engine = Engine.build(layout, TrainingContext(...))   # collective over the world; None off its ranks
+    engine.adapter                                        # its state as VPS fragments (weights, master, Adam)
+    out = engine.outputs(ids)                             # [B, T-1]: log-probs of ids[:, 1:] (lm) or values
+    engine.train_step(ids, micro, loss_fn)                # one optimizer step in micro-batches
+
+Rollout engine, placed one of two ways (``placement``):
+
+- ``"worker"``: one instance per rank of the colocated world, a replica's TP ranks sharing a group of
+  that world (the small torch engine); its destination buffers are this process's tensors;
+- ``"replica"``: one instance per replica, in its own actor, owning its own worker processes
+  (vLLM); its workers join the weight channel themselves (``channel_open``/``channel_receive``).
+
+Every engine's layout is data (``rollout_layout``, ``adapter``): the weight channel
+(``engines/channel.py``) plans the move from them once and then only moves bytes.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import torch
+
+from ..vps.layout import Layout
+from ..vps.spec import ModelSpec
+from .optim import AdamWConfig
+
+# a micro-batch's loss: (per-token outputs [b, T-1] with autograd, the rows of the step's batch it
+# covers) -> (scalar loss already weighted for the step, floats to report)
+LossFn = Callable[[torch.Tensor, slice], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+class EngineError(ValueError):
+    """An engine name that cannot be resolved, or a class that is not an engine."""
+
+
+# --- training engines -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrainingContext:
+    """What every training engine is built from (the same on every rank of the world)."""
+
+    hf_config: Mapping[str, Any]
+    seed: int
+    ranks: tuple[int, ...]            # the world ranks the engine lives on (ascending)
+    optim: AdamWConfig = AdamWConfig()
+    micro_batch: int = 1              # rows per forward
+    seq_len: int = 0                  # the longest sequence it will see (prompt + response); 0: the model's context
+    head: str = "lm"                  # "lm" (causal LM) or "value" (scalar value head: the critic)
+    init_from: str | None = None      # head "value": an actor checkpoint whose trunk the critic starts from
+    timeout: timedelta = timedelta(seconds=120)
+
+    @property
+    def context(self) -> int:
+        return int(self.seq_len or self.hf_config.get("max_position_embeddings", 2048))
+
+
+class TrainingEngine(ABC):
+    """One rank of a training engine. Every method is collective over the engine's ranks: call it
+    on all of them with the same shapes."""
+
+    name: str                  # e.g. "ZeRO3·DP2", shown in reports and errors
+    spec: ModelSpec            # what the VPS knows of its model
+    adapter: Any               # a TrainAdapter: its live tensors as VPS fragments
+    head: str = "lm"
+    dp: int = 1                # data-parallel size; each DP rank takes a contiguous share of a batch
+    dp_rank: int = 0
+    dp_group: Any = None       # the DP process group (None: DP 1, or the whole world)
+
+    @classmethod
+    def layout_problems(cls, phase: str, layout: Any, dims: Any, head: str = "lm") -> list[str]:
+        """Why this engine cannot run ``layout`` (``tp``, ``pp``, ``dp``, ``zero_stage``) for the
+        model ``dims`` (an ``rl.config.ModelDims``, or None when unknown) with ``head``: one line
+        per reason, prefixed by ``phase``. Pure: checked before anything starts."""
+        return []
+
+    @classmethod
+    @abstractmethod
+    def build(cls, layout: Any, ctx: TrainingContext) -> "TrainingEngine | None":
+        """Build the engine over ``ctx.ranks`` (collective over the WORLD: process groups are made
+        by every world rank); ``None`` on ranks outside ``ctx.ranks``."""
+
+    @abstractmethod
+    def outputs(self, ids: torch.Tensor) -> torch.Tensor:
+        """No grad. ``ids [B, T]`` (right-padded; this rank's share) -> ``[B, T-1]`` float32: the
+        log-probs of ``ids[:, 1:]`` (head ``lm``) or the values of the states ``ids[:, :t+1]``
+        (head ``value``). Micro-batches of ``ctx.micro_batch`` rows."""
+
+    @abstractmethod
+    def train_step(self, ids: torch.Tensor, micro: int, loss_fn: LossFn) -> dict:
+        """One optimizer step over ``ids [B, T]`` (this rank's share) in micro-batches of ``micro``
+        rows: per micro-batch ``s``, ``loss, stats = loss_fn(outputs with autograd, s)`` and its
+        backward (gradients are the sum of the losses, averaged over DP by the engine); then
+        clipping, the optimizer and the LR schedule. Returns ``{"grad_norm": float, "stats": [...]}``."""
+
+    def freeze(self) -> None:
+        """This engine never steps (the reference): inference mode where the engine has one."""
+
+    # shared by engines whose model is one module called on token ids
+    def _per_token(self, out: Any, ids: torch.Tensor) -> torch.Tensor:
+        from ..rl.algorithms import logprobs_from_logits
+
+        logits = out.logits if hasattr(out, "logits") else out
+        if self.head == "value":
+            return logits[:, :-1, 0].float()
+        return logprobs_from_logits(logits[:, :-1], ids[:, 1:])
+
+
+class ModuleEngine(TrainingEngine):
+    """A training engine that is one module called on token ids (FSDP2, DTensor TP, DeepSpeed):
+    ``outputs`` and ``train_step`` are written once here over ``_forward`` / ``_backward`` /
+    ``_optimizer_step``."""
+
+    micro_batch: int = 1
+
+    def _forward(self, ids: torch.Tensor) -> Any:
+        return self.module(input_ids=ids, use_cache=False)
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        loss.backward()
+
+    @abstractmethod
+    def _optimizer_step(self) -> float:
+        """Clip, step, schedule, zero the gradients; the global gradient norm before clipping."""
+
+    @torch.no_grad()
+    def outputs(self, ids: torch.Tensor) -> torch.Tensor:
+        m = max(1, self.micro_batch)
+        return torch.cat([self._per_token(self._forward(ids[i:i + m]), ids[i:i + m])
+                          for i in range(0, ids.shape[0], m)])
+
+    def train_step(self, ids: torch.Tensor, micro: int, loss_fn: LossFn) -> dict:
+        chunks = [slice(i, min(i + micro, ids.shape[0])) for i in range(0, ids.shape[0], micro)]
+        stats = []
+        for i, s in enumerate(chunks):
+            out = self._per_token(self._forward(ids[s]), ids[s])
+            loss, st = loss_fn(out, s)
+            self._backward(loss, last=i == len(chunks) - 1)
+            stats.append(st)
+        return {"grad_norm": self._optimizer_step(), "stats": stats}
+
+    def freeze(self) -> None:
+        self.module.eval()
+
+
+# --- rollout engines --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What every rollout engine is built from."""
+
+    hf_config: Mapping[str, Any]
+    spec: ModelSpec
+    model_dir: str                    # a HF checkpoint directory of the starting weights
+    tp: int
+    replicas: int
+    replica: int
+    seed: int = 0
+    max_model_len: int = 2048
+    tp_rank: int = 0                  # placement "worker": this rank's place in its replica
+    group: Any = None                 # placement "worker": the replica's TP group (None at TP 1)
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class RolloutEngine(ABC):
+    """One rollout engine: a TP worker (placement ``worker``) or a whole replica (``replica``)."""
+
+    placement: ClassVar[str] = "worker"
+    name: str = "rollout"
+
+    @classmethod
+    def layout_problems(cls, phase: str, layout: Any, dims: Any) -> list[str]:
+        problems = []
+        if layout.pp > 1:
+            problems.append(f"{phase}: rollout engines run tensor parallel replicas only; pp={layout.pp} "
+                            f"must be 1 (use tp and dp)")
+        if layout.zero_stage:
+            problems.append(f"{phase}: rollout engines hold whole (TP-sharded) weights; "
+                            f"zero_stage={layout.zero_stage} must be 0")
+        return problems
+
+    @classmethod
+    def rollout_layout(cls, spec: ModelSpec, tp: int, replicas: int, dtype: str = "float32") -> Layout:
+        """Where every replica's weights live (rank = replica·tp + tp rank): the destination of the
+        weight channel. Default: vLLM's per-worker layout."""
+        from ..vps.layouts.vllm import vllm_layout
+
+        return vllm_layout(spec, tp, replicas, dtype)
+
+    @classmethod
+    @abstractmethod
+    def build(cls, ctx: RolloutContext) -> "RolloutEngine":
+        ...
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float,
+                 seeds: Sequence[int], eos_token_id: int | None) -> tuple[list[list[int]], list[list[float]]]:
+        """Tokens and their log-probs (raw model distribution) per prompt; ``seeds``: one per
+        prompt, so a sample does not depend on the replica or batch it ran in."""
+
+    # placement "worker": the destination buffers are this process's tensors
+    def buffers(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} has no local buffers (placement {self.placement!r})")
+
+    def weights_updated(self) -> None:
+        """After the channel wrote new weights: drop anything computed with the old ones."""
+
+    # placement "replica": the engine's own workers join the channel
+    def channel_open(self, endpoint: "Any") -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not join a channel itself (placement {self.placement!r})")
+
+    def channel_receive(self) -> list[dict]:
+        raise NotImplementedError
+
+    def channel_close(self) -> None:
+        pass
+
+    def channel_stats(self) -> list[dict]:
+        return []
+
+    # where the platform has it (vLLM on GPU): free weights and KV cache between rollouts
+    def sleep(self) -> bool:
+        return False
+
+    def wake_up(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        pass
+
+
+# --- registries -------------------------------------------------------------------------------------
+
+# built-in engines by name -> "module:Class" (imported on first use: naming an engine must not
+# import DeepSpeed or vLLM)
+_TRAINING: dict[str, str | type] = {
+    "fsdp2": "rlhf_switch.engines.torch_engines:FSDP2Engine",
+    "torch_tp": "rlhf_switch.engines.torch_engines:TorchTPEngine",
+    "torch_pp": "rlhf_switch.engines.torch_engines:TorchPPEngine",
+    "deepspeed": "rlhf_switch.engines.deepspeed_engine:DeepSpeedEngine",
+}
+_ROLLOUT: dict[str, str | type] = {
+    "torch": "rlhf_switch.engines.torch_rollout:TorchRolloutEngine",
+    "vllm": "rlhf_switch.engines.vllm_rollout:VLLMRolloutEngine",
+}
+
+
+def register_training_engine(name: str, cls: str | type) -> None:
+    """Make ``name`` usable as a config's ``engine:`` (``cls``: a class or ``"module:Class"``)."""
+    _TRAINING[name] = cls
+
+
+def register_rollout_engine(name: str, cls: str | type) -> None:
+    _ROLLOUT[name] = cls
+
+
+def training_engine_names() -> list[str]:
+    return sorted(_TRAINING)
+
+
+def rollout_engine_names() -> list[str]:
+    return sorted(_ROLLOUT)
+
+
+def _import(path: str, kind: str) -> type:
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise EngineError(f"{kind} engine {path!r}: expected a registered name or 'module:Class'")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise EngineError(f"{kind} engine {path!r}: cannot import {module!r}: {e}") from None
+    try:
+        return getattr(mod, attr)
+    except AttributeError:
+        raise EngineError(f"{kind} engine {path!r}: module {module!r} has no {attr!r}") from None
+
+
+def _resolve(name: str, table: dict, base: type, kind: str) -> type:
+    entry = table.get(name)
+    if entry is None and ":" not in name:
+        raise EngineError(f"unknown {kind} engine {name!r} (registered: {', '.join(sorted(table))}; "
+                          f"or give your own as 'module:Class')")
+    cls = _import(entry if isinstance(entry, str) else name, kind) if not isinstance(entry, type) else entry
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise EngineError(f"{kind} engine {name!r} is {cls!r}, not a subclass of "
+                          f"rlhf_switch.engines.base.{base.__name__}")
+    return cls
+
+
+def training_engine(name: str) -> type[TrainingEngine]:
+    """The training-engine class a config's ``engine:`` names (registered name or ``module:Class``)."""
+    return _resolve(name, _TRAINING, TrainingEngine, "training")
+
+
+def rollout_engine(name: str) -> type[RolloutEngine]:
+    """The rollout-engine class a config's ``engine:`` names (registered name or ``module:Class``)."""
+    return _resolve(name, _ROLLOUT, RolloutEngine, "rollout")

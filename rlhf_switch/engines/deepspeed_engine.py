@@ -1,0 +1,68 @@
+"""DeepSpeed ZeRO-1/2/3 behind the training-engine interface (the VPS view of its partitions is
+``deepspeed_zero.ZeroAdapter``). Micro-batches accumulate gradients inside one optimizer step:
+the engine is told where the accumulation boundary is, so its ``gradient_accumulation_steps``
+stays 1 and any number of micro-batches makes one step."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..models import build_model, model_spec
+from .base import LossFn, ModuleEngine, TrainingContext
+
+
+class DeepSpeedEngine(ModuleEngine):
+    @classmethod
+    def layout_problems(cls, phase, layout, dims, head="lm"):
+        problems = []
+        if layout.tp > 1 or layout.pp > 1:
+            problems.append(f"{phase}: engine deepspeed is ZeRO data parallelism (tp=1, pp=1); "
+                            f"for tp={layout.tp}, pp={layout.pp} use engine torch_tp / torch_pp")
+        if layout.zero_stage not in (1, 2, 3):
+            problems.append(f"{phase}: engine deepspeed needs zero_stage 1, 2 or 3, got {layout.zero_stage}")
+        return problems
+
+    @classmethod
+    def build(cls, layout, ctx: TrainingContext):
+        from .deepspeed_zero import build_zero_trainer
+
+        if layout.zero_stage not in (1, 2, 3):
+            raise ValueError(f"engine deepspeed needs zero_stage 1, 2 or 3, got {layout.zero_stage}")
+        ranks = list(ctx.ranks)
+        # only the engine's ranks build the model (ZeRO-3 counts the parameters it partitions)
+        on = dist.get_rank() in ranks
+        module = build_model(ctx.hf_config, ctx.seed, ctx.head, ctx.init_from) if on else torch.nn.Linear(1, 1)
+        spec = model_spec(module.config, ctx.head) if on else None
+        z = build_zero_trainer(module, spec, int(layout.zero_stage), ctx.micro_batch, ranks, optim=ctx.optim)
+        if z is None:
+            return None
+        self = cls()
+        self.zero, self.engine = z, z.engine
+        self.module = z.engine  # forward through the engine (ZeRO-3 gathers partitions in its hooks)
+        self.adapter, self.spec = z.adapter, spec
+        self.name = f"{'critic ' if ctx.head == 'value' else ''}ZeRO{layout.zero_stage}·DP{len(ranks)}"
+        self.adapter.name = self.name
+        self.dp, self.dp_group = z.dp, z.dp_group
+        self.dp_rank = dist.get_rank(z.dp_group)
+        self.head, self.micro_batch = ctx.head, ctx.micro_batch
+        return self
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _optimizer_step(self) -> float:
+        self.engine.step()
+        gn = self.engine.get_global_grad_norm()
+        return float(gn) if gn is not None else float("nan")
+
+    def outputs(self, ids: torch.Tensor) -> torch.Tensor:
+        with self.zero.scope():  # DeepSpeed's world collectives on the engine's own ranks
+            return super().outputs(ids)
+
+    def train_step(self, ids: torch.Tensor, micro: int, loss_fn: LossFn) -> dict:
+        with self.zero.scope():
+            return super().train_step(ids, micro, loss_fn)
+
+    def freeze(self) -> None:
+        self.engine.eval()

@@ -1,0 +1,111 @@
+"""The torch-native training engines behind the training-engine interface: FSDP2, DTensor TP (and
+TP×FSDP2), pipeline stages (and TP×PP). Each is a thin shell over a builder of ``torch_train`` /
+``pipeline``: the builder applies the parallelism, the shell says which layouts it runs."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..models import build_model, model_spec
+from .base import LossFn, ModuleEngine, TrainingContext, TrainingEngine
+
+
+def _fixed(phase: str, layout: Any, engine: str, **want: int) -> list[str]:
+    """Layout fields this engine does not use must keep their neutral value."""
+    hints = {"tp": "torch_tp", "pp": "torch_pp", "zero_stage": "deepspeed", "dp": "torch_tp"}
+    return [f"{phase}: engine {engine} runs {k}={v} only (got {k}={getattr(layout, k)}; for {k} > {v} use "
+            f"{'engine ' + hints[k] if hints[k] != engine else 'another engine'})"
+            for k, v in want.items() if getattr(layout, k) != v]
+
+
+class _TorchTrainerEngine(ModuleEngine):
+    """Shared by the engines built as a ``torch_train.TorchTrainer``."""
+
+    def __init__(self, trainer: Any, ctx: TrainingContext):
+        self.trainer, self.module = trainer, trainer.module
+        self.name = f"critic {trainer.name}" if ctx.head == "value" else trainer.name
+        self.spec, self.adapter = trainer.spec, trainer.adapter
+        self.dp, self.dp_rank, self.dp_group = trainer.dp, trainer.dp_rank, trainer.dp_group
+        self.head, self.micro_batch = ctx.head, ctx.micro_batch
+
+    def _optimizer_step(self) -> float:
+        return self.trainer.optimizer_step(report_norm=True)
+
+
+class FSDP2Engine(_TorchTrainerEngine):
+    """torch FSDP2 (``fully_shard`` per decoder layer and the root) over all its ranks: DP only."""
+
+    @classmethod
+    def layout_problems(cls, phase, layout, dims, head="lm"):
+        return _fixed(phase, layout, "fsdp2", tp=1, pp=1, zero_stage=0)
+
+    @classmethod
+    def build(cls, layout, ctx: TrainingContext):
+        from .torch_train import build_fsdp2
+
+        value = {} if ctx.head == "lm" else dict(  # the causal LM is build_fsdp2's own default
+            model_fn=lambda cfg, seed: build_model(cfg, seed, ctx.head, ctx.init_from),
+            spec=model_spec(ctx.hf_config, ctx.head))
+        t = build_fsdp2(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout, **value)
+        return None if t is None else cls(t, ctx)
+
+
+class TorchTPEngine(_TorchTrainerEngine):
+    """DTensor TP (Megatron-style plan on every decoder layer), with FSDP2 over DP when dp > 1."""
+
+    @classmethod
+    def layout_problems(cls, phase, layout, dims, head="lm"):
+        problems = _fixed(phase, layout, "torch_tp", pp=1, zero_stage=0)
+        if head != "lm":
+            problems.append(f"{phase}: engine torch_tp builds causal LMs only (use fsdp2 or deepspeed)")
+        return problems
+
+    @classmethod
+    def build(cls, layout, ctx: TrainingContext):
+        from .torch_train import build_tp, build_tp_dp
+
+        if layout.dp > 1:
+            t = build_tp_dp(ctx.hf_config, ctx.seed, ctx.ranks, tp=layout.tp, optim=ctx.optim, timeout=ctx.timeout)
+        else:
+            t = build_tp(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout)
+        return None if t is None else cls(t, ctx)
+
+
+class TorchPPEngine(TrainingEngine):
+    """Pipeline stages (``torch.distributed.pipelining``, GPipe), DTensor TP inside each stage when
+    tp > 1: every batch goes through the stages in micro-batches; the last stage computes the
+    log-probs and losses and hands them to every rank of the engine."""
+
+    @classmethod
+    def layout_problems(cls, phase, layout, dims, head="lm"):
+        problems = _fixed(phase, layout, "torch_pp", dp=1, zero_stage=0)
+        if head != "lm":
+            problems.append(f"{phase}: engine torch_pp builds causal LMs only (use fsdp2 or deepspeed)")
+        if dims is not None and layout.pp > 1 and getattr(dims, "tie_word_embeddings", False):
+            problems.append(f"{phase}: engine torch_pp cannot split a model with tied embeddings over stages")
+        return problems
+
+    @classmethod
+    def build(cls, layout, ctx: TrainingContext):
+        from .pipeline import build_pipeline_trainer
+
+        t = build_pipeline_trainer(ctx.hf_config, ctx.seed, ctx.ranks, tp=layout.tp, optim=ctx.optim,
+                                   timeout=ctx.timeout, seq_len=ctx.context, micro=ctx.micro_batch)
+        if t is None:
+            return None
+        self = cls()
+        self.trainer, self.module = t, t.module
+        self.name, self.spec, self.adapter = t.name, t.spec, t.adapter
+        self.dp, self.dp_rank, self.dp_group = t.dp, t.dp_rank, t.dp_group
+        self.head = "lm"
+        return self
+
+    def outputs(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.trainer.outputs(ids)
+
+    def train_step(self, ids: torch.Tensor, micro: int, loss_fn: LossFn) -> dict:
+        return self.trainer.train_step(ids, micro, loss_fn)
+
+    def freeze(self) -> None:
+        self.module.eval()

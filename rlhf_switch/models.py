@@ -1,0 +1,132 @@
+"""The models every engine builds, and their VPS descriptions: a causal LM and its value-head twin.
+
+Both are Hugging Face models built from a config dict (or config object), fp32, sdpa attention,
+weights drawn from ``torch.manual_seed(seed)`` — identical on every rank that builds them, so an
+engine can shard a model each rank built for itself.
+
+- ``causal_lm``: ``LlamaForCausalLM`` — the actor, the reference, the SFT warm start;
+- ``value_model``: ``LlamaForTokenClassification`` with one label — the PPO critic: the same trunk
+  with a scalar head (optionally the trunk of an actor checkpoint);
+- ``model_spec(hf_config, head)``: the VPS description of either (``head`` ``"lm"`` or ``"value"``),
+  names and order equal to the model's ``named_parameters()``.
+
+This module sits below the engines and the RL code: both build models from here.
+"""
+from __future__ import annotations
+
+import copy
+import glob
+import os
+from typing import Any, Literal, Mapping
+
+import torch
+from torch import nn
+
+from .vps import ModelSpec, llama_spec
+
+Head = Literal["lm", "value"]
+HEADS = ("lm", "value")
+
+
+def _config(hf_config: Any, cls_name: str = "LlamaConfig"):
+    import transformers
+
+    cls = getattr(transformers, cls_name)
+    return cls(**hf_config) if isinstance(hf_config, Mapping) else copy.deepcopy(hf_config)
+
+
+def _hidden(cfg: Any) -> int:
+    return int(cfg["hidden_size"] if isinstance(cfg, Mapping) else cfg.hidden_size)
+
+
+def causal_lm(hf_config: Any, seed: int) -> nn.Module:
+    """The HF ``LlamaForCausalLM`` of ``hf_config`` (dict or config), fp32, sdpa attention, with
+    weights drawn from ``torch.manual_seed(seed)``: identical on every rank."""
+    from transformers import LlamaForCausalLM
+
+    cfg = _config(hf_config)
+    cfg._attn_implementation = "sdpa"  # the pipeline stages call it directly; keep one kernel everywhere
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).float().train()
+
+
+def value_model(hf_config: Any, seed: int, init_from: str | None = None,
+                head_std: float | None = None) -> nn.Module:
+    """``LlamaForTokenClassification`` (``num_labels=1``) of ``hf_config`` (dict or config): fp32,
+    sdpa attention, no dropout, weights from ``torch.manual_seed(seed)`` — identical on every rank.
+
+    ``init_from``: a directory with a safetensors checkpoint of a ``LlamaForCausalLM`` (one
+    ``model.safetensors`` or shards ``*.safetensors``); its trunk ``model.*`` replaces the seeded
+    trunk (all of it: a missing or misshapen tensor raises). ``head_std``: std of the value
+    head's weight (default ``1/(hidden+1)``, OpenRLHF's choice; 0 = zeros); its bias is 0."""
+    from transformers import LlamaForTokenClassification
+
+    cfg = _config(hf_config)
+    cfg.num_labels = 1
+    cfg.classifier_dropout = 0.0  # transformers' default would be 0.1: a noisy critic
+    cfg.use_cache = False
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = LlamaForTokenClassification(cfg).float()
+    std = 1.0 / (_hidden(cfg) + 1) if head_std is None else float(head_std)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g) * std)
+        if model.score.bias is not None:
+            model.score.bias.zero_()
+    if init_from is not None:
+        load_trunk(model, init_from)
+    return model.train()
+
+
+def load_trunk(model: nn.Module, checkpoint_dir: str) -> None:
+    """Copy the ``model.*`` tensors of a safetensors HF checkpoint (a ``LlamaForCausalLM``) into
+    ``model.model`` — strictly: every trunk tensor must be there with its shape."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {checkpoint_dir!r} (init_from wants an HF checkpoint directory)")
+    trunk: dict[str, torch.Tensor] = {}
+    for f in files:
+        for k, v in load_file(f).items():
+            if k.startswith("model."):
+                trunk[k[len("model."):]] = v
+    missing, unexpected = model.model.load_state_dict(trunk, strict=False)
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise ValueError(f"{checkpoint_dir}: the checkpoint's trunk does not fit the critic: missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def value_spec(hf_config: Any, name: str = "llama-value") -> ModelSpec:
+    """The VPS description of ``value_model``: the Llama trunk's tensors (as ``llama_spec``), no
+    LM head, and the value head ``score.weight [1, H]`` + ``score.bias [1]`` (replicated: no TP
+    rule splits a 1-row head). Names and order equal ``value_model(...).named_parameters()``."""
+    from .vps.spec import TensorSpec
+
+    base = llama_spec(dict(hf_config) if isinstance(hf_config, Mapping) else hf_config)
+    trunk = tuple(t for t in base.tensors if t.name != "lm_head.weight")
+    dtype = trunk[0].dtype
+    H = trunk[0].shape[1]
+    head = (TensorSpec("score.weight", (1, H), dtype, "replicate", anchor="last"),
+            TensorSpec("score.bias", (1,), dtype, "replicate", anchor="last"))
+    return ModelSpec(name, trunk + head, base.num_layers, base.attention, base.fused, False)
+
+
+def build_model(hf_config: Any, seed: int, head: Head = "lm", init_from: str | None = None) -> nn.Module:
+    """The model of ``head``: ``causal_lm`` or ``value_model`` (whose trunk may come from ``init_from``)."""
+    if head == "lm":
+        return causal_lm(hf_config, seed)
+    if head == "value":
+        return value_model(hf_config, seed, init_from=init_from)
+    raise ValueError(f"unknown model head {head!r} (known: {', '.join(HEADS)})")
+
+
+def model_spec(hf_config: Any, head: Head = "lm") -> ModelSpec:
+    """The VPS description of ``build_model(hf_config, seed, head)``."""
+    if head == "lm":
+        return llama_spec(dict(hf_config) if isinstance(hf_config, Mapping) else hf_config)
+    if head == "value":
+        return value_spec(hf_config)
+    raise ValueError(f"unknown model head {head!r} (known: {', '.join(HEADS)})")
