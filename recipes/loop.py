@@ -209,6 +209,10 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
         eval_now(last + 1, "after")
         s = cluster.save(out_dir / "final", {"iteration": last})
         say(f"[{name}] final actor: {out_dir / 'final'} (HF safetensors + optimizer state, {s:.1f} s)")
+        channel = channel_summary(cluster)
+        log.write({"iteration": last + 1, "channel": channel}, last + 1)
+        say(f"[{name}] weight channel: opened {channel['opened']}x, {channel['moves']} syncs, process groups "
+            f"made per member process: {channel['groups_per_member']}")
         ok = True
     finally:
         log.close()
@@ -220,6 +224,16 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     say(f"[{name}] {len([r for r in records if 'reward_mean' in r])} iterations in {time.perf_counter() - t_start:.1f} s; "
         f"metrics: {log.path}" + (f"; plot: {png}" if png else ""))
     return records
+
+
+def channel_summary(cluster) -> dict:
+    """How the run's weight channel was used: how often it was opened (once, unless a layout
+    changed), the syncs through it, and the process groups each member process made for it."""
+    stats = cluster.channel_stats()
+    members = stats["trainers"] + [w for r in stats["replicas"] for w in r["workers"]]
+    return {"opened": cluster.channel_opened, "moves": max(m.get("moves", 0) for m in members),
+            "groups_per_member": sorted({m.get("groups_created", 0) for m in members}),
+            "members": len(members)}
 
 
 def main(argv=None, algorithm: str | None = None) -> int:
