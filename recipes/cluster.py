@@ -163,9 +163,15 @@ class Cluster:
         return {"seconds": seconds,
                 "bytes_moved": sum(r["bytes_sent"] + r["bytes_local"] for r in senders),
                 "bytes_sent": sum(r["bytes_sent"] for r in senders),
-                "breakdown": {"move_s": max(r["seconds"] for r in reports),
+                "breakdown": {"prepare_s": max(r["phases"].get("prepare", 0.0) for r in reports),
+                              "agree_s": max(r["phases"].get("agree", 0.0) for r in reports),
+                              "move_s": max(r["seconds"] for r in reports),
                               "send_wall_s": max(r["wall_seconds"] for r in senders),
-                              "receive_wall_s": max((r["wall_seconds"] for r in receivers), default=0.0)}}
+                              "receive_wall_s": max((r["wall_seconds"] for r in receivers), default=0.0),
+                              "worker_rpc_s": max((w.get("rpc_s", 0.0) for r in receivers for w in r["workers"]),
+                                                  default=0.0),
+                              "cache_reset_s": max((w.get("reset_s", 0.0) for r in receivers for w in r["workers"]),
+                                                   default=0.0)}}
 
     def channel_stats(self) -> dict:
         """Every member's channel counters, open file descriptors and threads."""

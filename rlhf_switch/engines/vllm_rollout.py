@@ -282,11 +282,18 @@ class VLLMRollout:
                 self.llm.sleep(level=2)
                 self._asleep = True
             self.llm.wake_up(["weights"])
+        import time
+
+        t0 = time.perf_counter()
         answers = self._rpc("vps_channel_receive", timeout=timeout_s)
+        t1 = time.perf_counter()
         self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+        reset_s = time.perf_counter() - t1
         if self.can_sleep:
             self.llm.wake_up(["kv_cache"])
             self._asleep = False
+        for a in answers:  # where the replica's time went: the workers' RPC (their move inside), the reset
+            a.update(rpc_s=t1 - t0, reset_s=reset_s)
         return answers
 
     def channel_stats(self) -> list[dict]:
