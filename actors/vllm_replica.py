@@ -20,6 +20,8 @@ import os
 import time
 from typing import Sequence
 
+from rlhf_switch.compat import VLLM_ENV  # noqa: F401 - the drivers' vLLM environment, importable from here
+
 
 class VLLMReplica:
     def start(self, model_dir: str, hf_config: dict, tp: int, seed: int, max_model_len: int,
@@ -54,16 +56,6 @@ class VLLMReplica:
         if engine is not None:
             engine.shutdown()
             self.engine = None
-
-
-# vLLM reads these when it starts; the driver sets them (unless the user did) before Ray starts,
-# so every actor inherits them
-VLLM_ENV = {
-    "HF_HUB_OFFLINE": "1",             # a local checkpoint directory; nothing to download
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",     # GiB of KV cache per CPU engine: plenty for tiny models
-    "VLLM_CACHE_ROOT": os.path.join("/tmp", f"rlhf-switch-vllm-cache-{os.getuid()}"),
-}
 
 
 def remote_class(num_cpus: float, num_gpus: float):

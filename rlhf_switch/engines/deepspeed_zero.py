@@ -22,15 +22,14 @@ copy the partition and re-gather the persistent parameters that keep a full copy
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import compat
 from ..vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, Box, ModelSpec, StateKey
 from .optim import AdamWConfig, load_schedule
 from .train_state import LocalState
@@ -39,16 +38,8 @@ ADAM_MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 
 
 def import_deepspeed():
-    """Import DeepSpeed for this machine: the CPU accelerator unless a GPU is there, and no
-    JIT build of the shared-memory comm op (inference only; minutes on a cold cache)."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import deepspeed.comm.torch  # noqa: F401 - the module whose attribute is patched below
-
-    # `import deepspeed.comm.torch as m` binds deepspeed.comm's `torch` attribute, not the module
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    return deepspeed
+    """DeepSpeed for this machine (the CPU accelerator unless a GPU is there): ``compat.import_deepspeed``."""
+    return compat.import_deepspeed()
 
 
 def _join_deepspeed_comm(deepspeed) -> None:
@@ -105,72 +96,9 @@ def _groups_for(ranks: Sequence[int]) -> tuple[dist.ProcessGroup | None, _DataPa
     return dp_group, _DataParallelGroup(ranks, dp_group, selves[me])
 
 
-@contextlib.contextmanager
-def _engine_world(engine_group: dist.ProcessGroup | None, ranks: Sequence[int]):
-    """DeepSpeed calls a few *world* collectives: ZeRO-3 barriers while it initialises and a
-    consistency check (broadcast from global rank 0) while it records its parameter trace in the
-    first steps; ``save_checkpoint`` validates its tag with a world all-reduce.
-    An engine on a subset of the world would wait there for ranks that never build it; inside this
-    scope those calls go to the engine's own group instead."""
-    if engine_group is None:
-        yield
-        return
-    from deepspeed.comm import comm as ds_comm
-
-    backend = ds_comm.cdb
-    cls = type(backend)
-
-    def world(group) -> bool:
-        return group is None or group is dist.GroupMember.WORLD
-
-    def barrier(group=None, async_op=False, device_ids=None):
-        return cls.barrier(backend, group=engine_group if world(group) else group, async_op=async_op,
-                           device_ids=device_ids)
-
-    def broadcast(tensor, src, group=None, async_op=False):
-        if world(group):
-            group, src = engine_group, ranks[0] if src == 0 else src
-        return cls.broadcast(backend, tensor, src, group=group, async_op=async_op)
-
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        return cls.all_reduce(backend, tensor, op=op, group=engine_group if world(group) else group,
-                              async_op=async_op)
-
-    def same_on_engine_ranks(ints):  # DeepSpeed's consistency check, asked of the engine's ranks
-        everyone = [None] * dist.get_world_size(engine_group)
-        dist.all_gather_object(everyone, list(ints), group=engine_group)
-        if any(e != everyone[0] for e in everyone):
-            raise RuntimeError(f"ZeRO-3 ranks {list(ranks)} disagree: {everyone}")
-
-    import deepspeed.runtime.zero.partition_parameters as z3_params
-    import deepspeed.runtime.zero.partitioned_param_coordinator as z3_coordinator
-    import deepspeed.runtime.zero.stage3 as z3_stage
-
-    checkers = [m for m in (z3_params, z3_coordinator, z3_stage) if hasattr(m, "assert_ints_same_as_other_ranks")]
-    saved = [m.assert_ints_same_as_other_ranks for m in checkers]
-    backend.barrier, backend.broadcast, backend.all_reduce = barrier, broadcast, all_reduce
-    for m in checkers:
-        m.assert_ints_same_as_other_ranks = same_on_engine_ranks
-    try:
-        yield
-    finally:
-        del backend.barrier, backend.broadcast, backend.all_reduce  # back to the class's methods
-        for m, fn in zip(checkers, saved):
-            m.assert_ints_same_as_other_ranks = fn
-
-
-def _agree_on_param_ids(group: dist.ProcessGroup | None) -> None:
-    """ZeRO-3 numbers parameters and modules from per-process counters and checks in its first
-    steps that every rank recorded the same module ids. A rank that built other ZeRO-3 engines
-    before (one on a subset of the world) is ahead: start this engine's ids from the largest
-    counters of its ranks."""
-    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-    from deepspeed.runtime.zero.partition_parameters import Init
-
-    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]  # `count=[0]`
-    counters = torch.tensor([Init.param_id, module_count[0]], dtype=torch.int64)
-    dist.all_reduce(counters, op=dist.ReduceOp.MAX, group=group)
-    Init.param_id, module_count[0] = int(counters[0]), int(counters[1])
+# DeepSpeed patches live in compat; these names stay importable from here
+_engine_world = compat.deepspeed_world_collectives_on
+_agree_on_param_ids = compat.agree_on_zero3_param_ids
 
 
 @dataclass
@@ -222,7 +150,8 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec | None, stage: in
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"DeepSpeed on this machine trains in float32 or bfloat16, not {dtype}")
     deepspeed = import_deepspeed()
-    _join_deepspeed_comm(deepspeed)
+    with compat.deepspeed_shm_op_build_skipped():  # DeepSpeed's comm backend is created here
+        _join_deepspeed_comm(deepspeed)
     ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
     dp_group, mpu = _groups_for(ranks)
     if dist.get_rank() not in ranks:
@@ -239,10 +168,7 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec | None, stage: in
         **(extra_config or {}),
     }
     optimizer = optim.make(model.parameters())
-    # DeepSpeed keeps the last engine's mpu in a module global and falls back to it when an
-    # engine is built without one: a world-wide engine after a subset one would inherit its group
-    from deepspeed.utils import groups as ds_groups
-    ds_groups.mpu = mpu
+    compat.set_deepspeed_global_mpu(mpu)  # else a world engine after a subset one inherits its groups
     if stage == 3:
         _agree_on_param_ids(dp_group)
     with _engine_world(dp_group, ranks):

@@ -23,13 +23,13 @@ and these steps are skipped.
 """
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+from .. import compat
 from ..routing.executor import DEFAULT_BUDGET
 from ..vps.layout import Layout, LayoutError
 from ..vps.layouts.vllm import vllm_layout, worker_tensors
@@ -82,14 +82,7 @@ def check_engine(layout: Layout, descriptions: Sequence[dict], engine: str = "th
         raise EngineMismatch(f"{engine} does not hold {layout.name} of model {spec.name!r}: {shown}")
 
 
-def omp_binding(tp: int) -> str:
-    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``tp`` workers its own cores (shared
-    round-robin when there are fewer cores than workers): ``"0|1"`` for TP2 on 2 cores."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cpus) < tp:
-        return "|".join(str(cpus[i % len(cpus)]) for i in range(tp))
-    per = len(cpus) // tp
-    return "|".join(",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(tp))
+omp_binding = compat.vllm_cpu_omp_binding  # the old name, still importable from here
 
 
 @dataclass
@@ -141,27 +134,14 @@ class VLLMRollout:
         self.can_sleep = available if sleep_mode is None else bool(sleep_mode) and available
         if backend is None:
             backend = "mp" if tp > 1 else None
-        env = {}
-        if self.is_cpu and tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
-            # vllm-cpu's "auto" binding asserts with one NUMA node and TP>1; the engine's processes
-            # read it when they start (inside LLM(...)), so it is set for that long only
-            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_binding(tp)
         kwargs = dict(model=model, dtype=dtype, tensor_parallel_size=tp, enforce_eager=enforce_eager,
                       worker_extension_cls=WORKER_EXTENSION, skip_tokenizer_init=True, seed=seed,
                       max_model_len=max_model_len, enable_sleep_mode=self.can_sleep)
         if backend is not None:
             kwargs["distributed_executor_backend"] = backend
         kwargs.update(engine_kwargs)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with compat.vllm_cpu_omp_threads_bind(tp, self.is_cpu):  # read by the processes LLM() starts
             self.llm = LLM(**kwargs)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self._asleep = False
         try:
             self.description = self._rpc("vps_describe")

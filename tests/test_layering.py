@@ -1,0 +1,37 @@
+"""Imports point downwards: the package never imports the layers above it (``recipes``, ``actors``),
+and ``rlhf_switch.compat`` imports neither DeepSpeed nor vLLM until a patch is applied."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ABOVE_THE_PACKAGE = ("recipes", "actors")
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in ``path``, at any depth (function-level too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_package_does_not_import_recipes_or_actors():
+    upward = [f"{path.relative_to(REPO)}:{line} imports {module}"
+              for path in sorted((REPO / "rlhf_switch").rglob("*.py"))
+              for line, module in imported_modules(path)
+              if module.split(".")[0] in ABOVE_THE_PACKAGE]
+    assert upward == []
+
+
+def test_compat_imports_no_third_party_engine_at_module_level():
+    probe = "import sys, rlhf_switch.compat; print(sorted({m.split('.')[0] for m in sys.modules} & {'deepspeed', 'vllm'}))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(REPO), "PATH": ""}).stdout
+    assert out.strip() == "[]"
