@@ -27,10 +27,9 @@ def start_ray(cfg, world: int):
     if REPO not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([REPO] + paths)
     if cfg.rollout.engine == "vllm":
-        from actors.vllm_replica import VLLM_ENV
+        from rlhf_switch.compat import set_vllm_env_defaults
 
-        for k, v in VLLM_ENV.items():
-            os.environ.setdefault(k, v)
+        set_vllm_env_defaults()
     if ray.is_initialized():
         return ray, False
     if cfg.ray_address:

@@ -62,14 +62,13 @@ def _calls(directory: Path, what: str) -> dict[str, int]:
 def ray_session(tmp_path_factory):
     import ray
 
-    from actors.vllm_replica import VLLM_ENV
+    from rlhf_switch.compat import set_vllm_env_defaults
 
     # the actors import this file's engines by name, and count into this directory
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(HERE))]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE)] + paths)
     os.environ[COUNTS] = str(tmp_path_factory.mktemp("engine-calls"))
-    for k, v in VLLM_ENV.items():
-        os.environ.setdefault(k, v)
+    set_vllm_env_defaults()
     ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -60,12 +60,11 @@ def records(out: Path, name: str = "metrics.jsonl") -> list[dict]:
 def ray_session():
     import ray
 
-    from actors.vllm_replica import VLLM_ENV
+    from rlhf_switch.compat import set_vllm_env_defaults
 
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in paths if p != str(REPO)])
-    for k, v in VLLM_ENV.items():
-        os.environ.setdefault(k, v)
+    set_vllm_env_defaults()
     ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -11,13 +11,12 @@ the engine's workers really hold (``vps_describe``: names, shapes, dtypes, no pr
 an engine built for another model or vocabulary is refused with the mismatch named. A TP vLLM
 cannot run is refused (``LayoutError``) before the engine starts.
 
-The move (``load_from``): the driver hosts a TCPStore on port 0; trainer ranks ``0..n-1`` (the
-ranks of a ``LocalWorld``) and vLLM workers ``n..n+tp-1`` form one bare gloo group over it. Every
-trainer rank calls ``make_buffers(*args, **kwargs)`` for its source buffers and then
-``move(place(src, range(n), n+tp), place(layout, range(n, n+tp), n+tp), src_bufs, {}, group=pg)``
-while the driver runs ``llm.collective_rpc("vps_receive", ...)`` in a thread for the workers (it
-blocks until they are done). Then the prefix cache is reset: KV computed with old weights must not
-be reused. Where the platform has sleep mode (GPU), the engine sleeps (level 2: weights and KV
+The move goes through a weight channel (``engines/channel.py``): trainer ranks ``0..n-1`` and
+vLLM workers ``n..n+tp-1`` form one gloo group over a TCPStore, both layouts placed on it
+(``place``); every worker keeps its end (``channel_open``, once) and each sync is one
+``channel_receive`` — the workers' part of the move, straight into their parameters — while the
+trainer ranks send. Then the prefix cache is reset: KV computed with old weights must not be
+reused. ``load_from`` does the same for the ranks of a ``LocalWorld``, with a one-shot channel. Where the platform has sleep mode (GPU), the engine sleeps (level 2: weights and KV
 freed), wakes its weights, receives, then wakes its KV cache; on CPU sleep mode is refused by vLLM
 and these steps are skipped.
 """
@@ -26,7 +25,6 @@ from __future__ import annotations
 import pickle
 import threading
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 from .. import compat
@@ -178,10 +176,12 @@ class VLLMRollout:
     def load_from(self, world, src_layout: Layout, make_buffers: Callable[..., dict], *args,
                   budget_bytes: int = DEFAULT_BUDGET, timeout_s: float = 300.0, **kwargs) -> LoadReport:
         """Move the weights ``src_layout`` describes, held by ``world``'s ranks (rank ``r``'s buffers
-        are ``make_buffers(*args, **kwargs)`` run on rank ``r``), into this engine's workers."""
+        are ``make_buffers(*args, **kwargs)`` run on rank ``r``), into this engine's workers: a
+        one-shot weight channel (``engines/channel.py``) between the world's ranks and the workers —
+        a loop keeps one channel open instead (``channel_open`` once, ``channel_receive`` per sync)."""
         import time
 
-        import torch.distributed as dist
+        from .channel import Endpoint, open_store
 
         n = world.world_size
         if src_layout.world_size != n:
@@ -191,17 +191,16 @@ class VLLMRollout:
                               f"({src_layout.spec.digest}) into the vLLM engine for {self.spec.name!r} "
                               f"({self.spec.digest}): different models; nothing was moved")
         total = n + self.tp
-        src = place(src_layout, range(n), total)
-        dst = place(self.layout, range(n, total), total)
         t0 = time.perf_counter()
-        store = dist.TCPStore("127.0.0.1", 0, total + 1, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout_s))
+        store, host, port = open_store(timeout_s)
+        endpoint = Endpoint(host, port, total, n, place(src_layout, range(n), total),
+                            place(self.layout, range(n, total), total), budget_bytes, timeout_s)
         box: dict[str, Any] = {}
 
         def workers():
             try:
-                box["workers"] = self.receive("127.0.0.1", store.port, n, total, src, dst,
-                                              budget_bytes=budget_bytes, timeout_s=timeout_s)
+                self.channel_open(endpoint)
+                box["workers"] = self.channel_receive(timeout_s)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 box["error"] = e
 
@@ -209,11 +208,11 @@ class VLLMRollout:
         thread.start()
         trainer_error = None
         try:
-            trainer = world.run(_send, "127.0.0.1", store.port, total, src, dst, timeout_s, budget_bytes,
-                                make_buffers, args, kwargs, timeout=timeout_s + 60)
+            trainer = world.run(_send, endpoint, make_buffers, args, kwargs, timeout=timeout_s + 60)
         except BaseException as e:  # noqa: BLE001 - wait for the workers before raising
             trainer, trainer_error = None, e
         thread.join(timeout_s + 120)
+        del store
         if thread.is_alive():
             raise TimeoutError("vLLM workers did not finish the move") from trainer_error
         if trainer_error is not None:
@@ -222,26 +221,6 @@ class VLLMRollout:
             raise box["error"]
         received = sum(int(r["bytes_received"]) + int(r["bytes_local"]) for r in box["workers"])
         return LoadReport(time.perf_counter() - t0, received, self.can_sleep, trainer, box["workers"])
-
-    def receive(self, host: str, port: int, first_rank: int, world_size: int, src: Layout, dst: Layout, *,
-                budget_bytes: int = DEFAULT_BUDGET, timeout_s: float = 300.0) -> list[dict]:
-        """The workers' side of a move whose senders run elsewhere (trainer ranks in other
-        processes, e.g. Ray actors): worker ``i`` joins the gloo group over the TCPStore at
-        ``host:port`` as rank ``first_rank + i`` of ``world_size`` and receives its part of
-        ``dst`` (both layouts already placed on that group's ranks) in place. Blocks until the
-        move is done; then the prefix cache is reset. Returns each worker's MoveReport as a dict."""
-        if self.can_sleep:  # free weights and KV while the weights are rewritten, then wake the weights
-            if not self._asleep:
-                self.llm.sleep(level=2)
-                self._asleep = True
-            self.llm.wake_up(["weights"])
-        answers = self._rpc("vps_receive", host, port, first_rank, world_size, pickle.dumps(src),
-                            pickle.dumps(dst), timeout_s, budget_bytes, timeout=timeout_s + 60)
-        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
-        if self.can_sleep:
-            self.llm.wake_up(["kv_cache"])
-            self._asleep = False
-        return answers
 
     # --- the weight channel: joined once, then one move per sync ----------------------------------------
     def channel_open(self, endpoint) -> list[dict]:
@@ -340,41 +319,28 @@ class VLLMRollout:
         self.shutdown()
 
 
-def send_to_workers(host: str, port: int, rank: int, world_size: int, src: Layout, dst: Layout,
-                    buffers: dict, budget_bytes: int, timeout_s: float):
-    """A sender's side of a move into vLLM workers: join the move's bare gloo group over the
-    TCPStore at ``host:port`` as ``rank`` of ``world_size`` and send this rank's part of ``src``
-    (both layouts already placed on that group) from ``buffers``. Returns the MoveReport."""
-    import torch
+def _send(endpoint, make_buffers: Callable[..., dict], args: tuple, kwargs: dict):
+    """Trainer-rank job of ``load_from``: build this rank's source buffers, join the channel, send."""
     import torch.distributed as dist
 
-    from ..routing.comm import gloo_group
-    from ..routing.executor import move
+    from .channel import ChannelEnd
 
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-    pg = gloo_group(store, rank, world_size, timeout)
-    with torch.no_grad():
-        return move(src, dst, buffers, {}, group=pg, budget_bytes=budget_bytes, timeout=timeout)
-
-
-def _send(host: str, port: int, world_size: int, src: Layout, dst: Layout, timeout_s: float,
-          budget_bytes: int, make_buffers: Callable[..., dict], args: tuple, kwargs: dict):
-    """Trainer-rank job: build this rank's source buffers, join the move's group, send."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
     try:
         buffers, error = make_buffers(*args, **kwargs), None
     except Exception as e:  # noqa: BLE001 - still join, so every rank refuses the move at once
         buffers, error = {}, e  # (missing buffers make `move` refuse on every rank, workers included)
+    e = endpoint
+    channel = ChannelEnd.join(e.host, e.port, dist.get_rank(), e.world_size, timeout_s=e.timeout_s,
+                              budget_bytes=e.budget_bytes)
+    channel.set_layouts(e.src, e.dst)
     try:
-        report = send_to_workers(host, port, rank, world_size, src, dst, buffers, budget_bytes, timeout_s)
+        return channel.move(buffers, {})
     except Exception:
         if error is not None:
             raise error from None
         raise
-    return report
+    finally:
+        channel.close()
 
 
 class VLLMRolloutEngine(RolloutEngine):

@@ -10,8 +10,9 @@ It is deliberately thin:
 - ``vps_describe``: names, shapes and dtypes of those parameters (plus anything that would make an
   in-place write invisible), so the driver can check its layout against the real engine before a
   byte moves;
-- ``vps_receive``: join a bare gloo group (TCPStore client + ``gloo_group``) with the trainer ranks
-  and receive this worker's fragments in place with ``move(src, dst, {}, buffers, group=pg)``;
+- ``vps_channel_open`` / ``vps_channel_receive``: join the run's weight channel (``engines/channel.py``:
+  a gloo group with the trainer ranks, both layouts) once, then receive this worker's fragments in
+  place at every sync;
 - ``vps_read``: the parameters as safetensors bytes (tests read the engine's weights back with it:
   raw tensors do not survive ``collective_rpc`` through vLLM's engine-core process).
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from datetime import timedelta
 
 import torch
 
@@ -112,29 +112,6 @@ class VpsWorkerExtension:
             "prepacked": prepacked,
             "prepacking_disabled": PREPACKING_DISABLED,
         }
-
-    @_answer
-    @torch.no_grad()
-    def vps_receive(self, host: str, port: int, first_rank: int, world_size: int, src_layout: bytes,
-                    dst_layout: bytes, timeout_s: float, budget_bytes: int) -> dict:
-        """Join the move's gloo group as rank ``first_rank + tp_rank`` and receive in place."""
-        import torch.distributed as dist
-
-        from ..routing.comm import gloo_group
-        from ..routing.executor import move
-
-        src, dst = pickle.loads(src_layout), pickle.loads(dst_layout)
-        tp_rank, _ = _tp_rank_and_size()
-        rank = first_rank + tp_rank
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-        pg = gloo_group(store, rank, world_size, timeout)
-        try:
-            report = move(src, dst, {}, self.vps_buffers(), group=pg, budget_bytes=budget_bytes,
-                          timeout=timeout)
-        finally:
-            del pg
-        return dataclasses.asdict(report)
 
     @_answer
     def vps_read(self, names: list[str] | None = None) -> bytes:
