@@ -236,7 +236,8 @@ class HybridWorker:
             self._weights = self.trainer.adapter.weights()
             self.channel = ChannelEnd.join(endpoint.host, endpoint.port, endpoint.first_rank, endpoint.world_size,
                                            store=self._channel_store if self.rank == 0 else None,
-                                           timeout_s=endpoint.timeout_s, budget_bytes=endpoint.budget_bytes)
+                                           timeout_s=endpoint.timeout_s, budget_bytes=endpoint.budget_bytes,
+                                           standby_s=endpoint.standby_s)
             self.channel.set_layouts(endpoint.src, endpoint.dst)
         self._planned = (tuple(self._weights.fragments), dict(self._weights.buffers))
         return self.channel.stats()
@@ -246,10 +247,16 @@ class HybridWorker:
         weights (and, placement ``worker``, its receive into the rollout engine's buffers)."""
         t0 = time.perf_counter()
         weights = self.trainer.adapter.weights()
-        if (tuple(weights.fragments), dict(weights.buffers)) != self._planned:
-            raise ChannelStale(f"rank {self.rank}: the weights of {self.trainer.name} are not where the "
-                               f"weight channel's plan has them; re-open the channel after rebuilding an engine")
         dst = self.rollout.buffers() if self.rollout is not None else {}
+        if (tuple(weights.fragments), dict(weights.buffers)) != self._planned:
+            # still take part, without buffers: every member then refuses the move at once (the
+            # executor's agreement) instead of waiting for this rank until its timeout
+            try:
+                self.channel.move({}, dst)
+            finally:
+                raise ChannelStale(f"rank {self.rank}: the weights of {self.trainer.name} are not where the "
+                                   f"weight channel's plan has them; re-open the channel after rebuilding an "
+                                   f"engine; nothing was moved")
         report = self.channel.move(weights.tensors, dst)
         if self.rollout is not None:
             self.rollout.weights_updated()

@@ -101,6 +101,7 @@ class Cluster:
         host, port = ray.get(self.workers[0].open_store.remote(), timeout=180)
         ray.get([w.init_world.remote(host, port, r, world) for r, w in enumerate(self.workers)], timeout=180)
         self.channel_opened = 0
+        self._standing_by = None  # the replicas' receives posted ahead of the next sync
 
     def all(self, method: str, *args, desc: str | None = None, **kwargs) -> list:
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
@@ -148,27 +149,40 @@ class Cluster:
             wait_all(self.ray, refs, "open weight channel", self.quiet)
         self.channel_opened += 1
 
+    def stand_by(self) -> None:
+        """The rollout replicas post their receive now (call it when a rollout phase is over and
+        the next use of the rollout engines is after a sync): their workers wait in the channel
+        while the trainer trains — they are idle then anyway — so the next ``sync`` starts with
+        only the trainer's ranks to reach (a receive posted ahead, as with NCCL). Ray runs a
+        replica's calls in order, so nothing else reaches a replica before that sync."""
+        if self.replicas and self._standing_by is None:
+            self._standing_by = [r.channel_receive.remote() for r in self.replicas]
+
     def sync(self) -> dict:
         """Move the trainer's weights into the rollout engine(s) through the channel; returns the
         seconds the driver saw, bytes, and where the time went (slowest member's move, the
         replicas' receive including the cache reset)."""
-        t0 = time.perf_counter()
-        recv = [r.channel_receive.remote() for r in self.replicas]
+        t0, t_wall = time.perf_counter(), time.time()
+        recv, self._standing_by = self._standing_by or [r.channel_receive.remote() for r in self.replicas], None
         send = [w.sync_send.remote() for w in self.workers]
         out = self.ray.get(recv + send, timeout=600)
         seconds = time.perf_counter() - t0
         senders, receivers = out[len(recv):], out[:len(recv)]
         reports = senders + [w for r in receivers for w in r["workers"]]
+        entered = [r["phases"]["entered_at"] for r in reports]
         return {"seconds": seconds,
                 "bytes_moved": sum(r["bytes_sent"] + r["bytes_local"] for r in senders),
                 "bytes_sent": sum(r["bytes_sent"] for r in senders),
-                "breakdown": {"prepare_s": max(r["phases"].get("prepare", 0.0) for r in reports),
-                              "agree_s": max(r["phases"].get("agree", 0.0) for r in reports),
-                              "move_s": max(r["seconds"] for r in reports),
-                              "send_wall_s": max(r["wall_seconds"] for r in senders),
-                              "receive_wall_s": max((r["wall_seconds"] for r in receivers), default=0.0),
-                              "worker_rpc_s": max((w.get("rpc_s", 0.0) for r in receivers for w in r["workers"]),
-                                                  default=0.0),
+                # where the time went: every member in the move (the replicas may have been
+                # standing by since before the call), the trainers' agreement and move, their whole
+                # call (describe + check + move), the replicas' RPC to their workers and cache reset
+                "breakdown": {"stood_by": bool(receivers) and min(entered) < t_wall,
+                              "all_members_in_s": max(entered) - t_wall,
+                              "trainer_agree_s": max(r["phases"].get("agree", 0.0) for r in senders),
+                              "trainer_move_s": max(r["seconds"] for r in senders),
+                              "trainer_call_s": max(r["wall_seconds"] for r in senders),
+                              "replica_rpc_s": max((w.get("rpc_s", 0.0) for r in receivers for w in r["workers"]),
+                                                   default=0.0),
                               "cache_reset_s": max((w.get("reset_s", 0.0) for r in receivers for w in r["workers"]),
                                                    default=0.0)}}
 

@@ -146,6 +146,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             gen_s = time.perf_counter() - t0
             n_tokens = sum(len(r) for r in responses)
             fault(crash_at, it, "after generation")
+            if it + 1 not in skip_sync_at:  # a sync comes before the rollout engines are used again
+                cluster.stand_by()
             # 3. rewards and advantages
             texts = [tok.decode(r) for r in responses]
             scores = score_samples(reward_fn, [s.prompt for s in samples for _ in range(G)], texts,

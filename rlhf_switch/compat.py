@@ -261,6 +261,19 @@ def set_vllm_env_defaults(environ: MutableMapping[str, str] = os.environ) -> Non
         environ.setdefault(k, v)
 
 
+def vllm_engine_core_in_this_process(environ: MutableMapping[str, str] = os.environ) -> None:
+    """``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for a process that hosts one vLLM engine (a rollout
+    replica's actor). Why: vLLM 0.32's ``LLM`` runs its engine core in a separate process by
+    default, so every ``collective_rpc`` (the weight channel's receive) and every
+    ``reset_prefix_cache`` is one more process hop; in the actor's own process they are calls
+    (measured on the tiny GRPO config: the sync's worker RPC 10.5 -> 9.9 ms, the cache reset
+    1.3 -> 0.7 ms, generation no slower). The TP workers stay separate processes (``mp``).
+    Without it: correct, slower. Not scoped: vLLM reads it again after construction (e.g. at
+    shutdown), so only a process that owns its engine may set it. Still needed while ``LLM``
+    defaults to a separate engine-core process (``vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING``)."""
+    environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
 def vllm_cpu_omp_binding(tp: int) -> str:
     """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``tp`` workers its own cores (shared
     round-robin when there are fewer cores than workers): ``"0|1"`` for TP2 on 2 cores."""

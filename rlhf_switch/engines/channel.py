@@ -77,7 +77,8 @@ class Endpoint:
     src: Layout
     dst: Layout
     budget_bytes: int = DEFAULT_BUDGET
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0     # any wait inside a move
+    standby_s: float = 3600.0    # how long a member may stand ready before the others arrive
 
     def at(self, first_rank: int) -> "Endpoint":
         from dataclasses import replace
@@ -113,15 +114,20 @@ class ChannelEnd:
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, *, store: Any = None,
-             timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET) -> "ChannelEnd":
+             timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET,
+             standby_s: float = 3600.0) -> "ChannelEnd":
         """Join the channel's own gloo group (collective over its ``world_size`` members) over
-        the TCPStore at ``host:port`` (``store``: the store itself, on the member that hosts it)."""
+        the TCPStore at ``host:port`` (``store``: the store itself, on the member that hosts it).
+        The group's collectives wait up to ``standby_s``: a rollout engine stands ready in its
+        receive (the move's first collective) while the trainer is still training; the move's
+        transfers wait up to ``timeout_s``."""
         global GROUPS_CREATED
         t0 = time.perf_counter()
         timeout = timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("vps-weight-channel", store), rank, world_size, timeout)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("vps-weight-channel", store), rank, world_size,
+                                      timedelta(seconds=max(timeout_s, standby_s)))
         GROUPS_CREATED += 1
         return cls(group, rank, world_size, store=store, timeout_s=timeout_s, budget_bytes=budget_bytes,
                    open_s=time.perf_counter() - t0)
@@ -159,8 +165,10 @@ class ChannelEnd:
         """This member's part of one move (collective over the channel)."""
         if self.src is None:
             raise RuntimeError("the weight channel has no layouts yet: call set_layouts first")
+        t_enter = time.time()  # wall clock: comparable across the members' processes on one host
         report = move(self.src, self.dst, src_buffers, dst_buffers, group=self.group,
                       budget_bytes=self.budget_bytes, timeout=self.timeout)
+        report.phases["entered_at"] = t_enter
         s = self._stats
         s.moves += 1
         s.bytes_sent += report.bytes_sent

@@ -228,26 +228,30 @@ class VLLMRollout:
         ``endpoint.first_rank + tp_rank`` and keeps both layouts. Blocks until every member joined."""
         e = endpoint
         return self._rpc("vps_channel_open", e.host, e.port, e.first_rank, e.world_size, pickle.dumps(e.src),
-                         pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, timeout=e.timeout_s + 60)
+                         pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, e.standby_s, timeout=e.timeout_s + 60)
 
     def channel_layouts(self, src: Layout, dst: Layout) -> list[dict]:
         return self._rpc("vps_channel_layouts", pickle.dumps(src), pickle.dumps(dst))
 
-    def channel_receive(self, timeout_s: float = 300.0) -> list[dict]:
-        """The workers' part of one sync (the trainer ranks send meanwhile), then the prefix cache
-        reset; sleep/wake around it where the platform has sleep mode."""
+    def channel_receive(self, timeout_s: float | None = None) -> list[dict]:
+        """The workers' part of one sync (the trainer ranks send meanwhile); sleep/wake around it
+        where the platform has sleep mode. The prefix cache is reset first: KV computed with the
+        old weights must not be reused, and nothing can compute KV between the reset and the new
+        weights — this engine generates nothing until the call returns (a replica's calls run in
+        order) — so the reset costs the sync nothing once the receive is posted ahead."""
+        import time
+
+        t0 = time.perf_counter()
+        self.llm.reset_prefix_cache()
+        reset_s = time.perf_counter() - t0
         if self.can_sleep:
             if not self._asleep:
                 self.llm.sleep(level=2)
                 self._asleep = True
             self.llm.wake_up(["weights"])
-        import time
-
         t0 = time.perf_counter()
         answers = self._rpc("vps_channel_receive", timeout=timeout_s)
         t1 = time.perf_counter()
-        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
-        reset_s = time.perf_counter() - t1
         if self.can_sleep:
             self.llm.wake_up(["kv_cache"])
             self._asleep = False
@@ -351,6 +355,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @classmethod
     def build(cls, ctx: RolloutContext) -> "VLLMRolloutEngine":
+        compat.vllm_engine_core_in_this_process()  # the replica's actor process is this engine's own
         self = cls()
         self.rollout = VLLMRollout(ctx.model_dir, ctx.spec, tp=ctx.tp, seed=ctx.seed,
                                    max_model_len=ctx.max_model_len, **dict(ctx.options))

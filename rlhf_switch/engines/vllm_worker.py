@@ -125,7 +125,7 @@ class VpsWorkerExtension:
     # --- the weight channel (engines/channel.py): joined once, then one move per sync --------------
     @_answer
     def vps_channel_open(self, host: str, port: int, first_rank: int, world_size: int, src_layout: bytes,
-                         dst_layout: bytes, timeout_s: float, budget_bytes: int) -> dict:
+                         dst_layout: bytes, timeout_s: float, budget_bytes: int, standby_s: float = 3600.0) -> dict:
         """Join the run's weight channel as rank ``first_rank + tp_rank`` and keep it (and both
         layouts) for every later ``vps_channel_receive``."""
         from .channel import ChannelEnd
@@ -135,7 +135,7 @@ class VpsWorkerExtension:
         if old is not None:
             old.close()
         self._vps_channel = ChannelEnd.join(host, port, first_rank + tp_rank, world_size,
-                                            timeout_s=timeout_s, budget_bytes=budget_bytes)
+                                            timeout_s=timeout_s, budget_bytes=budget_bytes, standby_s=standby_s)
         self._vps_channel.set_layouts(pickle.loads(src_layout), pickle.loads(dst_layout))
         return self._vps_channel.stats()
 
