@@ -35,3 +35,39 @@ def test_compat_imports_no_third_party_engine_at_module_level():
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(REPO), "PATH": ""}).stdout
     assert out.strip() == "[]"
+
+
+# inside the package, each layer may import only the layers below it
+LAYERS = {"vps": set(), "routing": {"vps"}, "models": {"vps"}, "rl": {"vps", "models"},
+          "engines": {"vps", "routing", "models", "rl", "compat", "launch"}}
+
+
+def package_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, rlhf_switch subpackage) of every import of the package in ``path``, relative ones
+    resolved against the file's own package."""
+    package = path.relative_to(REPO).with_suffix("").parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1] + tuple((node.module or "").split(".") if node.module else ())
+                names = [base + (a.name,) for a in node.names] if not node.module else [base]
+            else:
+                names = [tuple(node.module.split("."))] if node.module else []
+        elif isinstance(node, ast.Import):
+            names = [tuple(a.name.split(".")) for a in node.names]
+        else:
+            continue
+        found += [(node.lineno, n[1]) for n in names if len(n) > 1 and n[0] == "rlhf_switch"]
+    return found
+
+
+def test_layers_inside_the_package_point_down():
+    upward = []
+    for layer, below in LAYERS.items():
+        files = [REPO / "rlhf_switch" / f"{layer}.py"] if (REPO / "rlhf_switch" / f"{layer}.py").exists() \
+            else sorted((REPO / "rlhf_switch" / layer).rglob("*.py"))
+        for path in files:
+            upward += [f"{path.relative_to(REPO)}:{line} imports rlhf_switch.{sub}"
+                       for line, sub in package_imports(path) if sub != layer and sub not in below]
+    assert upward == []
