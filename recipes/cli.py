@@ -1,39 +1,74 @@
 """``rlhf-switch`` — the command line.
 
-    rlhf-switch train CONFIG [--iterations N] [--output-dir DIR] [--resume [DIR]] [--quiet]
+    rlhf-switch train CONFIG [--iterations N] [--output-dir DIR] [--resume [DIR]] [--stale-tol T]
+                             [--quiet] [--verbose]
 
 ``train`` runs the recipe the config's ``algorithm.name`` names (``recipes.grpo`` or
-``recipes.ppo``) with the same options as ``python -m recipes.<name>``.
+``recipes.ppo``) with the same options as ``python -m recipes.<name>``; ``rlhf-switch train
+--help`` describes them. ``rlhf-switch`` alone prints the usage and exits 2.
 """
 from __future__ import annotations
 
+import argparse
 import sys
+
+COMMANDS = ("train",)
+DESCRIPTION = "RLHF (GRPO/PPO) over Ray with per-phase layouts switched through the Virtual Parameter Space."
+TRAIN_DESCRIPTION = """\
+Run GRPO or PPO as the config's algorithm.name says (the same as python -m recipes.grpo|ppo).
+
+  rlhf-switch train configs/grpo_tiny.yaml                   # 20 iterations (algorithm.iterations)
+  rlhf-switch train configs/grpo_tiny.yaml --resume          # finish it after a crash: same final/
+  rlhf-switch train configs/grpo_tiny.yaml --resume --iterations 30   # continue a finished run to 30
+
+--iterations is the run's total, also with --resume."""
+
+
+def parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The top-level parser and its ``train`` sub-parser."""
+    from recipes.loop import add_arguments
+
+    ap = argparse.ArgumentParser(prog="rlhf-switch", description=DESCRIPTION)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    train = sub.add_parser("train", help="run GRPO or PPO from a config (rlhf-switch train --help)",
+                           description=TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(train)
+    return ap, train
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command != "train":
-        print(f"rlhf-switch: unknown command {command!r} (known: train)", file=sys.stderr)
+    ap, train = parser()
+    if not argv:
+        ap.print_usage(sys.stderr)
+        print("rlhf-switch: give a command (known: train); rlhf-switch --help for more", file=sys.stderr)
         return 2
-    if not rest or rest[0].startswith("-"):
-        print("rlhf-switch train: give a config file, e.g. configs/grpo_tiny.yaml", file=sys.stderr)
+    if not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        ap.print_usage(sys.stderr)
+        print(f"rlhf-switch: unknown command {argv[0]!r} (known: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    if argv == ["train"]:
+        train.print_usage(sys.stderr)
+        print("rlhf-switch train: give a config file, e.g. configs/grpo_tiny.yaml (rlhf-switch train --help)",
+              file=sys.stderr)
+        return 2
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        return int(e.code or 0)
+    if a.command is None:
+        ap.print_usage(sys.stderr)
         return 2
     from rlhf_switch.rl.config import ConfigError, load_config
 
     try:
-        algorithm = load_config(rest[0]).algorithm.name
+        algorithm = load_config(a.config).algorithm.name
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if algorithm == "grpo":
-        from recipes.grpo import main as recipe
-    else:
-        from recipes.ppo import main as recipe
-    return recipe(rest)
+    from recipes.loop import run_args
+
+    return run_args(a, algorithm)
 
 
 if __name__ == "__main__":

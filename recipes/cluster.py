@@ -17,24 +17,33 @@ from typing import Sequence
 REPO = str(Path(__file__).resolve().parents[1])
 
 
-def start_ray(cfg, world: int):
+def start_ray(cfg, world: int, verbose: bool = False):
     """Ray for this run: the session already running in this process (tests share one per
-    module), the cluster at ``ray_address``, or an embedded one. Returns (ray, owned)."""
+    module), the cluster at ``ray_address``, or an embedded one. Returns (ray, owned).
+
+    vLLM's log level (``VLLM_LOGGING_LEVEL``, read when vLLM is imported in each of its processes)
+    is WARNING unless ``verbose`` (INFO) or set by the user: set here, in the driver's environment,
+    before Ray starts the processes that inherit it. The embedded instance gets
+    ``RAY_AUTH_MODE=token`` unless the user set a mode: the token authentication Ray enables by
+    default for a new local cluster, stated explicitly so Ray does not warn about it on every run
+    (``ray._private.authentication.authentication_token_setup.enable_token_auth_by_default``)."""
     import ray
 
     # the actors must import this checkout's packages; vLLM's environment is read when it starts
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if REPO not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([REPO] + paths)
-    if cfg.rollout.engine == "vllm":
-        from rlhf_switch.compat import set_vllm_env_defaults
+    from rlhf_switch.compat import set_vllm_env_defaults, set_vllm_log_level
 
+    set_vllm_log_level(verbose)
+    if cfg.rollout.engine == "vllm":
         set_vllm_env_defaults()
     if ray.is_initialized():
         return ray, False
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, log_to_driver=True)
     else:  # never join a stale cluster on the machine
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(address="local", num_cpus=world, num_gpus=world, log_to_driver=True, include_dashboard=False)
     return ray, True
 

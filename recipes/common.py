@@ -100,21 +100,65 @@ def prune_checkpoints(root: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def resolve_resume(resume: str | bool | None, out_dir: Path) -> Path | None:
-    """``--resume`` (the newest complete checkpoint of this run) or ``--resume DIR``."""
-    from rlhf_switch.engines.full_state import is_checkpoint, latest_checkpoint
+class RunFinished(Exception):
+    """``--resume`` of a run whose ``final/`` already holds its last iteration: nothing to do."""
+
+
+def checkpoint_iteration(path: Path) -> int:
+    """The last iteration a checkpoint of the loop holds (``extra["iteration"]``)."""
+    from rlhf_switch.engines.full_state import checkpoint_extra
+
+    it = checkpoint_extra(path).get("iteration")
+    if it is None:
+        raise FileNotFoundError(f"--resume {path}: not a checkpoint of the loop (no iteration recorded)")
+    return int(it)
+
+
+def resolve_resume(resume: str | bool | None, out_dir: Path, iterations: int,
+                   parts: Sequence[str] = ()) -> tuple[Path, int] | None:
+    """Where a resumed run continues from: ``(checkpoint, its last iteration)``, or None without
+    ``--resume``. ``iterations`` is the run's TOTAL (iterations ``0 .. iterations-1``), so the run
+    continues at the checkpoint's iteration + 1 and stops where the uninterrupted run stops.
+
+    ``--resume`` (``True``/``"auto"``) takes the newest complete checkpoint of this run — the newest
+    ``checkpoints/step_<N>`` or ``final/``, by iteration; ``parts`` are subdirectories each must hold
+    complete too (PPO: ``critic``), so a save that died between the actor and the critic is skipped.
+    ``--resume DIR`` takes DIR. If that checkpoint already holds the last iteration (a finished run,
+    or a total lowered since) ``RunFinished`` is raised before anything starts; a ``final/`` of a run
+    whose total was raised since is continued from."""
+    from rlhf_switch.engines.full_state import is_checkpoint
 
     if not resume:
         return None
+
+    def whole(p: Path) -> bool:
+        return p.is_dir() and is_checkpoint(p) and all(is_checkpoint(p / part) for part in parts)
+
     if resume is True or resume == "auto":
-        found = latest_checkpoint(out_dir / "checkpoints")
-        if found is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {out_dir / 'checkpoints'}")
-        return found
-    path = Path(resume)
-    if not is_checkpoint(path):
-        raise FileNotFoundError(f"--resume {path}: not a complete checkpoint directory")
-    return path
+        root = out_dir / "checkpoints"
+        found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and whole(p)] if root.is_dir() else []
+        if whole(out_dir / "final"):
+            found.append(out_dir / "final")
+        if not found:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {root} or {out_dir / 'final'}")
+        at = {p: checkpoint_iteration(p) for p in found}
+        path = max(found, key=lambda p: (at[p], p.name == "final"))
+        iteration = at[path]
+    else:
+        path = Path(resume)
+        if not is_checkpoint(path):
+            raise FileNotFoundError(f"--resume {path}: not a complete checkpoint directory")
+        missing = [part for part in parts if not is_checkpoint(path / part)]
+        if missing:
+            raise FileNotFoundError(f"--resume {path}: no complete {', '.join(m + '/' for m in missing)} checkpoint "
+                                    f"in it (this run needs one)")
+        iteration = checkpoint_iteration(path)
+    if iteration >= iterations - 1:
+        beyond = f", beyond the {iterations} asked for" if iteration > iterations - 1 else ""
+        raise RunFinished(f"the run is finished: {path} holds iteration {iteration} "
+                          f"({iteration + 1} iterations{beyond}); nothing to resume. Raise --iterations "
+                          f"(the run's total) to continue it.")
+    return path, iteration
 
 
 def fault(at: Sequence[int], iteration: int, what: str) -> None:

@@ -2,7 +2,7 @@
 
     rlhf-switch train configs/grpo_tiny.yaml            # or: python -m recipes.grpo CONFIG
     rlhf-switch train configs/ppo_tiny.yaml             # or: python -m recipes.ppo CONFIG
-        [--iterations N] [--output-dir DIR] [--resume [DIR]] [--stale-tol T] [--quiet]
+        [--iterations N] [--output-dir DIR] [--resume [DIR]] [--stale-tol T] [--quiet] [--verbose]
 
 Before iteration 0: the config is checked against the world (one error listing every problem,
 before Ray starts), the warm start is made (SFT on the task, cached) and every engine is built
@@ -13,9 +13,16 @@ rollout engine's within ``--stale-tol``, else ``StaleWeightsError``; PPO: the cr
 per-token rewards with the KL penalty, GAE, then policy and critic updates) -> one line and one JSONL /
 TensorBoard record. Held-out greedy reward before the first iteration, every ``eval.every``
 iterations and at the end. Checkpoints every ``checkpoint.save_every`` iterations and at the end
-(``<output_dir>/final``: a HF checkpoint transformers and vLLM load, plus the optimizer state);
-``--resume`` continues from the newest one with the same prompts and seeds the uninterrupted
-run would have used. A PNG of reward and time per phase is written at the end.
+(``<output_dir>/final``: a HF checkpoint transformers and vLLM load, plus the optimizer state).
+A PNG of reward and time per phase is written at the end.
+
+``--iterations N`` (default: the config's ``algorithm.iterations``) is the run's TOTAL: iterations
+0 .. N-1, also on ``--resume``. ``--resume`` finishes an interrupted run: it continues from the
+newest complete checkpoint (``checkpoints/step_<K>`` or ``final/``) at the iteration after it,
+with the same prompts and seeds, and stops at N-1 — the same ``final/`` as the uninterrupted run;
+the records the interrupted run wrote after that checkpoint are dropped from ``metrics.jsonl`` and
+``rollouts.jsonl`` first. ``--resume`` of a finished run (``final/`` holds iteration N-1) says so
+and exits 0 without starting anything; with a larger N it continues from ``final/``.
 """
 from __future__ import annotations
 
@@ -25,8 +32,8 @@ import time
 from pathlib import Path
 
 from recipes.cluster import Cluster, start_ray
-from recipes.common import (Evaluator, StaleWeightsError, draw_prompts, fault, loop_problems, prune_checkpoints,
-                            resolve_resume, sample_seeds, warm_start)
+from recipes.common import (Evaluator, RunFinished, StaleWeightsError, draw_prompts, fault, loop_problems,
+                            prune_checkpoints, resolve_resume, sample_seeds, warm_start)
 from recipes.run_log import MetricsLog, plot_run
 
 __all__ = ["run", "main", "StaleWeightsError"]
@@ -48,30 +55,39 @@ def reward_problems(cfg) -> list[str]:
 
 
 def prepare(config_source, iterations=None, output_dir=None):
-    """Load and check the config; everything that can be refused is refused here, before Ray."""
+    """Load and check the config; everything that can be refused is refused here, before Ray.
+    Returns (config, the run's total number of iterations)."""
     from rlhf_switch.rl.config import ConfigError, check_fits, load_config
 
     cfg = load_config(config_source)
     if output_dir:
         cfg.output_dir = str(output_dir)
+    if iterations is not None:
+        if int(iterations) < 1:
+            raise ConfigError("--iterations", [f"--iterations: {iterations} — the run's total must be at least 1"])
+        cfg.algorithm.iterations = int(iterations)  # the total: recorded in <output_dir>/config.yaml
     check_fits(cfg)
     problems = loop_problems(cfg) + reward_problems(cfg)
     if problems:
         raise ConfigError(f"the loop cannot run this config: {len(problems)} problem{'s' * (len(problems) != 1)}",
                           problems)
-    return cfg, iterations or cfg.algorithm.iterations
+    return cfg, cfg.algorithm.iterations
 
 
 def run(config_source, iterations: int | None = None, output_dir: str | None = None,
         stale_tol: float = 1e-4, quiet: bool = False, resume: str | bool | None = None,
-        skip_sync_at: tuple[int, ...] = (), crash_at: tuple[int, ...] = (), algorithm: str | None = None) -> list[dict]:
+        skip_sync_at: tuple[int, ...] = (), crash_at: tuple[int, ...] = (), algorithm: str | None = None,
+        verbose: bool = False) -> list[dict]:
     """Run the loop; returns this call's per-iteration records (also in
-    ``<output_dir>/metrics.jsonl``). Fault injection for tests: ``skip_sync_at`` — iterations
-    that generate WITHOUT syncing the weights first (the stale-weights check must catch it);
-    ``crash_at`` — iterations that crash after generating (the last checkpoint must survive)."""
+    ``<output_dir>/metrics.jsonl``). ``iterations`` is the run's total (default: the config's),
+    also when resuming: ``resume`` (True: the newest checkpoint of this run, or a directory)
+    continues after the checkpoint's iteration up to ``iterations - 1``; a finished run returns
+    ``[]`` at once (module docstring). ``verbose``: vLLM's INFO logs too. Fault injection for
+    tests: ``skip_sync_at`` — iterations that generate WITHOUT syncing the weights first (the
+    stale-weights check must catch it); ``crash_at`` — iterations that crash after generating (the
+    last checkpoint must survive)."""
     import torch
 
-    from rlhf_switch.engines.full_state import is_checkpoint
     from rlhf_switch.rl.algorithms import grpo_advantages
     from rlhf_switch.rl.rewards import load_reward_fn, score_samples
     from rlhf_switch.rl.tasks import CharTokenizer, build_task, encode_prompt, make_splits
@@ -85,15 +101,21 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
         raise ConfigError(f"recipes.{algorithm}", [f"algorithm.name: this recipe runs {algorithm}, the config "
                                                    f"names {name!r} (use recipes.{name} or rlhf-switch train)"])
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    resume_dir = resolve_resume(resume, out_dir)
-    if resume_dir is not None and cfg.critic is not None and not is_checkpoint(resume_dir / "critic"):
-        raise FileNotFoundError(f"--resume: {resume_dir} has no complete critic checkpoint (critic/) for this PPO run")
 
     def say(msg: str) -> None:
         if not quiet:
             from tqdm import tqdm
             tqdm.write(msg)
+
+    # where a resumed run continues (a PPO checkpoint must hold the critic's state too)
+    try:
+        point = resolve_resume(resume, out_dir, iterations, parts=("critic",) if cfg.critic is not None else ())
+    except RunFinished as e:
+        say(f"[{name}] {e}")
+        return []
+    resume_dir, first = (point[0], point[1] + 1) if point else (None, 0)
+    last = iterations - 1
+    out_dir.mkdir(parents=True, exist_ok=True)
 
     tok = CharTokenizer()
     task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
@@ -107,20 +129,23 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     t_start = time.perf_counter()
     init_dir = warm_start(cfg, out_dir / "init", quiet)
     say(f"[{name}] warm start: {init_dir} ({time.perf_counter() - t_start:.1f} s)")
-    log = MetricsLog(out_dir, cfg.tensorboard, append=resume_dir is not None)
-    ray, owns_ray = start_ray(cfg, cfg.world_size)
+    log = MetricsLog(out_dir, cfg.tensorboard, resume_from=first if resume_dir is not None else None)
+    ray, owns_ray = start_ray(cfg, cfg.world_size, verbose=verbose)
     cluster, ok = None, False
     records: list[dict] = []
     try:
         cluster = Cluster(cfg, ray, quiet)
         built = cluster.build(init_dir, resume_dir)
-        first = int(built["start"].get("iteration", -1)) + 1 if resume_dir else 0
+        if resume_dir is not None and int(built["start"].get("iteration", -1)) != first - 1:
+            raise RuntimeError(f"{resume_dir}: the engines loaded iteration {built['start'].get('iteration')}, "
+                               f"the driver read {first - 1}")
         say(f"[{name}] {cfg.world_size} workers: train {built['trainer']}, rollout {built['rollout']}, "
-            f"{built['params']:,} params; " + (f"resumed from {resume_dir} at iteration {first}; " if resume_dir else "")
+            f"{built['params']:,} params; " + (f"resumed from {resume_dir} at iteration {first} of {iterations}; "
+                                               if resume_dir else "")
             + f"ready in {time.perf_counter() - t_start:.1f} s")
         evaluate = Evaluator(cfg, splits, tok, reward_fn, max_ctx)
         ckpt_root = out_dir / "checkpoints"
-        last = first + iterations - 1 if resume_dir else iterations - 1
+        every_eval = cfg.eval.every
 
         def eval_now(it: int, when: str) -> None:
             t0 = time.perf_counter()
@@ -134,7 +159,9 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             t_it = time.perf_counter()
             # 1. switch train -> rollout
             sync = ({"seconds": 0.0, "bytes_moved": 0, "bytes_sent": 0} if it in skip_sync_at else cluster.sync())
-            if it == first:
+            # before iteration 0, and where the uninterrupted run evaluated before this iteration
+            # (a resumed run's records are the uninterrupted run's)
+            if it == first and (it == 0 or (every_eval and it % every_eval == 0)):
                 eval_now(it, "before")
             # 2. generate G samples per prompt
             samples = draw_prompts(cfg, splits, it)
@@ -203,7 +230,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 s = cluster.save(ckpt_root / f"step_{it + 1}", {"iteration": it})
                 prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
                 say(f"[{name}] checkpoint {ckpt_root / f'step_{it + 1}'} ({s:.1f} s)")
-            if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it != last:
+            if every_eval and (it + 1) % every_eval == 0 and it != last:
                 cluster.sync()
                 eval_now(it + 1, "before")
         # the end: the final policy evaluated and saved
@@ -238,22 +265,39 @@ def channel_summary(cluster) -> dict:
             "members": len(members)}
 
 
-def main(argv=None, algorithm: str | None = None) -> int:
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The loop's options (``rlhf-switch train`` and ``python -m recipes.grpo|ppo``)."""
+    ap.add_argument("config", metavar="CONFIG",
+                    help="the run's YAML (configs/README.md); its algorithm.name picks GRPO or PPO")
+    ap.add_argument("--iterations", type=int, metavar="N",
+                    help="the run's TOTAL number of iterations (0 .. N-1), also with --resume: a resumed run "
+                         "stops where the uninterrupted one stops (default: the config's algorithm.iterations)")
+    ap.add_argument("--output-dir", metavar="DIR",
+                    help="where checkpoints/, final/, metrics.jsonl, rollouts.jsonl, tensorboard/ and the plot go "
+                         "(default: the config's output_dir)")
+    ap.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR",
+                    help="finish an interrupted run: continue from the newest complete checkpoint of this run "
+                         "(checkpoints/step_K or final/), or from DIR, up to the total; the records written after "
+                         "that checkpoint are dropped from metrics.jsonl and rollouts.jsonl. A finished run (final/ "
+                         "holds iteration N-1) is reported as finished, exit 0; a larger N continues it")
+    ap.add_argument("--stale-tol", type=float, default=1e-4, metavar="T",
+                    help="the stale-weights check: the largest difference between the trainer's and the rollout "
+                         "engine's log-probs of the generated tokens that passes (default: %(default)g)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars and no per-iteration lines")
+    ap.add_argument("--verbose", action="store_true",
+                    help="vLLM's INFO logs too (default: its warnings and errors only, so they do not interleave "
+                         "with the progress bars; sets VLLM_LOGGING_LEVEL=INFO for the run's vLLM processes)")
+    return ap
+
+
+def run_args(a: argparse.Namespace, algorithm: str | None = None) -> int:
+    """Run the loop with parsed options; the exit code (2: bad input, 3: stale weights)."""
     from rlhf_switch.rl.config import ConfigError
     from rlhf_switch.rl.rewards import RewardError
 
-    ap = argparse.ArgumentParser(prog=f"recipes.{algorithm or 'loop'}", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config")
-    ap.add_argument("--iterations", type=int)
-    ap.add_argument("--output-dir")
-    ap.add_argument("--resume", nargs="?", const=True, default=None,
-                    help="continue from the newest checkpoint of this run, or from DIR")
-    ap.add_argument("--stale-tol", type=float, default=1e-4)
-    ap.add_argument("--quiet", action="store_true")
-    a = ap.parse_args(argv)
     try:
-        run(a.config, a.iterations, a.output_dir, a.stale_tol, a.quiet, a.resume, algorithm=algorithm)
+        run(a.config, a.iterations, a.output_dir, a.stale_tol, a.quiet, a.resume, algorithm=algorithm,
+            verbose=a.verbose)
     except (ConfigError, FileNotFoundError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -261,6 +305,12 @@ def main(argv=None, algorithm: str | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     return 0
+
+
+def main(argv=None, algorithm: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=f"python -m recipes.{algorithm or 'loop'}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run_args(add_arguments(ap).parse_args(argv), algorithm)
 
 
 if __name__ == "__main__":

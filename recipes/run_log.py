@@ -7,18 +7,26 @@ from pathlib import Path
 
 
 class MetricsLog:
-    """One JSONL record per iteration (and per evaluation), mirrored to TensorBoard."""
+    """One JSONL record per iteration (and per evaluation), mirrored to TensorBoard.
 
-    def __init__(self, out_dir: Path, tensorboard: bool, append: bool):
+    A new run starts both files empty. A resumed run (``resume_from``: the first iteration it
+    runs) first drops every record of iteration ``resume_from`` or later — what the interrupted
+    run wrote after its checkpoint, which the resumed run writes again — so each iteration (and
+    each evaluation label) is in the files once; TensorBoard hides those steps (``purge_step``)."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool, resume_from: int | None = None):
         self.path = out_dir / "metrics.jsonl"
-        if not append:
-            self.path.write_text("")
-            (out_dir / "rollouts.jsonl").write_text("")
+        rollouts = out_dir / "rollouts.jsonl"
+        for f in (self.path, rollouts):
+            if resume_from is None:
+                f.write_text("")
+            else:
+                truncate_records(f, resume_from)
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_from or None)
 
     def write(self, rec: dict, step: int) -> None:
         with self.path.open("a") as f:
@@ -41,6 +49,37 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def truncate_records(path: Path, before: int) -> int:
+    """Keep only the JSONL records of ``path`` whose ``iteration`` is below ``before`` (and drop a
+    line a crash left half-written); replaced atomically (a temporary file renamed over it), so a
+    crash here leaves the old file or the new one. Returns how many records were dropped."""
+    import os
+
+    if not path.exists():
+        path.write_text("")
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if int(rec.get("iteration", -1)) < before:
+            kept.append(line)
+        else:
+            dropped += 1
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return dropped
 
 
 def plot_run(records: list[dict], path: Path, title: str) -> Path | None:

@@ -15,7 +15,7 @@ DeepSpeed
     ``set_deepspeed_global_mpu``, ``agree_on_zero3_param_ids``, ``deepspeed_world_collectives_on``.
 vLLM
     ``disable_vllm_cpu_prepacking`` (+ ``plain_cpu_linear``, ``restore_vllm_cpu_prepacking``),
-    ``VLLM_ENV`` / ``set_vllm_env_defaults``, ``vllm_cpu_omp_binding`` /
+    ``VLLM_ENV`` / ``set_vllm_env_defaults``, ``set_vllm_log_level``, ``vllm_cpu_omp_binding`` /
     ``vllm_cpu_omp_threads_bind``, ``vllm_dist_ident``.
 """
 from __future__ import annotations
@@ -249,6 +249,7 @@ VLLM_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",     # GiB of KV cache per CPU engine: plenty for tiny models
     "VLLM_CACHE_ROOT": os.path.join("/tmp", f"rlhf-switch-vllm-cache-{os.getuid()}"),
+    "VLLM_LOGGING_LEVEL": "WARNING",   # see set_vllm_log_level (INFO: rlhf-switch train --verbose)
 }
 
 
@@ -259,6 +260,19 @@ def set_vllm_env_defaults(environ: MutableMapping[str, str] = os.environ) -> Non
     processes (and Ray actors) read these when they start, after any scope the driver could hold."""
     for k, v in VLLM_ENV.items():
         environ.setdefault(k, v)
+
+
+def set_vllm_log_level(verbose: bool = False, environ: MutableMapping[str, str] = os.environ) -> None:
+    """``VLLM_LOGGING_LEVEL``: ``VLLM_ENV``'s (WARNING) where not set already, INFO when
+    ``verbose``. Why: vLLM 0.32 logs at INFO by default (engine config, model loading, KV cache,
+    every ``collective_rpc``…) from every replica and worker process; through Ray's log forwarding
+    those lines interleave with the driver's progress bars. Not scoped: vLLM reads it when it is
+    imported in each of its processes (``vllm.envs``), so the driver sets it before Ray starts the
+    actors that inherit its environment. Needed as long as the default is INFO."""
+    if verbose:
+        environ["VLLM_LOGGING_LEVEL"] = "INFO"
+    else:
+        environ.setdefault("VLLM_LOGGING_LEVEL", VLLM_ENV["VLLM_LOGGING_LEVEL"])
 
 
 def vllm_engine_core_in_this_process(environ: MutableMapping[str, str] = os.environ) -> None:

@@ -131,3 +131,140 @@ def test_checkpoint_round_trip_and_incomplete_ones(tmp_path):
         FullState.load_dir(root / "step_9", spec)
     with pytest.raises(ValueError, match="another model"):
         FullState.load_dir(root / "step_7", llama_spec({**hf, "intermediate_size": 64}))
+
+
+# --- the command line --------------------------------------------------------------------------------
+
+def test_help_is_usage_and_every_flag_is_explained(capsys):
+    from recipes.cli import main, parser
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: rlhf-switch") and "train" in out and "give a config file" not in out
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    usage = out.split("\n\n")[0]
+    assert usage.startswith("usage: rlhf-switch train") and "recipes." not in usage, usage
+    for flag in ("--iterations N", "--output-dir DIR", "--resume [DIR]", "--stale-tol T", "--quiet", "--verbose"):
+        assert flag in out, flag
+    assert "TOTAL number of iterations" in out and "give a config file" not in out
+    _, train = parser()
+    assert all(a.help for a in train._actions), [a.dest for a in train._actions if not a.help]
+    assert main([]) == 2  # no command: the usage, on stderr
+    assert capsys.readouterr().err.startswith("usage: rlhf-switch")
+    from recipes.grpo import main as grpo_main
+
+    with pytest.raises(SystemExit) as e:
+        grpo_main(["--help"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m recipes.grpo")
+
+
+# --- resume: the run's total, finished runs, records once -------------------------------------------
+
+def _checkpoint(path: Path, iteration: int, critic: bool = False) -> Path:
+    from rlhf_switch.engines.full_state import FullState
+    from rlhf_switch.vps import llama_spec
+
+    hf = config()["model"]["hf_config"]
+    FullState(llama_spec(hf), scalars={"step": iteration + 1}).save_dir(path, hf, extra={"iteration": iteration})
+    if critic:
+        FullState(llama_spec(hf), scalars={"step": iteration + 1}).save_dir(path / "critic")
+    return path
+
+
+def test_resume_of_a_finished_run_says_so_without_starting_ray(tmp_path, capsys, monkeypatch):
+    import recipes.loop as loop
+    from recipes.cli import main
+
+    def must_not_run(*a, **k):
+        raise AssertionError("a finished run started something")
+
+    monkeypatch.setattr(loop, "start_ray", must_not_run)
+    monkeypatch.setattr(loop, "warm_start", must_not_run)
+    out = tmp_path / "run"
+    _checkpoint(out / "checkpoints" / "step_2", 1)
+    _checkpoint(out / "final", 2)  # the last of 3 iterations
+    cfg = write(tmp_path, config(output_dir=str(out), **{"algorithm.iterations": 3}))
+    assert main(["train", cfg, "--resume"]) == 0
+    said = capsys.readouterr().out
+    assert "the run is finished" in said and "final holds iteration 2 (3 iterations)" in said, said
+    assert main(["train", cfg, "--resume", "--iterations", "2"]) == 0  # a lowered total: finished too
+    assert "beyond the 2 asked for" in capsys.readouterr().out
+    assert main(["train", cfg, "--resume", str(out / "checkpoints" / "step_2"), "--iterations", "2"]) == 0
+    assert "the run is finished" in capsys.readouterr().out
+    assert loop.run(cfg, resume=True, quiet=True) == []
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_resume_point_is_the_newest_checkpoint_up_to_the_total(tmp_path):
+    from recipes.common import RunFinished, resolve_resume
+
+    out = tmp_path / "run"
+    assert resolve_resume(None, out, 5) is None
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        resolve_resume(True, out, 5)
+    step2, step4 = _checkpoint(out / "checkpoints" / "step_2", 1), _checkpoint(out / "checkpoints" / "step_4", 3)
+    assert resolve_resume(True, out, 5) == (step4, 3)
+    (step4 / "COMPLETE").unlink()  # a save that died: the one before it
+    assert resolve_resume(True, out, 5) == (step2, 1)
+    final = _checkpoint(out / "final", 4)
+    with pytest.raises(RunFinished, match="holds iteration 4"):
+        resolve_resume(True, out, 5)
+    assert resolve_resume(True, out, 8) == (final, 4)  # the total raised: continue from final/
+    _checkpoint(out / "checkpoints" / "step_6", 5)  # ... and that continuation crashed later
+    assert resolve_resume(True, out, 8) == (out / "checkpoints" / "step_6", 5)
+    assert resolve_resume(str(step2), out, 5) == (step2, 1)
+    # PPO: a checkpoint whose critic/ is missing (a save that died between the two) is skipped
+    ppo = tmp_path / "ppo"
+    with_critic = _checkpoint(ppo / "checkpoints" / "step_1", 0, critic=True)
+    _checkpoint(ppo / "checkpoints" / "step_2", 1)
+    assert resolve_resume(True, ppo, 5, parts=("critic",)) == (with_critic, 0)
+    with pytest.raises(FileNotFoundError, match="critic/"):
+        resolve_resume(str(ppo / "checkpoints" / "step_2"), ppo, 5, parts=("critic",))
+
+
+def test_resumed_records_are_truncated_to_the_checkpoint(tmp_path):
+    import json
+
+    from recipes.run_log import MetricsLog
+
+    recs = [{"iteration": i, "reward_mean": i} for i in range(5)] + [{"iteration": 5, "eval": "after"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"iteration": 6, "re')
+    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps({"iteration": i}) + "\n" for i in range(5)))
+    log = MetricsLog(tmp_path, tensorboard=False, resume_from=2)
+    assert [r["iteration"] for r in log.records()] == [0, 1]
+    rollouts = [json.loads(x) for x in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rollouts] == [0, 1]
+    assert not list(tmp_path.glob("*.tmp"))
+    MetricsLog(tmp_path, tensorboard=False)  # a new run starts empty
+    assert (tmp_path / "metrics.jsonl").read_text() == (tmp_path / "rollouts.jsonl").read_text() == ""
+
+
+def test_checkpoint_config_names_the_dtype_without_the_deprecated_attribute(tmp_path, capfd):
+    import json
+
+    from transformers import LlamaConfig
+
+    from rlhf_switch.engines.full_state import write_hf_config
+
+    write_hf_config(tmp_path, {**config()["model"]["hf_config"], "torch_dtype": "float32"})
+    assert LlamaConfig.from_pretrained(str(tmp_path)).dtype == torch.float32
+    assert "torch_dtype" not in capfd.readouterr().err  # transformers 5: "`torch_dtype` is deprecated!"
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["dtype"] == written["torch_dtype"] == "float32"
+
+
+def test_vllm_log_level_is_warning_unless_verbose():
+    from rlhf_switch.compat import set_vllm_env_defaults, set_vllm_log_level
+
+    env: dict = {}
+    set_vllm_env_defaults(env)
+    assert env["VLLM_LOGGING_LEVEL"] == "WARNING"
+    set_vllm_log_level(True, env)
+    set_vllm_env_defaults(env)
+    assert env["VLLM_LOGGING_LEVEL"] == "INFO"
+    env = {"VLLM_LOGGING_LEVEL": "DEBUG"}  # the user's own setting stays
+    set_vllm_log_level(False, env)
+    assert env["VLLM_LOGGING_LEVEL"] == "DEBUG"

@@ -154,17 +154,33 @@ def _fp32_whole(tensors: Mapping[str, torch.Tensor] | None, t, zero: bool = Fals
 
 def write_hf_config(path: str | os.PathLike, hf_config: Mapping[str, Any], dtype: str = "float32") -> None:
     """``config.json`` of a ``LlamaForCausalLM`` that transformers and vLLM load without a
-    tokenizer (``architectures`` names the class; ``torch_dtype`` the saved weights' dtype)."""
+    tokenizer (``architectures`` names the class; ``dtype`` the saved weights' dtype, also as
+    ``torch_dtype`` for readers older than transformers 5). The attribute set is ``dtype``:
+    transformers 5 warns "`torch_dtype` is deprecated!" on every write or read of
+    ``config.torch_dtype`` (reading the key from a file does not warn)."""
+    import json
+
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(**dict(hf_config))
+    cfg = LlamaConfig(**{k: v for k, v in dict(hf_config).items() if k != "torch_dtype"})
     cfg.architectures = ["LlamaForCausalLM"]
-    cfg.torch_dtype = dtype
+    cfg.dtype = dtype
     cfg.save_pretrained(str(path))
+    written = Path(path) / "config.json"
+    data = json.loads(written.read_text())
+    data["dtype"] = data["torch_dtype"] = dtype
+    written.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / COMPLETE).is_file()
+
+
+def checkpoint_extra(path: str | os.PathLike) -> dict:
+    """What the writer put beside the scalars (``save_dir(extra=...)``, e.g. the loop's
+    ``iteration``), read without loading any tensor of the model."""
+    meta = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+    return dict(meta.get("extra") or {})
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
