@@ -4,9 +4,10 @@
   iteration's weight sync is verified — the trainer's log-probs of the generated tokens equal
   vLLM's — and an iteration that generates without syncing is caught; the checkpoint left by the
   crash loads in transformers and in the loop's own checkpoint reader.
-- A crash mid-run, then ``resume``: the resumed run continues exactly as the uninterrupted one
-  (same rollouts, same losses, bit-identical final weights) — weights, Adam moments, step and
-  LR schedule all came back through the VPS.
+- A crash mid-run, then ``resume`` (no other option): the resumed run finishes the run exactly as
+  the uninterrupted one (same rollouts, same losses, bit-identical final weights and Adam moments,
+  each iteration's records once) — weights, Adam moments, step and LR schedule all came back
+  through the VPS.
 - Two different per-phase layouts (train ZeRO-3 DP4 / rollout TP2×DP2 and train TP2×DP2 /
   rollout TP4) produce the same first-iteration rollouts for the same seed.
 - PPO with a critic (its own DeepSpeed ZeRO-2 engine) runs the same way.
@@ -102,6 +103,10 @@ def test_grpo_deepspeed_vllm_sync_verified_and_stale_weights_caught(ray_session,
 
 
 def test_crash_then_resume_continues_exactly(ray_session, tmp_path):
+    """A crash in iteration 2 of 3, and the newest checkpoint (after iteration 1) lost as well:
+    ``resume=True`` with no other option finishes the run from the one after iteration 0 —
+    iterations 1 and 2, not 3 more — to the uninterrupted run's ``final/`` (weights and Adam moments
+    bit-identical), and ``metrics.jsonl`` / ``rollouts.jsonl`` hold each iteration once."""
     from recipes.grpo import run
     from safetensors.torch import load_file
 
@@ -113,21 +118,34 @@ def test_crash_then_resume_continues_exactly(ray_session, tmp_path):
     with pytest.raises(RuntimeError, match="injected crash in iteration 2"):
         run(small("grpo_tiny_fsdp.yaml", crashed, **base), quiet=True, crash_at=(2,))
     assert not (crashed / "final").exists()
-    run(small("grpo_tiny_fsdp.yaml", crashed, **base), iterations=1, quiet=True, resume=True)
+    (crashed / "checkpoints" / "step_2" / "COMPLETE").unlink()  # iteration 1's records are past the checkpoint now
+    assert [r["iteration"] for r in records(crashed) if "reward_mean" in r] == [0, 1]
+    resumed = run(small("grpo_tiny_fsdp.yaml", crashed, **base), quiet=True, resume=True)
+    assert [r["iteration"] for r in resumed if "reward_mean" in r] == [1, 2]
     a = {r["iteration"]: r for r in records(straight) if "reward_mean" in r}
-    b = {r["iteration"]: r for r in records(crashed) if "reward_mean" in r}
-    assert sorted(b) == [0, 1, 2]
+    b = [r for r in records(crashed) if "reward_mean" in r]
+    assert [r["iteration"] for r in b] == [0, 1, 2]  # each once
+    b = {r["iteration"]: r for r in b}
     for it in (0, 1, 2):
         for k in ("reward_mean", "policy_loss", "kl", "optimizer_steps"):
             assert a[it][k] == b[it][k], (it, k, a[it][k], b[it][k])
-    ra = [r for r in records(straight, "rollouts.jsonl") if r["iteration"] == 2]
-    rb = [r for r in records(crashed, "rollouts.jsonl") if r["iteration"] == 2]
-    assert ra[0]["responses"] == rb[-1]["responses"]
+    # the evaluations and the channel record: the uninterrupted run's labels, each once
+    def labels(out):
+        return [(r["iteration"], r.get("eval", "channel")) for r in records(out) if "reward_mean" not in r]
+
+    assert labels(crashed) == labels(straight) == [(0, "before"), (3, "after"), (3, "channel")]
+    ra, rb = records(straight, "rollouts.jsonl"), records(crashed, "rollouts.jsonl")
+    assert [r["iteration"] for r in rb] == [0, 1, 2]
+    assert [r["responses"] for r in ra] == [r["responses"] for r in rb]
     wa, wb = load_file(str(straight / "final" / "model.safetensors")), load_file(str(crashed / "final" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     oa = load_file(str(straight / "final" / "optimizer" / "moments.safetensors"))
     ob = load_file(str(crashed / "final" / "optimizer" / "moments.safetensors"))
-    assert all(torch.equal(oa[k], ob[k]) for k in oa)
+    assert oa.keys() == ob.keys() and all(torch.equal(oa[k], ob[k]) for k in oa)
+    assert torch.load(straight / "final" / "optimizer" / "trainer_state.pt", weights_only=False)["extra"] == \
+        torch.load(crashed / "final" / "optimizer" / "trainer_state.pt", weights_only=False)["extra"] == {"iteration": 2}
+    # resuming the finished run does nothing
+    assert run(small("grpo_tiny_fsdp.yaml", crashed, **base), quiet=True, resume=True) == []
 
 
 def test_two_layouts_same_first_iteration_rollouts(ray_session, tmp_path):
@@ -169,7 +187,7 @@ def test_ppo_with_a_critic(ray_session, tmp_path):
     # resume from the checkpoint after iteration 0: actor AND critic state (weights, Adam moments,
     # step) come back, so iteration 1 repeats exactly
     again = tmp_path / "ppo_again"
-    run({**cfg, "output_dir": str(again)}, iterations=1, quiet=True, resume=str(out / "checkpoints" / "step_1"))
+    run({**cfg, "output_dir": str(again)}, quiet=True, resume=str(out / "checkpoints" / "step_1"))
     redo = [r for r in records(again) if "reward_mean" in r]
     assert [r["iteration"] for r in redo] == [1]
     for k in ("reward_mean", "policy_loss", "vf_loss", "value_mean", "return_mean"):
