@@ -23,10 +23,9 @@ def start_ray(cfg, world: int, verbose: bool = False):
 
     vLLM's log level (``VLLM_LOGGING_LEVEL``, read when vLLM is imported in each of its processes)
     is WARNING unless ``verbose`` (INFO) or set by the user: set here, in the driver's environment,
-    before Ray starts the processes that inherit it. The embedded instance gets
-    ``RAY_AUTH_MODE=token`` unless the user set a mode: the token authentication Ray enables by
-    default for a new local cluster, stated explicitly so Ray does not warn about it on every run
-    (``ray._private.authentication.authentication_token_setup.enable_token_auth_by_default``)."""
+    before Ray starts the processes that inherit it. Starting the embedded instance, Ray's notice
+    that it enabled token authentication (its default for a new local cluster) is not printed:
+    ``quiet_default_token_auth_notice``."""
     import ray
 
     # the actors must import this checkout's packages; vLLM's environment is read when it starts
@@ -43,9 +42,38 @@ def start_ray(cfg, world: int, verbose: bool = False):
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, log_to_driver=True)
     else:  # never join a stale cluster on the machine
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-        ray.init(address="local", num_cpus=world, num_gpus=world, log_to_driver=True, include_dashboard=False)
+        with quiet_default_token_auth_notice():
+            ray.init(address="local", num_cpus=world, num_gpus=world, log_to_driver=True, include_dashboard=False)
     return ray, True
+
+
+TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+@contextmanager
+def quiet_default_token_auth_notice():
+    """Around ``ray.init`` of the embedded instance only: drop Ray's warning "Token authentication
+    is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out…", which Ray 2.60 logs
+    whenever it starts a local cluster with ``RAY_AUTH_MODE`` unset
+    (``ray._private.authentication.authentication_token_setup._warn_token_auth_enabled``). Token
+    authentication itself stays on, as Ray chose; only that one line of that one logger is
+    filtered, and only while the embedded instance starts (joining ``ray_address`` is untouched;
+    every other warning passes). Setting ``RAY_AUTH_MODE=token`` in the environment instead would
+    also silence it, but the driver's cached Ray config would not see it (the driver then fails to
+    authenticate to its own GCS)."""
+    import logging
+
+    class DropNotice(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(TOKEN_AUTH_NOTICE)
+
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    drop = DropNotice()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 @contextmanager

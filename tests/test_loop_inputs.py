@@ -268,3 +268,20 @@ def test_vllm_log_level_is_warning_unless_verbose():
     env = {"VLLM_LOGGING_LEVEL": "DEBUG"}  # the user's own setting stays
     set_vllm_log_level(False, env)
     assert env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_rays_token_auth_notice_is_dropped_while_the_embedded_instance_starts(caplog):
+    import logging
+
+    from recipes.cluster import quiet_default_token_auth_notice
+
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    notice = ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out. "
+              "For more information, see https://docs.ray.io/en/latest/ray-security/token-auth.html")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        with quiet_default_token_auth_notice():
+            logger.warning(notice)
+            logger.warning("Token authentication is disabled for this Ray cluster.")  # other lines pass
+        logger.warning(notice)  # outside ray.init of the embedded instance: untouched
+    assert [r.getMessage()[:45] for r in caplog.records] == ["Token authentication is disabled for this Ray",
+                                                              "Token authentication is enabled for this Ray "]

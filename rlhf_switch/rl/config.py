@@ -149,7 +149,8 @@ class AlgorithmBase(Strict):
     """What GRPO and PPO share. Per iteration: ``prompts_per_iteration`` prompts, ``group_size``
     samples each (the rollout batch), then ``epochs`` passes over it in optimizer steps of
     ``mini_batch_size`` sequences (default: the whole rollout batch, one step), each split over
-    the train DP ranks and run ``micro_batch_size`` sequences per forward."""
+    the train DP ranks and run ``micro_batch_size`` sequences per forward. ``iterations`` is the
+    run's total (iterations 0 .. iterations-1), which a resumed run finishes."""
 
     iterations: int = Field(20, ge=1)
     prompts_per_iteration: int = Field(8, ge=1)
