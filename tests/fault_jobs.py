@@ -26,7 +26,7 @@ from rank_jobs import garbage_like, tensor_source
 from rlhf_switch.routing import Deadlines, PeerLost, executor, move
 from rlhf_switch.routing.comm import TorchComm
 from rlhf_switch.vps import Layout
-from rlhf_switch.vps.materialize import allocate, bits, materialize
+from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize
 from rlhf_switch.vps.planner import plan_rank
 
 MID_MESSAGE_DELAY_S = 0.003
@@ -111,3 +111,41 @@ def move_with_a_death(dying: int, point: str, src: Layout, dst: Layout, deadline
             "reports": reports,
             "source_intact": all(torch.equal(bits(t), bits(src_copy[n])) for n, t in src_bufs.items()),
             "from_dead_elements": from_dead, "from_dead_arrived": arrived}
+
+
+def channel_move_with_a_death(dying: int | None, src: Layout, dst: Layout, seed: int = 0) -> dict:
+    """The same through a weight channel (``ChannelEnd.join``: a bare gloo group over rank 0's
+    store, the move's census through that store); ``dying`` dies before its first send (None:
+    nobody dies, and the move is checked bit for bit)."""
+    from rlhf_switch.engines.channel import ChannelEnd, open_store
+
+    rank = dist.get_rank()
+    store, host, port = open_store(60) if rank == 0 else (None, None, None)
+    addr = [(host, port)]
+    dist.broadcast_object_list(addr, src=0)
+    end = ChannelEnd.join(addr[0][0], addr[0][1], rank, dist.get_world_size(), store=store,
+                          timeout_s=60, budget_bytes=1 << 20, standby_s=60)
+    end.set_layouts(src, dst)
+    tensor_of = tensor_source(src, seed)
+    src_bufs = materialize(src, rank, tensor_of)
+    src_copy = {n: t.clone() for n, t in src_bufs.items()}
+    dst_bufs = garbage_like(allocate(dst, rank, fill=None), seed + 1000 + rank)
+    if rank == dying:
+        _arm("before_first_send")
+    dist.barrier()
+    t0 = time.perf_counter()
+    try:
+        end.move(src_bufs, dst_bufs)
+        error, lost = None, []
+    except PeerLost as e:
+        error, lost = f"{type(e).__name__}: {e}", e.lost
+    elapsed = time.perf_counter() - t0
+    expected = materialize(dst, rank, tensor_of)
+    masks = coverage_masks(dst, rank)  # padding is not the move's to write
+    exact = all(torch.equal(bits(dst_bufs[n])[masks[n]], bits(expected[n])[masks[n]]) for n in dst_bufs)
+    if error is None:
+        dist.barrier()  # rank 0 hosts the store: it stays until everyone is done with it
+    elif rank == 0:
+        time.sleep(3)  # the others' census reads the store it hosts
+    return {"error": error, "lost": lost, "elapsed_s": elapsed, "exact": exact,
+            "source_intact": all(torch.equal(bits(t), bits(src_copy[n])) for n, t in src_bufs.items())}

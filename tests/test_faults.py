@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow  # ~80 s: a 128 MiB move, deadlines run out, replacement processes
+
 import fault_jobs
 import rank_jobs
 from catalogue import CONFIGS
@@ -84,3 +86,19 @@ def test_a_dead_rank_is_named_nothing_is_lost_and_a_replacement_completes_the_mo
 
 def test_a_replaced_world_runs_jobs_as_before(world):
     assert world.run(rank_jobs.rank_of_world) == [(r, 4) for r in range(4)]
+
+
+def test_a_dead_member_of_a_weight_channel_is_named(world, tiny_spec):
+    """``ChannelEnd.join``: a bare gloo group over its own store, which the census uses too."""
+    src = build_layout(tiny_spec, CONFIGS["fsdp"])
+    dst = build_layout(tiny_spec, CONFIGS["tp4"])
+    outcome = world.run_all(fault_jobs.channel_move_with_a_death, 2, src, dst)
+    assert outcome.dead == [2] and not outcome.failures, outcome
+    for r in (0, 1, 3):
+        res = outcome.results[r]
+        print(f"channel: rank {r}: {res['elapsed_s']:.2f} s: {res['error'][:200]}")
+        assert res["lost"] == [2] and "lost rank 2" in res["error"], res["error"]
+        assert res["source_intact"]
+    world.replace(2)
+    for res in world.run(fault_jobs.channel_move_with_a_death, None, src, dst):
+        assert res["error"] is None and res["exact"] and res["source_intact"], res
