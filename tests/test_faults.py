@@ -102,3 +102,13 @@ def test_a_dead_member_of_a_weight_channel_is_named(world, tiny_spec):
     world.replace(2)
     for res in world.run(fault_jobs.channel_move_with_a_death, None, src, dst):
         assert res["error"] is None and res["exact"] and res["source_intact"], res
+
+
+def test_deadlines_grow_with_the_bytes_and_stop_at_the_ceiling():
+    d = Deadlines()  # 10 s + 1 s per 50 MB, at most the move's timeout (5 minutes by default)
+    assert d.for_bytes(0) == 10.0
+    assert d.for_bytes(500_000_000) == 20.0
+    assert d.for_bytes(1 << 50) == 300.0 and d.arrival == 300.0
+    short = Deadlines(ceiling_s=2.0)
+    assert short.for_bytes(0) == 2.0 and short.arrival == 2.0
+    assert Deadlines(arrival_s=3600.0).arrival == 3600.0

@@ -60,7 +60,8 @@ class Deadlines:
     * ``floor_s`` (10 s): what even a tiny message may take (a loaded host, a slow scheduler);
     * ``min_rate`` (50 MB/s): the slowest transfer rate still called alive — far below any real
       link (loopback, TCP, NVLink), far above a stuck one;
-    * ``ceiling_s`` (``None``: the move's ``timeout``, 5 minutes by default): no wait is longer;
+    * ``ceiling_s`` (``None``: the move's ``timeout``, 5 minutes by default): no wait is longer,
+      not even the floor;
     * ``arrival_s`` (``None``: the ceiling): the first agreement gather, where the ranks meet —
       a rank that is late (still computing) is not a transfer, so it gets this instead (a weight
       channel's receivers stand ready there for the trainer's whole step);
@@ -79,7 +80,7 @@ class Deadlines:
 
     def for_bytes(self, nbytes: int) -> float:
         ceiling = self.ceiling_s if self.ceiling_s is not None else DEFAULT_TIMEOUT.total_seconds()
-        return min(max(self.floor_s + nbytes / self.min_rate, self.floor_s), max(ceiling, self.floor_s))
+        return min(max(self.floor_s + nbytes / self.min_rate, self.floor_s), ceiling)  # the ceiling wins
 
     @property
     def arrival(self) -> float:
