@@ -103,6 +103,16 @@ def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900) -> l
     return ray.get(refs)
 
 
+class SyncFailed(RuntimeError):
+    """A weight sync that failed, naming the channel member(s) lost — an actor Ray reports dead
+    (``ActorDiedError``), else the ranks the surviving members' ``PeerLost`` errors name — as
+    trainer rank / rollout replica and worker, with the node each was placed on."""
+
+    def __init__(self, message: str, lost: list[str]):
+        super().__init__(message)
+        self.lost = lost
+
+
 class Cluster:
     """The actors of one run and the phases that involve all of them."""
 
@@ -202,7 +212,10 @@ class Cluster:
         t0, t_wall = time.perf_counter(), time.time()
         recv, self._standing_by = self._standing_by or [r.channel_receive.remote() for r in self.replicas], None
         send = [w.sync_send.remote() for w in self.workers]
-        out = self.ray.get(recv + send, timeout=600)
+        try:
+            out = self.ray.get(recv + send, timeout=600)
+        except Exception as e:  # noqa: BLE001 - which member is gone, then raise
+            raise self._sync_failure(recv, send, e) from e
         seconds = time.perf_counter() - t0
         senders, receivers = out[len(recv):], out[:len(recv)]
         reports = senders + [w for r in receivers for w in r["workers"]]
@@ -222,6 +235,48 @@ class Cluster:
                                                    default=0.0),
                               "cache_reset_s": max((w.get("reset_s", 0.0) for r in receivers for w in r["workers"]),
                                                    default=0.0)}}
+
+    def _node_of_bundle(self, bundle: int) -> str:
+        try:
+            node_id = self.ray.util.placement_group_table(self.pg)["bundles_to_node_id"][bundle]
+            return next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
+        except Exception:  # noqa: BLE001 - a name without an address is still a name
+            return "?"
+
+    def channel_member(self, rank: int) -> str:
+        """Who channel rank ``rank`` is: trainer ranks first, then each replica's workers."""
+        if self.in_world or rank < self.world:
+            return f"trainer rank {rank} (node {self._node_of_bundle(rank)})"
+        replica, worker = divmod(rank - self.world, self.tp)
+        return f"rollout replica {replica} worker {worker} (node {self._node_of_bundle(replica * self.tp)})"
+
+    def _sync_failure(self, recv: list, send: list, error: Exception) -> SyncFailed:
+        """Ask every member's call how it ended: dead actors are named by Ray; the survivors'
+        ``PeerLost`` name the channel ranks they lost (``lost rank N`` / ``lost ranks [..]``)."""
+        import re
+
+        from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+
+        calls = [(f"rollout replica {i} (node {self._node_of_bundle(i * self.tp)})", ref) for i, ref in enumerate(recv)]
+        calls += [(f"trainer rank {r} (node {self._node_of_bundle(r)})", ref) for r, ref in enumerate(send)]
+        dead, named, seen = [], set(), []
+        for who, ref in calls:
+            try:
+                self.ray.get(ref, timeout=120)
+            except (ActorDiedError, RayActorError) as e:
+                dead.append(who)
+                seen.append(f"{who}: died ({type(e).__name__})")
+            except GetTimeoutError:
+                seen.append(f"{who}: no answer within 120 s")
+            except Exception as e:  # noqa: BLE001
+                text = str(e)
+                for one, many in re.findall(r"lost rank (\d+)|lost ranks \[([\d, ]+)\]", text):
+                    named.update(int(x) for x in (one or many).split(",") if x.strip())
+                line = next((ln for ln in text.splitlines() if "PeerLost" in ln), text.splitlines()[0] if text else "")
+                seen.append(f"{who}: {line[:300]}")
+        lost = dead or [self.channel_member(r) for r in sorted(named)]
+        what = f"lost {', '.join(lost)}" if lost else f"no member named ({type(error).__name__}: {error})"
+        return SyncFailed(f"weight sync failed: {what}. Members: " + "; ".join(seen), lost)
 
     def channel_stats(self) -> dict:
         """Every member's channel counters, open file descriptors and threads."""

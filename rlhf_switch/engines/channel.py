@@ -31,7 +31,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from ..routing.executor import DEFAULT_BUDGET, MoveReport, move
+from ..routing.comm import GroupComm, as_comm
+from ..routing.executor import DEFAULT_BUDGET, Deadlines, MoveReport, move
 from ..vps.layout import Layout, LayoutError
 
 # process groups made by weight channels in this process: a run makes one per member process
@@ -104,9 +105,19 @@ class ChannelEnd:
     """One member's end of a weight channel (see the module docstring)."""
 
     def __init__(self, group: Any, rank: int, world_size: int, *, store: Any = None,
-                 timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET, open_s: float = 0.0):
+                 timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET, open_s: float = 0.0,
+                 standby_s: float | None = None, deadline: Deadlines | None = None):
         self.group, self.rank, self.world_size, self._store = group, rank, world_size, store
+        # the move's comm, made once; it knows the channel's store, where a failed move's reports
+        # go (``PeerLost`` then names the member that is gone)
+        self._comm = (GroupComm(group, store=dist.PrefixStore("vps-weight-channel", store))
+                      if store is not None else as_comm(group))
         self.timeout = timedelta(seconds=timeout_s)
+        # each wait of a move: 10 s + 1 s per 50 MB in flight, at most ``timeout_s``; the first
+        # gather (where a receiver stands by for the trainer's step) waits up to ``standby_s``
+        base = deadline or Deadlines()
+        self.deadline = Deadlines(base.floor_s, base.min_rate, timeout_s,
+                                  standby_s if standby_s is not None else base.arrival_s, base.census_s)
         self.budget_bytes = budget_bytes
         self.src: Layout | None = None
         self.dst: Layout | None = None
@@ -130,7 +141,7 @@ class ChannelEnd:
                                       timedelta(seconds=max(timeout_s, standby_s)))
         GROUPS_CREATED += 1
         return cls(group, rank, world_size, store=store, timeout_s=timeout_s, budget_bytes=budget_bytes,
-                   open_s=time.perf_counter() - t0)
+                   open_s=time.perf_counter() - t0, standby_s=max(timeout_s, standby_s))
 
     @classmethod
     def over(cls, ranks: list[int] | None = None, *, timeout_s: float = 300.0,
@@ -166,8 +177,8 @@ class ChannelEnd:
         if self.src is None:
             raise RuntimeError("the weight channel has no layouts yet: call set_layouts first")
         t_enter = time.time()  # wall clock: comparable across the members' processes on one host
-        report = move(self.src, self.dst, src_buffers, dst_buffers, group=self.group,
-                      budget_bytes=self.budget_bytes, timeout=self.timeout)
+        report = move(self.src, self.dst, src_buffers, dst_buffers, group=self._comm,
+                      budget_bytes=self.budget_bytes, timeout=self.timeout, deadline=self.deadline)
         report.phases["entered_at"] = t_enter
         s = self._stats
         s.moves += 1
@@ -187,7 +198,7 @@ class ChannelEnd:
         return s
 
     def close(self) -> None:
-        self.group = None
+        self.group = self._comm = None
         self._store = None
         self.src = self.dst = None
 

@@ -1,6 +1,6 @@
 """Schedules (chunks, rounds, staging budget) and their execution over torch.distributed."""
-from .executor import DEFAULT_BUDGET, MoveError, MoveReport, move, prepare
+from .executor import DEFAULT_BUDGET, Deadlines, MoveError, MoveReport, PeerLost, move, prepare
 from .schedule import Schedule, build_schedule, pair_round
 
-__all__ = ["DEFAULT_BUDGET", "MoveError", "MoveReport", "Schedule", "build_schedule", "move",
-           "pair_round", "prepare"]
+__all__ = ["DEFAULT_BUDGET", "Deadlines", "MoveError", "MoveReport", "PeerLost", "Schedule",
+           "build_schedule", "move", "pair_round", "prepare"]

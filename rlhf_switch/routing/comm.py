@@ -5,6 +5,11 @@ purpose (a TCPStore + ``ProcessGroupGloo``/``ProcessGroupNCCL`` made inside vLLM
 already have a default world of their own). Such a group is not registered with
 ``torch.distributed``, so ``dist.isend(..., group=pg)`` cannot use it; its own ``send``/``recv``/
 ``allgather`` methods can. ``as_comm`` picks the right wrapper.
+
+Every wait here takes a timeout (the executor derives it from the bytes waited for). A comm may
+know its group's ``store`` (a registered group's own, or the one a bare group was made over):
+after a failed move the ranks leave their reports there, so each can name the rank that is gone
+(``executor.PeerLost``). ``close`` ends this rank's connections of a gloo group after a failure.
 """
 from __future__ import annotations
 
@@ -20,9 +25,56 @@ import torch.distributed as dist
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+CLOSE_TAG = (1 << 20) - 7  # a tag no move uses: the receive that ``close`` lets time out
+
+
 class Comm:
     rank: int
     size: int
+    store: "dist.Store | None" = None  # where ranks leave failure reports (None: nobody to ask)
+    device: torch.device = torch.device("cpu")
+    gloo: bool = True
+
+    def _allgather(self, outs: list[torch.Tensor], tensor: torch.Tensor):
+        """Start an all-gather of equal-sized tensors; returns its ``Work``."""
+        raise NotImplementedError
+
+    def all_gather_ints(self, values: list[int], timeout: timedelta | None = None) -> list[list[int]]:
+        """Every rank's ``values`` (the same number of int64s on every rank), in one small collective."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        outs = [torch.empty_like(mine) for _ in range(self.size)]
+        _wait(self._allgather(outs, mine), timeout)
+        return [o.tolist() for o in outs]
+
+    def all_gather_object(self, obj, timeout: timedelta | None = None) -> list:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.size)]
+        _wait(self._allgather(sizes, size), timeout)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[:payload.numel()] = payload
+        outs = [torch.empty_like(padded) for _ in range(self.size)]
+        _wait(self._allgather(outs, padded), timeout)
+        return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]
+
+    def close(self) -> None:
+        """End this rank's connections in the group after a failed move (gloo only; best effort).
+
+        A group that carried a failed move cannot carry another (messages of the failed one may
+        still be pending on it, under the tags the next move would use), and peers blocked on this
+        rank would otherwise wait for their own deadlines. gloo (torch 2.13) has no call that
+        closes a group's connections — ``ProcessGroupGloo.abort`` leaves them open — but a wait
+        that times out closes every connection of the group ("Application timeout caused pair
+        closure"), and the peers' pending operations on it fail at once ("Connection closed by
+        peer"). So: one receive nobody sends, on a tag no move uses, waited for 1 ms."""
+        if not self.gloo or self.size < 2:
+            return
+        try:
+            self.irecv(torch.empty(1, dtype=torch.uint8), (self.rank + 1) % self.size, CLOSE_TAG).wait(
+                timedelta(milliseconds=1))
+        except Exception:  # noqa: BLE001 - the timeout is the point
+            pass
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         raise NotImplementedError
@@ -30,13 +82,13 @@ class Comm:
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         raise NotImplementedError
 
-    def all_gather_object(self, obj) -> list:
-        raise NotImplementedError
 
-    def all_gather_ints(self, values: list[int]) -> list[list[int]] | None:
-        """Every rank's ``values`` (the same number of int64s on every rank), in one small
-        collective; ``None`` where this comm has no such collective (callers fall back)."""
-        return None
+
+def _wait(work, timeout: timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
 
 
 class TorchComm(Comm):
@@ -46,6 +98,16 @@ class TorchComm(Comm):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        backend = dist.get_backend(group)
+        self.gloo = backend == "gloo"
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        try:  # the group's own store (private API: without it failures name what this rank saw)
+            from torch.distributed.distributed_c10d import _get_default_group, _get_process_group_store
+
+            self.store = _get_process_group_store(group if group is not None else _get_default_group())
+        except Exception:  # noqa: BLE001
+            self.store = None
 
     def _global(self, peer: int) -> int:
         return peer if self.group is None else dist.get_global_rank(self.group, peer)
@@ -56,29 +118,28 @@ class TorchComm(Comm):
     def irecv(self, tensor, peer, tag=0):
         return dist.irecv(tensor, self._global(peer), group=self.group, tag=tag)
 
-    def all_gather_ints(self, values):
-        device = torch.device("cpu")
-        if dist.get_backend(self.group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        mine = torch.tensor(values, dtype=torch.int64, device=device)
-        out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=device)
-        _all_gather_single(out, mine, group=self.group)
+    def all_gather_ints(self, values, timeout=None):
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
+        _wait(_all_gather_single(out, mine, group=self.group, async_op=True), timeout)
         return out.view(self.size, -1).tolist()
 
-    def all_gather_object(self, obj) -> list:
-        out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+    def _allgather(self, outs, tensor):
+        return dist.all_gather(outs, tensor, group=self.group, async_op=True)
 
 
 class GroupComm(Comm):
-    """A bare ``ProcessGroup`` object (e.g. ``dist.ProcessGroupGloo(store, rank, size, timeout)``)."""
+    """A bare ``ProcessGroup`` object (e.g. ``dist.ProcessGroupGloo(store, rank, size, timeout)``);
+    ``store``: the store it was made over (or any store all its members share), where a failed
+    move's reports go."""
 
-    def __init__(self, pg: dist.ProcessGroup, device: torch.device | str = "cpu"):
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device | str = "cpu", store: dist.Store | None = None):
         self.pg = pg
         self.rank = pg.rank()
         self.size = pg.size()
         self.device = torch.device(device)
+        self.store = store
+        self.gloo = isinstance(pg, dist.ProcessGroupGloo)
 
     def isend(self, tensor, peer, tag=0):
         return self.pg.send([tensor], peer, tag)
@@ -86,26 +147,11 @@ class GroupComm(Comm):
     def irecv(self, tensor, peer, tag=0):
         return self.pg.recv([tensor], peer, tag)
 
-    def all_gather_ints(self, values):
-        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
-        outs = [torch.empty_like(mine) for _ in range(self.size)]
-        self.pg.allgather([outs], [mine]).wait()
-        return [o.tolist() for o in outs]
-
-    def all_gather_object(self, obj) -> list:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.size)]
-        self.pg.allgather([sizes], [size]).wait()
-        longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-        padded[:payload.numel()] = payload
-        outs = [torch.empty_like(padded) for _ in range(self.size)]
-        self.pg.allgather([outs], [padded]).wait()
-        return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]
+    def _allgather(self, outs, tensor):
+        return self.pg.allgather([outs], [tensor])
 
 
-def as_comm(group) -> Comm:
+def as_comm(group, store: dist.Store | None = None) -> Comm:
     if isinstance(group, Comm):
         return group
     if group is None:
@@ -113,7 +159,7 @@ def as_comm(group) -> Comm:
     try:
         dist.get_rank(group)
     except (RuntimeError, ValueError):
-        return GroupComm(group)
+        return GroupComm(group, store=store)
     return TorchComm(group)
 
 

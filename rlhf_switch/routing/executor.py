@@ -18,14 +18,18 @@
    while older ones are still in flight, and waits only for older steps (``Schedule.staged``);
 6. wait for everything, unpacking the staged receives.
 
-Every wait has a timeout. Source buffers are only read, so a failed move loses no state.
+Every wait has a deadline derived from the bytes it waits for (``Deadlines``). Source buffers
+are only read, so a failed move loses no state. A move that fails after the agreement — a peer
+died, or stopped answering — raises ``PeerLost`` on every surviving rank, naming the lost rank(s)
+and what this rank was waiting for (see ``PeerLost``).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Mapping
 
@@ -43,7 +47,74 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 class MoveError(RuntimeError):
-    """A move refused (identically on every rank) before any data moved."""
+    """A move that did not happen: refused (identically on every rank) before any data moved,
+    or — the subclass ``PeerLost`` — stopped because a peer was lost while it ran."""
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long each wait of a move may take: ``clamp(floor_s + bytes / min_rate, floor_s, ceiling_s)``
+    where ``bytes`` is what this rank has in flight when it waits (every posted message not yet
+    waited for: an upper bound on what must pass before the awaited one completes).
+
+    * ``floor_s`` (10 s): what even a tiny message may take (a loaded host, a slow scheduler);
+    * ``min_rate`` (50 MB/s): the slowest transfer rate still called alive — far below any real
+      link (loopback, TCP, NVLink), far above a stuck one;
+    * ``ceiling_s`` (``None``: the move's ``timeout``, 5 minutes by default): no wait is longer,
+      not even the floor;
+    * ``arrival_s`` (``None``: the ceiling): the first agreement gather, where the ranks meet —
+      a rank that is late (still computing) is not a transfer, so it gets this instead (a weight
+      channel's receivers stand ready there for the trainer's whole step);
+    * ``census_s`` (2 s): after a failure, how long a rank waits for the other ranks' reports to
+      tell a dead peer from one that gave up (see ``PeerLost``).
+
+    A dead peer is usually reported by gloo at once ("Connection closed by peer"); the deadline is
+    what names it where gloo only hangs (a peer killed in the middle of a message: torch 2.13's gloo
+    does not notice the closed connection until the wait times out)."""
+
+    floor_s: float = 10.0
+    min_rate: float = 50e6
+    ceiling_s: float | None = None
+    arrival_s: float | None = None
+    census_s: float = 2.0
+
+    def for_bytes(self, nbytes: int) -> float:
+        ceiling = self.ceiling_s if self.ceiling_s is not None else DEFAULT_TIMEOUT.total_seconds()
+        return min(max(self.floor_s + nbytes / self.min_rate, self.floor_s), ceiling)  # the ceiling wins
+
+    @property
+    def arrival(self) -> float:
+        if self.arrival_s is not None:
+            return self.arrival_s
+        return self.ceiling_s if self.ceiling_s is not None else DEFAULT_TIMEOUT.total_seconds()
+
+
+DEFAULT_DEADLINES = Deadlines()
+
+
+class PeerLost(MoveError):
+    """A move that stopped on this rank because a peer died or stopped answering.
+
+    Raised by every surviving rank within the deadline of the wait it was in (plus the census,
+    at most ``Deadlines.census_s``). Attributes:
+
+    * ``rank``: this rank; ``lost``: the ranks named lost, sorted — ranks that left no report
+      (dead, or stuck) among those some rank lost contact with; when no report could be read (no
+      store), the peers this rank itself lost;
+    * ``pending``: what this rank was waiting for when it stopped, e.g. ``"recv 4096 B from rank 3
+      (tag 1048577)"`` or ``"agreement gather (32 B per rank)"``; ``cause``: gloo's own text;
+    * ``reports``: what the other ranks said (rank -> text), ``elapsed_s`` since the move began,
+      ``deadline_s``: the deadline of the wait that failed.
+
+    The source buffers are untouched (a move only reads them); destination buffers may hold part
+    of the new state. This rank's connections in the group are closed (``Comm.close``): re-form
+    the group — with a replacement for the lost rank — and move again."""
+
+    def __init__(self, message: str, *, rank: int, lost: list[int], pending: list[str], cause: str,
+                 reports: dict[int, str], elapsed_s: float, deadline_s: float):
+        super().__init__(message)
+        self.rank, self.lost, self.pending, self.cause = rank, lost, pending, cause
+        self.reports, self.elapsed_s, self.deadline_s = reports, elapsed_s, deadline_s
 
 
 @dataclass
@@ -72,13 +143,18 @@ class MoveReport:
 def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
          dst_buffers: Mapping[str, torch.Tensor], *, group: dist.ProcessGroup | Comm | None = None,
          budget_bytes: int = DEFAULT_BUDGET, ranks_per_node: int | None = None,
-         timeout: timedelta = DEFAULT_TIMEOUT, dry_run: bool = False) -> MoveReport | Schedule:
+         timeout: timedelta = DEFAULT_TIMEOUT, deadline: Deadlines | None = None,
+         dry_run: bool = False) -> MoveReport | Schedule:
     """Move everything ``dst`` wants from ``src``'s buffers into ``dst``'s buffers on this rank.
 
     ``group`` is the default world, a registered group, a bare ``ProcessGroup`` (one formed
     between a trainer and an engine's workers) or a ``Comm``; layout rank ``r`` is group rank ``r``.
     With ``dry_run`` nothing is communicated: the schedule is returned (it states its peak
     staging memory and every message it would send); without a process group it plans rank 0.
+
+    ``deadline`` says how long each wait may take (``Deadlines``: 10 s + 1 s per 50 MB in flight);
+    ``timeout`` is its ceiling (where ``deadline.ceiling_s`` is unset). A peer lost while the
+    move runs raises ``PeerLost`` here, on every surviving rank.
     """
     t_start = time.perf_counter()
     comm = as_comm(group) if not dry_run or dist.is_initialized() or group is not None else None
@@ -96,10 +172,16 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
         if error:
             raise MoveError(error)
         return schedule
+    deadline = deadline or DEFAULT_DEADLINES
+    if deadline.ceiling_s is None:
+        deadline = replace(deadline, ceiling_s=(timeout or DEFAULT_TIMEOUT).total_seconds())
     t_prep = time.perf_counter()
-    _agree(schedule.plan if schedule else None, error, comm, src, dst)
-    t_agree = time.perf_counter()
-    report = _run(schedule, src_buffers, dst_buffers, comm, timeout)
+    try:
+        _agree(schedule.plan if schedule else None, error, comm, src, dst, deadline)
+        t_agree = time.perf_counter()
+        report = _run(schedule, src_buffers, dst_buffers, comm, deadline)
+    except _WaitFailed as f:
+        raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     report.phases = dict(prepare=t_prep - t_start, agree=t_agree - t_prep, **report.phases)
     report.seconds = time.perf_counter() - t_start
     return report
@@ -203,16 +285,19 @@ def _agreement_row(plan: RankPlan | None, error: str | None, rank: int) -> list[
     return [1 if error else 0, d >> 48, d & ((1 << 48) - 1), total]
 
 
-def _agree(plan: RankPlan | None, error: str | None, comm: Comm, src, dst) -> None:
+def _agree(plan: RankPlan | None, error: str | None, comm: Comm, src, dst,
+           deadline: Deadlines = DEFAULT_DEADLINES) -> None:
     rank, world = comm.rank, comm.size
-    rows = comm.all_gather_ints(_agreement_row(plan, error, rank))
-    if rows is not None and not any(r[0] for r in rows) and len({(r[1], r[2]) for r in rows}) == 1 \
+    rows = _waiting(lambda t: comm.all_gather_ints(_agreement_row(plan, error, rank), t),
+                    deadline.arrival, f"agreement gather ({4 * 8} B per rank)", None)
+    if not any(r[0] for r in rows) and len({(r[1], r[2]) for r in rows}) == 1 \
             and sum(r[3] for r in rows) % _P == 0:
         return  # everyone is fine and agrees: the common case, one 32-byte gather per rank
     # someone failed or disagrees (every rank saw the same rows, so every rank is here): gather
     # the details and raise the same error everywhere
     mine = (plan.digest if plan else None, plan.pair_digests if plan else {}, error)
-    everyone = comm.all_gather_object(mine)
+    everyone = _waiting(lambda t: comm.all_gather_object(mine, t), deadline.for_bytes(world * 4096),
+                        "agreement details gather", None)
     errors = [(r, e) for r, (_, _, e) in enumerate(everyone) if e]
     if errors:
         msgs = {e for _, e in errors}
@@ -280,9 +365,54 @@ def _copy_local(schedule: Schedule, src_buffers, dst_buffers) -> None:
 TAG_BASE = 1 << 20  # message i of a pair (each direction) travels with tag TAG_BASE + i
 
 
-def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: timedelta | None) -> MoveReport:
+class _WaitFailed(Exception):
+    """A wait (or a post) of a move that failed: what it was, with which peer (``None``: a
+    collective), gloo's text, the deadline it had and everything still outstanding on this rank."""
+
+    def __init__(self, what: str, peer: int | None, cause: str, deadline_s: float, pending: list[str]):
+        super().__init__(what)
+        self.what, self.peer, self.cause, self.deadline_s, self.pending = what, peer, cause, deadline_s, pending
+
+
+def _waiting(fn, deadline_s: float, what: str, peer: int | None, pending=None):
+    try:
+        return fn(timedelta(seconds=deadline_s))
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError, with its text
+        raise _WaitFailed(what, peer, f"{type(e).__name__}: {e}", deadline_s,
+                          [what] + [d for d in (pending() if pending else []) if d != what]) from None
+
+
+class _Outstanding:
+    """The messages this rank has posted and not yet waited for: what a failure was waiting on,
+    and the bytes in flight that each wait's deadline is derived from."""
+
+    def __init__(self, comm: Comm, deadline: Deadlines):
+        self.comm, self.deadline = comm, deadline
+        self.works: dict[int, tuple[object, str, int, int]] = {}  # id -> (work, what, bytes, peer)
+        self.bytes = 0
+
+    def pending(self) -> list[str]:
+        return [d for _, d, _, _ in self.works.values()]
+
+    def post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int):
+        nbytes = tensor.numel() * tensor.element_size()
+        what = f"{kind} {nbytes} B {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})"
+        op = self.comm.isend if kind == "send" else self.comm.irecv
+        work = _waiting(lambda _: op(tensor, peer, tag), 0.0, what, peer, self.pending)
+        self.works[id(work)] = (work, what, nbytes, peer)
+        self.bytes += nbytes
+        return work
+
+    def wait(self, work) -> None:
+        _, what, nbytes, peer = self.works[id(work)]
+        _waiting(work.wait, self.deadline.for_bytes(self.bytes), what, peer, self.pending)
+        del self.works[id(work)]
+        self.bytes -= nbytes
+
+
+def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, deadline: Deadlines) -> MoveReport:
     plan = schedule.plan
-    timeout = timeout or DEFAULT_TIMEOUT
+    out = _Outstanding(comm, deadline)
     t0 = time.perf_counter()
     exchanges = schedule.exchanges
     # 1. every message that needs no staging on this side, posted at once
@@ -292,12 +422,12 @@ def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: time
         for i, (send, recv) in enumerate(ex.steps):
             if recv is not None and not recv.stage_recv:
                 p = recv.pieces[0]
-                direct.append(comm.irecv(_flat(dst_buffers, p.transfer.dst_buffer, p.dst_view()[0], recv.nbytes),
-                                         peer, TAG_BASE + i))
+                direct.append(out.post("recv", _flat(dst_buffers, p.transfer.dst_buffer, p.dst_view()[0],
+                                                     recv.nbytes), peer, TAG_BASE + i))
             if send is not None and not send.stage_send:
                 p = send.pieces[0]
-                direct.append(comm.isend(_flat(src_buffers, p.transfer.src_buffer, p.src_view()[0], send.nbytes),
-                                         peer, TAG_BASE + i))
+                direct.append(out.post("send", _flat(src_buffers, p.transfer.src_buffer, p.src_view()[0],
+                                                     send.nbytes), peer, TAG_BASE + i))
     t1 = time.perf_counter()
     # 2. local copies while those travel: done where the staged program would first block (the
     # steps posted before then travel meanwhile), or after it has posted everything
@@ -325,7 +455,7 @@ def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: time
         nonlocal alive_bytes
         works, recv, buf, size = inflight.popleft()
         for w in works:
-            w.wait(timeout)
+            out.wait(w)
         if recv is not None:
             _unpack(recv, buf, dst_buffers)
         alive_bytes -= size
@@ -346,11 +476,11 @@ def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: time
             works, rbuf = [], None
             if st.recv_bytes:
                 rbuf = pool[st.offset:st.offset + recv.nbytes]
-                works.append(comm.irecv(rbuf, ex.peer, tag))
+                works.append(out.post("recv", rbuf, ex.peer, tag))
             if st.send_bytes:
                 sbuf = pool[st.offset + st.recv_bytes:st.offset + st.recv_bytes + send.nbytes]
                 _pack(send, src_buffers, sbuf)
-                works.append(comm.isend(sbuf, ex.peer, tag))
+                works.append(out.post("send", sbuf, ex.peer, tag))
             size = st.recv_bytes + st.send_bytes
             alive_bytes += size
             peak = max(peak, st.offset + size)
@@ -363,7 +493,7 @@ def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: time
     while inflight:
         retire()
     for w in direct:
-        w.wait(timeout)
+        out.wait(w)
     t4 = time.perf_counter()
     if peak > schedule.budget_bytes:
         raise AssertionError(f"staging peaked at {peak} B over the {schedule.budget_bytes} B budget")
@@ -371,3 +501,72 @@ def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, timeout: time
                       plan.min_bytes_received, len(direct) + staged_msgs, peak, planned_peak,
                       schedule.budget_bytes, t4 - t0,
                       phases=dict(post=t1 - t0, local=t_local, staged=t3 - t2 - t_local, wait=t4 - t3))
+
+
+def _report_key(rank: int) -> str:
+    # one key per rank and group: a group that carried a failed move is closed (``Comm.close``)
+    # and never carries another, so these keys are written at most once per group
+    return f"vps-move/failed/{rank}"
+
+
+def _lost(f: _WaitFailed, comm: Comm, src: Layout, dst: Layout, deadline: Deadlines, elapsed: float) -> PeerLost:
+    """Turn a failed wait into ``PeerLost``: leave this rank's report in the group's store, close
+    this rank's connections (peers blocked on it fail at once instead of at their deadlines),
+    then read the others' reports. A rank that reported is alive (it reports before it closes its
+    connections), so a rank some rank lost contact with that left no report is the lost one;
+    a rank whose connection closed without a report is dead, so the census ends as soon as every
+    rank has either reported or been seen closing; otherwise it waits up to ``census_s``."""
+    rank, world = comm.rank, comm.size
+    closed = "Connection closed" in f.cause or "Connection reset" in f.cause
+    timed_out = "Timed out" in f.cause or "timed out" in f.cause or "Timeout" in f.cause
+    how = "closed" if closed else "timed out" if timed_out else "failed"
+    mine = {"peer": f.peer, "how": how, "what": f.what, "cause": f.cause[:300]}
+    store = comm.store
+    if store is not None:
+        try:
+            store.set(_report_key(rank), json.dumps(mine))
+        except Exception:  # noqa: BLE001 - a store on a lost host: fall back to what this rank saw
+            store = None
+    comm.close()
+    reports: dict[int, dict] = {rank: mine}
+    if store is not None:
+        end = time.monotonic() + deadline.census_s
+        while True:
+            for r in range(world):
+                if r in reports:
+                    continue
+                try:
+                    if store.check([_report_key(r)]):
+                        reports[r] = json.loads(store.get(_report_key(r)))
+                except Exception:  # noqa: BLE001
+                    end = 0
+                    break
+            seen_closed = {d["peer"] for d in reports.values() if d["peer"] is not None and d["how"] == "closed"}
+            if all(r in reports or r in seen_closed for r in range(world)) or time.monotonic() >= end:
+                break
+            time.sleep(0.02)
+        silent = [r for r in range(world) if r not in reports]
+        blamed = {d["peer"] for d in reports.values() if d["peer"] is not None}
+        lost = sorted(r for r in silent if r in blamed) or silent or sorted(blamed)
+    else:
+        silent = []
+        lost = [f.peer] if f.peer is not None else []
+    def said(d):
+        return f"{d['how']} on {d['what']}" + (f" (with rank {d['peer']})" if d["peer"] is not None else "")
+    others = "; ".join(f"rank {r}: {said(d)}" for r, d in sorted(reports.items()) if r != rank)
+    pending = f.pending[:8] + ([f"... {len(f.pending) - 8} more"] if len(f.pending) > 8 else [])
+    who = (f"lost rank {lost[0]}" if len(lost) == 1 else f"lost ranks {lost}") if lost else "lost a peer"
+    msg = (f"move {src.name} -> {dst.name} failed on rank {rank} after {elapsed:.2f} s: {who}. "
+           f"Rank {rank} {said(mine)}, deadline {f.deadline_s:.1f} s: {f.cause[:300]}. "
+           f"Still pending on rank {rank}: {', '.join(pending)}.")
+    if others:
+        msg += f" Reports: {others}."
+    if silent:
+        msg += (f" No report within {deadline.census_s:.1f} s from rank(s) {silent} (dead, or still "
+                f"blocked in their own waits).")
+    elif store is None:
+        msg += " (No store to compare reports: the rank named is the peer this rank lost contact with.)"
+    msg += " Source buffers are untouched; re-form the group and move again."
+    return PeerLost(msg, rank=rank, lost=lost, pending=f.pending, cause=f.cause,
+                    reports={r: said(d) for r, d in reports.items() if r != rank},
+                    elapsed_s=elapsed, deadline_s=f.deadline_s)
