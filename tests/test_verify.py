@@ -3,6 +3,8 @@
 (``executor.STAGED_RECEIVE_HOOK``, set by ``verify_jobs.move_verified`` on one rank)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -131,3 +133,34 @@ def test_checksum_is_bitwise_and_positional(dtype):
         z, nz = torch.zeros(4, dtype=dtype), torch.zeros(4, dtype=dtype)
         nz[2] = -0.0
         assert not torch.equal(checksum(z), checksum(nz))  # -0.0 is not 0.0, bitwise
+
+
+def test_the_weight_channel_carries_verify(world4, layouts4):
+    """The channel's setting (what an ``Endpoint`` carries to every member) checks every move;
+    a sampled channel draws anew each move (its seed: the channel's count of moves)."""
+    src, dst = layouts4[SRC], layouts4[DST]
+    results = world4.run(verify_jobs.channel_verified, src, dst, "full", 1.0, 2, RANK)
+    for res in results:
+        assert res["error"].startswith("VerifyError: verify=full:"), res["error"]
+    assert len(results[RANK]["checked"]) == 1  # the first move passed, checked; the second failed
+    results = world4.run(verify_jobs.channel_verified, src, dst, "sample", FRACTION, 3)
+    plan = plan_transition(src, dst)
+    for r, res in enumerate(results):
+        assert res["error"] is None
+        assert all(0 < c < len([t for t in plan.transfers if t.dst == r]) for c in res["checked"])
+        assert res["stats"]["pieces_verified"] == sum(res["checked"])
+
+
+def test_run_config_verify(tmp_path):
+    import yaml
+
+    from rlhf_switch.rl.config import ConfigError, load_config
+
+    cfg = yaml.safe_load((Path(__file__).parent.parent / "configs" / "grpo_tiny_fsdp.yaml").read_text())
+    assert load_config(cfg).verify == "off"  # the default
+    cfg.update(verify="sample", verify_fraction=0.25)
+    loaded = load_config(cfg)
+    assert (loaded.verify, loaded.verify_fraction) == ("sample", 0.25)
+    for bad in ({"verify": "sometimes"}, {"verify_fraction": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            load_config({**cfg, **bad})

@@ -106,3 +106,28 @@ def move_with_seed_of_rank(src: Layout, dst: Layout) -> dict:
         return {"error": None}
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+def channel_verified(src: Layout, dst: Layout, verify: str, fraction: float, moves: int,
+                     corrupt_rank: int | None = None) -> dict:
+    """``moves`` moves through a ``ChannelEnd`` over this world whose ``verify`` setting is the
+    channel's (as an ``Endpoint`` carries it); the last move corrupted in flight on
+    ``corrupt_rank``. Returns each move's checked count and the error, if any."""
+    from rlhf_switch.engines.channel import ChannelEnd
+
+    rank = dist.get_rank()
+    end = ChannelEnd.over(verify=verify, verify_fraction=fraction)
+    end.set_layouts(src, dst)
+    src_bufs = materialize(src, rank, tensor_source(src, 0))
+    dst_bufs = allocate(dst, rank)
+    checked, error, record = [], None, []
+    try:
+        for i in range(moves):
+            if i == moves - 1 and rank == corrupt_rank:
+                executor.STAGED_RECEIVE_HOOK = corrupting_hook(record)
+            checked.append(end.move(src_bufs, dst_bufs).pieces_verified)
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        executor.STAGED_RECEIVE_HOOK = None
+    return {"checked": checked, "error": error, "stats": end.stats()}

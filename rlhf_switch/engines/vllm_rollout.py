@@ -228,12 +228,13 @@ class VLLMRollout:
         ``endpoint.first_rank + tp_rank`` and keeps both layouts. Blocks until every member joined."""
         e = endpoint
         return self._rpc("vps_channel_open", e.host, e.port, e.first_rank, e.world_size, pickle.dumps(e.src),
-                         pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, e.standby_s, timeout=e.timeout_s + 60)
+                         pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, e.standby_s, e.verify, e.verify_fraction,
+                         timeout=e.timeout_s + 60)
 
     def channel_layouts(self, src: Layout, dst: Layout) -> list[dict]:
         return self._rpc("vps_channel_layouts", pickle.dumps(src), pickle.dumps(dst))
 
-    def channel_receive(self, timeout_s: float | None = None) -> list[dict]:
+    def channel_receive(self, timeout_s: float | None = None, verify: str | None = None) -> list[dict]:
         """The workers' part of one sync (the trainer ranks send meanwhile); sleep/wake around it
         where the platform has sleep mode. The prefix cache is reset first: KV computed with the
         old weights must not be reused, and nothing can compute KV between the reset and the new
@@ -250,7 +251,7 @@ class VLLMRollout:
                 self._asleep = True
             self.llm.wake_up(["weights"])
         t0 = time.perf_counter()
-        answers = self._rpc("vps_channel_receive", timeout=timeout_s)
+        answers = self._rpc("vps_channel_receive", verify, timeout=timeout_s)
         t1 = time.perf_counter()
         if self.can_sleep:
             self.llm.wake_up(["kv_cache"])
