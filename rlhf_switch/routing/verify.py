@@ -22,13 +22,15 @@ proved it: the pair digests hash exactly these lists), they do not depend on the
 or on how the schedule cuts, merges or stages them, and a box names what was corrupted in the
 model's own terms.
 
-*The checksum* is over the raw bits, bitwise (NaN payloads, -0.0 exact): the elements of the
-box in row-major order, viewed as signed integers of their width and widened to int64,
-``s1 = sum(x_i)`` and ``s2 = sum((i + 1) * x_i)``, both modulo 2^64 (torch's int64 arithmetic
-wraps). ``s1`` changes with any single flipped bit (a change of ±2^k is never 0 modulo 2^64);
-``s2`` adds position, so swapped or shifted elements (a wrong offset or stride) change it too.
-It runs in torch on the buffers' own device, in blocks of ``BLOCK`` elements (a bounded
-temporary), and costs about three passes over the checked bytes on each side.
+*The checksum* is over the raw bytes, bitwise (NaN payloads, -0.0 exact): the bytes of the box's
+elements in row-major order (cast to the wire dtype at the source, as the sender packs them),
+read as int64 words ``w_i``, ``s1 = sum(w_i)`` and ``s2 = sum((i + 1) * w_i)``, both modulo 2^64
+(torch's int64 arithmetic wraps). ``s1`` changes with any single flipped bit (a change of ±2^k
+is never 0 modulo 2^64); ``s2`` adds position, so swapped or shifted elements (a wrong offset or
+stride) change it too. It runs in torch on the buffers' own device as two int64 reductions of
+the data (``checksum``: row and column sums of a ``[m, COLS]`` view give ``s2`` exactly), plus a
+copy where the view is strided or not 8-byte aligned. Not cryptographic: it is made to catch
+corruption and misplacement, not an adversary.
 
 *Sampling* (``sample``): of each pair's list of pieces (and of the rank's local pieces) exactly
 ``ceil(fraction * n)`` are checked — at least one per pair that moves anything — those whose
@@ -54,7 +56,6 @@ Mode = Literal["off", "sample", "full"]
 MODES = ("off", "sample", "full")
 DEFAULT_FRACTION = 0.1
 VERIFY_TAG = (1 << 20) - 7  # below the executor's message tags (TAG_BASE + i)
-BLOCK = 1 << 20  # elements per checksum block: the int64 temporaries stay at 8 MiB
 MAX_REPORTED = 8  # mismatches described per rank
 
 
@@ -71,29 +72,53 @@ def check_mode(verify: str, fraction: float) -> None:
 
 # ------------------------------------------------------------------------------------ checksums
 
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+COLS = 1024  # words per row of the [rows, COLS] view the checksum reduces
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """``[1, 2, ..., n]`` (int64) on ``device``, from a cache."""
     w = _WEIGHTS.get(device)
     if w is None or w.numel() < n:
-        w = _WEIGHTS[device] = torch.arange(1, max(n, 1024) + 1, dtype=torch.int64, device=device)
+        w = _WEIGHTS[device] = torch.arange(1, max(n, 4 * COLS) + 1, dtype=torch.int64, device=device)
     return w[:n]
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
-    """``[s1, s2]`` (int64, on ``t``'s device) of ``t``'s elements in row-major order, bitwise."""
+    """``[s1, s2]`` (int64, on ``t``'s device) of ``t``'s raw bytes in row-major element order,
+    read as int64 words ``w_i`` (a last partial word zero-padded): ``s1 = sum w_i``,
+    ``s2 = sum (i + 1) w_i``, modulo 2^64. The words are viewed as ``[m, COLS]``; with row sums
+    ``R_j`` and column sums ``C_k``, ``s2 = COLS * sum j R_j + sum (k + 1) C_k`` exactly, so the
+    data itself is only reduced twice (no int64 copy, no product over the data): that is what
+    makes it cheap. Bitwise: NaN payloads and -0.0 count as their bits."""
     flat = t.reshape(-1)  # a copy only when ``t`` is a strided view
-    ints = flat.view(_INT[flat.element_size()])
-    n = ints.numel()
-    s1 = torch.zeros((), dtype=torch.int64, device=t.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, n, BLOCK):
-        x = ints[start:start + BLOCK].to(torch.int64)
-        b1 = x.sum()
-        s2 += (x * _weights(x.numel(), x.device)).sum() + start * b1  # weights i+1 from `start`
-        s1 += b1
+    raw = flat.view(torch.uint8)
+    if raw.storage_offset() % 8 or raw.data_ptr() % 8:
+        raw = raw.clone()  # an int64 view needs 8-byte alignment; the checksum must not depend on it
+    nb = raw.numel()
+    n8 = nb - nb % 8
+    words = raw[:n8].view(torch.int64)
+    nw = words.numel()
+    m = nw // COLS
+    dev = t.device
+    s1 = torch.zeros((), dtype=torch.int64, device=dev)
+    s2 = torch.zeros((), dtype=torch.int64, device=dev)
+    if m:
+        full = words[:m * COLS].view(m, COLS)
+        rows, cols = full.sum(1), full.sum(0)
+        s1 += rows.sum()
+        s2 += COLS * ((rows * _weights(m, dev)).sum() - s1) + (cols * _weights(COLS, dev)).sum()
+    rest = words[m * COLS:]
+    if rest.numel():
+        r1 = rest.sum()
+        s1 += r1
+        s2 += (rest * _weights(rest.numel(), dev)).sum() + m * COLS * r1
+    if n8 < nb:  # the last partial word, zero-padded, at position nw
+        tail = torch.zeros(8, dtype=torch.uint8, device=dev)
+        tail[:nb - n8] = raw[n8:]
+        w = tail.view(torch.int64)[0]
+        s1 += w
+        s2 += (nw + 1) * w
     return torch.stack((s1, s2))
 
 
