@@ -229,7 +229,9 @@ class HybridWorker:
         if self.channel is not None:
             self.channel.close()
         if endpoint is None:
-            self.channel = ChannelEnd.over(timeout_s=300.0)
+            cfg = getattr(self, "cfg", None)  # the run's verify setting (RunConfig.verify)
+            self.channel = ChannelEnd.over(timeout_s=300.0, verify=cfg.verify if cfg else "off",
+                                           verify_fraction=cfg.verify_fraction if cfg else 0.1)
             src = self._gather_weights_layout()
             self.channel.set_layouts(src, self.rollout_cls.rollout_layout(src.spec, self.tp, self.replicas))
         else:
@@ -237,14 +239,17 @@ class HybridWorker:
             self.channel = ChannelEnd.join(endpoint.host, endpoint.port, endpoint.first_rank, endpoint.world_size,
                                            store=self._channel_store if self.rank == 0 else None,
                                            timeout_s=endpoint.timeout_s, budget_bytes=endpoint.budget_bytes,
-                                           standby_s=endpoint.standby_s)
+                                           standby_s=endpoint.standby_s, verify=endpoint.verify,
+                                           verify_fraction=endpoint.verify_fraction)
             self.channel.set_layouts(endpoint.src, endpoint.dst)
         self._planned = (tuple(self._weights.fragments), dict(self._weights.buffers))
         return self.channel.stats()
 
-    def sync_send(self) -> dict:
+    def sync_send(self, verify: str | None = None) -> dict:
         """One sync through the channel: this rank's part of the move of the trainer's compute
-        weights (and, placement ``worker``, its receive into the rollout engine's buffers)."""
+        weights (and, placement ``worker``, its receive into the rollout engine's buffers).
+        ``verify``: this sync's checking (``off``/``sample``/``full``, the same on every member)
+        instead of the channel's (the run config's ``verify``)."""
         t0 = time.perf_counter()
         weights = self.trainer.adapter.weights()
         dst = self.rollout.buffers() if self.rollout is not None else {}
@@ -257,7 +262,7 @@ class HybridWorker:
                 raise ChannelStale(f"rank {self.rank}: the weights of {self.trainer.name} are not where the "
                                    f"weight channel's plan has them; re-open the channel after rebuilding an "
                                    f"engine; nothing was moved")
-        report = self.channel.move(weights.tensors, dst)
+        report = self.channel.move(weights.tensors, dst, verify=verify)
         if self.rollout is not None:
             self.rollout.weights_updated()
         out = dict(vars(report))

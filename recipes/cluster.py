@@ -190,7 +190,8 @@ class Cluster:
             dst = self.rollout_cls.rollout_layout(src.spec, self.tp, self.n_replicas)
             host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=60)
             ep = Endpoint(host, port, total, 0, place(src, range(n), total), place(dst, range(n, total), total),
-                          budget_bytes or DEFAULT_BUDGET)
+                          budget_bytes or DEFAULT_BUDGET, verify=self.cfg.verify,
+                          verify_fraction=self.cfg.verify_fraction)
             refs = [r.channel_open.remote(ep.at(n + i * self.tp)) for i, r in enumerate(self.replicas)]
             refs += [w.channel_open.remote(ep.at(rank)) for rank, w in enumerate(self.workers)]
             wait_all(self.ray, refs, "open weight channel", self.quiet)

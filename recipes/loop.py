@@ -262,7 +262,7 @@ def channel_summary(cluster) -> dict:
     members = stats["trainers"] + [w for r in stats["replicas"] for w in r["workers"]]
     return {"opened": cluster.channel_opened, "moves": max(m.get("moves", 0) for m in members),
             "groups_per_member": sorted({m.get("groups_created", 0) for m in members}),
-            "members": len(members)}
+            "members": len(members), "pieces_verified": sum(m.get("pieces_verified", 0) for m in members)}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:

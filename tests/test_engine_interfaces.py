@@ -94,6 +94,7 @@ def test_user_engines_named_module_class(ray_session, tmp_path):
     out = tmp_path / "run"
     cfg = _small(out, train={"engine": "test_engine_interfaces:CountingTrainer", "dp": 2},
                  rollout={"engine": "test_engine_interfaces:CountingRollout", "tp": 2, "dp": 1})
+    cfg["verify"] = "full"  # the run config's verify reaches the weight channel: every sync checked
     run(cfg, quiet=True)
     recs = _records(out)
     its = [r for r in recs if "reward_mean" in r]
@@ -110,6 +111,7 @@ def test_user_engines_named_module_class(ray_session, tmp_path):
     assert len(_calls(calls, "generate")) == 2
     channel = next(r["channel"] for r in recs if "channel" in r)
     assert channel["opened"] == 1 and channel["groups_per_member"] == [1] and channel["moves"] == syncs, channel
+    assert channel["pieces_verified"] > 0, channel
 
 
 def test_weight_channel_pp_stages_into_vllm_50_syncs(ray_session, tmp_path):

@@ -380,7 +380,9 @@ def test_train_move_generate_follows_new_weights(rollout, world, hf_model, spec)
     state2 = state_of(model)
     tokens_hf2, _ = hf_greedy(model, PROMPTS, MAX_TOKENS)
     assert tokens_hf2 != tokens1, "training did not change the greedy outputs; the check would be empty"
-    rollout.load_from(world, src, trainer_buffers, src, state2)
+    report2 = rollout.load_from(world, src, trainer_buffers, src, state2, verify="full")
+    # checked in the workers: checksums computed by the trainer ranks, compared on the landed bytes
+    assert all(w["verify"] == "full" and w["pieces_verified"] > 0 for w in report2.workers), report2.workers
     assert_weights_equal(rollout, state2)
     tokens2, _ = assert_matches_hf(rollout, model)  # the same prompts: prefix cache must not serve old KV
     assert tokens2 != tokens1

@@ -15,6 +15,13 @@ receive. ``ChannelEnd`` is the same object in every member process: a process gr
 cached by the layouts' digests, planned on the first move. ``set_layouts`` again re-plans when a
 layout changes (a rebuilt engine, a resized world); the group stays.
 
+*Verification* (``verify``: ``off`` | ``sample`` | ``full``, with ``verify_fraction``): a channel
+setting, carried by the ``Endpoint`` to every member so they all check the same pieces, and
+overridable per move (``move(..., verify=...)``, the same on every member). Sampling draws from
+the plan digest and the channel's count of moves (``verify_seed``, the same on every member:
+each move is collective), so successive syncs check different pieces. A corrupted piece raises
+``VerifyError`` on every member (``routing/verify.py``).
+
 What a sync used to do each time — a TCPStore and a gloo group per sync, both layouts pickled
 into every worker, a plan per sync — is done once here; a sync is the move (one 32-byte agreement
 plus the transfers) and the engine's cache reset.
@@ -33,6 +40,7 @@ import torch.distributed as dist
 
 from ..routing.comm import GroupComm, as_comm
 from ..routing.executor import DEFAULT_BUDGET, Deadlines, MoveReport, move
+from ..routing.verify import DEFAULT_FRACTION, check_mode
 from ..vps.layout import Layout, LayoutError
 
 # process groups made by weight channels in this process: a run makes one per member process
@@ -80,6 +88,8 @@ class Endpoint:
     budget_bytes: int = DEFAULT_BUDGET
     timeout_s: float = 300.0     # any wait inside a move
     standby_s: float = 3600.0    # how long a member may stand ready before the others arrive
+    verify: str = "off"          # off | sample | full: checksums of the moved pieces (routing/verify.py)
+    verify_fraction: float = DEFAULT_FRACTION  # of each pair's pieces, with verify "sample"
 
     def at(self, first_rank: int) -> "Endpoint":
         from dataclasses import replace
@@ -98,6 +108,7 @@ class ChannelStats:
     last_move_s: float = 0.0
     open_s: float = 0.0            # group creation (once)
     plans: int = 0                 # layout pairs set (1 unless re-planned)
+    pieces_verified: int = 0       # pieces checked here as their destination, over all moves
     extra: dict = field(default_factory=dict)
 
 
@@ -106,7 +117,9 @@ class ChannelEnd:
 
     def __init__(self, group: Any, rank: int, world_size: int, *, store: Any = None,
                  timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET, open_s: float = 0.0,
-                 standby_s: float | None = None, deadline: Deadlines | None = None):
+                 standby_s: float | None = None, deadline: Deadlines | None = None,
+                 verify: str = "off", verify_fraction: float = DEFAULT_FRACTION):
+        check_mode(verify, verify_fraction)
         self.group, self.rank, self.world_size, self._store = group, rank, world_size, store
         # the move's comm, made once; it knows the channel's store, where a failed move's reports
         # go (``PeerLost`` then names the member that is gone)
@@ -119,6 +132,8 @@ class ChannelEnd:
         self.deadline = Deadlines(base.floor_s, base.min_rate, timeout_s,
                                   standby_s if standby_s is not None else base.arrival_s, base.census_s)
         self.budget_bytes = budget_bytes
+        self.verify, self.verify_fraction = verify, verify_fraction
+        self._attempts = 0  # moves attempted: the default seed of a sampled verification
         self.src: Layout | None = None
         self.dst: Layout | None = None
         self._stats = ChannelStats(rank, world_size, GROUPS_CREATED, open_s=open_s)
@@ -126,7 +141,8 @@ class ChannelEnd:
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, *, store: Any = None,
              timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET,
-             standby_s: float = 3600.0) -> "ChannelEnd":
+             standby_s: float = 3600.0, verify: str = "off",
+             verify_fraction: float = DEFAULT_FRACTION) -> "ChannelEnd":
         """Join the channel's own gloo group (collective over its ``world_size`` members) over
         the TCPStore at ``host:port`` (``store``: the store itself, on the member that hosts it).
         The group's collectives wait up to ``standby_s``: a rollout engine stands ready in its
@@ -141,11 +157,13 @@ class ChannelEnd:
                                       timedelta(seconds=max(timeout_s, standby_s)))
         GROUPS_CREATED += 1
         return cls(group, rank, world_size, store=store, timeout_s=timeout_s, budget_bytes=budget_bytes,
-                   open_s=time.perf_counter() - t0, standby_s=max(timeout_s, standby_s))
+                   open_s=time.perf_counter() - t0, standby_s=max(timeout_s, standby_s),
+                   verify=verify, verify_fraction=verify_fraction)
 
     @classmethod
     def over(cls, ranks: list[int] | None = None, *, timeout_s: float = 300.0,
-             budget_bytes: int = DEFAULT_BUDGET) -> "ChannelEnd":
+             budget_bytes: int = DEFAULT_BUDGET, verify: str = "off",
+             verify_fraction: float = DEFAULT_FRACTION) -> "ChannelEnd":
         """A channel inside an existing world (trainer and rollout engine in the same processes):
         its own group of that world's ``ranks`` (all by default; collective over the world)."""
         global GROUPS_CREATED
@@ -156,7 +174,7 @@ class ChannelEnd:
         if dist.get_rank() not in ranks:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the channel over {ranks}")
         return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout_s, budget_bytes=budget_bytes,
-                   open_s=time.perf_counter() - t0)
+                   open_s=time.perf_counter() - t0, verify=verify, verify_fraction=verify_fraction)
 
     def set_layouts(self, src: Layout, dst: Layout) -> None:
         """The source and destination layouts, placed on the channel's ranks (the same on every
@@ -172,16 +190,26 @@ class ChannelEnd:
         self._stats.plans += 1
 
     @torch.no_grad()
-    def move(self, src_buffers: Mapping[str, torch.Tensor], dst_buffers: Mapping[str, torch.Tensor]) -> MoveReport:
-        """This member's part of one move (collective over the channel)."""
+    def move(self, src_buffers: Mapping[str, torch.Tensor], dst_buffers: Mapping[str, torch.Tensor], *,
+             verify: str | None = None, verify_fraction: float | None = None,
+             verify_seed: int | None = None) -> MoveReport:
+        """This member's part of one move (collective over the channel). ``verify`` /
+        ``verify_fraction``: this move's, instead of the channel's (pass the same on every
+        member); ``verify_seed``: the sample's seed, by default the channel's count of moves."""
         if self.src is None:
             raise RuntimeError("the weight channel has no layouts yet: call set_layouts first")
         t_enter = time.time()  # wall clock: comparable across the members' processes on one host
+        seed = self._attempts if verify_seed is None else verify_seed
+        self._attempts += 1  # every move attempted, failed ones too: every member counts alike
         report = move(self.src, self.dst, src_buffers, dst_buffers, group=self._comm,
-                      budget_bytes=self.budget_bytes, timeout=self.timeout, deadline=self.deadline)
+                      budget_bytes=self.budget_bytes, timeout=self.timeout, deadline=self.deadline,
+                      verify=verify or self.verify,
+                      verify_fraction=self.verify_fraction if verify_fraction is None else verify_fraction,
+                      verify_seed=seed)
         report.phases["entered_at"] = t_enter
         s = self._stats
         s.moves += 1
+        s.pieces_verified += report.pieces_verified
         s.bytes_sent += report.bytes_sent
         s.bytes_received += report.bytes_received
         s.last_move_s = report.seconds

@@ -174,11 +174,14 @@ class VLLMRollout:
 
     # --- the move -------------------------------------------------------------------------------------
     def load_from(self, world, src_layout: Layout, make_buffers: Callable[..., dict], *args,
-                  budget_bytes: int = DEFAULT_BUDGET, timeout_s: float = 300.0, **kwargs) -> LoadReport:
+                  budget_bytes: int = DEFAULT_BUDGET, timeout_s: float = 300.0, verify: str = "off",
+                  **kwargs) -> LoadReport:
         """Move the weights ``src_layout`` describes, held by ``world``'s ranks (rank ``r``'s buffers
         are ``make_buffers(*args, **kwargs)`` run on rank ``r``), into this engine's workers: a
         one-shot weight channel (``engines/channel.py``) between the world's ranks and the workers —
-        a loop keeps one channel open instead (``channel_open`` once, ``channel_receive`` per sync)."""
+        a loop keeps one channel open instead (``channel_open`` once, ``channel_receive`` per sync).
+        ``verify`` (``off``/``sample``/``full``): check the move's bytes in the workers
+        (``routing/verify.py``)."""
         import time
 
         from .channel import Endpoint, open_store
@@ -194,7 +197,8 @@ class VLLMRollout:
         t0 = time.perf_counter()
         store, host, port = open_store(timeout_s)
         endpoint = Endpoint(host, port, total, n, place(src_layout, range(n), total),
-                            place(self.layout, range(n, total), total), budget_bytes, timeout_s)
+                            place(self.layout, range(n, total), total), budget_bytes, timeout_s,
+                            verify=verify)
         box: dict[str, Any] = {}
 
         def workers():
@@ -228,12 +232,13 @@ class VLLMRollout:
         ``endpoint.first_rank + tp_rank`` and keeps both layouts. Blocks until every member joined."""
         e = endpoint
         return self._rpc("vps_channel_open", e.host, e.port, e.first_rank, e.world_size, pickle.dumps(e.src),
-                         pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, e.standby_s, timeout=e.timeout_s + 60)
+                         pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, e.standby_s, e.verify, e.verify_fraction,
+                         timeout=e.timeout_s + 60)
 
     def channel_layouts(self, src: Layout, dst: Layout) -> list[dict]:
         return self._rpc("vps_channel_layouts", pickle.dumps(src), pickle.dumps(dst))
 
-    def channel_receive(self, timeout_s: float | None = None) -> list[dict]:
+    def channel_receive(self, timeout_s: float | None = None, verify: str | None = None) -> list[dict]:
         """The workers' part of one sync (the trainer ranks send meanwhile); sleep/wake around it
         where the platform has sleep mode. The prefix cache is reset first: KV computed with the
         old weights must not be reused, and nothing can compute KV between the reset and the new
@@ -250,7 +255,7 @@ class VLLMRollout:
                 self._asleep = True
             self.llm.wake_up(["weights"])
         t0 = time.perf_counter()
-        answers = self._rpc("vps_channel_receive", timeout=timeout_s)
+        answers = self._rpc("vps_channel_receive", verify, timeout=timeout_s)
         t1 = time.perf_counter()
         if self.can_sleep:
             self.llm.wake_up(["kv_cache"])
@@ -335,7 +340,7 @@ def _send(endpoint, make_buffers: Callable[..., dict], args: tuple, kwargs: dict
         buffers, error = {}, e  # (missing buffers make `move` refuse on every rank, workers included)
     e = endpoint
     channel = ChannelEnd.join(e.host, e.port, dist.get_rank(), e.world_size, timeout_s=e.timeout_s,
-                              budget_bytes=e.budget_bytes)
+                              budget_bytes=e.budget_bytes, verify=e.verify, verify_fraction=e.verify_fraction)
     channel.set_layouts(e.src, e.dst)
     try:
         return channel.move(buffers, {})

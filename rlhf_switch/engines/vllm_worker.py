@@ -125,7 +125,8 @@ class VpsWorkerExtension:
     # --- the weight channel (engines/channel.py): joined once, then one move per sync --------------
     @_answer
     def vps_channel_open(self, host: str, port: int, first_rank: int, world_size: int, src_layout: bytes,
-                         dst_layout: bytes, timeout_s: float, budget_bytes: int, standby_s: float = 3600.0) -> dict:
+                         dst_layout: bytes, timeout_s: float, budget_bytes: int, standby_s: float = 3600.0,
+                         verify: str = "off", verify_fraction: float = 0.1) -> dict:
         """Join the run's weight channel as rank ``first_rank + tp_rank`` and keep it (and both
         layouts) for every later ``vps_channel_receive``."""
         from .channel import ChannelEnd
@@ -135,7 +136,8 @@ class VpsWorkerExtension:
         if old is not None:
             old.close()
         self._vps_channel = ChannelEnd.join(host, port, first_rank + tp_rank, world_size,
-                                            timeout_s=timeout_s, budget_bytes=budget_bytes, standby_s=standby_s)
+                                            timeout_s=timeout_s, budget_bytes=budget_bytes, standby_s=standby_s,
+                                            verify=verify, verify_fraction=verify_fraction)
         self._vps_channel.set_layouts(pickle.loads(src_layout), pickle.loads(dst_layout))
         return self._vps_channel.stats()
 
@@ -147,9 +149,10 @@ class VpsWorkerExtension:
 
     @_answer
     @torch.no_grad()
-    def vps_channel_receive(self) -> dict:
-        """This worker's part of one move through the channel, straight into its parameters."""
-        return dataclasses.asdict(self._vps_channel.move({}, self.vps_buffers()))
+    def vps_channel_receive(self, verify: str | None = None) -> dict:
+        """This worker's part of one move through the channel, straight into its parameters;
+        ``verify`` (``off``/``sample``/``full``): this move's checking instead of the channel's."""
+        return dataclasses.asdict(self._vps_channel.move({}, self.vps_buffers(), verify=verify))
 
     @_answer
     def vps_channel_stats(self) -> dict:

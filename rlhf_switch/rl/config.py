@@ -247,6 +247,10 @@ class RunConfig(Strict):
     task: TaskConfig
     algorithm: AlgorithmConfig
     sft: SftConfig | None = None
+    # checksums of every weight sync's bytes (routing/verify.py): off, sample (verify_fraction of
+    # each rank pair's pieces, a different draw every sync) or full; a corrupted piece fails the sync
+    verify: Literal["off", "sample", "full"] = "off"
+    verify_fraction: float = Field(0.1, gt=0, le=1)
 
     @model_validator(mode="after")
     def _phases_for_algorithm(self) -> "RunConfig":

@@ -1,6 +1,7 @@
 """Schedules (chunks, rounds, staging budget) and their execution over torch.distributed."""
 from .executor import DEFAULT_BUDGET, Deadlines, MoveError, MoveReport, PeerLost, move, prepare
 from .schedule import Schedule, build_schedule, pair_round
+from .verify import VerifyError
 
 __all__ = ["DEFAULT_BUDGET", "Deadlines", "MoveError", "MoveReport", "PeerLost", "Schedule",
-           "build_schedule", "move", "pair_round", "prepare"]
+           "build_schedule", "move", "pair_round", "prepare", "VerifyError"]

@@ -16,7 +16,10 @@
 5. the staged steps (pieces that must be packed or unpacked), in the schedule's (round, step)
    order through one staging pool that never exceeds the budget: a step is packed and posted
    while older ones are still in flight, and waits only for older steps (``Schedule.staged``);
-6. wait for everything, unpacking the staged receives.
+6. wait for everything, unpacking the staged receives;
+7. with ``verify`` ``"full"`` or ``"sample"``: checksums of the moved pieces, computed at their
+   sources and checked on the bytes that landed (``routing/verify.py``); a corrupted piece raises
+   ``VerifyError`` on every rank.
 
 Every wait has a deadline derived from the bytes it waits for (``Deadlines``). Source buffers
 are only read, so a failed move loses no state. A move that fails after the agreement — a peer
@@ -41,6 +44,7 @@ from ..vps.materialize import torch_dtype
 from ..vps.planner import RankPlan, check_pair, plan_rank
 from .comm import Comm, as_comm
 from .schedule import Chunk, Schedule, build_schedule
+from .verify import DEFAULT_FRACTION, VerifyError, check_mode, verify_move  # noqa: F401 - re-exported
 
 DEFAULT_BUDGET = 64 << 20
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -131,7 +135,9 @@ class MoveReport:
     budget_bytes: int
     seconds: float
     dry_run: bool = False
-    phases: dict = field(default_factory=dict)  # seconds per phase (prepare, agree, post, local, staged, wait)
+    phases: dict = field(default_factory=dict)  # seconds per phase (prepare, agree, post, local, staged, wait, verify)
+    verify: str = "off"
+    pieces_verified: int = 0  # pieces this rank checked as their destination (local ones included)
 
     def __str__(self) -> str:
         return (f"rank {self.rank}: {self.transition}: sent {self.bytes_sent} B, received "
@@ -144,7 +150,8 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
          dst_buffers: Mapping[str, torch.Tensor], *, group: dist.ProcessGroup | Comm | None = None,
          budget_bytes: int = DEFAULT_BUDGET, ranks_per_node: int | None = None,
          timeout: timedelta = DEFAULT_TIMEOUT, deadline: Deadlines | None = None,
-         dry_run: bool = False) -> MoveReport | Schedule:
+         dry_run: bool = False, verify: str = "off", verify_fraction: float = DEFAULT_FRACTION,
+         verify_seed: int = 0) -> MoveReport | Schedule:
     """Move everything ``dst`` wants from ``src``'s buffers into ``dst``'s buffers on this rank.
 
     ``group`` is the default world, a registered group, a bare ``ProcessGroup`` (one formed
@@ -155,7 +162,12 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     ``deadline`` says how long each wait may take (``Deadlines``: 10 s + 1 s per 50 MB in flight);
     ``timeout`` is its ceiling (where ``deadline.ceiling_s`` is unset). A peer lost while the
     move runs raises ``PeerLost`` here, on every surviving rank.
+    ``verify``: ``"off"`` (nothing more), ``"full"`` (every piece's checksum, computed at its
+    source, is checked on the bytes that landed) or ``"sample"`` (a ``verify_fraction`` of each
+    pair's pieces, chosen from the plan digest and ``verify_seed``, the same on every rank); see
+    ``routing/verify.py``. A mismatch raises ``VerifyError`` on every rank.
     """
+    check_mode(verify, verify_fraction)
     t_start = time.perf_counter()
     comm = as_comm(group) if not dry_run or dist.is_initialized() or group is not None else None
     rank = comm.rank if comm else 0
@@ -183,6 +195,11 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     except _WaitFailed as f:
         raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     report.phases = dict(prepare=t_prep - t_start, agree=t_agree - t_prep, **report.phases)
+    if verify != "off":
+        t_verify = time.perf_counter()
+        report.pieces_verified = verify_move(schedule, src_buffers, dst_buffers, comm, verify, verify_fraction,
+                                             verify_seed, timeout or DEFAULT_TIMEOUT)
+        report.verify, report.phases["verify"] = verify, time.perf_counter() - t_verify
     report.seconds = time.perf_counter() - t_start
     return report
 
@@ -343,7 +360,13 @@ def _pack(chunk: Chunk, src_buffers, out: torch.Tensor) -> None:
         out[o:o + p.nbytes].view(torch_dtype(p.transfer.dtype)).view(p.box.shape).copy_(src)
 
 
+# test-only (tests/verify_jobs.py): called with (chunk, staging bytes) after a staged receive
+# landed and before it is unpacked — a test sets it to corrupt bytes in flight. Never set otherwise.
+STAGED_RECEIVE_HOOK = None
+
+
 def _unpack(chunk: Chunk, buf: torch.Tensor, dst_buffers) -> None:
+    STAGED_RECEIVE_HOOK is not None and STAGED_RECEIVE_HOOK(chunk, buf)  # test-only: see above
     for p, o in zip(chunk.pieces, chunk.offsets):
         off, strides = p.dst_view()
         _view(dst_buffers, p.transfer.dst_buffer, off, p.box.shape, strides).copy_(
