@@ -6,6 +6,7 @@
 - The weight channel into vLLM (a pipeline-parallel PP2 trainer's stages into vLLM TP2): one
   process group per member for the whole run, 50 consecutive syncs without growth in open file
   descriptors or threads anywhere, and after them vLLM generates with exactly the trainer's weights.
+- A channel member lost (a vLLM replica's actor, a trainer's actor): the sync fails naming it.
 - Pipeline-parallel trainers in the loop (PP2 at world 2, TP2×PP2 at world 4, into the torch
   engine): the stale-weights check passes every iteration and the first iteration's losses and
   gradient norm equal an FSDP2 trainer's from the same warm start.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,7 +119,7 @@ def test_user_engines_named_module_class(ray_session, tmp_path):
 def test_weight_channel_pp_stages_into_vllm_50_syncs(ray_session, tmp_path):
     """One group per member for the whole run; 50 syncs leave no descriptor or thread behind;
     vLLM then generates with the trainer's weights (the trainer's log-probs equal vLLM's)."""
-    from recipes.cluster import Cluster
+    from recipes.cluster import Cluster, SyncFailed
     from recipes.common import warm_start
     from rlhf_switch.rl.config import load_config
 
@@ -150,8 +152,40 @@ def test_weight_channel_pp_stages_into_vllm_50_syncs(ray_session, tmp_path):
         stats = cluster.all("train_on", {"prompts": prompts, "responses": tokens, "rollout_logprobs": lps,
                                          "advantages": [0.0] * 8})
         assert max(s["stale_logprob_diff"] for s in stats) < 1e-4, stats
+        # a member lost: the rollout replica's actor (and with it its vLLM workers) dies; the sync
+        # fails on every surviving member, naming the lost one, well within the move's deadline
+        ray_session.kill(cluster.replicas[0])
+        t0 = time.perf_counter()
+        with pytest.raises(SyncFailed) as e:
+            cluster.sync()
+        assert e.value.lost and e.value.lost[0].startswith("rollout replica 0 (node "), str(e.value)
+        assert time.perf_counter() - t0 < 60, time.perf_counter() - t0
     finally:
-        cluster.shutdown()
+        cluster.shutdown(graceful=False)
+
+
+def test_sync_names_a_trainer_rank_that_died(ray_session, tmp_path):
+    """The colocated channel (torch rollout in the trainer's processes): one trainer actor dies;
+    the sync fails naming it (Ray reports the dead actor; the survivor's move sees the peer go)."""
+    from recipes.cluster import Cluster, SyncFailed
+    from recipes.common import warm_start
+    from rlhf_switch.rl.config import load_config
+
+    out = tmp_path / "dead"
+    cfg = load_config(_small(out, train={"engine": "fsdp2", "dp": 2}, rollout={"engine": "torch", "tp": 1, "dp": 2}))
+    init = warm_start(cfg, out / "init", quiet=True)
+    cluster = Cluster(cfg, ray_session, quiet=True)
+    try:
+        cluster.build(init, None)
+        assert cluster.sync()["bytes_moved"] > 0
+        ray_session.kill(cluster.workers[1])
+        t0 = time.perf_counter()
+        with pytest.raises(SyncFailed) as e:
+            cluster.sync()
+        assert e.value.lost and e.value.lost[0].startswith("trainer rank 1 (node "), str(e.value)
+        assert time.perf_counter() - t0 < 60, time.perf_counter() - t0
+    finally:
+        cluster.shutdown(graceful=False)
 
 
 @pytest.mark.parametrize("world,pipeline,flat", [
