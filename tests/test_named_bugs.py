@@ -68,7 +68,8 @@ def test_moves_between_engine_like_buffers_are_bit_exact(world4):
 
 def expected_cap(budget: int, item: int) -> int:
     """The rule: a quarter of the budget, rounded down to whole elements; half when a quarter
-    cannot hold one element."""
+    cannot hold one element (which is then always exactly one element: budget < 4·item gives
+    budget // 2 < 2·item)."""
     quarter = budget // 4 // item * item
     return quarter if quarter >= item else budget // 2 // item * item
 
@@ -93,16 +94,26 @@ def test_message_size_cap_is_a_quarter_of_the_budget_in_whole_elements(budget, c
     assert largest == cap, (budget, largest, cap)
 
 
-def test_mixed_dtypes_cap_in_the_largest_element():
-    """bf16 beside fp32 (the cap rounds to the largest item: 4 B): budget 13 -> quarter 3 B holds
-    no fp32 element -> half, 6 B -> 4 B."""
-    spec = synthetic_spec([("a.column", (8, 6), "float32", "column"), ("b.row", (6, 8), "bfloat16", "row")])
+@pytest.mark.parametrize("budget,cap", [(13, 4), (108, 24), (116, 28)])
+def test_mixed_dtypes_cap_in_whole_elements_of_the_largest_item(budget, cap):
+    """bf16 beside fp32: the cap is rounded down to the largest item (4 B), so a bf16 message
+    never fills an odd quarter (budget 108: a quarter is 27 B, bf16 runs stop at 24 B, not 26);
+    budget 13: a quarter (3 B) holds no fp32 element, half (6 B) holds one: 4 B."""
+    assert expected_cap(budget, 4) == cap
+    spec = synthetic_spec([("a.column", (8, 6), "float32", "column"), ("b.replicate", (256,), "bfloat16", "replicate")])
     src = build_layout(spec, ParallelConfig(dp=4, dp_shard="fsdp"))
-    dst = build_layout(spec, ParallelConfig(tp=4))
+    dst = build_layout(spec, ParallelConfig(dp=4))
+    largest = {}
     for r in range(4):
-        sched = build_schedule(plan_rank(src, dst, r), 13)
-        sizes = [m.nbytes for ex in sched.exchanges for s, rv in ex.steps for m in (s, rv) if m is not None]
-        assert sizes and max(sizes) <= 4
+        sched = build_schedule(plan_rank(src, dst, r), budget)
+        for ex in sched.exchanges:
+            for s, rv in ex.steps:
+                for m in (s, rv):
+                    if m is not None:
+                        assert m.nbytes <= cap, (budget, m.nbytes)
+                        dt = m.pieces[0].transfer.dtype
+                        largest[dt] = max(largest.get(dt, 0), m.nbytes)
+    assert largest["bfloat16"] == cap, largest
 
 
 def test_a_budget_below_every_piece_splits_pieces_down_to_single_elements(world4):
@@ -211,9 +222,9 @@ BATCH_RULES = {
         "algorithm.mini_batch_size=48 does not divide the rollout batch prompts_per_iteration·group_size = 128",
         {"algorithm.mini_batch_size": 64}),
     "eval": (
-        {"eval.num_prompts": 199, "rollout": {"engine": "torch", "dp": 2}},
+        {"eval.num_prompts": 199, "rollout": {"engine": "torch", "dp": 2}, "train": TP2},  # train dp 1
         "eval.num_prompts=199 is not divisible by rollout.dp=2",
-        {"eval.num_prompts": 198, "rollout": {"engine": "torch", "dp": 2}}),
+        {"eval.num_prompts": 198, "rollout": {"engine": "torch", "dp": 2}, "train": TP2}),
     "sft": ({"sft.batch_size": 31}, "sft: batch_size=31 is not divisible by train.dp=2", {"sft.batch_size": 30}),
 }
 
