@@ -33,3 +33,8 @@ def world4():
 
     with LocalWorld(4, timeout=120) as world:
         yield world
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak-moves", type=int, default=None,
+                     help="moves of the soak test (tests/test_soak.py; default sized for a few minutes)")

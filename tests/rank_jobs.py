@@ -145,3 +145,98 @@ def move_twice_with_merge(merge_bytes: int, src: Layout, dst: Layout, **kw) -> d
     finally:
         schedule.MERGE_BYTES = old
         executor._SCHEDULES.clear()
+
+
+def move_with_tampered_pair_digest_on(odd_rank: int, src: Layout, dst: Layout) -> dict:
+    """On ``odd_rank`` the digest of its transfers with one peer is changed (the plan digest, and
+    so the whole-plan agreement, stays the same): every rank must refuse."""
+    import dataclasses
+
+    from rlhf_switch.routing import executor
+
+    rank = dist.get_rank()
+    real = executor.prepare
+
+    def tampered(*args, **kw):
+        schedule = real(*args, **kw)
+        plan = schedule.plan
+        peer = min(plan.pair_digests)
+        digests = {**plan.pair_digests, peer: plan.pair_digests[peer] ^ 1}
+        return dataclasses.replace(schedule, plan=dataclasses.replace(plan, pair_digests=digests))
+
+    if rank == odd_rank:
+        executor.prepare = tampered
+    try:
+        return attempt_move(src, dst)
+    finally:
+        executor.prepare = real
+
+
+def packed(buffers: dict[str, torch.Tensor], seed: int, lead: int = 5, gap: int = 3):
+    """``buffers`` copied into views of one flat tensor per dtype, as an engine hands out its
+    parameters: every view starts at a non-zero storage offset (``lead``, then ``gap`` garbage
+    elements between neighbours). Returns (views, {dtype: (flat, {name: start})})."""
+    g = torch.Generator().manual_seed(seed)
+    by_dtype: dict = {}
+    for n, t in buffers.items():
+        by_dtype.setdefault(t.dtype, []).append(n)
+    views, flats = {}, {}
+    for dtype, names in by_dtype.items():
+        total = lead + sum(buffers[n].numel() + gap for n in names)
+        size = torch.tensor([], dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (total * size,), generator=g, dtype=torch.uint8)
+        flat = raw.view(dtype)
+        starts, at = {}, lead
+        for n in names:
+            k = buffers[n].numel()
+            flat[at:at + k].copy_(buffers[n].view(-1))
+            views[n] = flat[at:at + k]
+            starts[n] = at
+            at += k + gap
+        flats[dtype] = (flat, starts)
+    return views, flats
+
+
+def move_engine_like(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 1 << 20,
+                     merge_bytes: int | None = None) -> dict:
+    """``move_and_check`` with both sides' buffers as views into one flat tensor per dtype at
+    non-zero storage offsets; the garbage between the views must survive, the source must not
+    change, and every covered element must equal a direct construction of ``dst``."""
+    from rlhf_switch.routing import executor, prepare, schedule
+
+    rank = dist.get_rank()
+    old = schedule.MERGE_BYTES
+    if merge_bytes is not None:
+        schedule.MERGE_BYTES = merge_bytes
+    executor._SCHEDULES.clear()
+    try:
+        tensor_of = tensor_source(src, seed)
+        src_bufs, src_flats = packed(materialize(src, rank, tensor_of), seed + 1)
+        src_before = {d: f.clone() for d, (f, _) in src_flats.items()}
+        dst_bufs, dst_flats = packed(garbage_like(allocate(dst, rank, fill=None), seed + 1000 + rank), seed + 2)
+        dst_before = {d: f.clone() for d, (f, _) in dst_flats.items()}
+        report = move(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes)
+        sched = prepare(src, dst, rank, src_bufs, dst_bufs, budget_bytes)
+    finally:
+        schedule.MERGE_BYTES = old
+        executor._SCHEDULES.clear()
+    expected = materialize(dst, rank, tensor_of)
+    masks = coverage_masks(dst, rank)
+    wrong = []
+    for dtype, (flat, starts) in dst_flats.items():
+        covered = torch.zeros(flat.numel(), dtype=torch.bool)
+        for n, at in starts.items():
+            m = masks[n]
+            covered[at:at + m.numel()] = m
+            if not torch.equal(bits(dst_bufs[n])[m], bits(expected[n])[m]):
+                wrong.append(f"{n}: {(bits(dst_bufs[n])[m] != bits(expected[n])[m]).sum().item()} elements differ")
+        if not torch.equal(bits(flat)[~covered], bits(dst_before[dtype])[~covered]):
+            wrong.append(f"{dtype}: bytes outside the destination views were written")
+    for dtype, (flat, _) in src_flats.items():
+        if not torch.equal(bits(flat), bits(src_before[dtype])):
+            wrong.append(f"source {dtype} storage changed")
+    # this rank's side of each message: a send is packed or not, a receive unpacked or not
+    sides = [s.stage_send for ex in sched.exchanges for s, _ in ex.steps if s is not None]
+    sides += [r.stage_recv for ex in sched.exchanges for _, r in ex.steps if r is not None]
+    return {"wrong": wrong, "report": report, "direct": sides.count(False), "staged": sides.count(True),
+            "local": len(sched.local_runs)}

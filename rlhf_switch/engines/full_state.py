@@ -126,19 +126,46 @@ class FullState:
             raise FileNotFoundError(f"{path} has no model.safetensors")
         if not weights_only and not (path / COMPLETE).is_file():
             raise FileNotFoundError(f"{path} is an incomplete checkpoint (no {COMPLETE} marker)")
+        if not weights_only:  # a checkpoint names its model: refuse another one by name first
+            meta = torch.load(path / TRAINER_STATE, weights_only=False)
+            if meta.get("spec_digest") not in (None, spec.digest):
+                raise ValueError(f"{path} holds another model (spec digest {meta['spec_digest']}, "
+                                 f"this model {spec.digest})")
         master = load_file(str(path / "model.safetensors"))
+        _check_weights(path, spec, master)
         if weights_only:
             return cls(spec, master, name=f"weights {path}")
         opt = load_file(str(path / OPTIMIZER))
         master.update({k[len("master/"):]: v for k, v in opt.items() if k.startswith("master/")})
         moments = {f: {k[len(f) + 1:]: v for k, v in opt.items() if k.startswith(f + "/")} for f in MOMENTS}
-        meta = torch.load(path / TRAINER_STATE, weights_only=False)
-        if meta.get("spec_digest") not in (None, spec.digest):
-            raise ValueError(f"{path} holds another model (spec digest {meta['spec_digest']}, "
-                             f"this model {spec.digest})")
         state = cls(spec, master, moments, meta["scalars"], name=f"checkpoint {path}")
         state.extra = meta.get("extra", {})
         return state
+
+
+# buffers some transformers versions save beside the weights; they are recomputed, never trained
+IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+def _check_weights(path: Path, spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> None:
+    """The weights file must hold exactly the model's tensors, each of the model's shape: one
+    ``ValueError`` naming every missing, unexpected or misshapen tensor (a ``model.path`` whose
+    ``config.json`` says another model than its weights is refused here, before any move)."""
+    problems = []
+    for t in spec.tensors:
+        x = tensors.get(t.name)
+        if x is None:
+            problems.append(f"{t.name} {list(t.shape)} is missing")
+        elif tuple(x.shape) != tuple(t.shape):
+            problems.append(f"{t.name} has shape {list(x.shape)}, the model's is {list(t.shape)}")
+    extra = sorted(n for n in tensors if n not in spec and not n.endswith(IGNORED_WEIGHTS))
+    if extra:
+        more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
+        problems.append(f"unexpected tensors not in the model: {', '.join(extra[:5])}{more}")
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise ValueError(f"{path / 'model.safetensors'} does not hold model {spec.name!r}: "
+                         + "; ".join(problems[:10]) + more)
 
 
 def _fp32_whole(tensors: Mapping[str, torch.Tensor] | None, t, zero: bool = False) -> torch.Tensor:

@@ -412,6 +412,44 @@ def model_dims(model: ModelConfig) -> ModelDims:
     return ModelDims.from_hf_config(cfg)
 
 
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a ``.safetensors`` file's JSON header (the weights are not read)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def _weights_problems(model: ModelConfig) -> list[str]:
+    """``model.path``: the weights beside ``config.json`` must be the model it describes (names
+    and shapes from the safetensors header, against the VPS spec of the config)."""
+    if model.path is None:
+        return []
+    root = Path(model.path)
+    weights = root / "model.safetensors"
+    if not weights.is_file():
+        return []  # no weights: the run starts from the config's seeded initial model
+    from ..vps.spec import llama_spec
+
+    spec = llama_spec(json.loads((root / "config.json").read_text()), name=str(root))
+    try:
+        held = safetensors_shapes(weights)
+    except (OSError, ValueError, KeyError) as e:
+        return [f"model.path: {weights} is not a readable safetensors file ({e})"]
+    problems = []
+    for t in spec.tensors:
+        if t.name not in held:
+            problems.append(f"model.path: {weights} lacks {t.name} {list(t.shape)} that config.json implies")
+        elif held[t.name] != t.shape:
+            problems.append(f"model.path: {weights} has {t.name} of shape {list(held[t.name])}, "
+                            f"config.json implies {list(t.shape)}")
+    extra = sorted(n for n in held if n not in spec and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        problems.append(f"model.path: {weights} holds tensors config.json does not describe: "
+                        f"{', '.join(extra[:5])}" + (f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""))
+    return problems
+
+
 def _layout_problems(phase: str, layout: PhaseLayout, world_size: int) -> list[str]:
     """Every phase is colocated on the whole world. (What each engine runs — ZeRO stages, TP, PP —
     its own ``layout_problems`` says: ``recipes.common.loop_problems``.)"""
@@ -506,6 +544,8 @@ def fit_problems(cfg: RunConfig, load_reward: bool = True) -> list[str]:
     except ConfigError as e:
         problems += e.problems
         dims = None
+    if dims is not None:
+        problems += _weights_problems(cfg.model)
     for phase, layout in cfg.phases().items():
         problems += _layout_problems(phase, layout, cfg.world_size)
         if dims is not None:

@@ -27,7 +27,7 @@ from typing import Iterable
 
 from ..layout import BufferSpec, Fragment, Holders, Layout, LayoutError, RankClasses, _overlap, without_gc
 from ..space import PARAM, Box, StateKey, row_major_strides, tuple_new
-from ..spec import ModelSpec, TensorSpec
+from ..spec import DTYPE_BYTES, ModelSpec, TensorSpec
 from .local import LocalTensor, Part, whole
 from .tensor_parallel import shard, undivided_dims
 
@@ -117,6 +117,9 @@ def vllm_layout(spec: ModelSpec, tp: int, replicas: int = 1, dtype: str | None =
     if tp < 1 or replicas < 1:
         raise LayoutError(f"vLLM TP and replicas must be >= 1, got tp={tp}, replicas={replicas}")
     check_vllm_tp(spec, tp)
+    if dtype is not None and dtype not in DTYPE_BYTES:
+        raise LayoutError(f"vLLM layout of {spec.name!r}: unknown engine dtype {dtype!r} "
+                          f"(known: {', '.join(DTYPE_BYTES)})")
     if dtype is not None and all(t.dtype == dtype for t in spec.tensors):
         dtype = None  # one spelling per layout: the digest must not depend on a redundant argument
     world = tp * replicas
