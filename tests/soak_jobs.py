@@ -26,6 +26,24 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def live_rss_bytes() -> int:
+    """RSS after dropping the executor's schedule cache (64 schedules, whichever pairs and
+    budgets were drawn last: up to ~40 MiB of this model's at budget 1000), collecting garbage
+    and handing freed heap back to the OS: what stays is what the moves retain."""
+    import ctypes
+    import gc
+
+    from rlhf_switch.routing import executor
+
+    executor._SCHEDULES.clear()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return rss_bytes()
+
+
 def soak(train: dict[str, Layout], rollout: dict[str, Layout], moves: int, warmup: int, seed: int,
          budgets=(1000, 4096, 65536, 1 << 20), sample_every: int = 50, trace: bool = False) -> dict:
     """``moves`` moves alternating train -> rollout -> train ..., each leg to a layout drawn at
@@ -33,7 +51,8 @@ def soak(train: dict[str, Layout], rollout: dict[str, Layout], moves: int, warmu
     destination is overwritten with a fill pattern before each move, so every covered element
     must come from the move; it is compared with a direct construction. Samples RSS and open fds
     after ``warmup`` moves (caches full: plans, schedules, gloo's pairs) and every
-    ``sample_every`` moves, and at the end."""
+    ``sample_every`` moves, and at the end: (moves, RSS, live RSS — see ``live_rss_bytes`` —,
+    open fds)."""
     rank = dist.get_rank()
     rng = random.Random(seed)
     layouts = {**train, **rollout}
@@ -64,18 +83,23 @@ def soak(train: dict[str, Layout], rollout: dict[str, Layout], moves: int, warmu
             if not torch.equal(bits(t)[m], bits(expected[nxt][n])[m]):
                 wrong.append(f"move {i} {cur} -> {nxt} (budget {budget}): {n} differs")
         cur = nxt
-        if trace and i + 1 == warmup:
-            import tracemalloc
-            tracemalloc.start(8)
-            snap0 = tracemalloc.take_snapshot()
         if i + 1 == warmup or (i + 1 > warmup and (i + 1 - warmup) % sample_every == 0) or i + 1 == moves:
-            samples.append((i + 1, rss_bytes(), open_fds()))
+            samples.append((i + 1, rss_bytes(), live_rss_bytes(), open_fds()))
+        if trace and i + 1 == warmup:  # after the sample: the schedule cache is empty at both ends
+            import tracemalloc
+            tracemalloc.start(12)
+            snap0 = tracemalloc.take_snapshot()
     top = []
     if trace:
         import tracemalloc
         diff = tracemalloc.take_snapshot().compare_to(snap0, "traceback")
         top = [f"{d.size_diff / 1024:.1f} KiB in {d.count_diff} blocks: " + " <- ".join(
-            f"{fr.filename.split('/')[-1]}:{fr.lineno}" for fr in d.traceback[:6]) for d in diff[:8]]
+            f"{fr.filename.split('/')[-1]}:{fr.lineno}" for fr in d.traceback[-8:]) for d in diff[:8]]
         tracemalloc.stop()
     return {"rank": rank, "wrong": wrong[:20], "python_growth": top, "samples": samples, "seconds": time.perf_counter() - t0,
             "move_seconds": sorted(seconds), "messages": messages}
+
+
+def rss_bytes_of(pid: int | str) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * PAGE
