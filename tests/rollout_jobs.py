@@ -148,3 +148,80 @@ def sampled(model_dir: str, trainer: Layout, tp: int, prompts, max_new_tokens: i
     c = engine.generate(prompts, max_new_tokens, temperature=1.0, seed=seed + 1)
     return {"a": a, "b": b, "c": c,
             "logprob_diff": _logprob_diff(engine, prompts, *a)}
+
+
+@torch.no_grad()
+def reference_generate(engine: TorchRollout, prompts, max_new_tokens: int, temperature: float = 0.0,
+                       seed=0, eos_token_id=None):
+    """The one-prompt-at-a-time ``TorchRollout.generate`` as it was before batched decoding (own
+    KV cache per prompt, no padding): the reference the batched one must reproduce."""
+    per_prompt = not isinstance(seed, int)
+    gen = torch.Generator(device=engine.w["model.norm.weight"].device).manual_seed(0 if per_prompt else seed)
+    device = gen.device
+    tokens_out, logprobs_out = [], []
+    for i, prompt in enumerate(prompts):
+        if per_prompt:
+            gen.manual_seed(int(seed[i]))
+        cache = engine.new_kv_cache(1, len(prompt) + max_new_tokens)
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)
+        logits = engine.forward(ids, torch.arange(len(prompt), device=device), cache)[0, -1]
+        toks, lps = [], []
+        for step in range(max_new_tokens):
+            logp = logits.float().log_softmax(-1)
+            if temperature > 0:
+                probs = (logits.float() / temperature).softmax(-1)
+                tok = int(torch.multinomial(probs, 1, generator=gen))
+            else:
+                tok = int(logits.argmax())
+            toks.append(tok)
+            lps.append(float(logp[tok]))
+            if tok == eos_token_id or step == max_new_tokens - 1:
+                break
+            pos = len(prompt) + step
+            ids = torch.tensor([[tok]], dtype=torch.long, device=device)
+            logits = engine.forward(ids, torch.arange(pos, pos + 1, device=device), cache)[0, -1]
+        tokens_out.append(toks)
+        logprobs_out.append(lps)
+    return tokens_out, logprobs_out
+
+
+def _max_lp_diff(a, b) -> float:
+    return max((abs(x - y) for la, lb in zip(a, b) for x, y in zip(la, lb)), default=0.0)
+
+
+def batched_vs_reference(model_dir: str, trainer: Layout, tp: int, prompts, max_new_tokens: int,
+                         seeds) -> dict:
+    """Batched ``generate`` against ``reference_generate``, greedy and sampled with per-sample
+    seeds, each with an EOS picked so that some rows stop early: the token row 0 drew at step 1
+    of an EOS-free reference run."""
+    _, _, _, engine, _ = engine_from_trainer(model_dir, trainer, tp)
+    out = {}
+    for mode, temp in (("greedy", 0.0), ("sampled", 1.0)):
+        free = reference_generate(engine, prompts, max_new_tokens, temp, seeds)
+        eos = free[0][0][1]
+        ref = reference_generate(engine, prompts, max_new_tokens, temp, seeds, eos)
+        got = engine.generate(prompts, max_new_tokens, temperature=temp, seed=seeds, eos_token_id=eos)
+        # a sample does not depend on its batch: the reversed batch gives each prompt the same sample
+        rev = engine.generate(prompts[::-1], max_new_tokens, temperature=temp, seed=seeds[::-1], eos_token_id=eos)
+        out[mode] = {"eos": eos, "ref": ref, "got": got, "rev": (rev[0][::-1], rev[1][::-1]),
+                     "lp_diff": max(_max_lp_diff(ref[1], got[1]), _max_lp_diff(ref[1], rev[1][::-1])),
+                     "vs_forward": _logprob_diff(engine, prompts, *got)}
+    return out
+
+
+def time_generate(model_dir: str, trainer: Layout, tp: int, prompts, max_new_tokens: int, seeds,
+                  repeats: int = 3) -> dict:
+    """Seconds per generate call (batched and ``reference_generate``), sampled, per-sample seeds."""
+    import time
+
+    _, _, _, engine, _ = engine_from_trainer(model_dir, trainer, tp)
+    times = {"batched": [], "reference": []}
+    for _ in range(repeats):
+        for name, fn in (("batched", engine.generate),
+                         ("reference", lambda *a, **k: reference_generate(engine, *a, **k))):
+            dist.barrier()
+            t0 = time.perf_counter()
+            res = fn(prompts, max_new_tokens, temperature=1.0, seed=seeds, eos_token_id=2)
+            times[name].append(time.perf_counter() - t0)
+            times[name + "_result"] = res
+    return times

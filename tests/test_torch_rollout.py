@@ -86,3 +86,29 @@ def test_sampling_is_identical_on_every_tp_rank_and_repeatable(world4, models, t
     # same weights, same seed: the replicas agree too; another seed draws other tokens
     assert all(res["a"] == results[0]["a"] for res in results)
     assert results[0]["c"][0] != results[0]["a"][0]
+
+
+BATCH = PROMPTS + [[1], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 249, 3, 64]]  # lengths 5, 9, 2, 1, 13, 4
+SEEDS = [11, 5, 11, 1000003, 0, 42]  # a seed shared by two prompts: each row still has its own generator
+
+
+@pytest.mark.parametrize("model,trainer,tp", [("untied", "fsdp", 1), ("untied", "tp2·dp2[zero3]", 2),
+                                              ("tied", "fsdp", 2)])
+def test_batched_decoding_equals_one_at_a_time(world4, models, model, trainer, tp):
+    """All prompts of a call decoded together (left-padded, one KV cache, one all-reduce per layer
+    per step) give each (prompt, seed) the tokens and logprobs of decoding it alone, greedy and
+    sampled, with rows of different lengths and some stopping at EOS mid-batch; and on every rank."""
+    path, _, trainers = models[model]
+    results = world4.run(rollout_jobs.batched_vs_reference, path, trainers[trainer], tp, BATCH, NEW, SEEDS)
+    for r, res in enumerate(results):
+        for mode in ("greedy", "sampled"):
+            m = res[mode]
+            ref_tokens = m["ref"][0]
+            stopped = [len(t) < NEW for t in ref_tokens]
+            assert any(stopped) and not all(stopped), f"{mode}: EOS {m['eos']} must stop some rows only: {ref_tokens}"
+            assert m["got"][0] == ref_tokens, f"rank {r} TP{tp} {mode}: batched tokens differ from one at a time"
+            assert m["rev"][0] == ref_tokens, f"rank {r} TP{tp} {mode}: a sample depends on its batch order"
+            assert m["lp_diff"] < 1e-5, f"rank {r} TP{tp} {mode}: logprobs differ by {m['lp_diff']}"
+            assert m["vs_forward"] < 1e-5, f"rank {r} TP{tp} {mode}: batched cache vs full forward {m['vs_forward']}"
+        assert res["greedy"]["got"] == results[0]["greedy"]["got"]
+        assert res["sampled"]["got"][0] == results[0]["sampled"]["got"][0]  # same seeds: every rank, replica

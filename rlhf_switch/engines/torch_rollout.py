@@ -127,9 +127,11 @@ class TorchRollout:
         return weight * (x * torch.rsqrt(var + self.eps))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x [B, h, T, hd], positions [T]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                        # [T, hd]
+        # x [B, h, T, hd], positions [T] or [B, T]
+        freqs = positions.float()[..., None] * self.inv_freq           # [(B,) T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                        # [(B,) T, hd]
+        if emb.dim() == 3:
+            emb = emb[:, None]                                         # [B, 1, T, hd]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         x1, x2 = x[..., : self.head_dim // 2], x[..., self.head_dim // 2:]
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -142,25 +144,32 @@ class TorchRollout:
         x = F.embedding(torch.where(mine, ids - lo, torch.zeros_like(ids)), w)  # [B, T, H]
         return self._all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
-    def _attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def _attention(self, i: int, x: torch.Tensor, slots: torch.Tensor, pad: torch.Tensor | None,
+                   cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
         p, hd, nq, nkv = f"model.layers.{i}.self_attn.", self.head_dim, self.q_heads, self.kv_heads
+        # RoPE position of row b at slot s is s - pad[b]: each row sees its unpadded positions
+        positions = slots if pad is None else (slots[None, :] - pad[:, None]).clamp(min=0)  # [T] / [B, T]
         qkv = self._column(x, p + "qkv_proj")                          # [B, T, (nq + 2·nkv)·hd]
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q = self._rope(q.view(B, T, nq, hd).transpose(1, 2), positions)  # [B, nq, T, hd]
         k = self._rope(k.view(B, T, nkv, hd).transpose(1, 2), positions)  # [B, nkv, T, hd]
         v = v.view(B, T, nkv, hd).transpose(1, 2)                      # [B, nkv, T, hd]
         if cache is not None:                                          # write, then read the prefix
-            cache.k[i][:, :, positions] = k
-            cache.v[i][:, :, positions] = v
-            end = int(positions[-1]) + 1
+            cache.k[i][:, :, slots] = k
+            cache.v[i][:, :, slots] = v
+            end = int(slots[-1]) + 1
             k, v = cache.k[i][:, :, :end], cache.v[i][:, :, :end]      # [B, nkv, S, hd]
-            key_pos = torch.arange(end, device=x.device)
+            key_slot = torch.arange(end, device=x.device)
         else:
-            key_pos = positions
+            key_slot = slots
         k = k.repeat_interleave(nq // nkv, dim=1)                      # GQA: [B, nq, S, hd]
         v = v.repeat_interleave(nq // nkv, dim=1)
-        mask = key_pos[None, :] <= positions[:, None]                  # causal, [T, S]
+        mask = key_slot[None, :] <= slots[:, None]                     # causal, [T, S]
+        if pad is not None:  # a row's left padding is no key; a pad query sees only itself (no NaN)
+            mask = (mask & (key_slot[None, None, :] >= pad[:, None, None])) | \
+                (key_slot[None, None, :] == slots[None, :, None])       # [B, T, S]
+            mask = mask[:, None]                                       # [B, 1, T, S]
         att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)                # [B, nq, T, S]
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).reshape(B, T, nq * hd)           # [B, T, nq·hd]
@@ -173,16 +182,20 @@ class TorchRollout:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, pad: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` (identical on every TP rank) of ``input_ids [B, T]`` at
-        ``positions [T]`` (a contiguous range, default ``0..T-1``). With ``kv_cache`` the new keys
-        and values are stored at ``positions`` and attention also sees the cached prefix."""
+        ``positions [T]`` (a contiguous range of slots, default ``0..T-1``). With ``kv_cache`` the
+        new keys and values are stored at those slots and attention also sees the cached prefix.
+        ``pad [B]``: row ``b`` is left-padded with ``pad[b]`` slots: they are no keys for it, and
+        its slot ``s`` has RoPE position ``s - pad[b]`` (so a padded row computes what it would
+        alone); the logits at pad slots are meaningless."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self._embed(input_ids)                                     # [B, T, H]
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
-            x = x + self._attention(i, self._rms_norm(x, self.w[p + "input_layernorm.weight"]), positions, kv_cache)
+            x = x + self._attention(i, self._rms_norm(x, self.w[p + "input_layernorm.weight"]), positions, pad,
+                                    kv_cache)
             x = x + self._mlp(i, self._rms_norm(x, self.w[p + "post_attention_layernorm.weight"]))
         x = self._rms_norm(x, self.w["model.norm.weight"])
         head = "model.embed_tokens.weight" if self.spec.tied_lm_head else "lm_head.weight"
@@ -201,42 +214,61 @@ class TorchRollout:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  seed: int | Sequence[int] = 0, eos_token_id: int | None = None
                  ) -> tuple[list[list[int]], list[list[float]]]:
-        """Greedy (``temperature == 0``) or sampled decoding, one prompt at a time with its own
-        KV cache. Returns the generated tokens per prompt (stopping after ``eos_token_id``) and
-        each token's log-probability under the model's raw logits (vLLM's default
-        ``raw_logprobs``). Every TP rank computes the same logits and draws from the same seeded
-        generator, so every rank returns the same tokens. ``seed``: one generator for the whole
-        call, or one seed per prompt (a sample then depends only on its own seed, not on which
-        replica or batch it ran in)."""
+        """Greedy (``temperature == 0``) or sampled decoding of all prompts together: prompts
+        left-padded to the longest into one KV cache, one forward (so one all-reduce per
+        row-parallel layer) per step for the whole batch. Returns the generated tokens per prompt
+        (stopping after ``eos_token_id``) and each token's log-probability under the model's raw
+        logits (vLLM's default ``raw_logprobs``). A finished row stays in the batch, ignored, and
+        draws nothing more. Every TP rank computes the same logits and draws from the same seeded
+        generators, so every rank returns the same tokens. ``seed``: one seed per prompt, each
+        prompt drawing from its own generator seeded with it (a sample then depends only on its
+        prompt and seed, not on the batch or replica it ran in), or one int: one generator for
+        the whole call, drawn by the unfinished rows in row order at each step."""
+        if not prompts:
+            return [], []
         per_prompt = not isinstance(seed, int)
         if per_prompt and len(seed) != len(prompts):
             raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts")
-        gen = torch.Generator(device=self.w["model.norm.weight"].device).manual_seed(0 if per_prompt else seed)
-        device = gen.device
-        tokens_out, logprobs_out = [], []
-        for i, prompt in enumerate(prompts):
-            if per_prompt:
-                gen.manual_seed(int(seed[i]))
-            cache = self.new_kv_cache(1, len(prompt) + max_new_tokens)
-            ids = torch.tensor([prompt], dtype=torch.long, device=device)
-            logits = self.forward(ids, torch.arange(len(prompt), device=device), cache)[0, -1]  # [vocab]
-            toks, lps = [], []
-            for step in range(max_new_tokens):
-                logp = logits.float().log_softmax(-1)
-                if temperature > 0:
-                    probs = (logits.float() / temperature).softmax(-1)
-                    tok = int(torch.multinomial(probs, 1, generator=gen))
-                else:
-                    tok = int(logits.argmax())
-                toks.append(tok)
-                lps.append(float(logp[tok]))
-                if tok == eos_token_id or step == max_new_tokens - 1:
-                    break
-                pos = len(prompt) + step
-                ids = torch.tensor([[tok]], dtype=torch.long, device=device)
-                logits = self.forward(ids, torch.arange(pos, pos + 1, device=device), cache)[0, -1]
-            tokens_out.append(toks)
-            logprobs_out.append(lps)
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        device = self.w["model.norm.weight"].device
+        B, L = len(prompts), max(len(p) for p in prompts)
+        pad = torch.tensor([L - len(p) for p in prompts], dtype=torch.long, device=device)
+        ids = torch.tensor([[0] * (L - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+        if temperature <= 0:
+            gens = []
+        elif per_prompt:
+            gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seed]
+        else:
+            gens = [torch.Generator(device=device).manual_seed(seed)] * B  # one, shared
+        cache = self.new_kv_cache(B, L + max_new_tokens)
+        logits = self.forward(ids, torch.arange(L, device=device), cache, pad)[:, -1]  # [B, vocab]
+        tokens_out: list[list[int]] = [[] for _ in prompts]
+        logprobs_out: list[list[float]] = [[] for _ in prompts]
+        live = list(range(B))                                          # rows still generating
+        for step in range(max_new_tokens):
+            logits = logits.float()
+            logp = logits.log_softmax(-1)                              # [B, vocab]
+            if temperature > 0:
+                probs = (logits / temperature).softmax(-1)
+                toks = [0] * B                                         # finished rows: a dummy
+                for b in live:
+                    toks[b] = int(torch.multinomial(probs[b], 1, generator=gens[b]))
+            else:
+                toks = logits.argmax(-1).tolist()
+            tok_t = torch.tensor(toks, dtype=torch.long, device=device)
+            lps = logp.gather(1, tok_t[:, None])[:, 0].tolist()
+            still = []
+            for b in live:
+                tokens_out[b].append(toks[b])
+                logprobs_out[b].append(lps[b])
+                if toks[b] != eos_token_id:
+                    still.append(b)
+            live = still
+            if not live or step == max_new_tokens - 1:
+                break
+            logits = self.forward(tok_t[:, None], torch.arange(L + step, L + step + 1, device=device), cache,
+                                  pad)[:, -1]
         return tokens_out, logprobs_out
 
 
