@@ -60,13 +60,15 @@ def _trainer(size: str, seed: int, ranks, universal: bool = False):
 
 
 def _full(trainer) -> dict:
-    """Full fp32 master + Adam moments by DeepSpeed's own gather (collective over the engine)."""
+    """Full fp32 master + Adam moments by DeepSpeed's own gather (collective over the engine),
+    and the parameter's bit16 copy (ZeRO-2: whole on every rank; fp32 training: equal to the
+    master) — what the next forward pass computes with."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out = {}
     for p, name in trainer.engine.param_names.items():
         out[name] = (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"),
-                     safe_get_full_optimizer_state(p, "exp_avg_sq"))
+                     safe_get_full_optimizer_state(p, "exp_avg_sq"), p.data)
     return out
 
 

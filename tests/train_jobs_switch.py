@@ -16,7 +16,7 @@ from rlhf_switch.engines import torch_train
 from rlhf_switch.engines.deepspeed_zero import build_zero_trainer
 from rlhf_switch.engines.train_switch import switch_training
 from rlhf_switch.routing import MoveError
-from rlhf_switch.vps import llama_spec
+from rlhf_switch.vps import MASTER, PARAM, llama_spec
 
 from train_jobs_ds import BATCH, MODEL, OPTIM, batch, mismatches, read_back, tiny_llama
 
@@ -77,10 +77,15 @@ def switch_and_continue(src: tuple, dst: tuple, k: int) -> dict:
     losses = [a.train_step(batch(s)) for s in range(k)] if a else None
     at_switch = full_state(a)
     b = build(dst, seed=1)
+    if b is not None and getattr(b.adapter, "separate_weights", False):
+        garbage_fill_bit16(b)  # a stale bit16 copy after the switch would show below
     full_bytes = 4 * llama_spec(MODEL).numel
     budget = full_bytes // 8  # far below one full copy: the move must stream
     report = switch_training(a.adapter if a else None, b.adapter if b else None, budget_bytes=budget)
     exact = mismatches(read_back(b.adapter.state()), at_switch) if b else []
+    # the compute weights too (fp32 training: bit16 == master), read from the engine's own bit16
+    # buffers — for DeepSpeed the copy the switch wrote in place of update_lp_params
+    exact += mismatches(as_master(read_back(b.adapter.weights())), at_switch) if b else []
     step_after = b.adapter.scalars()["step"] if b else None
     lr_after = [g["lr"] for g in b.optimizer.param_groups] if b and hasattr(b, "optimizer") else None
     losses_b = [b.train_step(batch(s)) for s in range(k, 2 * k)] if b else None
@@ -93,6 +98,20 @@ def switch_and_continue(src: tuple, dst: tuple, k: int) -> dict:
             "bytes_received": report.move.bytes_received, "min_bytes": report.move.min_bytes_received,
             "peak_staging": report.move.peak_staging_bytes, "budget": budget, "full_bytes": full_bytes,
             "report": str(report)}
+
+
+def garbage_fill_bit16(trainer) -> None:
+    """Fill a fresh DeepSpeed engine's bit16 copies (ZeRO-1/2: the whole flat groups the module's
+    parameters are views of; ZeRO-3: the partitions) with NaN: whatever the switch does not write
+    — or a refresh it skips — stays visibly wrong."""
+    for t in trainer.adapter.weights().tensors.values():
+        t.fill_(float("nan"))
+
+
+def as_master(claims: dict) -> dict:
+    """Weights claims keyed as the master they must equal (fp32 training)."""
+    assert all(f == PARAM for _, f in claims), sorted({f for _, f in claims})
+    return {(name, MASTER): pieces for (name, _), pieces in claims.items()}
 
 
 def _digest(trainer) -> str | None:

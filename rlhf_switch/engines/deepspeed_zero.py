@@ -17,8 +17,12 @@ ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``)
     both at ``grad_position[id][1]``; the Adam moments are the state of the fp32 flat tensor.
 
 After the fp32 master is written, the engine's bit16 copy is stale until it is refreshed from the
-master — ``state_written`` runs DeepSpeed's own refresh (ZeRO-1/2: ``update_lp_params``; ZeRO-3:
-copy the partition and re-gather the persistent parameters that keep a full copy).
+master — ``state_written()`` runs DeepSpeed's own refresh (ZeRO-1/2: ``update_lp_params``, an
+all-gather of the whole flat bit16 model; ZeRO-3: copy the partition and re-gather the persistent
+parameters that keep a full copy). A training switch moves the bit16 copies in the same plan
+instead (``separate_weights``: field ``param`` of ``weights()`` is a buffer of its own) and then
+calls ``state_written(weights_written=True)``: no refresh from the master, no all-gather (ZeRO-3
+still re-gathers its persistent parameters from the written partitions).
 """
 from __future__ import annotations
 
@@ -181,6 +185,10 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec | None, stage: in
 class ZeroAdapter:
     """One rank of a DeepSpeed ZeRO engine, described as VPS fragments over its own buffers."""
 
+    # the bit16 weights are buffers apart from the fp32 master: a training switch moves them in
+    # the same plan and calls state_written(weights_written=True) (see train_switch)
+    separate_weights = True
+
     def __init__(self, engine: Any, spec: ModelSpec, name: str | None = None):
         self.engine = engine
         self.spec = spec
@@ -271,13 +279,18 @@ class ZeroAdapter:
                 st[EXP_AVG_SQ] = torch.zeros_like(master, memory_format=torch.preserve_format)
 
     @torch.no_grad()
-    def state_written(self) -> None:
+    def state_written(self, weights_written: bool = False) -> None:
         """The fp32 master changed under the engine: refresh its bit16 copy the way it would
-        after a step. Collective over the engine's DP group."""
+        after a step. Collective over the engine's DP group.
+
+        ``weights_written``: the bit16 copies described by ``weights()`` were written too (every
+        rank's whole flat groups under ZeRO-1/2, its partitions under ZeRO-3), consistent with
+        the master — they are taken as current: no copy from the master and no all-gather."""
         o = self.opt
         if self.stage == 3:
-            for g in range(self._groups()):  # param.ds_tensor are views of this flat buffer
-                o.fp16_partitioned_groups_flat[g].data.copy_(o.fp32_partitioned_groups_flat[g].data)
+            if not weights_written:
+                for g in range(self._groups()):  # param.ds_tensor are views of this flat buffer
+                    o.fp16_partitioned_groups_flat[g].data.copy_(o.fp32_partitioned_groups_flat[g].data)
             # release every gathered parameter (persistent ones included) as step() does, then
             # re-gather the persistent ones, whose full copy would otherwise stay stale
             o._partition_all_parameters()
@@ -287,7 +300,8 @@ class ZeroAdapter:
         else:
             o._hp_optimizer_states_linked = False  # re-link the lp params' optimizer fragments
             o._lazy_init_hp_params_optimizer_state()
-            o.update_lp_params()  # fp32 partition -> bit16 partition -> all-gather the flat buffer
+            if not weights_written:
+                o.update_lp_params()  # fp32 partition -> bit16 partition -> all-gather the flat buffer
 
     def scalars(self) -> dict[str, Any]:
         base = self.opt.optimizer

@@ -17,6 +17,10 @@ metadata collective; the executor then moves bytes between the engines' own buff
 The adapter also carries what is not parameter-shaped (``scalars``: optimizer step, LR scheduler,
 RNG), makes lazily created optimizer state exist before it is written (``prepare_state``) and
 refreshes whatever the engine derives from the fp32 state after a write (``state_written``).
+An adapter whose compute weights are buffers apart from its fp32 master (DeepSpeed ZeRO's bit16
+copy) sets ``separate_weights = True``: a training switch then writes its ``weights()`` in the same
+plan and calls ``state_written(weights_written=True)``, which takes them as current instead of
+re-deriving them from the master.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Switch a running training engine to another layout: weights, fp32 master and Adam moments move
-through one VPS plan, straight from the source engine's buffers into the destination's; the step,
+through one VPS plan (and, into an engine that keeps a bit16 copy apart from its master, that
+copy too — DeepSpeed ZeRO then skips its own refresh), straight from the source engine's buffers into the destination's; the step,
 LR-scheduler position and RNG travel beside them; training continues where it stopped.
 
 Every world rank calls ``switch_training(src, dst)`` with its own adapters (``None`` on a rank the
@@ -47,8 +48,14 @@ def switch_training(src: TrainAdapter | None, dst: TrainAdapter | None, *,
             dst.prepare_state()  # torch creates Adam state lazily: give the move somewhere to write
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             problem = f"{dst.name}: cannot prepare its optimizer state: {type(e).__name__}: {e}"
-    src_local = src.state() if src is not None else None
-    dst_local = dst.state() if dst is not None and problem is None else None
+    # every source offers its compute weights (field ``param``) beside its state; a destination
+    # whose bit16 copy is a buffer apart from its fp32 master (DeepSpeed ZeRO) takes them in the
+    # same plan instead of re-deriving them from the master afterwards (an all-gather of the model)
+    src_local = src.state().merge(src.weights()) if src is not None else None
+    dst_weights = dst is not None and _separate_weights(dst)
+    dst_local = None
+    if dst is not None and problem is None:
+        dst_local = dst.state().merge(dst.weights()) if dst_weights else dst.state()
     me = {"src": src.name if src else None, "dst": dst.name if dst else None, "problem": problem,
           "scalars": src.scalars() if src is not None else None}
     try:
@@ -67,9 +74,18 @@ def switch_training(src: TrainAdapter | None, dst: TrainAdapter | None, *,
     scalars = next(e["scalars"] for e in everyone if e["scalars"] is not None)
     if dst is not None:
         dst.load_scalars(scalars)
-        dst.state_written()
+        if dst_weights:
+            dst.state_written(weights_written=True)
+        else:
+            dst.state_written()
     return SwitchReport(src_layout.name, dst_layout.name, report, scalars,
                         full_model_bytes=4 * dst_layout.spec.numel)  # one fp32 copy of every weight
+
+
+def _separate_weights(adapter: TrainAdapter) -> bool:
+    """Whether ``adapter`` keeps compute weights apart from its fp32 master (``separate_weights``),
+    so that a switch writes them too and says so with ``state_written(weights_written=True)``."""
+    return bool(getattr(adapter, "separate_weights", False))
 
 
 def _refuse_early(everyone: list[dict]) -> None:
