@@ -162,19 +162,38 @@ def plan_rank(src: Layout, dst: Layout, rank: int, ranks_per_node: int | None = 
     dtypes = {n: b.dtype for n, b in dst.buffers(rank).items()}
     partition = src._is_partition
     every_key_partitioned = src._partition  # (then no need to ask per key)
-    # (src geometry, dst geometry, box) -> _receipt's steps, when both layouts name geometries
-    receipts = {} if src._geometry_fn is not None and dst._geometry_fn is not None else None
+    # (src geometry, dst geometry, box) -> _receipt's steps (receipts) and _shipment's (shipments),
+    # when both layouts name geometries
+    geometries = src._geometry_fn is not None and dst._geometry_fn is not None
+    receipts = {} if geometries else None
+    shipments = {} if geometries else None
+    sgeometry, dgeometry = src._geometry_fn, dst._geometry_fn
     walked = False  # whether some key took the general walk
     for k in keys:
         dfrags, sfrags = wanted.get(k, ()), held.get(k, ())
         if len(dfrags) <= 1 and (every_key_partitioned or partition(k)) and \
                 (len(sfrags) <= 1 or len({f.box for f in sfrags}) == len(sfrags)):
             # the fast path: only the holders of the boxes `rank` meets, found per key
+            pair = None
+            if geometries:
+                sg = sgeometry(k)
+                if sg is not None:
+                    dg = dgeometry(k)
+                    if dg is not None:
+                        pair = (sg, dg)
             if dfrags:
                 d = dfrags[0]
                 dtype = dtypes.get(d.buffer) or dst.buffers(rank)[d.buffer].dtype
-                _receive(k, src, dst, rank, ranks_per_node, d, dtype, transfers, receipts)
+                _receive(k, src, dst, rank, ranks_per_node, d, dtype, transfers, receipts, pair)
             if sfrags:
+                if pair is not None and len(sfrags) == 1:
+                    sf = sfrags[0]
+                    steps = shipments.get((pair, sf.box))
+                    if steps is None:
+                        steps = shipments[(pair, sf.box)] = _shipment(k, src, dst, rank, ranks_per_node, sf)
+                    if steps is not False:
+                        _ship(k, dst, rank, ranks_per_node, sf, steps, transfers)
+                        continue
                 _send(k, src, dst, rank, ranks_per_node, sfrags, transfers)
         else:  # overlapping source boxes, or several boxes of one key here: the general walk
             walked = True
@@ -556,23 +575,19 @@ def _receipt(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node:
 
 
 def _receive(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None, dfrag: Fragment,
-             dtype: str, out: list[Transfer], receipts: dict) -> None:
+             dtype: str, out: list[Transfer], receipts: dict, pair: tuple | None = None) -> None:
     """``rank``'s local copies and receives of ``key`` (its one destination fragment ``dfrag``,
     of dtype ``dtype``) when the source's boxes of it are a (replicated) partition, in region
     order: the choices of ``_plan_key``, from the holders of the source boxes meeting ``dfrag``.
     ``receipts`` (None when a layout names no geometries) memoises ``_receipt`` per (source
     geometry, destination geometry, box): a MoE layer's experts are received alike, each from
     its own fragments."""
-    sg = dg = None
-    if receipts is not None:
-        sg = src._geometry_fn(key)
-        dg = dst._geometry_fn(key) if sg is not None else None
-    if dg is None:
+    if pair is None or receipts is None:
         steps = _receipt(key, src, dst, rank, ranks_per_node, dfrag)
     else:
-        steps = receipts.get((sg, dg, dfrag.box))
+        steps = receipts.get((pair, dfrag.box))
         if steps is None:
-            steps = receipts[(sg, dg, dfrag.box)] = _receipt(key, src, dst, rank, ranks_per_node, dfrag)
+            steps = receipts[(pair, dfrag.box)] = _receipt(key, src, dst, rank, ranks_per_node, dfrag)
     seed = None
     dbuf, doff, dstrides = dfrag.buffer, dfrag.offset, dfrag.strides
     for piece, lo, pos, choices, ddelta in steps:
@@ -646,6 +661,86 @@ def _send(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: in
                 out.append(tuple_new(Transfer, (rank, d, key, piece, hf.buffer, sview[0], sview[1], df.buffer,
                                                 dv[0], dv[1], dtype)))
 
+
+
+def _shipment(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: int | None,
+              sfrag: Fragment):
+    """What ``_send`` works out for ``rank``'s one source box of ``key`` (``sfrag``) that does not
+    depend on the key itself, so that every key of the same (source geometry, destination
+    geometry) pair reuses it: per destination box meeting it, ``(piece, str(piece.lo) encoded,
+    remote requesters as (rank, group, dst offset delta), n, mine, near, src offset delta)``.
+    Only the rotation (a checksum of the key) and the buffers and offsets are left per key
+    (``_ship``). The holder list (replicated norms and KV heads: every worker's) is expanded
+    here, once per geometry pair rather than per key; ``rank`` sends from its one fragment of the
+    box, ``sfrag``. False where ``rank`` holds the box more than once (``_send`` then)."""
+    rbox = sfrag.box
+    held = src._holders_of(key, rbox)
+    if len(held) == 1:
+        ranks = held[0].ranks
+    else:  # e.g. a norm or a KV head on every vLLM worker: one group per worker
+        ranks = tuple(h for h, _ in expand(held))
+    members, mine, near = _places(ranks, rank, ranks_per_node)
+    if len(mine) != 1:  # `rank` holds the box more than once: which fragment sends depends on the key
+        return False
+    n = len(ranks)
+    steps = []
+    for dbox, requesters in dst._meeting(key, rbox):
+        piece = rbox.intersect(dbox)
+        deltas = {}  # replicas share their fragment: one view each
+        for g in requesters:
+            df = g.fragment
+            if id(df) not in deltas:
+                deltas[id(df)] = df.view(piece)[0] - df.offset
+        if len(requesters) == 1:
+            g = requesters[0]
+            dd = deltas[id(g.fragment)]
+            remote = [(d, g, dd) for d in g.ranks if d not in members]
+        else:
+            remote = sorted(((d, g, deltas[id(g.fragment)]) for g in requesters for d in g.ranks
+                             if d not in members), key=_first)
+        steps.append((piece, str(piece.lo).encode(), remote, n, mine, near,
+                      sfrag.view(piece)[0] - sfrag.offset))
+    return steps
+
+
+def _ship(key: StateKey, dst: Layout, rank: int, ranks_per_node: int | None, sfrag: Fragment,
+          steps: list, out: list[Transfer]) -> None:
+    """``_send`` of ``key`` from ``rank``'s one source fragment ``sfrag``, from a ``_shipment``
+    worked out for a key of the same geometry pair: the same choices, this key's rotation,
+    buffers and offsets (``Layout._relocate`` for the destination fragments)."""
+    if not steps:
+        return
+    seed = _rotation_seed(key)
+    sbuf, soff, sstrides = sfrag.buffer, sfrag.offset, sfrag.strides
+    for piece, lo, remote, n, mine, near, sdelta in steps:
+        rot = crc32(lo, seed)
+        chosen = [i for p in mine for i in range((p - rot) % n, len(remote), n)]
+        if near is not None:
+            chosen = [i for i in chosen if remote[i][0] // ranks_per_node not in near]
+            node = rank // ranks_per_node
+            close = near[node]
+            c = len(close)
+            # `rank` holds the piece: the holder at close[(i + rot) % c] is `rank` for the
+            # requesters of its node at these residues (what _send tests one by one)
+            picks = {j for j in range(c) if close[j] in mine}
+            for i in range(bisect_left(remote, node * ranks_per_node, key=_first),
+                           bisect_left(remote, (node + 1) * ranks_per_node, key=_first)):
+                if (i + rot) % c in picks:
+                    chosen.append(i)
+        if len(chosen) > 1 and (len(mine) > 1 or near is not None):
+            chosen.sort()
+        spos = soff + sdelta
+        at = {}  # destination fragment -> (buffer, offset) of this key there
+        for i in chosen:
+            d, g, ddelta = remote[i]
+            df = g.fragment
+            place = at.get(id(df))
+            if place is None:
+                place = at[id(df)] = (df.buffer, df.offset) if df.key is key else dst._relocate(key, df)
+            dbuf = place[0]
+            dtype = g.dtype if g.dtype is not None else dst.buffers(d)[dbuf].dtype
+            out.append(tuple_new(Transfer, (rank, d, key, piece, sbuf, spos, sstrides, dbuf,
+                                            place[1] + ddelta, df.strides, dtype)))
 
 @functools.lru_cache(maxsize=1 << 12)
 def _places(ranks, rank: int, ranks_per_node: int | None) -> tuple:
