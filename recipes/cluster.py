@@ -244,12 +244,18 @@ class Cluster:
         except Exception:  # noqa: BLE001 - a name without an address is still a name
             return "?"
 
+    def _trainer_name(self, rank: int) -> str:
+        return f"trainer rank {rank} (node {self._node_of_bundle(rank)})"
+
+    def _replica_name(self, replica: int, worker: int | None = None) -> str:
+        who = f"rollout replica {replica}" + ("" if worker is None else f" worker {worker}")
+        return f"{who} (node {self._node_of_bundle(replica * self.tp)})"
+
     def channel_member(self, rank: int) -> str:
         """Who channel rank ``rank`` is: trainer ranks first, then each replica's workers."""
         if self.in_world or rank < self.world:
-            return f"trainer rank {rank} (node {self._node_of_bundle(rank)})"
-        replica, worker = divmod(rank - self.world, self.tp)
-        return f"rollout replica {replica} worker {worker} (node {self._node_of_bundle(replica * self.tp)})"
+            return self._trainer_name(rank)
+        return self._replica_name(*divmod(rank - self.world, self.tp))
 
     def _sync_failure(self, recv: list, send: list, error: Exception) -> SyncFailed:
         """Ask every member's call how it ended: dead actors are named by Ray; the survivors'
@@ -258,8 +264,8 @@ class Cluster:
 
         from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
-        calls = [(f"rollout replica {i} (node {self._node_of_bundle(i * self.tp)})", ref) for i, ref in enumerate(recv)]
-        calls += [(f"trainer rank {r} (node {self._node_of_bundle(r)})", ref) for r, ref in enumerate(send)]
+        calls = [(self._replica_name(i), ref) for i, ref in enumerate(recv)]
+        calls += [(self._trainer_name(r), ref) for r, ref in enumerate(send)]
         dead, named, seen = [], set(), []
         for who, ref in calls:
             try:

@@ -235,9 +235,6 @@ class VLLMRollout:
                          pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, e.standby_s, e.verify, e.verify_fraction,
                          timeout=e.timeout_s + 60)
 
-    def channel_layouts(self, src: Layout, dst: Layout) -> list[dict]:
-        return self._rpc("vps_channel_layouts", pickle.dumps(src), pickle.dumps(dst))
-
     def channel_receive(self, timeout_s: float | None = None, verify: str | None = None) -> list[dict]:
         """The workers' part of one sync (the trainer ranks send meanwhile); sleep/wake around it
         where the platform has sleep mode. The prefix cache is reset first: KV computed with the
@@ -365,7 +362,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self.rollout = VLLMRollout(ctx.model_dir, ctx.spec, tp=ctx.tp, seed=ctx.seed,
                                    max_model_len=ctx.max_model_len, **dict(ctx.options))
         self.name = f"vLLM TP{ctx.tp}"
-        self.workers = len(self.rollout.description)
         return self
 
     def generate(self, prompts, max_new_tokens, temperature, seeds, eos_token_id):

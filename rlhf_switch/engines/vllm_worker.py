@@ -142,12 +142,6 @@ class VpsWorkerExtension:
         return self._vps_channel.stats()
 
     @_answer
-    def vps_channel_layouts(self, src_layout: bytes, dst_layout: bytes) -> dict:
-        """New layouts for the same channel (an engine was rebuilt): the next move re-plans."""
-        self._vps_channel.set_layouts(pickle.loads(src_layout), pickle.loads(dst_layout))
-        return self._vps_channel.stats()
-
-    @_answer
     @torch.no_grad()
     def vps_channel_receive(self, verify: str | None = None) -> dict:
         """This worker's part of one move through the channel, straight into its parameters;
