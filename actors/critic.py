@@ -88,10 +88,11 @@ class Critic:
         return t[self.dp_rank * per:(self.dp_rank + 1) * per]
 
     @torch.no_grad()
-    def values(self, ids: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor:
+    def values(self, ids: torch.Tensor) -> torch.Tensor:
         """``[B, T-1]`` values of this rank's ``ids [B, T]``: ``values[b, t]`` is V of the state
         after ``ids[b, :t+1]`` (aligned with the actor's log-prob of token ``t+1``). Collective
-        over the DP group: every rank calls it with the same ``B``."""
+        over the DP group: every rank calls it with the same ``B``. Micro-batches of the
+        engine's ``micro_batch``."""
         return self.engine.outputs(ids)
 
     def update(self, ids: torch.Tensor, mask: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,

@@ -35,6 +35,14 @@ def world4():
         yield world
 
 
+@pytest.fixture(scope="module")
+def world2():
+    from rlhf_switch.launch import LocalWorld
+
+    with LocalWorld(2, timeout=180) as world:
+        yield world
+
+
 def pytest_addoption(parser):
     parser.addoption("--soak-moves", type=int, default=None,
                      help="moves of the soak test (tests/test_soak.py; default sized for a few minutes)")

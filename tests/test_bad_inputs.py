@@ -9,7 +9,6 @@ layouts and the buffers exactly as a real move does, and plans rank 0).
 """
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,16 +16,15 @@ from typing import Callable
 
 import pytest
 import torch
-import yaml
 
 import rank_jobs
 from catalogue import CONFIGS, TINY_LLAMA, named_layouts
-from rlhf_switch.vps import ADAM_FIELDS, PARAM, Box, Layout, LayoutError, ParallelConfig, StateKey, build_layout, \
+from test_loop_inputs import config
+from rlhf_switch.vps import ADAM_FIELDS, PARAM, Box, Layout, ParallelConfig, StateKey, build_layout, \
     llama_spec, plan_rank
 from rlhf_switch.vps.layout import BufferSpec
 from rlhf_switch.vps.materialize import allocate
 
-REPO = Path(__file__).resolve().parents[1]
 SPEC = llama_spec(TINY_LLAMA, name="tiny-llama")
 L = named_layouts(SPEC)
 UP0 = "model.layers.0.mlp.up_proj.weight"
@@ -70,17 +68,6 @@ def on_world(ctx, job, *args) -> list[str]:
         assert res["error"] is not None, f"rank {r} moved"
         assert res["untouched"], f"rank {r} wrote into its destination"
     return [res["error"] for res in results]
-
-
-def config(name: str = "grpo_tiny_fsdp.yaml", **changes) -> dict:
-    cfg = yaml.safe_load((REPO / "configs" / name).read_text())
-    for path, value in changes.items():
-        node = cfg
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
 
 
 def fit(cfg: dict) -> list[str]:

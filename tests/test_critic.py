@@ -17,12 +17,6 @@ import critic_jobs as jobs  # noqa: E402
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def world2():
-    from rlhf_switch.launch import LocalWorld
-
-    with LocalWorld(2, timeout=180) as world:
-        yield world
 
 
 @pytest.mark.parametrize("engine,stage", [("fsdp2", 0), ("deepspeed", 2)])

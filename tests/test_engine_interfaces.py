@@ -90,6 +90,19 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _sync_names_the_dead(ray, cluster, actor, name: str) -> None:
+    """Kill ``actor``: the next sync fails on every surviving member, naming the lost one, well
+    within the move's deadline."""
+    from recipes.cluster import SyncFailed
+
+    ray.kill(actor)
+    t0 = time.perf_counter()
+    with pytest.raises(SyncFailed) as e:
+        cluster.sync()
+    assert e.value.lost and e.value.lost[0].startswith(name), str(e.value)
+    assert time.perf_counter() - t0 < 60, time.perf_counter() - t0
+
+
 def test_user_engines_named_module_class(ray_session, tmp_path):
     from recipes.grpo import run
 
@@ -119,7 +132,7 @@ def test_user_engines_named_module_class(ray_session, tmp_path):
 def test_weight_channel_pp_stages_into_vllm_50_syncs(ray_session, tmp_path):
     """One group per member for the whole run; 50 syncs leave no descriptor or thread behind;
     vLLM then generates with the trainer's weights (the trainer's log-probs equal vLLM's)."""
-    from recipes.cluster import Cluster, SyncFailed
+    from recipes.cluster import Cluster
     from recipes.common import warm_start
     from rlhf_switch.rl.config import load_config
 
@@ -152,14 +165,8 @@ def test_weight_channel_pp_stages_into_vllm_50_syncs(ray_session, tmp_path):
         stats = cluster.all("train_on", {"prompts": prompts, "responses": tokens, "rollout_logprobs": lps,
                                          "advantages": [0.0] * 8})
         assert max(s["stale_logprob_diff"] for s in stats) < 1e-4, stats
-        # a member lost: the rollout replica's actor (and with it its vLLM workers) dies; the sync
-        # fails on every surviving member, naming the lost one, well within the move's deadline
-        ray_session.kill(cluster.replicas[0])
-        t0 = time.perf_counter()
-        with pytest.raises(SyncFailed) as e:
-            cluster.sync()
-        assert e.value.lost and e.value.lost[0].startswith("rollout replica 0 (node "), str(e.value)
-        assert time.perf_counter() - t0 < 60, time.perf_counter() - t0
+        # a member lost: the rollout replica's actor (and with it its vLLM workers) dies
+        _sync_names_the_dead(ray_session, cluster, cluster.replicas[0], "rollout replica 0 (node ")
     finally:
         cluster.shutdown(graceful=False)
 
@@ -167,7 +174,7 @@ def test_weight_channel_pp_stages_into_vllm_50_syncs(ray_session, tmp_path):
 def test_sync_names_a_trainer_rank_that_died(ray_session, tmp_path):
     """The colocated channel (torch rollout in the trainer's processes): one trainer actor dies;
     the sync fails naming it (Ray reports the dead actor; the survivor's move sees the peer go)."""
-    from recipes.cluster import Cluster, SyncFailed
+    from recipes.cluster import Cluster
     from recipes.common import warm_start
     from rlhf_switch.rl.config import load_config
 
@@ -178,12 +185,7 @@ def test_sync_names_a_trainer_rank_that_died(ray_session, tmp_path):
     try:
         cluster.build(init, None)
         assert cluster.sync()["bytes_moved"] > 0
-        ray_session.kill(cluster.workers[1])
-        t0 = time.perf_counter()
-        with pytest.raises(SyncFailed) as e:
-            cluster.sync()
-        assert e.value.lost and e.value.lost[0].startswith("trainer rank 1 (node "), str(e.value)
-        assert time.perf_counter() - t0 < 60, time.perf_counter() - t0
+        _sync_names_the_dead(ray_session, cluster, cluster.workers[1], "trainer rank 1 (node ")
     finally:
         cluster.shutdown(graceful=False)
 

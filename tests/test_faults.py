@@ -11,7 +11,6 @@ pytestmark = pytest.mark.slow  # ~80 s: a 128 MiB move, deadlines run out, repla
 import fault_jobs
 import rank_jobs
 from catalogue import CONFIGS
-from rlhf_switch.launch import LocalWorld
 from rlhf_switch.routing import Deadlines
 from rlhf_switch.vps import ParallelConfig, build_layout, synthetic_spec
 from rlhf_switch.vps.planner import plan_rank
@@ -21,10 +20,6 @@ DEADLINE = Deadlines(floor_s=3.0, min_rate=50e6, ceiling_s=60.0, census_s=1.0)
 SLACK_S = 1.0  # scheduling noise on a loaded 2-core host
 
 
-@pytest.fixture(scope="module")
-def world():
-    with LocalWorld(4, timeout=120) as w:
-        yield w
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +43,7 @@ CASES = [("before_move", 3), ("before_first_send", 1), ("after_sends", 0), ("mid
 
 @pytest.mark.parametrize("point,dying", CASES, ids=[c[0] for c in CASES])
 def test_a_dead_rank_is_named_nothing_is_lost_and_a_replacement_completes_the_move(
-        world, tiny_spec, big, point, dying):
+        world4, tiny_spec, big, point, dying):
     if point == "mid_message":
         src, dst = big
         budget = 256 << 20
@@ -56,7 +51,7 @@ def test_a_dead_rank_is_named_nothing_is_lost_and_a_replacement_completes_the_mo
         src = build_layout(tiny_spec, CONFIGS["zero3"])
         dst = build_layout(tiny_spec, CONFIGS["tp2xpp2"])
         budget = 64 << 20
-    outcome = world.run_all(fault_jobs.move_with_a_death, dying, point, src, dst, DEADLINE, budget)
+    outcome = world4.run_all(fault_jobs.move_with_a_death, dying, point, src, dst, DEADLINE, budget)
     assert outcome.dead == [dying], outcome
     assert not outcome.failures, outcome.failures
     survivors = sorted(outcome.results)
@@ -78,29 +73,29 @@ def test_a_dead_rank_is_named_nothing_is_lost_and_a_replacement_completes_the_mo
                  for r in survivors]
         assert any(a < n for a, n in parts), parts
     # a fresh process takes the dead rank's place; the same move is then exact on every rank
-    world.replace(dying)
-    results = world.run(rank_jobs.move_and_check, src, dst, budget_bytes=budget)
+    world4.replace(dying)
+    results = world4.run(rank_jobs.move_and_check, src, dst, budget_bytes=budget)
     for r, res in enumerate(results):
         assert res["wrong"] == [], f"after replacing rank {dying}: rank {r}: {res['wrong']}"
 
 
-def test_a_replaced_world_runs_jobs_as_before(world):
-    assert world.run(rank_jobs.rank_of_world) == [(r, 4) for r in range(4)]
+def test_a_replaced_world_runs_jobs_as_before(world4):
+    assert world4.run(rank_jobs.rank_of_world) == [(r, 4) for r in range(4)]
 
 
-def test_a_dead_member_of_a_weight_channel_is_named(world, tiny_spec):
+def test_a_dead_member_of_a_weight_channel_is_named(world4, tiny_spec):
     """``ChannelEnd.join``: a bare gloo group over its own store, which the census uses too."""
     src = build_layout(tiny_spec, CONFIGS["fsdp"])
     dst = build_layout(tiny_spec, CONFIGS["tp4"])
-    outcome = world.run_all(fault_jobs.channel_move_with_a_death, 2, src, dst)
+    outcome = world4.run_all(fault_jobs.channel_move_with_a_death, 2, src, dst)
     assert outcome.dead == [2] and not outcome.failures, outcome
     for r in (0, 1, 3):
         res = outcome.results[r]
         print(f"channel: rank {r}: {res['elapsed_s']:.2f} s: {res['error'][:200]}")
         assert res["lost"] == [2] and "lost rank 2" in res["error"], res["error"]
         assert res["source_intact"]
-    world.replace(2)
-    for res in world.run(fault_jobs.channel_move_with_a_death, None, src, dst):
+    world4.replace(2)
+    for res in world4.run(fault_jobs.channel_move_with_a_death, None, src, dst):
         assert res["error"] is None and res["exact"] and res["source_intact"], res
 
 

@@ -15,8 +15,9 @@ def raising_reward(prompt: str, response: str, answer: str) -> float:
     raise KeyError("no such answer table")
 
 
-def config(**changes) -> dict:
-    cfg = yaml.safe_load((REPO / "configs" / "grpo_tiny_fsdp.yaml").read_text())
+def config(name: str = "grpo_tiny_fsdp.yaml", **changes) -> dict:
+    """A shipped config with ``changes`` (dotted paths) applied."""
+    cfg = yaml.safe_load((REPO / "configs" / name).read_text())
     for path, value in changes.items():
         node = cfg
         *parents, leaf = path.split(".")

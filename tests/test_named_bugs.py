@@ -12,17 +12,15 @@ rule it guards, and the README lists the mutations of that rule it was checked t
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
-import yaml
 
 import rank_jobs
 from catalogue import TINY_LLAMA, named_layouts
 from rlhf_switch.routing import build_schedule
 from rlhf_switch.vps import ParallelConfig, build_layout, llama_spec, plan_rank, plan_transition, synthetic_spec, \
     vllm_layout
-from test_bad_inputs import REPO
+from test_loop_inputs import config
 
 SPEC = llama_spec(TINY_LLAMA, name="tiny-llama")
 L = named_layouts(SPEC)
@@ -66,6 +64,11 @@ def test_moves_between_engine_like_buffers_are_bit_exact(world4):
 # --------------------------------------------------------------------------- the message-size cap
 
 
+def messages(schedule):
+    """Every message of a schedule, sent or received, staged or direct."""
+    return [m for ex in schedule.exchanges for step in ex.steps for m in step if m is not None]
+
+
 def expected_cap(budget: int, item: int) -> int:
     """The rule: a quarter of the budget, rounded down to whole elements; half when a quarter
     cannot hold one element (which is then always exactly one element: budget < 4·item gives
@@ -84,12 +87,9 @@ def test_message_size_cap_is_a_quarter_of_the_budget_in_whole_elements(budget, c
     largest = 0
     for r in range(4):
         sched = build_schedule(plan_rank(src, dst, r), budget)
-        for ex in sched.exchanges:
-            for send, recv in ex.steps:
-                for m in (send, recv):
-                    if m is not None:
-                        assert m.nbytes <= cap, (budget, m.nbytes, cap)
-                        largest = max(largest, m.nbytes)
+        for m in messages(sched):
+            assert m.nbytes <= cap, (budget, m.nbytes, cap)
+            largest = max(largest, m.nbytes)
         assert sched.peak_staging_bytes <= budget
     assert largest == cap, (budget, largest, cap)
 
@@ -106,13 +106,10 @@ def test_mixed_dtypes_cap_in_whole_elements_of_the_largest_item(budget, cap):
     largest = {}
     for r in range(4):
         sched = build_schedule(plan_rank(src, dst, r), budget)
-        for ex in sched.exchanges:
-            for s, rv in ex.steps:
-                for m in (s, rv):
-                    if m is not None:
-                        assert m.nbytes <= cap, (budget, m.nbytes)
-                        dt = m.pieces[0].transfer.dtype
-                        largest[dt] = max(largest.get(dt, 0), m.nbytes)
+        for m in messages(sched):
+            assert m.nbytes <= cap, (budget, m.nbytes)
+            dt = m.pieces[0].transfer.dtype
+            largest[dt] = max(largest.get(dt, 0), m.nbytes)
     assert largest["bfloat16"] == cap, largest
 
 
@@ -176,14 +173,7 @@ def test_vllm_pads_the_vocabulary_to_64_not_128(tp, per, last_rows):
 def _fit(name: str = "grpo_tiny_fsdp.yaml", **changes) -> list[str]:
     from rlhf_switch.rl.config import fit_problems, load_config
 
-    cfg = copy.deepcopy(yaml.safe_load((REPO / "configs" / name).read_text()))
-    for path, value in changes.items():
-        node = cfg
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return fit_problems(load_config(cfg), load_reward=False)
+    return fit_problems(load_config(config(name, **changes)), load_reward=False)
 
 
 TP2 = {"engine": "torch_tp", "tp": 2}

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import pipeline_jobs as jobs
-from rlhf_switch.launch import LocalWorld
 
 TINY = {"model_type": "llama", "vocab_size": 64, "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -33,16 +32,6 @@ PARAM_ATOL = 3e-5
 NORM_RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with LocalWorld(2, timeout=120) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world4():
-    with LocalWorld(4, timeout=120) as world:
-        yield world
 
 
 def check(results: list, ranks: list[int], name: str, param_atol: float = PARAM_ATOL,
