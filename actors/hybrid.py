@@ -201,7 +201,8 @@ class HybridWorker:
             report = switch_training(adapter, holder, timeout=TIMEOUT)
             sent += report.move.bytes_sent
             if holder is not None:
-                holder.save_dir(where, hf, dtype, extra)
+                # the actor's directory is a model.path of its own: weights, config and tokenizer
+                holder.save_dir(where, hf, dtype, extra, tokenizer_from=tokenizer_dir_of(self.cfg) if hf else None)
         dist.barrier()
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": sent}
 
@@ -416,6 +417,15 @@ def hf_config_of(cfg: RunConfig) -> dict:
     if cfg.model.hf_config is not None:
         return dict(cfg.model.hf_config)
     return json.loads((Path(cfg.model.path) / "config.json").read_text())
+
+
+def tokenizer_dir_of(cfg: RunConfig) -> str | None:
+    """Where the run's Hugging Face tokenizer lives (``model.tokenizer``, else ``model.path``), or
+    None for a generated-task run (the character tokenizer has no files)."""
+    from rlhf_switch.engines.full_state import has_tokenizer
+
+    where = getattr(cfg.model, "tokenizer", None) or cfg.model.path
+    return where if where is not None and has_tokenizer(where) else None
 
 
 def _broadcast_objects(objs: list) -> list:

@@ -88,9 +88,12 @@ class FullState:
 
     # --- disk ---------------------------------------------------------------------------------------
     def save_dir(self, path: str | os.PathLike, hf_config: Mapping[str, Any] | None = None,
-                 dtype: str = "float32", extra: Mapping[str, Any] | None = None) -> Path:
+                 dtype: str = "float32", extra: Mapping[str, Any] | None = None,
+                 tokenizer_from: str | os.PathLike | None = None) -> Path:
         """Write the checkpoint directory (see the module doc); ``extra`` goes into
-        ``trainer_state.pt`` beside the scalars (e.g. the iteration)."""
+        ``trainer_state.pt`` beside the scalars (e.g. the iteration); ``tokenizer_from``: a
+        directory whose tokenizer files are copied beside the weights, so the checkpoint loads
+        as a ``model.path`` (weights, config and tokenizer) in transformers and vLLM."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -109,6 +112,8 @@ class FullState:
                    tmp / TRAINER_STATE)
         if hf_config is not None:
             write_hf_config(tmp, hf_config, dtype)
+        if tokenizer_from is not None:
+            copy_tokenizer_files(tokenizer_from, tmp)
         (tmp / COMPLETE).write_text("")
         if path.exists():
             shutil.rmtree(path)
@@ -180,23 +185,51 @@ def _fp32_whole(tensors: Mapping[str, torch.Tensor] | None, t, zero: bool = Fals
 
 
 def write_hf_config(path: str | os.PathLike, hf_config: Mapping[str, Any], dtype: str = "float32") -> None:
-    """``config.json`` of a ``LlamaForCausalLM`` that transformers and vLLM load without a
-    tokenizer (``architectures`` names the class; ``dtype`` the saved weights' dtype, also as
-    ``torch_dtype`` for readers older than transformers 5). The attribute set is ``dtype``:
-    transformers 5 warns "`torch_dtype` is deprecated!" on every write or read of
-    ``config.torch_dtype`` (reading the key from a file does not warn)."""
+    """``config.json`` of the model ``hf_config`` describes (its ``model_type``: Llama when absent)
+    that transformers and vLLM load: ``architectures`` names its causal-LM class, ``dtype`` the
+    saved weights' dtype, also as ``torch_dtype`` for readers older than transformers 5. The
+    attribute set is ``dtype``: transformers 5 warns "`torch_dtype` is deprecated!" on every write
+    or read of ``config.torch_dtype`` (reading the key from a file does not warn)."""
     import json
 
-    from transformers import LlamaConfig
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    cfg = LlamaConfig(**{k: v for k, v in dict(hf_config).items() if k != "torch_dtype"})
-    cfg.architectures = ["LlamaForCausalLM"]
+    fields = {k: v for k, v in dict(hf_config).items() if k not in ("torch_dtype", "dtype", "architectures")}
+    model_type = fields.pop("model_type", None) or "llama"
+    cfg = AutoConfig.for_model(model_type, **fields)
+    cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     cfg.dtype = dtype
     cfg.save_pretrained(str(path))
     written = Path(path) / "config.json"
     data = json.loads(written.read_text())
     data["dtype"] = data["torch_dtype"] = dtype
     written.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# what AutoTokenizer.from_pretrained reads from a directory (whichever of them the tokenizer wrote)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+
+
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a Hugging Face tokenizer (what ``AutoTokenizer`` needs first)."""
+    p = Path(path)
+    return (p / "tokenizer_config.json").is_file() and ((p / "tokenizer.json").is_file()
+                                                       or (p / "tokenizer.model").is_file()
+                                                       or (p / "vocab.json").is_file())
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy ``src``'s tokenizer files (``TOKENIZER_FILES`` that exist) into ``dst``; returns their
+    names. A ``src`` without a tokenizer copies nothing (a generated-task run has none)."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        f = Path(src) / name
+        if f.is_file():
+            shutil.copyfile(f, Path(dst) / name)
+            copied.append(name)
+    return copied
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:

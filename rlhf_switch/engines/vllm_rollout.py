@@ -34,6 +34,7 @@ from ..vps.layouts.vllm import vllm_layout, worker_tensors
 from ..vps.placement import place
 from ..vps.spec import ModelSpec
 from .base import RolloutContext, RolloutEngine
+from .full_state import has_tokenizer
 
 WORKER_EXTENSION = "rlhf_switch.engines.vllm_worker.VpsWorkerExtension"
 PREFIX = "param/"
@@ -112,7 +113,9 @@ def unwrap(method: str, answers: Sequence[dict]) -> list:
 
 class VLLMRollout:
     """One ``vllm.LLM`` of TP ``tp`` for the model at ``model`` (a HF checkpoint directory) whose
-    spec is ``spec``; prompts are token ids (no tokenizer is loaded). ``sleep_mode``: use vLLM's
+    spec is ``spec``; prompts are token ids. The directory's tokenizer, where it has one (a
+    ``model.path`` run), is vLLM's tokenizer too — so ids out of its vocabulary are refused by vLLM
+    as by the trainer; a generated-task checkpoint has none and vLLM loads none. ``sleep_mode``: use vLLM's
     sleep mode around moves (default: where the platform has it, i.e. not on CPU).
     ``engine_kwargs`` go to ``vllm.LLM`` as they are (e.g. ``block_size``, ``gpu_memory_utilization``)."""
 
@@ -133,7 +136,8 @@ class VLLMRollout:
         if backend is None:
             backend = "mp" if tp > 1 else None
         kwargs = dict(model=model, dtype=dtype, tensor_parallel_size=tp, enforce_eager=enforce_eager,
-                      worker_extension_cls=WORKER_EXTENSION, skip_tokenizer_init=True, seed=seed,
+                      worker_extension_cls=WORKER_EXTENSION, skip_tokenizer_init=not has_tokenizer(model),
+                      seed=seed,
                       max_model_len=max_model_len, enable_sleep_mode=self.can_sleep)
         if backend is not None:
             kwargs["distributed_executor_backend"] = backend
