@@ -65,12 +65,19 @@ def modelled_seconds(plan) -> float:
 
 
 def run_case(name: str, model: str, world: int, cfg: ParallelConfig, rollout_tp: int, specs: dict,
-             sample_ranks: int, full_plan_max_pieces: int) -> dict:
+             sample_ranks: int, full_plan_max_pieces: int, reverse: bool = False) -> dict:
+    """``reverse``: plan vLLM -> training instead (the weights coming back, or a rollout layout
+    feeding a new trainer): replicated norms and KV heads make every rank a candidate holder there,
+    the direction the planner's geometry sharing must also cover. One-rank plans only."""
     spec = specs[model]
+
+    def layouts():
+        train, rollout = build_layout(spec, cfg), vllm_layout(spec, rollout_tp, replicas=world // rollout_tp)
+        return (rollout, train) if reverse else (train, rollout)
+
     gc.collect()
     t0 = time.perf_counter()
-    src = build_layout(spec, cfg)
-    dst = vllm_layout(spec, rollout_tp, replicas=world // rollout_tp)
+    src, dst = layouts()
     layouts_s = time.perf_counter() - t0
     ranks = sorted({world // 2 + 3, 0, world // 3 + 1, world - 1}, key=lambda r: r != world // 2 + 3)[:sample_ranks]
     plan_times, cpu_times, plans = [], [], []
@@ -78,13 +85,13 @@ def run_case(name: str, model: str, world: int, cfg: ParallelConfig, rollout_tp:
         gc.collect()
         plan_rank.cache_clear()
         t0, c0 = time.perf_counter(), time.process_time()
-        a, b = build_layout(spec, cfg), vllm_layout(spec, rollout_tp, replicas=world // rollout_tp)
+        a, b = layouts()
         p = plan_rank(a, b, r, GPUS_PER_NODE)
         plan_times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
         plans.append(p)
     row = {
-        "case": name, "world": world, "params": spec.numel, "tensors": len(spec.tensors),
+        "case": name, "direction": "vLLM -> train" if reverse else "train -> vLLM", "world": world, "params": spec.numel, "tensors": len(spec.tensors),
         "layouts_s": layouts_s, "rank_plan_s": statistics.median(plan_times),
         "rank_plan_cpu_s": statistics.median(cpu_times), "rank_plan_all_s": plan_times, "ranks": ranks,
         "rank_bytes_received": [p.bytes_received for p in plans],
@@ -94,7 +101,7 @@ def run_case(name: str, model: str, world: int, cfg: ParallelConfig, rollout_tp:
     }
     assert all(p.bytes_received == p.min_bytes_received for p in plans)
     # every vLLM worker holds a piece of every tensor: about tensors × world destination pieces
-    if len(spec.tensors) * world <= full_plan_max_pieces:
+    if not reverse and len(spec.tensors) * world <= full_plan_max_pieces:
         plan_transition.cache_clear()
         del a, b, plans
         gc.collect()
@@ -125,7 +132,9 @@ def plot(rows: list[dict], path: str) -> None:
     ax.axhline(30, color="C1", ls="--", lw=1, label="full-plan target 30 s")
     ax.set_yscale("log")
     ax.set_ylabel("seconds (one core)")
-    ax.set_xticks(list(xs), [f"{r['case'].split(' -> ')[0]}\n{r['world']} ranks" for r in rows], fontsize=7)
+    ax.set_xticks(list(xs), [f"{r['case'].split(' -> ')[0]}\n{r['world']} ranks"
+                             + ("\n(vLLM -> train)" if r.get("direction") == "vLLM -> train" else "")
+                             for r in rows], fontsize=6)
     ax.legend(fontsize=8)
     ax.set_title("Planning at scale, metadata only")
     fig.tight_layout()
@@ -139,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=3, help="ranks sampled for the rank-local plan")
     ap.add_argument("--full-plan-max-pieces", type=int, default=3_000_000,
                     help="build the full plan when tensors × world is at most this")
+    ap.add_argument("--direction", choices=("forward", "reverse", "both"), default="both",
+                    help="train -> vLLM (forward), vLLM -> train (reverse, one-rank plans), or both")
     ap.add_argument("--out", default="bench/results/plan_scale.json")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -154,23 +165,24 @@ def main(argv=None) -> int:
           f"{specs['moe'].numel / 1e9:.1f}B params, {len(specs['moe'].tensors)} tensors, in {moe_s:.2f} s")
     print(f"fabric model: {GPUS_PER_NODE} GPUs/node, NVLink {NVLINK_GBPS:.0f} GB/s, IB {IB_GBPS_PER_GPU:.0f} GB/s per GPU")
     rows = []
-    hdr = f"{'case':44} {'ranks':>5} {'layouts s':>9} {'1 rank s':>8} {'(cpu)':>6} {'full s':>7} {'(cpu)':>6} " \
+    hdr = f"{'case':44} {'dir':>4} {'ranks':>5} {'layouts s':>9} {'1 rank s':>8} {'(cpu)':>6} {'full s':>7} {'(cpu)':>6} " \
           f"{'moved = min':>11} {'peers':>5} {'model s':>7}"
     print(hdr)
     for name, model, world, cfg, tp in CASES:
         if (args.quick and world > 64) or (args.only and not name.startswith(args.only)):
             continue
-        row = run_case(name, model, world, cfg, tp, specs, args.ranks, args.full_plan_max_pieces)
-        rows.append(row)
-        full = f"{'-':>7} {'-':>6}"
-        if "full_plan_s" in row:
-            full = f"{row['full_plan_s']:7.2f} {row['full_plan_cpu_s']:6.2f}"
-        # with a full plan: its bytes against the minimum; without one: the sampled ranks' (asserted)
-        eq = "yes" if row.get("bytes_moved", 0) == row.get("min_bytes", 0) else "NO"
-        eq = eq if "full_plan_s" in row else "ranks: yes"
-        print(f"{name:44} {world:5d} {row['layouts_s']:9.2f} {row['rank_plan_s']:8.2f} {row['rank_plan_cpu_s']:6.2f} "
-              f"{full} {eq:>11} {max(row['rank_peers']):5d} {row['modelled_s']:7.2f}",
-              flush=True)
+        for reverse in {"forward": (False,), "reverse": (True,), "both": (False, True)}[args.direction]:
+            row = run_case(name, model, world, cfg, tp, specs, args.ranks, args.full_plan_max_pieces, reverse)
+            rows.append(row)
+            full = f"{'-':>7} {'-':>6}"
+            if "full_plan_s" in row:
+                full = f"{row['full_plan_s']:7.2f} {row['full_plan_cpu_s']:6.2f}"
+            # with a full plan: its bytes against the minimum; without one: the sampled ranks' (asserted)
+            eq = "yes" if row.get("bytes_moved", 0) == row.get("min_bytes", 0) else "NO"
+            eq = eq if "full_plan_s" in row else "ranks: yes"
+            print(f"{name:44} {'rev' if reverse else 'fwd':>4} {world:5d} {row['layouts_s']:9.2f} "
+                  f"{row['rank_plan_s']:8.2f} {row['rank_plan_cpu_s']:6.2f} {full} {eq:>11} {max(row['rank_peers']):5d} {row['modelled_s']:7.2f}",
+                  flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"spec_s": {"llama-3-70b": llama_s, "qwen3-235b-a22b": moe_s}, "cases": rows,
