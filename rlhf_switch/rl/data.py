@@ -135,3 +135,22 @@ def load_data_splits(data_cfg: Any, tokenizer, max_tokens: int) -> tuple[Splits,
                             f"algorithm.max_new_tokens)")
     return (Splits(train=tuple(train), heldout=tuple(heldout)),
             DataSummary(tr_read, tr_drop, ho_read, ho_drop, max_tokens))
+
+
+def load_splits(cfg: Any, tokenizer=None) -> tuple[Splits, str]:
+    """The run's samples, from ``cfg.task`` (generated) or ``cfg.data`` (files), and a one-line
+    summary for the start-up output. ``tokenizer``: the run's (``load_tokenizer(cfg)`` when None)."""
+    from .config import model_dims
+    from .tasks import build_task, make_splits
+
+    if cfg.task is not None:
+        t = cfg.task
+        splits = make_splits(build_task(t.name, t.min_len, t.max_len), t.num_train, t.num_heldout, t.seed)
+        return splits, f"task {t.name}: {len(splits.train)} train prompts, {len(splits.heldout)} held-out"
+    if tokenizer is None:
+        from .tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg)
+    limit = prompt_token_limit(cfg.data, cfg.algorithm.max_new_tokens, model_dims(cfg.model).max_context)
+    splits, summary = load_data_splits(cfg.data, tokenizer, limit)
+    return splits, summary.line()

@@ -88,6 +88,9 @@ def math_format(prompt: str, response: str, answer: str) -> float:
     return 1.0 if _ENDS_WITH_ANSWER.search(response) else 0.0
 
 
+# what a data: run is scored with when it names no reward
+DEFAULT_MATH_REWARD = "rlhf_switch.rl.rewards:math_answer"
+
 # the task name -> the reward a config gets when it names none
 DEFAULT_REWARDS: dict[str, str] = {
     "addition": "rlhf_switch.rl.rewards:exact_match",
