@@ -218,6 +218,8 @@ BAD_DATA = [
      ["task/data: give exactly one of task"]),
     ("tokenizer larger than the model's vocab", lambda c, f, m: c["model"].update(path=str(m)),
      ["model: vocab_size=256 is smaller than the tokenizer's 384 ids"]),
+    ("model's eos is not the tokenizer's", lambda c, f, m: c["model"].update(path=str(m), tokenizer=str(m.parent / "tok")),
+     ["model: eos_token_id=1 in the model's config, but the tokenizer's eos is 3 ('<|im_end|>')"]),
     ("eval wants more held-out prompts than there are",
      lambda c, f, m: (c["data"].update(num_heldout=8), c["eval"].update(num_prompts=16)),
      ["eval.num_prompts=16 is more than the 8 held-out prompts"]),
@@ -230,7 +232,16 @@ BAD_DATA = [
 def small_vocab_model(tmp_path_factory) -> Path:
     from rlhf_switch.testing.tiny_model import build_tiny_llama_dir
 
-    return build_tiny_llama_dir(tmp_path_factory.mktemp("small") / "model", vocab_size=256)
+    """A Llama with 256 ids and eos 1; its directory's tokenizer is the 384-id BPE, and ``../tok``
+    holds a copy of the BPE too (for a model.tokenizer kept elsewhere)."""
+    import shutil
+
+    model = build_tiny_llama_dir(tmp_path_factory.mktemp("small") / "model", vocab_size=256, eos_token_id=1)
+    tok = model.parent / "tok"
+    tok.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(model / f, tok / f)
+    return model
 
 
 @pytest.mark.parametrize("name, change, expected", BAD_DATA, ids=[r[0] for r in BAD_DATA])

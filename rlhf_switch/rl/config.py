@@ -592,6 +592,11 @@ def _data_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     if dims is not None and tokenizer.vocab_size > dims.vocab_size:
         problems.append(f"model: vocab_size={dims.vocab_size} is smaller than the tokenizer's "
                         f"{tokenizer.vocab_size} ids ({tokenizer.path})")
+    if dims is not None and dims.special_ids.get("eos_token_id") != tokenizer.eos_id:
+        # the engines stop generating at config.json's eos; SFT and decode use the tokenizer's
+        problems.append(f"model: eos_token_id={dims.special_ids.get('eos_token_id')} in the model's config, but "
+                        f"the tokenizer's eos is {tokenizer.eos_id} ({tokenizer.hf.eos_token!r}): responses "
+                        f"would not stop where answers end")
     if data.chat_template and not tokenizer.has_chat_template:
         problems.append(f"data.chat_template: the tokenizer at {tokenizer.path} has no chat template")
     for split in ("train_files", "heldout_files"):

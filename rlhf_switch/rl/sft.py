@@ -377,11 +377,12 @@ def cached_checkpoint(cfg: Any, out_dir: str | os.PathLike) -> Path | None:
 
 def warm_start(cfg: Any, out_dir: str | os.PathLike, progress: bool = True,
                log: Callable[[str], None] | None = print) -> Path:
-    """The run's initial checkpoint in ``out_dir``: ``build_initial_model(hf_config, cfg.seed)``,
-    SFT when ``cfg.sft`` is set with ``steps > 0``, saved with ``save_hf_checkpoint``. Reused, not
-    retrained, when ``out_dir`` already holds one made from the same model config, task config,
-    SFT config, ``max_new_tokens`` and seed (``warm_start.json``, written last, records them and
-    the SFT stats). Returns ``out_dir``."""
+    """The run's initial checkpoint: ``initial_model(cfg)`` (``model.path``'s weights, or the
+    seeded model), SFT when ``cfg.sft`` is set with ``steps > 0`` (on the task, or on a ``data:``
+    run's rendered train pairs with its tokenizer), saved in ``out_dir`` with
+    ``save_hf_checkpoint``. Reused, not retrained, when ``out_dir`` already holds one with the same
+    ``fingerprint`` (``warm_start.json``, written last, records it and the SFT stats). Returns
+    ``out_dir`` — or ``model.path`` itself when it holds weights and there is no SFT."""
     out = Path(out_dir)
     train_sft = cfg.sft is not None and cfg.sft.steps > 0
     if not train_sft and _has_weights(cfg.model.path):

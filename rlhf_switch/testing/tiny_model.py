@@ -27,8 +27,8 @@ def build_tiny_llama_dir(out_dir: str | Path, seed: int = 0, **overrides) -> Pat
     out = Path(out_dir)
     tok = build_bpe_tokenizer(out)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**TINY_LLAMA, **overrides}, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      bos_token_id=None)
+    ids = {"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "bos_token_id": None}
+    cfg = LlamaConfig(**{**TINY_LLAMA, **ids, **overrides})
     save_hf_checkpoint(LlamaForCausalLM(cfg).float(), out)
     return out
 
