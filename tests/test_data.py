@@ -73,8 +73,13 @@ def test_bpe_tokenizer_round_trips_through_autotokenizer(tmp_path):
     assert (tok.pad_token_id, tok.eos_token_id) == (0, 3)
 
 
-def test_hf_tokenizer_interface(model_dir):
-    from rlhf_switch.rl.tokenizer import HFTokenizer
+def test_hf_tokenizer_interface(model_dir, tmp_path):
+    from rlhf_switch.rl.config import load_config
+    from rlhf_switch.rl.tasks import CharTokenizer
+    from rlhf_switch.rl.tokenizer import HFTokenizer, load_tokenizer
+
+    assert isinstance(load_tokenizer(load_config(config())), CharTokenizer)  # task: runs
+    assert load_tokenizer(load_config(data_config(model_dir))).path == str(model_dir)
 
     tok = HFTokenizer.from_pretrained(model_dir)
     assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.vocab_size) == (0, 3, None, 384)
@@ -88,6 +93,8 @@ def test_hf_tokenizer_interface(model_dir):
     # decode: stops at the eos, drops pad, ids beyond the tokenizer become "?"
     assert tok.decode([0] + answer + tok.encode("junk")) == "2 + 3 = 5. #### 5"
     assert tok.decode(tok.encode("#### ") + [400] + tok.encode("5")) == "#### ?5"
+    again = HFTokenizer.from_pretrained(tok.save(tmp_path / "saved"))
+    assert again.encode(rendered) == tok.encode(rendered) and again.eos_id == tok.eos_id
 
 
 # ---------------------------------------------------------------- files -> splits
@@ -139,7 +146,7 @@ def test_warm_start_from_model_path(model_dir, tmp_path):
     cfg = load_config(data_config(model_dir))
     assert S.warm_start(cfg, tmp_path / "init", progress=False, log=None) == model_dir  # sft: null
     raw = data_config(model_dir)
-    raw["sft"] = {"steps": 3, "lr": 1e-3, "batch_size": 4}
+    raw["sft"] = {"steps": 12, "lr": 1e-3, "batch_size": 4}
     cfg = load_config(raw)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -148,7 +155,8 @@ def test_warm_start_from_model_path(model_dir, tmp_path):
     finally:
         torch.set_num_threads(threads)
     stats = json.loads((out / S.FINGERPRINT_FILE).read_text())
-    assert stats["sft_stats"]["steps"] == 3 and stats["fingerprint"]["model_path"] == str(model_dir.resolve())
+    assert stats["sft_stats"]["steps"] == 12 and stats["fingerprint"]["model_path"] == str(model_dir.resolve())
+    assert stats["sft_stats"]["loss_final"] < stats["sft_stats"]["loss_first"]  # it learns the answers
     assert S.cached_checkpoint(cfg, out) == out
     # a changed model (another file size / mtime) invalidates the cache
     config_json = model_dir / "config.json"
