@@ -63,7 +63,7 @@ def warm_start(cfg, out_dir: Path, quiet: bool = False) -> Path:
 
 class Evaluator:
     """Greedy decoding of the first ``eval.num_prompts`` held-out prompts on the rollout engine
-    (whatever weights it holds now), scored with the task's reward."""
+    (whatever weights it holds now), scored with the run's reward (``task`` or ``data``)."""
 
     def __init__(self, cfg, splits, tokenizer, reward_fn, max_ctx: int):
         from rlhf_switch.rl.tasks import encode_prompt
@@ -81,11 +81,26 @@ class Evaluator:
         return sum(scores) / len(scores)
 
 
+def epoch_order(cfg, n: int, epoch: int) -> list[int]:
+    """The order of the ``n`` train prompts in ``epoch``: a permutation seeded by (seed, epoch)."""
+    order = list(range(n))
+    random.Random(f"{cfg.algorithm.name}:{cfg.seed}:epoch{epoch}").shuffle(order)
+    return order
+
+
 def draw_prompts(cfg, splits, iteration: int):
     """The iteration's prompts: a function of (seed, iteration) only, so a resumed run draws
-    exactly what the uninterrupted one would have."""
-    rng = random.Random(f"{cfg.algorithm.name}:{cfg.seed}:{iteration}")
-    return rng.sample(list(splits.train), cfg.algorithm.prompts_per_iteration)
+    exactly what the uninterrupted one would have. The train split is walked epoch by epoch, each
+    epoch in its own seeded order, so every prompt is drawn once per epoch (an iteration that
+    straddles two epochs may hold a prompt twice)."""
+    k, n = cfg.algorithm.prompts_per_iteration, len(splits.train)
+    picked, orders = [], {}
+    for pos in range(iteration * k, (iteration + 1) * k):
+        epoch, index = divmod(pos, n)
+        if epoch not in orders:
+            orders[epoch] = epoch_order(cfg, n, epoch)
+        picked.append(splits.train[orders[epoch][index]])
+    return picked
 
 
 def sample_seeds(cfg, iteration: int, n: int) -> list[int]:

@@ -40,17 +40,17 @@ __all__ = ["run", "main", "StaleWeightsError"]
 
 
 def reward_problems(cfg) -> list[str]:
-    """Call the reward function once on a held-out sample (the right answer and an empty
-    response) so a function that cannot run is refused before any actor starts."""
+    """Call the run's reward function (``task.reward_fn`` or ``data.reward_fn``) once on a
+    held-out sample (the right answer and an empty response) so a function that cannot run is
+    refused before any actor starts."""
+    from rlhf_switch.rl.data import load_splits
     from rlhf_switch.rl.rewards import RewardError, load_reward_fn, score_samples
-    from rlhf_switch.rl.tasks import build_task, make_splits
 
-    task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
-    s = make_splits(task, cfg.task.num_train, cfg.task.num_heldout, cfg.task.seed).heldout[0]
+    s = load_splits(cfg)[0].heldout[0]
     try:
-        score_samples(load_reward_fn(cfg.task.reward_fn), [s.prompt] * 2, [s.answer, ""], [s.answer] * 2)
+        score_samples(load_reward_fn(cfg.reward_fn), [s.prompt] * 2, [s.answer, ""], [s.answer] * 2)
     except RewardError as e:
-        return [f"task.reward_fn: {e}"]
+        return [f"{cfg.prompt_source}.reward_fn: {e}"]
     return []
 
 
@@ -90,7 +90,9 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
 
     from rlhf_switch.rl.algorithms import grpo_advantages
     from rlhf_switch.rl.rewards import load_reward_fn, score_samples
-    from rlhf_switch.rl.tasks import CharTokenizer, build_task, encode_prompt, make_splits
+    from rlhf_switch.rl.data import load_splits
+    from rlhf_switch.rl.tasks import encode_prompt
+    from rlhf_switch.rl.tokenizer import load_tokenizer
 
     cfg, iterations = prepare(config_source, iterations, output_dir)
     alg = cfg.algorithm
@@ -117,10 +119,10 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     last = iterations - 1
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    tok = CharTokenizer()
-    task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
-    splits = make_splits(task, cfg.task.num_train, cfg.task.num_heldout, cfg.task.seed)
-    reward_fn = load_reward_fn(cfg.task.reward_fn)
+    tok = load_tokenizer(cfg)
+    splits, read_line = load_splits(cfg, tok)  # data: prompts rendered (chat template), too-long dropped
+    say(f"[{name}] {read_line}")
+    reward_fn = load_reward_fn(cfg.reward_fn)
     from actors.hybrid import hf_config_of
 
     max_ctx = int(hf_config_of(cfg).get("max_position_embeddings", 2048))
@@ -216,7 +218,9 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             }
             records.append(rec)
             log.write(rec, it)
-            log.write_rollouts(it, prompts, responses, rollout_lps, scores)
+            log.write_rollouts(it, prompts, responses, rollout_lps, scores,
+                               texts={"prompt_texts": [s.prompt for s in samples for _ in range(G)],
+                                      "response_texts": texts})
             say(f"[{name}] it {it}: reward {rec['reward_mean']:.3f}  kl {rec['kl']:.2e}  loss {rec['policy_loss']:+.4f}  "
                 f"gen {rec['gen_tokens_per_s']:.0f} tok/s  switch {sync['seconds'] * 1e3:.0f} ms "
                 f"({sync['bytes_moved'] / 1024:.0f} KiB) / back 0 ms  stale Δlogp {stale:.1e}  "
@@ -249,7 +253,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             cluster.shutdown(graceful=ok)
         if owns_ray:
             ray.shutdown()
-    png = plot_run(log.records(), out_dir / f"{name}.png", f"{name.upper()} {cfg.task.name}: {cfg.train.engine} → {cfg.rollout.engine}")
+    png = plot_run(log.records(), out_dir / f"{name}.png", f"{name.upper()} {cfg.task.name if cfg.task else 'data'}: {cfg.train.engine} → {cfg.rollout.engine}")
     say(f"[{name}] {len([r for r in records if 'reward_mean' in r])} iterations in {time.perf_counter() - t_start:.1f} s; "
         f"metrics: {log.path}" + (f"; plot: {png}" if png else ""))
     return records

@@ -37,11 +37,12 @@ class MetricsLog:
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
 
-    def write_rollouts(self, iteration: int, prompts, responses, logprobs, rewards) -> None:
-        """Every generated sample of the iteration (token ids), in ``rollouts.jsonl``."""
+    def write_rollouts(self, iteration: int, prompts, responses, logprobs, rewards, texts=None) -> None:
+        """Every generated sample of the iteration (token ids; ``texts``: the prompts and decoded
+        responses as text, ``prompt_texts``/``response_texts``), in ``rollouts.jsonl``."""
         with (self.path.parent / "rollouts.jsonl").open("a") as f:
             f.write(json.dumps({"iteration": iteration, "prompts": prompts, "responses": responses,
-                                "logprobs": logprobs, "rewards": list(rewards)}) + "\n")
+                                "logprobs": logprobs, "rewards": list(rewards), **(texts or {})}) + "\n")
 
     def records(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]

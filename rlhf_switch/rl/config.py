@@ -8,7 +8,8 @@ One YAML file per run (see ``configs/``)::
     rollout:   {engine: vllm, tp: 2}
     reference: {engine: deepspeed, zero_stage: 3, dp: 2}
     critic:    {...}               # PPO only
-    task:      {name: addition, max_len: 2}
+    task:      {name: addition, max_len: 2}   # generated prompts, or instead:
+    data:      {train_files: [train.jsonl], heldout_files: [test.jsonl], chat_template: true}
     algorithm: {name: grpo, group_size: 8, ...}
 
 ``load_config(path_or_dict)`` returns a ``RunConfig`` or raises one ``ConfigError`` listing every
@@ -16,8 +17,8 @@ bad field by its path (``train.zero_stage: ...``); an unknown field is an error 
 be silently ignored), with the closest known name suggested. ``check_fits(config)`` then checks
 what types cannot: every phase's layout covers the world and divides the model (heads, KV heads,
 MLP width, layers) and the batch, the tokenizer fits the model's vocabulary, the task's longest
-prompt plus ``max_new_tokens`` fits its context, and the reward function loads — again one error
-listing every problem.
+prompt plus ``max_new_tokens`` fits its context (``data:``: every file reads, with its keys, and
+some prompts fit), and the reward function loads — again one error listing every problem.
 
 Layout rule: all phases are colocated, so each one spans the whole world: ``tp·pp·dp ==
 world_size`` for ``train``, ``rollout``, ``reference`` and ``critic`` alike.
@@ -35,7 +36,7 @@ from typing import Annotated, Any, Literal, Mapping, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .rewards import DEFAULT_REWARDS, RewardError, load_reward_fn, parse_reward_spec
+from .rewards import DEFAULT_MATH_REWARD, DEFAULT_REWARDS, RewardError, load_reward_fn, parse_reward_spec
 from .tasks import CharTokenizer, build_task, longest_answer_tokens, longest_prompt_tokens
 
 # an engine is a registered name (training: deepspeed, fsdp2, torch_tp, torch_pp; rollout: vllm,
@@ -89,10 +90,12 @@ class RolloutLayout(PhaseLayout):
 
 class ModelConfig(Strict):
     """The actor's architecture: ``hf_config`` (a ``LlamaConfig`` as a dict; the reference and
-    the critic's trunk share it) or ``path`` (a local directory with ``config.json``)."""
+    the critic's trunk share it) or ``path`` (a local directory with ``config.json``, and for
+    ``data:`` runs the tokenizer unless ``tokenizer`` names another directory)."""
 
     hf_config: dict[str, Any] | None = None
     path: str | None = None
+    tokenizer: str | None = None  # a data: run's tokenizer directory; default: path
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     @field_validator("hf_config")
@@ -143,6 +146,29 @@ class TaskConfig(Strict):
             # written back so a saved config names the reward it actually ran with
             self.__dict__["reward_fn"] = DEFAULT_REWARDS[self.name]
         return self
+
+
+class DataConfig(Strict):
+    """Prompts and answers from files (``rlhf_switch.rl.data``), the alternative to ``task``:
+    ``.jsonl``, ``.json`` or ``.parquet`` files with a string ``prompt_key`` and ``answer_key``
+    per record. Prompts are rendered with the tokenizer's chat template when ``chat_template``;
+    those longer than ``max_prompt_tokens`` (and than the context minus ``max_new_tokens``) are
+    dropped and counted. ``num_heldout`` caps the held-out prompts (the first ones, in file order)."""
+
+    train_files: list[str] = Field(min_length=1)
+    heldout_files: list[str] = Field(min_length=1)
+    prompt_key: str = Field("question", min_length=1)
+    answer_key: str = Field("answer", min_length=1)
+    chat_template: bool = False
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    num_heldout: int | None = Field(None, ge=1)
+    reward_fn: str = DEFAULT_MATH_REWARD  # "module:function"
+
+    @field_validator("reward_fn")
+    @classmethod
+    def _reward_spec_shape(cls, spec: str) -> str:
+        parse_reward_spec(spec)
+        return spec
 
 
 class AlgorithmBase(Strict):
@@ -244,7 +270,8 @@ class RunConfig(Strict):
     rollout: RolloutLayout
     reference: TrainLayout | None = None
     critic: TrainLayout | None = None
-    task: TaskConfig
+    task: TaskConfig | None = None  # exactly one of task (generated prompts) and data (files)
+    data: DataConfig | None = None
     algorithm: AlgorithmConfig
     sft: SftConfig | None = None
     # checksums of every weight sync's bytes (routing/verify.py): off, sample (verify_fraction of
@@ -255,6 +282,8 @@ class RunConfig(Strict):
     @model_validator(mode="after")
     def _phases_for_algorithm(self) -> "RunConfig":
         problems = []
+        if (self.task is None) == (self.data is None):
+            problems.append("task/data: give exactly one of task (generated prompts) or data (prompt files)")
         if self.algorithm.name == "ppo" and self.critic is None:
             problems.append("critic: PPO needs a critic block (engine and layout of the value model)")
         if self.algorithm.name == "grpo" and self.critic is not None:
@@ -270,6 +299,16 @@ class RunConfig(Strict):
     def phases(self) -> dict[str, PhaseLayout]:
         """The layouts this run uses, by phase name."""
         return {p: getattr(self, p) for p in PHASES if getattr(self, p) is not None}
+
+    @property
+    def prompt_source(self) -> str:
+        """``"task"`` or ``"data"``: the block the prompts (and the reward) come from."""
+        return "task" if self.task is not None else "data"
+
+    @property
+    def reward_fn(self) -> str:
+        """The reward function's ``module:function``, from ``task`` or ``data``."""
+        return (self.task or self.data).reward_fn
 
 
 # ---------------------------------------------------------------- loading and error messages
@@ -500,7 +539,7 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"critic: dp={cfg.critic.dp} does not divide algorithm.mini_batch_size={train_batch}")
     if cfg.eval.num_prompts % cfg.rollout.dp:
         problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is not divisible by rollout.dp={cfg.rollout.dp}")
-    if cfg.eval.num_prompts > cfg.task.num_heldout:
+    if cfg.task is not None and cfg.eval.num_prompts > cfg.task.num_heldout:
         problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than task.num_heldout={cfg.task.num_heldout}")
     if cfg.sft is not None and cfg.sft.batch_size % cfg.train.dp:
         problems.append(f"sft: batch_size={cfg.sft.batch_size} is not divisible by train.dp={cfg.train.dp}")
@@ -536,6 +575,53 @@ def _task_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     return problems
 
 
+def _data_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
+    """A ``data:`` run: its tokenizer loads and fits the model's vocabulary (and has a chat
+    template when asked to use one), every file reads with its keys, and some prompts of each
+    split fit; every bad file is named."""
+    from .data import DataError, load_data_splits, prompt_token_limit, read_records
+    from .tokenizer import TokenizerError, load_tokenizer
+
+    data = cfg.data
+    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    try:
+        tokenizer = load_tokenizer(cfg)
+    except TokenizerError as e:
+        return [f"{field}: {e}"]
+    problems = []
+    if dims is not None and tokenizer.vocab_size > dims.vocab_size:
+        problems.append(f"model: vocab_size={dims.vocab_size} is smaller than the tokenizer's "
+                        f"{tokenizer.vocab_size} ids ({tokenizer.path})")
+    if dims is not None and dims.special_ids.get("eos_token_id") != tokenizer.eos_id:
+        # the engines stop generating at config.json's eos; SFT and decode use the tokenizer's
+        problems.append(f"model: eos_token_id={dims.special_ids.get('eos_token_id')} in the model's config, but "
+                        f"the tokenizer's eos is {tokenizer.eos_id} ({tokenizer.hf.eos_token!r}): responses "
+                        f"would not stop where answers end")
+    if data.chat_template and not tokenizer.has_chat_template:
+        problems.append(f"data.chat_template: the tokenizer at {tokenizer.path} has no chat template")
+    for split in ("train_files", "heldout_files"):
+        for i, path in enumerate(getattr(data, split)):
+            try:
+                read_records(path, data.prompt_key, data.answer_key)
+            except DataError as e:
+                problems.append(f"data.{split}[{i}]: {e}")
+    max_ctx = dims.max_context if dims is not None else LLAMA_DEFAULT_CONTEXT
+    limit = prompt_token_limit(data, cfg.algorithm.max_new_tokens, max_ctx)
+    if limit < 1:
+        problems.append(f"algorithm.max_new_tokens={cfg.algorithm.max_new_tokens} leaves no room for a prompt "
+                        f"in the model's context of {max_ctx} tokens")
+    if problems:
+        return problems
+    try:
+        splits, _ = load_data_splits(data, tokenizer, limit)
+    except (DataError, TokenizerError) as e:
+        return [str(e)]
+    if cfg.eval.num_prompts > len(splits.heldout):
+        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than the {len(splits.heldout)} "
+                        f"held-out prompts data.heldout_files give")
+    return problems
+
+
 def fit_problems(cfg: RunConfig, load_reward: bool = True) -> list[str]:
     """Every reason ``cfg`` cannot run on its world; empty when it can."""
     problems: list[str] = []
@@ -551,12 +637,15 @@ def fit_problems(cfg: RunConfig, load_reward: bool = True) -> list[str]:
         if dims is not None:
             problems += _model_split_problems(phase, layout, dims)
     problems += _batch_problems(cfg)
-    problems += _task_problems(cfg, dims)
+    if cfg.task is not None:
+        problems += _task_problems(cfg, dims)
+    else:
+        problems += _data_problems(cfg, dims)
     if load_reward:
         try:
-            load_reward_fn(cfg.task.reward_fn)
+            load_reward_fn(cfg.reward_fn)
         except RewardError as e:
-            problems.append(f"task.reward_fn: {e}")
+            problems.append(f"{cfg.prompt_source}.reward_fn: {e}")
     return problems
 
 

@@ -3,7 +3,8 @@
 A reward function takes ``(prompt, response, answer)`` — three strings, passed positionally, the
 response already decoded up to ``<eos>`` — and returns a number. The shipped ones are exact match
 (1.0 or 0.0: what "verifiable" means) and, separately, a partial-credit score for shaping
-experiments. A user's function is named in the config as ``package.module:function`` (or
+experiments, and for math word problems (GSM8K style) ``math_answer`` (the final number matches)
+and ``math_format`` (the response ends with ``#### <number>``). A user's function is named in the config as ``package.module:function`` (or
 ``module:Class.method``) and loaded with ``load_reward_fn``; ``score_samples`` calls it over a
 batch and turns any exception or non-number into one ``RewardError`` that names the function and
 the sample, instead of a traceback from deep inside a worker.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
+from decimal import Decimal, InvalidOperation
 from typing import Callable, Sequence
 
 RewardFn = Callable[[str, str, str], float]
@@ -39,6 +42,54 @@ def partial_credit(prompt: str, response: str, answer: str) -> float:
     hits = sum(1 for r, a in zip(response, answer) if r == a)
     return hits / max(len(response), len(answer))
 
+
+# a number as people write it: a sign, thousands commas, a decimal part ("-1,234.50")
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+_AFTER_HASHES = re.compile(r"####\s*\$?\s*(" + _NUMBER + r")")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_ANY_NUMBER = re.compile(_NUMBER)
+_ENDS_WITH_ANSWER = re.compile(r"####\s*" + _NUMBER + r"\s*$")
+
+
+def _as_decimal(text: str) -> Decimal | None:
+    """``"1,234.0"`` -> ``Decimal("1234.0")`` (equal to ``Decimal(1234)``); None when not a number."""
+    try:
+        return Decimal(text.replace(",", "").rstrip("."))
+    except InvalidOperation:
+        return None
+
+
+def final_number(text: str) -> Decimal | None:
+    """The number a math answer or response commits to: the one after the last ``####`` (GSM8K's
+    convention), else the last number inside the last ``\\boxed{}``, else the last number in the
+    text; None when there is none."""
+    after = _AFTER_HASHES.findall(text)
+    if after:
+        return _as_decimal(after[-1])
+    boxed = _BOXED.findall(text)
+    for inside in reversed(boxed):
+        numbers = _ANY_NUMBER.findall(inside)
+        if numbers:
+            return _as_decimal(numbers[-1])
+    numbers = _ANY_NUMBER.findall(text)
+    return _as_decimal(numbers[-1]) if numbers else None
+
+
+def math_answer(prompt: str, response: str, answer: str) -> float:
+    """1.0 when the response's final number (``final_number``) equals the answer's, compared as
+    numbers (``1,234`` == ``1234`` == ``1234.0``), else 0.0 — also when either has no number."""
+    expected, got = final_number(answer), final_number(response)
+    return 1.0 if expected is not None and got is not None and expected == got else 0.0
+
+
+def math_format(prompt: str, response: str, answer: str) -> float:
+    """1.0 when the response ends its reasoning with ``#### <number>`` (trailing space allowed),
+    whatever the number; else 0.0. A shaping reward to add to ``math_answer``, never alone."""
+    return 1.0 if _ENDS_WITH_ANSWER.search(response) else 0.0
+
+
+# what a data: run is scored with when it names no reward
+DEFAULT_MATH_REWARD = "rlhf_switch.rl.rewards:math_answer"
 
 # the task name -> the reward a config gets when it names none
 DEFAULT_REWARDS: dict[str, str] = {

@@ -11,7 +11,10 @@ rollouts already earn some reward. Pure torch + transformers, one process.
 - ``save_hf_checkpoint`` / ``load_hf_weights``: a HF directory vLLM can load without a tokenizer
   (``skip_tokenizer_init=True``), and the way back into an already-built model.
 - ``warm_start(cfg, out_dir)``: all of it for a ``RunConfig``, cached in ``out_dir`` by a
-  fingerprint of (model config, task config, SFT config, seed).
+  fingerprint of (model config, task or data config, SFT config, seed). A ``model.path`` with
+  weights is the starting point (``AutoModelForCausalLM.from_pretrained``: any family); without
+  SFT it is the warm start itself. ``data:`` runs train on (rendered prompt, answer) pairs with
+  the run's HF tokenizer.
 """
 from __future__ import annotations
 
@@ -87,7 +90,8 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
 
 def sft(model: torch.nn.Module, task_cfg: Any, sft_cfg: Any, seed: int, progress: bool = True,
         max_new_tokens: int | None = None,
-        callback: Callable[[int, float], None] | None = None) -> dict:
+        callback: Callable[[int, float], None] | None = None,
+        samples: Sequence[Sample] | None = None, tokenizer: Any = None) -> dict:
     """Train ``model`` in place: ``sft_cfg.steps`` AdamW steps (peak ``sft_cfg.lr``: linear
     warmup over the first 5% of the steps, then constant; no weight decay; gradients clipped to
     norm 1) of ``sft_cfg.batch_size`` train samples, drawn epoch by epoch in
@@ -96,18 +100,25 @@ def sft(model: torch.nn.Module, task_cfg: Any, sft_cfg: Any, seed: int, progress
     the task's longest answer with ``<eos>``). ``callback(step, loss)`` runs after every step
     (steps counted from 1; it may evaluate the model). Deterministic given the seed and the initial
     weights. Returns ``{"steps", "loss_first", "loss_final", "seconds", ...}``, ``loss_final``
-    the mean answer loss over the last ``min(10, steps)`` steps."""
-    task = build_task(_get(task_cfg, "name"), _get(task_cfg, "min_len", 1), _get(task_cfg, "max_len", 3))
-    splits = make_splits(task, _get(task_cfg, "num_train", 2000), _get(task_cfg, "num_heldout", 200),
-                         _get(task_cfg, "seed", 0))
-    train = splits.train
+    the mean answer loss over the last ``min(10, steps)`` steps.
+
+    ``samples`` with ``tokenizer`` (and ``max_new_tokens``) replace the task: a ``data:`` run's
+    train split (prompts already rendered) and its HF tokenizer; ``task_cfg`` is then unused."""
     steps, lr, batch_size = int(_get(sft_cfg, "steps")), float(_get(sft_cfg, "lr")), int(_get(sft_cfg, "batch_size"))
-    tok = CharTokenizer()
     max_ctx = _max_context(model)
-    if max_new_tokens is None:
-        max_new_tokens = longest_answer_tokens(task, tok)
+    if samples is None:
+        task = build_task(_get(task_cfg, "name"), _get(task_cfg, "min_len", 1), _get(task_cfg, "max_len", 3))
+        train = make_splits(task, _get(task_cfg, "num_train", 2000), _get(task_cfg, "num_heldout", 200),
+                            _get(task_cfg, "seed", 0)).train
+        tok = CharTokenizer()
+        if max_new_tokens is None:
+            max_new_tokens = longest_answer_tokens(task, tok)
+    else:
+        if tokenizer is None or max_new_tokens is None:
+            raise ValueError("sft on samples needs their tokenizer and max_new_tokens")
+        train, tok = tuple(samples), tokenizer
     if not train:
-        raise ValueError("the task's train split is empty")
+        raise ValueError("the train split is empty")
 
     gen = torch.Generator().manual_seed(int(seed))
     order: list[int] = []
@@ -278,14 +289,72 @@ def load_hf_weights(model: torch.nn.Module, ckpt_dir: str | os.PathLike, strict:
 # ---------------------------------------------------------------- the warm start
 
 
+def _file_stamps(root: str | os.PathLike, patterns: Sequence[str]) -> dict:
+    """``{file name: [size, mtime_ns]}`` of the files in ``root`` matching ``patterns``: a
+    changed model or tokenizer changes the fingerprint."""
+    root = Path(root)
+    files = sorted({f for p in patterns for f in root.glob(p) if f.is_file()})
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+
+
+def _path_stamp(path: str | os.PathLike) -> list:
+    p = Path(path)
+    return [str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [str(p), None, None]
+
+
 def fingerprint(cfg: Any) -> dict:
-    """What a warm-start checkpoint is a function of."""
-    return {"version": FINGERPRINT_VERSION,
-            "hf_config": cfg.model.hf_config,
-            "task": cfg.task.model_dump(mode="json"),
-            "sft": cfg.sft.model_dump(mode="json") if cfg.sft is not None else None,
-            "max_new_tokens": cfg.algorithm.max_new_tokens,
-            "seed": cfg.seed}
+    """What a warm-start checkpoint is a function of: the configs, and for files (``model.path``,
+    the tokenizer, data files) their paths, sizes and modification times."""
+    fp = {"version": FINGERPRINT_VERSION,
+          "hf_config": cfg.model.hf_config,
+          "task": cfg.task.model_dump(mode="json") if cfg.task is not None else None,
+          "sft": cfg.sft.model_dump(mode="json") if cfg.sft is not None else None,
+          "max_new_tokens": cfg.algorithm.max_new_tokens,
+          "seed": cfg.seed}
+    if cfg.model.path is not None:
+        fp["model_path"] = str(Path(cfg.model.path).resolve())
+        fp["model_files"] = _file_stamps(cfg.model.path, ("config.json", "*.safetensors"))
+    if cfg.data is not None:
+        from .tokenizer import tokenizer_path
+
+        fp["data"] = cfg.data.model_dump(mode="json")
+        fp["data_files"] = [_path_stamp(f) for f in (*cfg.data.train_files, *cfg.data.heldout_files)]
+        fp["tokenizer_files"] = _file_stamps(tokenizer_path(cfg), ("tokenizer*.json", "*.jinja", "*.model"))
+    return fp
+
+
+def _has_weights(path: str | None) -> bool:
+    return path is not None and any(Path(path).glob("*.safetensors"))
+
+
+def initial_model(cfg: Any) -> torch.nn.Module:
+    """The model the warm start begins from: ``model.path``'s weights when it holds any
+    (``AutoModelForCausalLM``, fp32: any family transformers knows), else the seeded model of
+    ``model.hf_config`` or of ``model.path``'s ``config.json``."""
+    if _has_weights(cfg.model.path):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+        return model.float().train()
+    hf_config = cfg.model.hf_config
+    if hf_config is None:
+        hf_config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    return build_initial_model(hf_config, cfg.seed)
+
+
+def data_sft_samples(cfg: Any) -> tuple[Any, list[Sample]]:
+    """A ``data:`` run's tokenizer and the train samples SFT learns: those whose answer (with the
+    eos) fits ``max_new_tokens`` — the RL loop could never generate the others whole."""
+    from .data import load_splits
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg)
+    splits, _ = load_splits(cfg, tokenizer)
+    budget = cfg.algorithm.max_new_tokens
+    train = [s for s in splits.train if len(tokenizer.encode(s.answer, add_eos=True)) <= budget]
+    if not train:
+        raise ValueError(f"sft: no train answer fits algorithm.max_new_tokens={budget} tokens (with the eos)")
+    return tokenizer, train
 
 
 def _digest(fp: dict) -> str:
@@ -308,24 +377,34 @@ def cached_checkpoint(cfg: Any, out_dir: str | os.PathLike) -> Path | None:
 
 def warm_start(cfg: Any, out_dir: str | os.PathLike, progress: bool = True,
                log: Callable[[str], None] | None = print) -> Path:
-    """The run's initial checkpoint in ``out_dir``: ``build_initial_model(hf_config, cfg.seed)``,
-    SFT when ``cfg.sft`` is set with ``steps > 0``, saved with ``save_hf_checkpoint``. Reused, not
-    retrained, when ``out_dir`` already holds one made from the same model config, task config,
-    SFT config, ``max_new_tokens`` and seed (``warm_start.json``, written last, records them and
-    the SFT stats). Returns ``out_dir``."""
+    """The run's initial checkpoint: ``initial_model(cfg)`` (``model.path``'s weights, or the
+    seeded model), SFT when ``cfg.sft`` is set with ``steps > 0`` (on the task, or on a ``data:``
+    run's rendered train pairs with its tokenizer), saved in ``out_dir`` with
+    ``save_hf_checkpoint``. Reused, not retrained, when ``out_dir`` already holds one with the same
+    ``fingerprint`` (``warm_start.json``, written last, records it and the SFT stats). Returns
+    ``out_dir`` — or ``model.path`` itself when it holds weights and there is no SFT."""
     out = Path(out_dir)
+    train_sft = cfg.sft is not None and cfg.sft.steps > 0
+    if not train_sft and _has_weights(cfg.model.path):
+        # nothing to train: the model's own directory is the start (its files are read, never written)
+        if log:
+            log(f"[warm_start] no SFT: starting from {cfg.model.path}")
+        return Path(cfg.model.path)
     if cached_checkpoint(cfg, out) is not None:
         if log:
             log(f"[warm_start] reusing {out}")
         return out
-    if cfg.model.hf_config is None:
-        raise NotImplementedError("warm_start builds models from model.hf_config only")
     fp = fingerprint(cfg)
-    model = build_initial_model(cfg.model.hf_config, cfg.seed)
+    model = initial_model(cfg)
     stats: dict = {"steps": 0}
-    if cfg.sft is not None and cfg.sft.steps > 0:
-        stats = sft(model, cfg.task, cfg.sft, cfg.seed, progress=progress,
-                    max_new_tokens=cfg.algorithm.max_new_tokens)
+    if train_sft:
+        if cfg.data is not None:
+            tokenizer, train = data_sft_samples(cfg)
+            stats = sft(model, None, cfg.sft, cfg.seed, progress=progress,
+                        max_new_tokens=cfg.algorithm.max_new_tokens, samples=train, tokenizer=tokenizer)
+        else:
+            stats = sft(model, cfg.task, cfg.sft, cfg.seed, progress=progress,
+                        max_new_tokens=cfg.algorithm.max_new_tokens)
         if log:
             log(f"[warm_start] SFT {stats['steps']} steps: answer loss {stats['loss_first']:.3f} -> "
                 f"{stats['loss_final']:.3f} in {stats['seconds']:.1f} s")

@@ -1,0 +1,270 @@
+"""``data:`` runs without Ray: the shipped GSM8K-format data regenerates byte for byte, the BPE
+tokenizer round-trips through ``AutoTokenizer``, files become ``Splits`` (rendered, too-long
+prompts dropped and counted), prompts are drawn once per epoch by (seed, iteration), the warm
+start begins from ``model.path``, and every bad input is one message naming the file and key,
+exit 2, before Ray starts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_loop_inputs import cli, config
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data" / "gsm8k_tiny"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama (vocab 384) with the BPE tokenizer beside it: a data run's ``model.path``."""
+    from rlhf_switch.testing.tiny_model import build_tiny_llama_dir
+
+    return build_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def data_config(model_dir: Path, **data) -> dict:
+    """The shipped FSDP2 + torch-rollout config on ``model_dir`` and the shipped GSM8K-format data."""
+    cfg = config()
+    cfg["model"] = {"path": str(model_dir)}
+    del cfg["task"]
+    cfg["data"] = {"train_files": [str(DATA / "train.jsonl")], "heldout_files": [str(DATA / "test.jsonl")],
+                   "chat_template": True, **data}
+    cfg["algorithm"]["max_new_tokens"] = 24
+    cfg["eval"]["num_prompts"] = 16
+    cfg["sft"] = None
+    return cfg
+
+
+# ---------------------------------------------------------------- shipped data and tokenizer
+
+
+def test_shipped_data_regenerates_byte_identically(tmp_path):
+    from rlhf_switch.testing.gsm8k_tiny import write_splits
+
+    train, test = write_splits(tmp_path)
+    assert train.read_bytes() == (DATA / "train.jsonl").read_bytes()
+    assert test.read_bytes() == (DATA / "test.jsonl").read_bytes()
+    records = [json.loads(x) for x in train.read_text().splitlines()]
+    assert len(records) == 2000 and sum(p.stat().st_size for p in DATA.iterdir()) < 1_000_000
+    assert all(" #### " in r["answer"] for r in records)
+    held = {json.loads(x)["question"] for x in test.read_text().splitlines()}
+    assert len(held) == 200 and not held & {r["question"] for r in records}
+
+
+def test_bpe_tokenizer_round_trips_through_autotokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from rlhf_switch.testing.bpe_tokenizer import VOCAB_SIZE, build_bpe_tokenizer
+
+    build_bpe_tokenizer(tmp_path / "a")
+    build_bpe_tokenizer(tmp_path / "b")
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
+    assert len(tok) == VOCAB_SIZE
+    text = "Ann has 12 apples; she gets 7 more. 12 + 7 = 19. #### 19 (ünïcode too)"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert max(ids) < VOCAB_SIZE and tok.decode(ids) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.convert_ids_to_tokens([0, 1, 2, 3]) == ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert (tok.pad_token_id, tok.eos_token_id) == (0, 3)
+
+
+def test_hf_tokenizer_interface(model_dir, tmp_path):
+    from rlhf_switch.rl.config import load_config
+    from rlhf_switch.rl.tasks import CharTokenizer
+    from rlhf_switch.rl.tokenizer import HFTokenizer, load_tokenizer
+
+    assert isinstance(load_tokenizer(load_config(config())), CharTokenizer)  # task: runs
+    assert load_tokenizer(load_config(data_config(model_dir))).path == str(model_dir)
+
+    tok = HFTokenizer.from_pretrained(model_dir)
+    assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.vocab_size) == (0, 3, None, 384)
+    rendered = tok.render_prompt("What is 2 + 3?", chat_template=True)
+    assert rendered.startswith("<|im_start|>user\nWhat is 2 + 3?") and rendered.endswith("assistant\n")
+    assert tok.render_prompt("What is 2 + 3?", chat_template=False) == "What is 2 + 3?"
+    ids = tok.encode(rendered, add_bos=True)
+    assert ids[0] == 2 and ids.count(2) == 2  # <|im_start|> matched as one token; no bos to add
+    answer = tok.encode("2 + 3 = 5. #### 5", add_eos=True)
+    assert answer[-1] == tok.eos_id
+    # decode: stops at the eos, drops pad, ids beyond the tokenizer become "?"
+    assert tok.decode([0] + answer + tok.encode("junk")) == "2 + 3 = 5. #### 5"
+    assert tok.decode(tok.encode("#### ") + [400] + tok.encode("5")) == "#### ?5"
+    again = HFTokenizer.from_pretrained(tok.save(tmp_path / "saved"))
+    assert again.encode(rendered) == tok.encode(rendered) and again.eos_id == tok.eos_id
+
+
+# ---------------------------------------------------------------- files -> splits
+
+
+def test_load_splits_renders_drops_and_counts(model_dir):
+    from rlhf_switch.rl.config import check_fits, load_config
+    from rlhf_switch.rl.data import load_splits
+
+    cfg = load_config(data_config(model_dir, num_heldout=50))
+    check_fits(cfg)
+    splits, line = load_splits(cfg)
+    assert len(splits.train) == 2000 and len(splits.heldout) == 50
+    first = json.loads((DATA / "train.jsonl").read_text().splitlines()[0])
+    assert splits.train[0].prompt == f"<|im_start|>user\n{first['question']}<|im_end|>\n<|im_start|>assistant\n"
+    assert splits.train[0].answer == first["answer"]
+    assert "2000 train prompts read, 0 dropped" in line
+    # a limit between the shortest and the longest rendered prompt drops some, counted
+    cfg = load_config(data_config(model_dir, max_prompt_tokens=20, chat_template=False))
+    splits, line = load_splits(cfg)
+    assert 0 < len(splits.train) < 2000
+    assert f"2000 train prompts read, {2000 - len(splits.train)} dropped" in line
+
+
+def test_draw_prompts_is_a_permutation_per_epoch_and_a_function_of_seed_and_iteration(model_dir):
+    from recipes.common import draw_prompts
+    from rlhf_switch.rl.config import load_config
+    from rlhf_switch.rl.tasks import Sample, Splits
+
+    cfg = load_config(data_config(model_dir))
+    cfg.algorithm.prompts_per_iteration = 4
+    splits = Splits(train=tuple(Sample(str(i), "") for i in range(12)), heldout=())
+    epoch0 = [s.prompt for it in range(3) for s in draw_prompts(cfg, splits, it)]
+    epoch1 = [s.prompt for it in range(3, 6) for s in draw_prompts(cfg, splits, it)]
+    assert sorted(epoch0, key=int) == sorted(epoch1, key=int) == [str(i) for i in range(12)]
+    assert epoch0 != epoch1
+    assert draw_prompts(cfg, splits, 4) == draw_prompts(cfg, splits, 4)  # what --resume relies on
+    cfg.seed = 1
+    assert [s.prompt for it in range(3) for s in draw_prompts(cfg, splits, it)] != epoch0
+
+
+# ---------------------------------------------------------------- the warm start from model.path
+
+
+def test_warm_start_from_model_path(model_dir, tmp_path):
+    from rlhf_switch.rl import sft as S
+    from rlhf_switch.rl.config import load_config
+
+    cfg = load_config(data_config(model_dir))
+    assert S.warm_start(cfg, tmp_path / "init", progress=False, log=None) == model_dir  # sft: null
+    raw = data_config(model_dir)
+    raw["sft"] = {"steps": 12, "lr": 1e-3, "batch_size": 4}
+    cfg = load_config(raw)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = S.warm_start(cfg, tmp_path / "init", progress=False, log=None)
+    finally:
+        torch.set_num_threads(threads)
+    stats = json.loads((out / S.FINGERPRINT_FILE).read_text())
+    assert stats["sft_stats"]["steps"] == 12 and stats["fingerprint"]["model_path"] == str(model_dir.resolve())
+    assert stats["sft_stats"]["loss_final"] < stats["sft_stats"]["loss_first"]  # it learns the answers
+    assert S.cached_checkpoint(cfg, out) == out
+    # a changed model (another file size / mtime) invalidates the cache
+    config_json = model_dir / "config.json"
+    text = config_json.read_text()
+    config_json.write_text(text + "\n")
+    try:
+        assert S.cached_checkpoint(cfg, out) is None
+    finally:
+        config_json.write_text(text)
+
+
+def test_data_sft_masks_the_rendered_prompt(model_dir):
+    from rlhf_switch.rl import sft as S
+    from rlhf_switch.rl.tasks import Sample
+    from rlhf_switch.rl.tokenizer import HFTokenizer
+
+    tok = HFTokenizer.from_pretrained(model_dir)
+    prompt = tok.render_prompt("What is 2 + 3?", True)
+    ids, targets, mask = S.sft_batch(tok, [Sample(prompt, "#### 5")], 8, 128)
+    p, a = tok.encode(prompt, add_bos=True), tok.encode("#### 5", add_eos=True)
+    assert ids[0].tolist() == p + a
+    assert [int(t) for t, m in zip(targets[0], mask[0]) if m] == a
+
+
+# ---------------------------------------------------------------- bad input: exit 2, before Ray
+
+
+def _bad_files(tmp: Path) -> dict[str, Path]:
+    import pandas as pd
+
+    files = {"empty": tmp / "empty.jsonl", "corrupt": tmp / "corrupt.jsonl", "nokey": tmp / "nokey.jsonl",
+             "csv": tmp / "train.csv", "badparquet": tmp / "int.parquet", "junkparquet": tmp / "junk.parquet"}
+    files["empty"].write_text("")
+    files["corrupt"].write_text('{"question": "a", "answer": "1"}\n{"question": "b"\n')
+    files["nokey"].write_text('{"prompt": "a", "answer": "1"}\n')
+    files["csv"].write_text("question,answer\na,1\n")
+    pd.DataFrame({"question": ["x"], "answer": [3]}).to_parquet(files["badparquet"])
+    files["junkparquet"].write_bytes(b"not parquet")
+    return files
+
+
+BAD_DATA = [
+    # (name, how the config is changed, what the message must say)
+    ("missing key", lambda c, f, m: c["data"].update(train_files=[str(f["nokey"])]),
+     ["data.train_files[0]:", "nokey.jsonl: no key 'question' (keys: prompt, answer)"]),
+    ("empty file", lambda c, f, m: c["data"].update(heldout_files=[str(f["empty"])]),
+     ["data.heldout_files[0]:", "empty.jsonl: the file is empty"]),
+    ("corrupt file", lambda c, f, m: c["data"].update(train_files=[str(DATA / "train.jsonl"), str(f["corrupt"])]),
+     ["data.train_files[1]:", "corrupt.jsonl: not readable as json"]),
+    ("missing file", lambda c, f, m: c["data"].update(train_files=["/nonexistent/train.jsonl"]),
+     ["/nonexistent/train.jsonl: no such file"]),
+    ("unsupported extension", lambda c, f, m: c["data"].update(train_files=[str(f["csv"])]),
+     ["train.csv: unsupported extension '.csv' (use .jsonl, .json, .parquet)"]),
+    ("parquet, non-string column", lambda c, f, m: c["data"].update(train_files=[str(f["badparquet"])]),
+     ["int.parquet: key 'answer' holds int64, not strings"]),
+    ("not parquet", lambda c, f, m: c["data"].update(train_files=[str(f["junkparquet"])]),
+     ["junk.parquet: not readable as parquet"]),
+    ("parquet, key missing", lambda c, f, m: c["data"].update(train_files=[str(f["badparquet"])], answer_key="solution"),
+     ["int.parquet: no key 'solution' (keys: question, answer)"]),
+    ("all prompts too long", lambda c, f, m: c["data"].update(max_prompt_tokens=5),
+     ["data.train_files: all 2000 prompts are longer than 5 tokens"]),
+    ("no tokenizer at model.path", lambda c, f, m: c["model"].update(tokenizer=str(f["empty"].parent)),
+     ["model.tokenizer: no tokenizer in"]),
+    ("data and task", lambda c, f, m: c.update(task=config()["task"]),
+     ["task/data: give exactly one of task (generated prompts) or data (prompt files)"]),
+    ("neither data nor task", lambda c, f, m: c.pop("data"),
+     ["task/data: give exactly one of task"]),
+    ("tokenizer larger than the model's vocab", lambda c, f, m: c["model"].update(path=str(m)),
+     ["model: vocab_size=256 is smaller than the tokenizer's 384 ids"]),
+    ("model's eos is not the tokenizer's", lambda c, f, m: c["model"].update(path=str(m), tokenizer=str(m.parent / "tok")),
+     ["model: eos_token_id=1 in the model's config, but the tokenizer's eos is 3 ('<|im_end|>')"]),
+    ("eval wants more held-out prompts than there are",
+     lambda c, f, m: (c["data"].update(num_heldout=8), c["eval"].update(num_prompts=16)),
+     ["eval.num_prompts=16 is more than the 8 held-out prompts"]),
+    ("a reward that does not load", lambda c, f, m: c["data"].update(reward_fn="rlhf_switch.rl.rewards:nope"),
+     ["data.reward_fn: reward function 'rlhf_switch.rl.rewards:nope'"]),
+]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory) -> Path:
+    from rlhf_switch.testing.tiny_model import build_tiny_llama_dir
+
+    """A Llama with 256 ids and eos 1; its directory's tokenizer is the 384-id BPE, and ``../tok``
+    holds a copy of the BPE too (for a model.tokenizer kept elsewhere)."""
+    import shutil
+
+    model = build_tiny_llama_dir(tmp_path_factory.mktemp("small") / "model", vocab_size=256, eos_token_id=1)
+    tok = model.parent / "tok"
+    tok.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(model / f, tok / f)
+    return model
+
+
+@pytest.mark.parametrize("name, change, expected", BAD_DATA, ids=[r[0] for r in BAD_DATA])
+def test_bad_data_input_exits_2_before_ray(name, change, expected, model_dir, small_vocab_model, tmp_path,
+                                           capsys, monkeypatch):
+    import recipes.loop as loop
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray was started for a bad input")
+
+    monkeypatch.setattr(loop, "start_ray", no_ray)
+    cfg = data_config(model_dir)
+    change(cfg, _bad_files(tmp_path), small_vocab_model)
+    rc, err = cli(tmp_path, cfg, capsys)
+    assert rc == 2, err
+    for text in expected:
+        assert text in err, err
+    assert "Traceback" not in err
