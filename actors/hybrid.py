@@ -422,9 +422,9 @@ def hf_config_of(cfg: RunConfig) -> dict:
 def tokenizer_dir_of(cfg: RunConfig) -> str | None:
     """Where the run's Hugging Face tokenizer lives (``model.tokenizer``, else ``model.path``), or
     None for a generated-task run (the character tokenizer has no files)."""
-    from rlhf_switch.engines.full_state import has_tokenizer
+    from rlhf_switch.rl.tokenizer import has_tokenizer, tokenizer_path
 
-    where = getattr(cfg.model, "tokenizer", None) or cfg.model.path
+    where = tokenizer_path(cfg)
     return where if where is not None and has_tokenizer(where) else None
 
 

@@ -34,6 +34,7 @@ import torch
 
 from ..vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, Box, ModelSpec, StateKey
 from ..vps.materialize import TORCH_DTYPES
+from ..rl.tokenizer import copy_tokenizer_files
 from .train_state import LocalState
 
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)
@@ -206,30 +207,6 @@ def write_hf_config(path: str | os.PathLike, hf_config: Mapping[str, Any], dtype
     data["dtype"] = data["torch_dtype"] = dtype
     written.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
-
-# what AutoTokenizer.from_pretrained reads from a directory (whichever of them the tokenizer wrote)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
-
-
-def has_tokenizer(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds a Hugging Face tokenizer (what ``AutoTokenizer`` needs first)."""
-    p = Path(path)
-    return (p / "tokenizer_config.json").is_file() and ((p / "tokenizer.json").is_file()
-                                                       or (p / "tokenizer.model").is_file()
-                                                       or (p / "vocab.json").is_file())
-
-
-def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy ``src``'s tokenizer files (``TOKENIZER_FILES`` that exist) into ``dst``; returns their
-    names. A ``src`` without a tokenizer copies nothing (a generated-task run has none)."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        f = Path(src) / name
-        if f.is_file():
-            shutil.copyfile(f, Path(dst) / name)
-            copied.append(name)
-    return copied
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:

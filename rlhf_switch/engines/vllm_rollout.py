@@ -29,12 +29,12 @@ from typing import Any, Callable, Sequence
 
 from .. import compat
 from ..routing.executor import DEFAULT_BUDGET
+from ..rl.tokenizer import has_tokenizer
 from ..vps.layout import Layout, LayoutError
 from ..vps.layouts.vllm import vllm_layout, worker_tensors
 from ..vps.placement import place
 from ..vps.spec import ModelSpec
 from .base import RolloutContext, RolloutEngine
-from .full_state import has_tokenizer
 
 WORKER_EXTENSION = "rlhf_switch.engines.vllm_worker.VpsWorkerExtension"
 PREFIX = "param/"

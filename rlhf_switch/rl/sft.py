@@ -413,6 +413,11 @@ def warm_start(cfg: Any, out_dir: str | os.PathLike, progress: bool = True,
     for old in out.glob("*.safetensors") if out.is_dir() else ():
         old.unlink()
     save_hf_checkpoint(model, out)
+    if cfg.data is not None:
+        # the warm start is the rollout engine's model directory: vLLM loads the run's tokenizer from it
+        from .tokenizer import copy_tokenizer_files, tokenizer_path
+
+        copy_tokenizer_files(tokenizer_path(cfg), out)
     stats = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in stats.items()}
     (out / FINGERPRINT_FILE).write_text(json.dumps({"digest": _digest(fp), "fingerprint": fp, "sft_stats": stats},
                                                    indent=2, sort_keys=True) + "\n")

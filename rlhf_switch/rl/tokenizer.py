@@ -9,10 +9,36 @@ tokenizer (``model.tokenizer``, default ``model.path``) for ``data:`` runs.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
 from .tasks import CharTokenizer
+
+
+# what AutoTokenizer.from_pretrained reads from a directory (whichever of them the tokenizer wrote)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a Hugging Face tokenizer (what ``AutoTokenizer`` needs first)."""
+    p = Path(path)
+    return (p / "tokenizer_config.json").is_file() and ((p / "tokenizer.json").is_file()
+                                                       or (p / "tokenizer.model").is_file()
+                                                       or (p / "vocab.json").is_file())
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy ``src``'s tokenizer files (``TOKENIZER_FILES`` that exist) into ``dst``; returns their
+    names. A ``src`` without a tokenizer copies nothing (a generated-task run has none)."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        f = Path(src) / name
+        if f.is_file():
+            shutil.copyfile(f, Path(dst) / name)
+            copied.append(name)
+    return copied
 
 
 class TokenizerError(ValueError):
