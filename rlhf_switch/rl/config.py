@@ -420,6 +420,15 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
+def _family_problems(model: ModelConfig) -> list[str]:
+    """The model family's refusals (``families.family_problems``: an unknown ``model_type``, …)."""
+    from ..families import family_problems
+
+    cfg = model.hf_config if model.hf_config is not None else \
+        json.loads((Path(model.path) / "config.json").read_text())
+    return [f"model: {p}" for p in family_problems(cfg)]
+
+
 def _weights_problems(model: ModelConfig) -> list[str]:
     """``model.path``: the weights beside ``config.json`` must be the model it describes (names
     and shapes from the safetensors header, against the VPS spec of the config)."""
@@ -429,9 +438,12 @@ def _weights_problems(model: ModelConfig) -> list[str]:
     weights = root / "model.safetensors"
     if not weights.is_file():
         return []  # no weights: the run starts from the config's seeded initial model
-    from ..vps.spec import llama_spec
+    from ..families import derive_spec, family_problems
 
-    spec = llama_spec(json.loads((root / "config.json").read_text()), name=str(root))
+    hf_config = json.loads((root / "config.json").read_text())
+    if family_problems(hf_config):
+        return []  # fit_problems reports the family's own problems; there is no spec to compare with
+    spec = derive_spec(hf_config, name=str(root))
     try:
         held = safetensors_shapes(weights)
     except (OSError, ValueError, KeyError) as e:
@@ -545,6 +557,7 @@ def fit_problems(cfg: RunConfig, load_reward: bool = True) -> list[str]:
         problems += e.problems
         dims = None
     if dims is not None:
+        problems += _family_problems(cfg.model)
         problems += _weights_problems(cfg.model)
     for phase, layout in cfg.phases().items():
         problems += _layout_problems(phase, layout, cfg.world_size)

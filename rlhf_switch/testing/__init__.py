@@ -1,0 +1,1 @@
+"""Helpers tests and examples import: tiny random models of every family (no downloads)."""

@@ -1,0 +1,52 @@
+"""Tiny random models of every family, built from their transformers config class (no download).
+
+``tiny_config(model_type)`` is a config dict small enough for CPU tests yet inside what vLLM's CPU
+backend accepts (head_dim 32 — it refuses 16; 2 KV heads so TP 2 splits them); ``save_tiny_model``
+writes ``config.json`` + ``model.safetensors`` of a seeded random model of it. The default vocabulary
+is 384: the size of the BPE tokenizer the data recipes train.
+
+    python -m rlhf_switch.testing.tiny_models qwen3 /tmp/tiny-qwen3
+"""
+from __future__ import annotations
+
+import sys
+
+from ..families import FAMILIES
+
+_BASE = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+             intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256,
+             rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0, dtype="float32")
+_PER_FAMILY = {
+    "mistral": dict(sliding_window=None),  # full attention: the window is refused (families.py)
+    "qwen2": dict(use_sliding_window=False),
+    "qwen3": dict(use_sliding_window=False),
+    "qwen3_moe": dict(use_sliding_window=False, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=True),
+}
+
+
+def tiny_config(model_type: str, vocab_size: int = 384, **overrides) -> dict:
+    """A tiny config dict of ``model_type`` (with ``model_type`` in it); ``overrides`` win."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not supported (known: {', '.join(FAMILIES)})")
+    return {"model_type": model_type, **_BASE, **_PER_FAMILY.get(model_type, {}),
+            "vocab_size": vocab_size, **overrides}
+
+
+def save_tiny_model(model_type: str, out_dir: str, vocab_size: int = 384, seed: int = 0, **overrides):
+    """Build a seeded random model of ``tiny_config(model_type, vocab_size, **overrides)`` and
+    ``save_pretrained`` it to ``out_dir``; returns the model (fp32, eval)."""
+    from ..models import causal_lm
+
+    model = causal_lm(tiny_config(model_type, vocab_size, **overrides), seed).eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(f"usage: python -m rlhf_switch.testing.tiny_models <{'|'.join(FAMILIES)}> <out_dir>")
+    save_tiny_model(sys.argv[1], sys.argv[2])
+    print(f"wrote {sys.argv[2]}/config.json and model.safetensors")
