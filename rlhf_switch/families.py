@@ -170,9 +170,10 @@ def _derive(config_json: str, head: str, name: str | None) -> ModelSpec:
     names = {t.name for t in tensors}
     tied = head == "lm" and "lm_head.weight" not in names
     label = name or (fam.model_type if head == "lm" else f"{fam.model_type}-value")
+    # from the model, not the config: transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+    experts = len({t.expert for t in tensors if t.expert is not None})
     return ModelSpec(label, tuple(tensors), layers, AttentionGeometry(nh, nkv, hd),
-                     _fused_groups(names, layers), tied,
-                     int(cfg.get("num_experts") or 0) if fam.moe else 0)
+                     _fused_groups(names, layers), tied, experts)
 
 
 def _tensors_of(pname: str, shape: tuple[int, ...], dtype: str) -> list[TensorSpec]:

@@ -108,6 +108,7 @@ def test_save_tiny_model_writes_the_specs_tensors(model_type, tmp_path):
     spec = model_spec(config)
     assert {t.name: t.shape for t in spec.tensors} == {k: tuple(v.shape) for k, v in written.items()}
     if model_type == "qwen3_moe":  # per expert [gate; up] of the stacked tensor, down as is
+        assert spec.num_experts == 4  # config.json says num_local_experts (transformers 5)
         experts = model.model.layers[1].mlp.experts
         assert torch.equal(written["model.layers.1.mlp.experts.2.up_proj.weight"], experts.gate_up_proj[2, 32:])
         assert torch.equal(written["model.layers.1.mlp.experts.2.down_proj.weight"], experts.down_proj[2])

@@ -35,12 +35,26 @@ def tiny_config(model_type: str, vocab_size: int = 384, **overrides) -> dict:
             "vocab_size": vocab_size, **overrides}
 
 
+def randomize(model, seed: int) -> None:
+    """Every parameter drawn at random, biases and norms included: transformers initialises those
+    to 0 and 1, which would make any layout of them look right (every shard equal)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
+
+
 def save_tiny_model(model_type: str, out_dir: str, vocab_size: int = 384, seed: int = 0, **overrides):
-    """Build a seeded random model of ``tiny_config(model_type, vocab_size, **overrides)`` and
-    ``save_pretrained`` it to ``out_dir``; returns the model (fp32, eval)."""
+    """Build a random model of ``tiny_config(model_type, vocab_size, **overrides)`` (every
+    parameter from ``seed``: ``randomize``) and ``save_pretrained`` it to ``out_dir``; returns
+    the model (fp32, eval)."""
     from ..models import causal_lm
 
     model = causal_lm(tiny_config(model_type, vocab_size, **overrides), seed).eval()
+    randomize(model, seed)
     model.save_pretrained(out_dir)
     return model
 
