@@ -124,6 +124,20 @@ def family_problems(hf_config: Any) -> list[str]:
     return problems
 
 
+DENSE = ("llama", "mistral", "qwen2", "qwen3")
+MOE_WHY = ("transformers holds a qwen3_moe layer's experts stacked in memory, a layout of the per-expert "
+           "tensors no training engine here describes yet")
+
+
+def engine_family_problems(phase: str, engine: str, dims: Any, runs: tuple[str, ...], why: str) -> list[str]:
+    """An engine's refusal of a model family: ``dims`` (``rl.config.ModelDims`` or None) names the
+    ``model_type``; ``runs`` the families the engine runs; ``why`` says what stops the others."""
+    mt = getattr(dims, "model_type", None) or DEFAULT_MODEL_TYPE
+    if mt in runs or mt not in FAMILIES:  # an unknown family is family_problems' to report
+        return []
+    return [f"{phase}: engine {engine} cannot run model_type {mt!r}: {why} (it runs {', '.join(runs)})"]
+
+
 def hf_config_object(hf_config: Any):
     """A transformers config of the family's class from a dict (a config object is copied)."""
     import transformers

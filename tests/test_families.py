@@ -166,3 +166,67 @@ def moe_case(draw):
 def test_tp_layouts_cover_random_moe_models(case):
     cfg, parallel = case
     build_layout(qwen3_moe_spec(cfg), parallel).validate()
+
+
+# --- engines refuse families they cannot run ------------------------------------------------------
+
+def test_engines_refuse_families_they_cannot_run_naming_the_model_type():
+    from rlhf_switch.engines.base import rollout_engine, training_engine
+    from rlhf_switch.rl.config import ModelDims, PhaseLayout
+
+    def problems(engine, model_type, rollout=False, **layout):
+        dims = ModelDims.from_hf_config(tiny_config(model_type))
+        lay = PhaseLayout(**layout)
+        if rollout:
+            return rollout_engine(engine).layout_problems("rollout", lay, dims)
+        return training_engine(engine).layout_problems("train", lay, dims, head="lm")
+
+    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        assert problems("fsdp2", model_type, dp=2) == []
+        assert problems("deepspeed", model_type, dp=2, zero_stage=3) == []
+        assert problems("vllm", model_type, rollout=True, tp=2) == []
+    for engine, layout in (("fsdp2", dict(dp=2)), ("deepspeed", dict(dp=2, zero_stage=3)),
+                           ("torch_tp", dict(tp=2)), ("torch_pp", dict(pp=2))):
+        (msg,) = problems(engine, "qwen3_moe", **layout)
+        assert f"engine {engine} cannot run model_type 'qwen3_moe'" in msg, msg
+    assert problems("torch_tp", "qwen2", tp=2) == []
+    (msg,) = problems("torch_tp", "qwen3", tp=2)
+    assert "engine torch_tp cannot run model_type 'qwen3'" in msg and "q/k norms" in msg
+    assert problems("torch_tp", "qwen3", dp=2) == []  # TP 1: FSDP2 underneath, nothing split
+    assert "model_type 'qwen2'" in problems("torch_pp", "qwen2", pp=2)[0]
+    assert problems("torch", "mistral", rollout=True, tp=2) == []
+    for model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        (msg,) = problems("torch", model_type, rollout=True, tp=2)
+        assert f"engine torch rollout cannot run model_type {model_type!r}" in msg
+    assert problems("vllm", "qwen3_moe", rollout=True, tp=2) == []
+
+
+def test_torch_rollout_refuses_a_spec_with_tensors_its_forward_does_not_read():
+    from rlhf_switch.engines.torch_rollout import TorchRollout
+
+    with pytest.raises(NotImplementedError, match=r"not 'qwen2' \(it has model\.layers\.0\.self_attn\.q_proj\.bias"):
+        TorchRollout(model_spec(tiny_config("qwen2")))
+    with pytest.raises(NotImplementedError, match="q_norm"):
+        TorchRollout(model_spec(tiny_config("qwen3")))
+
+
+def test_config_check_names_an_unknown_model_type():
+    from rlhf_switch.rl.config import ModelConfig, _family_problems
+
+    (msg,) = _family_problems(ModelConfig(hf_config=dict(tiny_config("llama"), model_type="gemma")))
+    assert msg.startswith("model: model_type 'gemma' is not supported")
+    assert _family_problems(ModelConfig(hf_config=tiny_config("qwen3_moe"))) == []
+
+
+def test_weights_check_reads_a_family_checkpoint(tmp_path):
+    """``model.path`` with a qwen3_moe checkpoint: the per-expert tensors it holds are the spec's."""
+    import json
+
+    from rlhf_switch.rl.config import ModelConfig, _weights_problems
+
+    save_tiny_model("qwen3_moe", str(tmp_path))
+    assert _weights_problems(ModelConfig(path=str(tmp_path))) == []
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=64)))
+    problems = _weights_problems(ModelConfig(path=str(tmp_path)))
+    assert any("experts.0.gate_proj.weight of shape [32, 64], config.json implies [64, 64]" in p for p in problems)

@@ -169,3 +169,35 @@ def test_refusals_leave_every_rank_free(world4):
         assert "num_key_value_heads=2" in tp, f"rank {rank}: {tp}"
         assert "ascending" in pp and "ascending" in fsdp2, f"rank {rank}: {errors}"
         assert world == "world ok: 4"
+
+
+# --- other model families -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type,plans", [
+    # qwen2: FSDP2 on one half, DTensor TP2 on the other (its q/k/v biases split with the weights)
+    ("qwen2", [("fsdp2", [0, 1], {}), ("tp", [2, 3], {})]),
+    ("qwen3", [("fsdp2", [0, 1, 2, 3], {})]),  # per-head q/k norms, replicated in the spec
+])
+def test_fsdp2_and_tp_of_other_families(world4, model_type, plans):
+    """The engines wrap the family's HF model; the adapter's spec is the family spec (derived from
+    the model), every fragment holds what it claims, and FSDP2's shards are the pure layout's."""
+    from rlhf_switch.models import model_spec
+    from rlhf_switch.testing.tiny_models import tiny_config
+
+    cfg = tiny_config(model_type, vocab_size=TINY["vocab_size"])
+    results = world4.run(jobs.layout_truth, cfg, plans, batches(2))
+    engines = {("FSDP2·DP" if kind == "fsdp2" else "TP") + str(len(ranks)): ranks for kind, ranks, _ in plans}
+    by_engine = check_truth(results, engines)
+    spec = model_spec(cfg)
+    weights = results[0]["layouts"][0]  # the first plan's weights
+    assert weights.spec == spec
+    dp = len(plans[0][1])
+    pure = fsdp(spec, dp, (PARAM,))
+    for rank in plans[0][1]:
+        assert fragments(weights, rank) == fragments(pure, rank), f"rank {rank}"
+    if model_type == "qwen2":  # rank 3 (TP rank 1) holds the second half of every k bias
+        tp_weights = results[0]["layouts"][2]
+        k_bias = [f for f in tp_weights.fragments(3) if f.key.tensor == "model.layers.0.self_attn.k_proj.bias"]
+        assert [(f.box.lo, f.box.hi) for f in k_bias] == [((32,), (64,))]
+    losses = [v[0]["losses"] for v in by_engine.values()]
+    assert all(x == pytest.approx(losses[0], rel=LOSS_RTOL) for x in losses)  # FSDP2 and TP: one model

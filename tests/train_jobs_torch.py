@@ -17,7 +17,8 @@ from rlhf_switch.engines.dtensor_adapter import MOMENTS, is_dtensor
 from rlhf_switch.engines.optim import AdamWConfig
 from rlhf_switch.engines.train_state import gather_layouts
 from rlhf_switch.routing import move
-from rlhf_switch.vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, StateKey, llama_spec
+from rlhf_switch.models import model_spec
+from rlhf_switch.vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, StateKey
 from rlhf_switch.vps.materialize import fragment_view
 
 BUILDERS = {"fsdp2": torch_train.build_fsdp2, "tp": torch_train.build_tp,
@@ -110,7 +111,7 @@ def layout_truth(cfg: dict, plans: list[tuple], batches: list[torch.Tensor], see
     for t, (kind, _, _) in zip(trainers, plans):
         locals_ += [t.adapter.weights(), t.adapter.state()] if t else [None, None]
         names += [f"{kind}:weights", f"{kind}:state"]
-    spec = llama_spec(cfg)
+    spec = model_spec(cfg)
     layouts, _ = gather_layouts([(spec, x) if x is not None else None for x in locals_], names)
     for layout in layouts:
         layout.validate()

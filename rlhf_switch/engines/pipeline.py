@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..vps import llama_spec
+from ..models import model_spec
 from ..vps.layouts.pipeline import stage_bounds
 from .dtensor_adapter import TorchTrainAdapter
 from .optim import AdamWConfig
@@ -182,7 +182,7 @@ def _build_pipeline(hf_config: Any, seed: int, ranks: Sequence[int], tp: int, mi
         return torch.stack(losses).mean() if losses else torch.zeros(())
 
     # the last stage of this rank's pipeline (same TP rank) broadcasts the loss along it
-    return TorchTrainer(stage, me.name, llama_spec(stage.model.config), optim, loss_and_backward,
+    return TorchTrainer(stage, me.name, model_spec(stage.model.config), optim, loss_and_backward,
                         None, 1, 0, loss_group=me.group if pp > 1 else None, loss_src=me.last_src)
 
 
@@ -208,7 +208,7 @@ class PipelineTrainer:
     def __init__(self, me: _Stage, engine: dist.ProcessGroup, src: int, optim: AdamWConfig,
                  seq_len: int, micro: int | None):
         self.module, self.name = me.module, me.name
-        self.spec = llama_spec(self.module.model.config)
+        self.spec = model_spec(self.module.model.config)
         self.stage_index, self.pp = me.index, me.pp
         self.seq_len, self.micro = int(seq_len), micro
         self._pipe, self._engine, self._src = me.group, engine, src

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..families import DENSE, MOE_WHY, engine_family_problems
 from ..models import build_model, model_spec
 from .base import LossFn, ModuleEngine, TrainingContext, TrainingEngine
 
@@ -34,11 +35,13 @@ class _TorchTrainerEngine(ModuleEngine):
 
 
 class FSDP2Engine(_TorchTrainerEngine):
-    """torch FSDP2 (``fully_shard`` per decoder layer and the root) over all its ranks: DP only."""
+    """torch FSDP2 (``fully_shard`` per decoder layer and the root) over all its ranks: DP only.
+    Every dense family (llama, mistral, qwen2, qwen3); not qwen3_moe (stacked experts)."""
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
-        return _fixed(phase, layout, "fsdp2", tp=1, pp=1, zero_stage=0)
+        return _fixed(phase, layout, "fsdp2", tp=1, pp=1, zero_stage=0) + \
+            engine_family_problems(phase, "fsdp2", dims, DENSE, MOE_WHY)
 
     @classmethod
     def build(cls, layout, ctx: TrainingContext):
@@ -52,11 +55,20 @@ class FSDP2Engine(_TorchTrainerEngine):
 
 
 class TorchTPEngine(_TorchTrainerEngine):
-    """DTensor TP (Megatron-style plan on every decoder layer), with FSDP2 over DP when dp > 1."""
+    """DTensor TP (Megatron-style plan on every decoder layer), with FSDP2 over DP when dp > 1.
+    llama, mistral and qwen2 (its q/k/v biases split with their weights) at any TP; qwen3 only at
+    TP 1: its per-head q/k norms would see one TP rank's heads, and their gradients would need a
+    TP all-reduce this plan does not do. Not qwen3_moe (stacked experts)."""
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         problems = _fixed(phase, layout, "torch_tp", pp=1, zero_stage=0)
+        if layout.tp > 1:
+            problems += engine_family_problems(
+                phase, "torch_tp", dims, ("llama", "mistral", "qwen2"),
+                "per-head q/k norms (qwen3) and stacked experts (qwen3_moe) have no TP plan here")
+        else:
+            problems += engine_family_problems(phase, "torch_tp", dims, DENSE, MOE_WHY)
         if head != "lm":
             problems.append(f"{phase}: engine torch_tp builds causal LMs only (use fsdp2 or deepspeed)")
         return problems
@@ -80,6 +92,9 @@ class TorchPPEngine(TrainingEngine):
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         problems = _fixed(phase, layout, "torch_pp", dp=1, zero_stage=0)
+        # the stages (pipeline.LlamaStage) are written and tested for Llama's layers only
+        problems += engine_family_problems(phase, "torch_pp", dims, ("llama",),
+                                           "its pipeline stages are built and tested for Llama only")
         if head != "lm":
             problems.append(f"{phase}: engine torch_pp builds causal LMs only (use fsdp2 or deepspeed)")
         if dims is not None and layout.pp > 1 and getattr(dims, "tie_word_embeddings", False):

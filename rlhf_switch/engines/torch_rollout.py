@@ -18,6 +18,7 @@ in tests, any device the buffers live on otherwise.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -29,7 +30,12 @@ from ..vps.layout import Layout
 from ..vps.layouts.vllm import padded_vocab, vllm_layout, worker_tensors
 from ..vps.materialize import allocate
 from ..vps.spec import ModelSpec
+from ..families import engine_family_problems
 from .base import RolloutContext, RolloutEngine
+
+LLAMA_SHAPED = ("llama", "mistral")  # the families whose tensors are exactly the ones forward reads
+_LLAMA_TENSOR = re.compile(r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|model\.layers\.\d+\."
+                           r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|(input|post_attention)_layernorm)\.weight")
 
 
 @dataclass
@@ -68,8 +74,10 @@ class TorchRollout:
         if tp > 1 and (group is None or dist.get_world_size(group) != tp or dist.get_rank(group) != tp_rank):
             raise ValueError(f"TP={tp} worker {tp_rank} needs its TP group (dist.new_group of the "
                              f"replica's {tp} ranks) in which it has rank {tp_rank}")
-        if getattr(spec, "num_experts", 0) or spec.attention is None:
-            raise NotImplementedError(f"TorchRollout runs dense Llama-shaped models only, not {spec.name!r}")
+        extra = [t.name for t in spec.tensors if not _LLAMA_TENSOR.fullmatch(t.name)]
+        if getattr(spec, "num_experts", 0) or spec.attention is None or extra:
+            raise NotImplementedError(f"TorchRollout runs dense Llama-shaped models only, not {spec.name!r}"
+                                      + (f" (it has {', '.join(extra[:3])})" if extra else ""))
         self.spec, self.tp, self.tp_rank, self.group, self.dtype = spec, tp, tp_rank, group, dtype
         self.eps, self.theta = rms_norm_eps, rope_theta
         a = spec.attention
@@ -277,6 +285,12 @@ class TorchRolloutEngine(RolloutEngine):
     trainer's world (placement ``worker``), its weights the very buffers the channel writes."""
 
     placement = "worker"
+
+    @classmethod
+    def layout_problems(cls, phase, layout, dims):
+        return super().layout_problems(phase, layout, dims) + engine_family_problems(
+            phase, "torch rollout", dims, LLAMA_SHAPED,
+            "its forward has no q/k/v biases (qwen2), q/k norms (qwen3) or experts (qwen3_moe)")
 
     @classmethod
     def build(cls, ctx: RolloutContext) -> "TorchRolloutEngine":

@@ -4,9 +4,9 @@ and TP inside pipeline stages (TP×PP).
 Each ``build_*`` function is called on EVERY rank of the world (process groups are created
 collectively over the world) and returns a ``TorchTrainer`` on the ranks the engine lives on,
 ``None`` elsewhere, so one world can hold several engines on disjoint subsets of its ranks.
-Every engine builds the same Hugging Face ``LlamaForCausalLM`` (fp32, seeded, identical on every
-rank), applies its parallelism, and trains it with the shared ``optim.AdamWConfig`` recipe (torch
-``AdamW`` + ``LambdaLR`` warmup); its parameters keep their HF names, so ``trainer.adapter`` (a
+Every engine builds the same Hugging Face causal LM of the config's family (``families.py``; fp32,
+seeded, identical on every rank), applies its parallelism, and trains it with the shared
+``optim.AdamWConfig`` recipe (torch ``AdamW`` + ``LambdaLR`` warmup); its parameters keep their HF names, so ``trainer.adapter`` (a
 ``TorchTrainAdapter``) describes them in the VPS directly.
 
 ``train_step(input_ids)`` takes the GLOBAL batch on every rank; each DP rank takes its contiguous
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..vps import llama_spec
 from ..models import causal_lm as hf_model  # noqa: F401 - the name tests and benches import
+from ..models import model_spec
 from .dtensor_adapter import TorchTrainAdapter
 from .optim import AdamWConfig
 
@@ -199,7 +199,7 @@ def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamW
     if model_fn is not None:
         return TorchTrainer(model, f"FSDP2·DP{dp}", spec, optim, None,
                             mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
-    return TorchTrainer(model, f"FSDP2·DP{dp}", llama_spec(model.config), optim,
+    return TorchTrainer(model, f"FSDP2·DP{dp}", model_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)),
                         mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
 
@@ -238,7 +238,7 @@ def build_tp(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWCon
         return None
     model = hf_model(hf_config, seed)
     _tensor_parallel(model, mesh)
-    return TorchTrainer(model, f"TP{tp}", llama_spec(model.config), optim,
+    return TorchTrainer(model, f"TP{tp}", model_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)), None, 1, 0)
 
 
@@ -261,7 +261,7 @@ def build_tp_dp(hf_config: Any, seed: int, ranks: Sequence[int], *, tp: int,
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    return TorchTrainer(model, f"TP{tp}·DP{dp}", llama_spec(model.config), optim,
+    return TorchTrainer(model, f"TP{tp}·DP{dp}", model_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)),
                         mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
 

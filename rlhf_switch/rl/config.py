@@ -381,6 +381,7 @@ class ModelDims:
     max_context: int
     special_ids: Mapping[str, int]
     tie_word_embeddings: bool = False
+    model_type: str = "llama"  # families.py: what the engines' layout_problems refuse by family
 
     REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     OPTIONAL = ("num_key_value_heads", "max_position_embeddings")
@@ -394,7 +395,8 @@ class ModelDims:
                    max_context=int(cfg.get("max_position_embeddings") or LLAMA_DEFAULT_CONTEXT),
                    special_ids={k: cfg[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")
                                 if cfg.get(k) is not None},
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                   model_type=str(cfg.get("model_type") or "llama"))
 
 
 def model_dims(model: ModelConfig) -> ModelDims:
