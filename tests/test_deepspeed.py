@@ -41,3 +41,16 @@ def test_pure_zero_layout_is_deepspeeds_partitioning(world4, stage):
 def test_refuses_a_stage_it_cannot_describe(world4):
     messages = world4.run(jobs.refuses_stage, 0)
     assert all("stage must be 1, 2 or 3" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_zero3_of_other_families(world4, model_type):
+    """ZeRO-3 over a tiny qwen2 (q/k/v biases) and qwen3 (q/k norms): the adapter describes the
+    family spec, every fragment is DeepSpeed's own tensor, the partitioning is the pure layout's."""
+    results = world4.run(jobs.family_layout_truth, model_type, 3, timeout=300)
+    extra = "self_attn.q_proj.bias" if model_type == "qwen2" else "self_attn.q_norm.weight"
+    for rank, res in enumerate(results):
+        assert res["bad"] == [] and res["n"] > 0, (rank, res["bad"][:5])
+        assert res["losses"] == results[0]["losses"]
+    held = set().union(*(r["tensors"] for r in results))
+    assert f"model.layers.1.{extra}" in held

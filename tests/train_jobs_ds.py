@@ -124,3 +124,26 @@ def refuses_stage(stage: int) -> str:
     except ValueError as e:
         return str(e)
     return "built"
+
+
+def family_layout_truth(model_type: str, stage: int, steps: int = 2) -> dict:
+    """A ZeRO engine over the family's HF model (``testing.tiny_models``), its adapter's spec the
+    family spec: every fragment against DeepSpeed's own gathers, and the pure ``mesh.zero`` layout
+    of that spec against the adapter's partitioning."""
+    from rlhf_switch.models import build_model, model_spec
+    from rlhf_switch.testing.tiny_models import tiny_config
+    from rlhf_switch.vps.layouts.mesh import zero as zero_layout
+
+    cfg = tiny_config(model_type, vocab_size=MODEL["vocab_size"])
+    model, spec = build_model(cfg, 0), model_spec(cfg)
+    dp = dist.get_world_size()
+    trainer = build_zero_trainer(model, spec, stage, micro_batch=BATCH // dp, optim=OPTIM)
+    losses = [trainer.train_step(batch(s)) for s in range(steps)]
+    state, weights = trainer.adapter.state(), trainer.adapter.weights()
+    bad = mismatches(read_back(state), full_state(trainer)) + mismatches(read_back(weights), full_weights(trainer))
+    pure = zero_layout(spec, dp, stage, fields=(MASTER, EXP_AVG, EXP_AVG_SQ))
+    mine = sorted((f.key, f.box, f.offset) for f in state.fragments)
+    if mine != sorted((f.key, f.box, f.offset) for f in pure.fragments(dist.get_rank())):
+        bad.append(f"rank {dist.get_rank()}: the adapter's state fragments are not the pure zero layout's")
+    tensors = {f.key.tensor for f in state.fragments}
+    return {"bad": bad, "losses": losses, "n": len(state.fragments), "tensors": sorted(tensors)}
