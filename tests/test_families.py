@@ -230,3 +230,16 @@ def test_weights_check_reads_a_family_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=64)))
     problems = _weights_problems(ModelConfig(path=str(tmp_path)))
     assert any("experts.0.gate_proj.weight of shape [32, 64], config.json implies [64, 64]" in p for p in problems)
+
+
+def test_checkpoint_config_names_the_family(tmp_path):
+    """The trainer's checkpoints (what a vLLM engine starts from) say the family's class."""
+    import json
+
+    from rlhf_switch.engines.full_state import write_hf_config
+
+    cfg = tiny_config("qwen3_moe")
+    write_hf_config(tmp_path, cfg)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == "qwen3_moe" and written["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert model_spec(written) == model_spec(cfg)

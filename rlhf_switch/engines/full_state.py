@@ -180,17 +180,18 @@ def _fp32_whole(tensors: Mapping[str, torch.Tensor] | None, t, zero: bool = Fals
 
 
 def write_hf_config(path: str | os.PathLike, hf_config: Mapping[str, Any], dtype: str = "float32") -> None:
-    """``config.json`` of a ``LlamaForCausalLM`` that transformers and vLLM load without a
-    tokenizer (``architectures`` names the class; ``dtype`` the saved weights' dtype, also as
+    """``config.json`` of the family's causal LM (``families.py``; a dict without ``model_type`` is
+    Llama) that transformers and vLLM load without a tokenizer (``architectures`` names the class
+    and ``model_type`` the family; ``dtype`` the saved weights' dtype, also as
     ``torch_dtype`` for readers older than transformers 5). The attribute set is ``dtype``:
     transformers 5 warns "`torch_dtype` is deprecated!" on every write or read of
     ``config.torch_dtype`` (reading the key from a file does not warn)."""
     import json
 
-    from transformers import LlamaConfig
+    from ..families import family, hf_config_object
 
-    cfg = LlamaConfig(**{k: v for k, v in dict(hf_config).items() if k != "torch_dtype"})
-    cfg.architectures = ["LlamaForCausalLM"]
+    cfg = hf_config_object({k: v for k, v in dict(hf_config).items() if k != "torch_dtype"})
+    cfg.architectures = [family(hf_config).causal_lm_class]
     cfg.dtype = dtype
     cfg.save_pretrained(str(path))
     written = Path(path) / "config.json"
