@@ -96,3 +96,10 @@ def family_loader_check(cases, move_from=None) -> list[list[str]]:
             finally:
                 ps.destroy_model_parallel()
     return found
+
+
+def trainer_buffers(layout, state):
+    """A trainer rank's buffers of ``layout``, built from the driver's global tensors."""
+    from rlhf_switch.vps.materialize import materialize
+
+    return materialize(layout, dist.get_rank(), lambda key: state[key.tensor])

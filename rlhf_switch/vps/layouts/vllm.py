@@ -68,6 +68,16 @@ def vllm_buffer(fused: str) -> str:
     return fused
 
 
+def param_shape(spec: ModelSpec, local: LocalTensor) -> tuple[int, ...]:
+    """The shape of vLLM's parameter behind ``local`` (same bytes, row-major): ``local.shape``,
+    except FusedMoE's ``w13``/``w2``, which are 3-D ``[E, rows of one expert, ...]`` where the
+    local tensor stacks every expert's rows on dim 0."""
+    experts = len({spec[p.tensor].expert for p in local.parts if spec[p.tensor].expert is not None})
+    if not experts:
+        return local.shape
+    return (experts, local.shape[0] // experts) + local.shape[1:]
+
+
 def padded_vocab(vocab: int) -> int:
     return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
 
