@@ -20,9 +20,11 @@ A parameter no rule names is an error, never a silent ``replicate``.
 uses the **per-expert checkpoint names**: they are the addresses every checkpoint and vLLM agree
 on, expert parallelism places whole experts (``TensorSpec.expert``), and vLLM's ``w13``/``w2``
 buffers are per-expert fusions of them. The stacked in-memory tensors are then a *layout* of those
-addresses that no training engine here describes yet, so the torch and DeepSpeed engines refuse
-qwen3_moe (their ``layout_problems`` say so); the spec's order is the model's, each stacked
-parameter expanded in place expert by expert (gate, up, then down of expert 0, …).
+addresses (``stacked_experts`` says where each expert's tensors sit in them): FSDP2, which shards
+them on the expert dim, describes them per expert (``engines/dtensor_adapter.py``); DeepSpeed's flat
+partitions, DTensor TP and pipeline stages do not yet, so those engines refuse qwen3_moe (their
+``layout_problems`` say so). The spec's order is the model's, each stacked parameter expanded in
+place expert by expert (gate, up of expert 0, gate, up of expert 1, …; then every expert's down).
 """
 from __future__ import annotations
 
@@ -190,6 +192,23 @@ def _derive(config_json: str, head: str, name: str | None) -> ModelSpec:
                      _fused_groups(names, layers), tied, experts)
 
 
+def stacked_experts(pname: str, shape: tuple[int, ...]) -> list[tuple[str, int, int, int]] | None:
+    """Where the per-expert tensors sit in a stacked expert parameter of transformers 5:
+    ``(tensor name, expert e, first row, end row)`` — tensor = ``param[e, first:end]`` — or None
+    for any other parameter. ``mlp.experts.gate_up_proj`` [E, 2I, H] holds per expert
+    ``gate_proj`` (rows ``[0, I)``) then ``up_proj`` (``[I, 2I)``); ``mlp.experts.down_proj``
+    [E, H, I] holds ``down_proj`` whole."""
+    m = _LAYER.fullmatch(pname)
+    if m is None or m.group(2) not in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        return None
+    prefix = f"model.layers.{m.group(1)}.mlp.experts."
+    if m.group(2) == "mlp.experts.down_proj":
+        return [(f"{prefix}{e}.down_proj.weight", e, 0, shape[1]) for e in range(shape[0])]
+    half = shape[1] // 2
+    return [(f"{prefix}{e}.{w}_proj.weight", e, i * half, (i + 1) * half)
+            for e in range(shape[0]) for i, w in enumerate(("gate", "up"))]
+
+
 def _tensors_of(pname: str, shape: tuple[int, ...], dtype: str) -> list[TensorSpec]:
     """The spec tensors of one model parameter: itself, or a stacked expert tensor expanded into
     its per-expert checkpoint tensors (see the module docstring)."""
@@ -200,15 +219,10 @@ def _tensors_of(pname: str, shape: tuple[int, ...], dtype: str) -> list[TensorSp
     if m is None:
         raise ValueError(f"parameter {pname!r} is outside the decoder layers and no family rule names it")
     layer, rest = int(m.group(1)), m.group(2)
-    prefix = f"model.layers.{layer}.mlp.experts."
-    if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: per expert [gate; up]
-        E, two_i, H = shape
-        return [TensorSpec(f"{prefix}{e}.{w}_proj.weight", (two_i // 2, H), dtype, "column", layer, expert=e)
-                for e in range(E) for w in ("gate", "up")]
-    if rest == "mlp.experts.down_proj":  # [E, H, I]
-        E, H, inter = shape
-        return [TensorSpec(f"{prefix}{e}.down_proj.weight", (H, inter), dtype, "row", layer, expert=e)
-                for e in range(E)]
+    stacked = stacked_experts(pname, shape)
+    if stacked is not None:  # gate/up column-parallel, down row-parallel, as the dense MLP
+        return [TensorSpec(name, (hi - lo,) + shape[2:], dtype, "row" if name.endswith("down_proj.weight")
+                           else "column", layer, expert=e) for name, e, lo, hi in stacked]
     for rule, role in _RULES:
         if rule.fullmatch(rest):
             return [TensorSpec(pname, shape, dtype, role, layer)]

@@ -177,6 +177,7 @@ def test_refusals_leave_every_rank_free(world4):
     # qwen2: FSDP2 on one half, DTensor TP2 on the other (its q/k/v biases split with the weights)
     ("qwen2", [("fsdp2", [0, 1], {}), ("tp", [2, 3], {})]),
     ("qwen3", [("fsdp2", [0, 1, 2, 3], {})]),  # per-head q/k norms, replicated in the spec
+    ("qwen3_moe", [("fsdp2", [0, 1, 2, 3], {})]),  # stacked experts: one whole expert per rank
 ])
 def test_fsdp2_and_tp_of_other_families(world4, model_type, plans):
     """The engines wrap the family's HF model; the adapter's spec is the family spec (derived from
@@ -194,7 +195,12 @@ def test_fsdp2_and_tp_of_other_families(world4, model_type, plans):
     dp = len(plans[0][1])
     pure = fsdp(spec, dp, (PARAM,))
     for rank in plans[0][1]:
-        assert fragments(weights, rank) == fragments(pure, rank), f"rank {rank}"
+        if model_type == "qwen3_moe":  # FSDP2 shards the stacked experts: rank r holds expert r whole
+            held = {f.key.tensor for f in weights.fragments(rank) if ".experts." in f.key.tensor}
+            assert held == {f"model.layers.{i}.mlp.experts.{rank}.{w}_proj.weight"
+                            for i in range(2) for w in ("gate", "up", "down")}, f"rank {rank}"
+        else:
+            assert fragments(weights, rank) == fragments(pure, rank), f"rank {rank}"
     if model_type == "qwen2":  # rank 3 (TP rank 1) holds the second half of every k bias
         tp_weights = results[0]["layouts"][2]
         k_bias = [f for f in tp_weights.fragments(3) if f.key.tensor == "model.layers.0.self_attn.k_proj.bias"]

@@ -17,6 +17,7 @@ from rlhf_switch.engines.dtensor_adapter import MOMENTS, is_dtensor
 from rlhf_switch.engines.optim import AdamWConfig
 from rlhf_switch.engines.train_state import gather_layouts
 from rlhf_switch.routing import move
+from rlhf_switch.families import stacked_experts
 from rlhf_switch.models import model_spec
 from rlhf_switch.vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, StateKey
 from rlhf_switch.vps.materialize import fragment_view
@@ -52,6 +53,10 @@ def dtensor_truth(trainer) -> tuple[dict[StateKey, torch.Tensor], dict[str, str]
                 truth[StateKey(name, field)] = t.detach()
                 plain[f"{field}/{name}"] = _digest(t)
         truth[StateKey(name, PARAM)] = truth[StateKey(name, MASTER)]
+        # a stacked MoE expert parameter: the spec's per-expert tensors are slices of it
+        for tensor, e, lo, hi in stacked_experts(name, tuple(p.shape)) or ():
+            for field in (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ):
+                truth[StateKey(tensor, field)] = truth[StateKey(name, field)][e, lo:hi]
     return truth, plain
 
 

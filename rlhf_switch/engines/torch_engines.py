@@ -36,12 +36,12 @@ class _TorchTrainerEngine(ModuleEngine):
 
 class FSDP2Engine(_TorchTrainerEngine):
     """torch FSDP2 (``fully_shard`` per decoder layer and the root) over all its ranks: DP only.
-    Every dense family (llama, mistral, qwen2, qwen3); not qwen3_moe (stacked experts)."""
+    Every family: a qwen3_moe layer's stacked experts are sharded on the expert dim, each rank
+    holding whole experts, which the adapter describes per expert."""
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
-        return _fixed(phase, layout, "fsdp2", tp=1, pp=1, zero_stage=0) + \
-            engine_family_problems(phase, "fsdp2", dims, DENSE, MOE_WHY)
+        return _fixed(phase, layout, "fsdp2", tp=1, pp=1, zero_stage=0)
 
     @classmethod
     def build(cls, layout, ctx: TrainingContext):
