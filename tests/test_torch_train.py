@@ -177,6 +177,8 @@ def test_refusals_leave_every_rank_free(world4):
     # qwen2: FSDP2 on one half, DTensor TP2 on the other (its q/k/v biases split with the weights)
     ("qwen2", [("fsdp2", [0, 1], {}), ("tp", [2, 3], {})]),
     ("qwen3", [("fsdp2", [0, 1, 2, 3], {})]),  # per-head q/k norms, replicated in the spec
+    # TP: each rank's q/k norms see its own heads; their gradients are summed over TP
+    ("qwen3", [("fsdp2", [0, 1], {}), ("tp", [2, 3], {})]),
     ("qwen3_moe", [("fsdp2", [0, 1, 2, 3], {})]),  # stacked experts: one whole expert per rank
 ])
 def test_fsdp2_and_tp_of_other_families(world4, model_type, plans):
@@ -205,5 +207,7 @@ def test_fsdp2_and_tp_of_other_families(world4, model_type, plans):
         tp_weights = results[0]["layouts"][2]
         k_bias = [f for f in tp_weights.fragments(3) if f.key.tensor == "model.layers.0.self_attn.k_proj.bias"]
         assert [(f.box.lo, f.box.hi) for f in k_bias] == [((32,), (64,))]
+    if "tp" in [kind for kind, _, _ in plans]:  # replicated tensors stay bit-identical over TP
+        assert results[2]["plain_digests"] and results[2]["plain_digests"] == results[3]["plain_digests"]
     losses = [v[0]["losses"] for v in by_engine.values()]
     assert all(x == pytest.approx(losses[0], rel=LOSS_RTOL) for x in losses)  # FSDP2 and TP: one model

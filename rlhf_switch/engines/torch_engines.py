@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..families import DENSE, MOE_WHY, engine_family_problems
+from ..families import DENSE, engine_family_problems
 from ..models import build_model, model_spec
 from .base import LossFn, ModuleEngine, TrainingContext, TrainingEngine
 
@@ -56,19 +56,15 @@ class FSDP2Engine(_TorchTrainerEngine):
 
 class TorchTPEngine(_TorchTrainerEngine):
     """DTensor TP (Megatron-style plan on every decoder layer), with FSDP2 over DP when dp > 1.
-    llama, mistral and qwen2 (its q/k/v biases split with their weights) at any TP; qwen3 only at
-    TP 1: its per-head q/k norms would see one TP rank's heads, and their gradients would need a
-    TP all-reduce this plan does not do. Not qwen3_moe (stacked experts)."""
+    The dense families: qwen2's q/k/v biases split with their weights, qwen3's per-head q/k norms
+    replicated with their gradients summed over TP (``torch_train._tensor_parallel``). Not
+    qwen3_moe: its stacked experts have no TP plan here."""
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         problems = _fixed(phase, layout, "torch_tp", pp=1, zero_stage=0)
-        if layout.tp > 1:
-            problems += engine_family_problems(
-                phase, "torch_tp", dims, ("llama", "mistral", "qwen2"),
-                "per-head q/k norms (qwen3) and stacked experts (qwen3_moe) have no TP plan here")
-        else:
-            problems += engine_family_problems(phase, "torch_tp", dims, DENSE, MOE_WHY)
+        problems += engine_family_problems(phase, "torch_tp", dims, DENSE,
+                                           "its stacked experts have no tensor-parallel plan here")
         if head != "lm":
             problems.append(f"{phase}: engine torch_tp builds causal LMs only (use fsdp2 or deepspeed)")
         return problems

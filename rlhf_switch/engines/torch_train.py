@@ -18,6 +18,7 @@ Rank order on a mesh is Megatron's (TP fastest): ``ranks[dp_rank · tp + tp_rank
 """
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -211,11 +212,38 @@ def _backward(loss: torch.Tensor) -> torch.Tensor:
 
 # --- DTensor TP, and TP×DP -----------------------------------------------------------------------
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group. For a replicated weight
+    that each TP rank applies to its own heads only (qwen3's per-head q/k norms): its full
+    gradient is the sum of the ranks' partial ones, identical on every rank after the sum."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _head_norm_forward(norm: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen3 RMSNorm forward, op for op, its weight through ``_SumGradOverTP``."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return _SumGradOverTP.apply(norm.weight, group) * x.to(dtype)
+
+
 def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
     """Megatron-style TP of every decoder layer: q/k/v/gate/up column-parallel, o/down
     row-parallel (one all-reduce each). Embedding, norms and LM head stay plain replicated
     tensors: they see replicated activations and replicated (all-reduced) gradients, so they
-    stay bit-identical on every TP rank. ``model`` is an HF model or a ``LlamaStage`` (whose
+    stay bit-identical on every TP rank. Qwen3's per-head q/k norms see only the rank's heads:
+    their gradients are summed over TP (``_SumGradOverTP``). q/k/v biases (qwen2) are split with
+    their weights by ``ColwiseParallel``. ``model`` is an HF model or a ``LlamaStage`` (whose
     ``model.layers`` is a ``ModuleDict`` of this stage's layers only)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -226,6 +254,9 @@ def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
     layers = model.model.layers
     for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
         parallelize_module(layer, tp_mesh, plan)
+        for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
+            if norm is not None:  # qwen3: a rank's norm sees its own heads only
+                norm.forward = functools.partial(_head_norm_forward, norm, tp_mesh.get_group())
 
 
 def build_tp(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWConfig = AdamWConfig(),
