@@ -20,10 +20,10 @@ A parameter no rule names is an error, never a silent ``replicate``.
 uses the **per-expert checkpoint names**: they are the addresses every checkpoint and vLLM agree
 on, expert parallelism places whole experts (``TensorSpec.expert``), and vLLM's ``w13``/``w2``
 buffers are per-expert fusions of them. The stacked in-memory tensors are then a *layout* of those
-addresses (``stacked_experts`` says where each expert's tensors sit in them): FSDP2, which shards
-them on the expert dim, describes them per expert (``engines/dtensor_adapter.py``); DeepSpeed's flat
-partitions, DTensor TP and pipeline stages do not yet, so those engines refuse qwen3_moe (their
-``layout_problems`` say so). The spec's order is the model's, each stacked parameter expanded in
+addresses (``stacked_experts`` says where each expert's tensors sit in them): FSDP2 (sharded on the expert
+dim) and DeepSpeed ZeRO (flat partitions cut at the per-expert blocks) describe them per expert
+(``engines/dtensor_adapter.py``, ``engines/deepspeed_zero.py``); DTensor TP and pipeline stages do
+not, so those engines refuse qwen3_moe (their ``layout_problems`` say so). The spec's order is the model's, each stacked parameter expanded in
 place expert by expert (gate, up of expert 0, gate, up of expert 1, …; then every expert's down).
 """
 from __future__ import annotations
@@ -126,9 +126,7 @@ def family_problems(hf_config: Any) -> list[str]:
     return problems
 
 
-DENSE = ("llama", "mistral", "qwen2", "qwen3")
-MOE_WHY = ("transformers holds a qwen3_moe layer's experts stacked in memory, a layout of the per-expert "
-           "tensors no training engine here describes yet")
+DENSE = ("llama", "mistral", "qwen2", "qwen3")  # no MoE layer
 
 
 def engine_family_problems(phase: str, engine: str, dims: Any, runs: tuple[str, ...], why: str) -> list[str]:

@@ -140,10 +140,25 @@ def family_layout_truth(model_type: str, stage: int, steps: int = 2) -> dict:
     trainer = build_zero_trainer(model, spec, stage, micro_batch=BATCH // dp, optim=OPTIM)
     losses = [trainer.train_step(batch(s)) for s in range(steps)]
     state, weights = trainer.adapter.state(), trainer.adapter.weights()
-    bad = mismatches(read_back(state), full_state(trainer)) + mismatches(read_back(weights), full_weights(trainer))
-    pure = zero_layout(spec, dp, stage, fields=(MASTER, EXP_AVG, EXP_AVG_SQ))
-    mine = sorted((f.key, f.box, f.offset) for f in state.fragments)
-    if mine != sorted((f.key, f.box, f.offset) for f in pure.fragments(dist.get_rank())):
-        bad.append(f"rank {dist.get_rank()}: the adapter's state fragments are not the pure zero layout's")
+    truth = per_expert({**full_state(trainer), **full_weights(trainer)})
+    bad = mismatches(read_back(state), truth) + mismatches(read_back(weights), truth)
+    if model_type != "qwen3_moe":  # ZeRO-3 partitions a stacked expert parameter as one, not per expert
+        pure = zero_layout(spec, dp, stage, fields=(MASTER, EXP_AVG, EXP_AVG_SQ))
+        mine = sorted((f.key, f.box, f.offset) for f in state.fragments)
+        if mine != sorted((f.key, f.box, f.offset) for f in pure.fragments(dist.get_rank())):
+            bad.append(f"rank {dist.get_rank()}: the adapter's state fragments are not the pure zero layout's")
+    (state_layout,), _ = gather_layouts([(spec, state)], ["state"])
+    state_layout.validate()  # the ranks together cover every tensor of the spec
     tensors = {f.key.tensor for f in state.fragments}
     return {"bad": bad, "losses": losses, "n": len(state.fragments), "tensors": sorted(tensors)}
+
+
+def per_expert(truth: dict) -> dict:
+    """``truth`` with each stacked expert parameter also as its per-expert tensors (slices)."""
+    from rlhf_switch.families import stacked_experts
+
+    out = dict(truth)
+    for (name, field_), t in truth.items():
+        for tensor, e, lo, hi in stacked_experts(name, tuple(t.shape)) or ():
+            out[(tensor, field_)] = t[e, lo:hi]
+    return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..families import DENSE, MOE_WHY, engine_family_problems
 from ..models import build_model, model_spec
 from .base import LossFn, ModuleEngine, TrainingContext
 
@@ -21,7 +20,7 @@ class DeepSpeedEngine(ModuleEngine):
                             f"for tp={layout.tp}, pp={layout.pp} use engine torch_tp / torch_pp")
         if layout.zero_stage not in (1, 2, 3):
             problems.append(f"{phase}: engine deepspeed needs zero_stage 1, 2 or 3, got {layout.zero_stage}")
-        return problems + engine_family_problems(phase, "deepspeed", dims, DENSE, MOE_WHY)
+        return problems
 
     @classmethod
     def build(cls, layout, ctx: TrainingContext):
