@@ -88,8 +88,9 @@ class RolloutLayout(PhaseLayout):
 
 
 class ModelConfig(Strict):
-    """The actor's architecture: ``hf_config`` (a ``LlamaConfig`` as a dict; the reference and
-    the critic's trunk share it) or ``path`` (a local directory with ``config.json``)."""
+    """The actor's architecture: ``hf_config`` (an HF config as a dict, its ``model_type`` one of
+    ``families.FAMILIES``, Llama when absent; the reference and the critic's trunk share it) or
+    ``path`` (a local directory with ``config.json``)."""
 
     hf_config: dict[str, Any] | None = None
     path: str | None = None
