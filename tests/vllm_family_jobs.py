@@ -103,3 +103,29 @@ def trainer_buffers(layout, state):
     from rlhf_switch.vps.materialize import materialize
 
     return materialize(layout, dist.get_rank(), lambda key: state[key.tensor])
+
+
+_TRAINER = {}  # this rank's FSDP2 trainer, kept between jobs (the LocalWorld's processes stay up)
+
+
+def train_fsdp2(cfg: dict, steps: int, seed: int = 0):
+    """Build an FSDP2 trainer of ``cfg`` over the world, train ``steps`` AdamW steps on seeded
+    batches, keep it for ``trainer_weights``; return (on rank 0) the layout of its weights and
+    the full trained parameters by HF name (``full_tensor()``, collective)."""
+    from rlhf_switch.engines.torch_train import build_fsdp2
+    from rlhf_switch.engines.train_state import gather_layouts
+
+    trainer = build_fsdp2(cfg, seed, list(range(dist.get_world_size())))
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        trainer.train_step(torch.randint(3, cfg["vocab_size"], (4, 16), generator=g))
+    _TRAINER["fsdp2"] = trainer
+    weights = trainer.adapter.weights()
+    (layout,), _ = gather_layouts([(trainer.spec, weights)], ["weights"])
+    full = {n: p.full_tensor().detach().clone() for n, p in trainer.module.named_parameters()}
+    return (layout, full) if dist.get_rank() == 0 else None
+
+
+def trainer_weights() -> dict:
+    """This rank's trainer weight buffers (the live parameters), as its layout names them."""
+    return _TRAINER["fsdp2"].adapter.weights().tensors
