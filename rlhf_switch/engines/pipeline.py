@@ -60,7 +60,8 @@ LossFn = Callable[[torch.Tensor, slice], tuple[torch.Tensor, dict]]
 
 
 class LlamaStage(nn.Module):
-    """Stage ``s`` of a pipelined ``LlamaForCausalLM`` that keeps the full model's parameter
+    """Stage ``s`` of a pipelined causal LM of a dense family (Llama-shaped decoder layers: llama,
+    mistral, qwen2, qwen3; the name is historical) that keeps the full model's parameter
     names: ``model.layers`` is a ``ModuleDict`` keyed by the original layer index (torchtitan's
     trick), holding only this stage's layers; the embedding lives on the first stage, the final
     norm and LM head on the last. Input: token ids (first stage) or hidden states; output:

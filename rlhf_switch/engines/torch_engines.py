@@ -83,14 +83,15 @@ class TorchTPEngine(_TorchTrainerEngine):
 class TorchPPEngine(TrainingEngine):
     """Pipeline stages (``torch.distributed.pipelining``, GPipe), DTensor TP inside each stage when
     tp > 1: every batch goes through the stages in micro-batches; the last stage computes the
-    log-probs and losses and hands them to every rank of the engine."""
+    log-probs and losses and hands them to every rank of the engine. The dense families (the
+    stages call the family's own decoder layers); not qwen3_moe."""
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         problems = _fixed(phase, layout, "torch_pp", dp=1, zero_stage=0)
-        # the stages (pipeline.LlamaStage) are written and tested for Llama's layers only
-        problems += engine_family_problems(phase, "torch_pp", dims, ("llama",),
-                                           "its pipeline stages are built and tested for Llama only")
+        # the stages (pipeline.LlamaStage) call the family's decoder layers as they are
+        problems += engine_family_problems(phase, "torch_pp", dims, DENSE,
+                                           "its stages have no MoE layer and no TP plan for one")
         if head != "lm":
             problems.append(f"{phase}: engine torch_pp builds causal LMs only (use fsdp2 or deepspeed)")
         if dims is not None and layout.pp > 1 and getattr(dims, "tie_word_embeddings", False):
