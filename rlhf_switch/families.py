@@ -19,12 +19,13 @@ A parameter no rule names is an error, never a silent ``replicate``.
 ``up_proj``, ``down_proj`` [H, I]) and vLLM's Qwen3-MoE loader reads exactly those names. The spec
 uses the **per-expert checkpoint names**: they are the addresses every checkpoint and vLLM agree
 on, expert parallelism places whole experts (``TensorSpec.expert``), and vLLM's ``w13``/``w2``
-buffers are per-expert fusions of them. The stacked in-memory tensors are then a *layout* of those
-addresses (``stacked_experts`` says where each expert's tensors sit in them): FSDP2 (sharded on the expert
-dim) and DeepSpeed ZeRO (flat partitions cut at the per-expert blocks) describe them per expert
-(``engines/dtensor_adapter.py``, ``engines/deepspeed_zero.py``); DTensor TP and pipeline stages do
-not, so those engines refuse qwen3_moe (their ``layout_problems`` say so). The spec's order is the model's, each stacked parameter expanded in
-place expert by expert (gate, up of expert 0, gate, up of expert 1, …; then every expert's down).
+buffers are per-expert fusions of them. The stacked in-memory tensors are then a *layout* of
+those addresses (``stacked_experts`` says where each expert's tensors sit in them): FSDP2
+(sharded on the expert dim) and DeepSpeed ZeRO (flat partitions cut at the per-expert blocks)
+describe them per expert (``engines/dtensor_adapter.py``, ``engines/deepspeed_zero.py``); DTensor
+TP and pipeline stages do not, so those engines refuse qwen3_moe (their ``layout_problems`` say
+so). The spec's order is the model's, each stacked parameter expanded in place expert by expert
+(gate, up of expert 0, gate, up of expert 1, …; then every expert's down).
 """
 from __future__ import annotations
 
