@@ -5,7 +5,7 @@ group (the hybrid worker's world, or a test's ``LocalWorld``). The engine is any
 training engine that builds value heads (``fsdp2``, ``deepspeed``; ``TrainingContext(head=
 "value")``): the critic is not a fork of an engine, only the loss and the batch bookkeeping.
 
-- the model: ``rlhf_switch.models.value_model`` — a ``LlamaForTokenClassification`` with one
+- the model: ``rlhf_switch.models.value_model`` — the family's ``…ForTokenClassification`` with one
   label, its trunk optionally from an actor checkpoint; ``value_spec`` is its VPS description, so
   the critic's state is saved, resumed and switched like the actor's;
 - positions: ``values(ids)[b, t]`` is the value of the state after ``ids[b, :t+1]``, i.e. before

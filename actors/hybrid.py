@@ -413,7 +413,8 @@ def _weight(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
 
 
 def hf_config_of(cfg: RunConfig) -> dict:
-    """The model's ``LlamaConfig`` fields: the config's inline dict or ``model.path``'s config.json."""
+    """The model's HF config fields (its ``model_type`` names the family): the config's inline dict or
+    ``model.path``'s config.json."""
     if cfg.model.hf_config is not None:
         return dict(cfg.model.hf_config)
     return json.loads((Path(cfg.model.path) / "config.json").read_text())

@@ -15,6 +15,7 @@ DeepSpeed
     ``set_deepspeed_global_mpu``, ``agree_on_zero3_param_ids``, ``deepspeed_world_collectives_on``.
 vLLM
     ``disable_vllm_cpu_prepacking`` (+ ``plain_cpu_linear``, ``restore_vllm_cpu_prepacking``),
+    ``disable_vllm_cpu_moe_prepacking`` (+ ``plain_cpu_moe``),
     ``VLLM_ENV`` / ``set_vllm_env_defaults``, ``set_vllm_log_level``, ``vllm_cpu_omp_binding`` /
     ``vllm_cpu_omp_threads_bind``, ``vllm_dist_ident``.
 """
@@ -240,6 +241,73 @@ def restore_vllm_cpu_prepacking() -> None:
         from vllm.model_executor.layers import utils as layer_utils
 
         layer_utils.dispatch_cpu_unquantized_gemm = _ORIGINAL_CPU_GEMM_DISPATCH
+    if _ORIGINAL_CPU_MOE is not None:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+        cpu_moe.CPUUnquantizedExperts.process_weights_after_loading, cpu_moe.CPUUnquantizedExperts.apply = \
+            _ORIGINAL_CPU_MOE
+
+
+def _plain_moe_weights(self, layer: torch.nn.Module) -> None:
+    layer.vps_plain_moe = True  # what vps_describe looks for: this layer computes from w13/w2
+
+
+def _plain_moe_apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                     global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+                     expert_tokens_meta, apply_router_weight_on_input) -> None:
+    plain_cpu_moe(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map,
+                  getattr(self, "w1_bias", None), getattr(self, "w2_bias", None), apply_router_weight_on_input)
+
+
+def plain_cpu_moe(output: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation, expert_map=None,
+                  w13_bias=None, w2_bias=None, apply_router_weight_on_input: bool = False) -> None:
+    """The experts' part of a MoE layer from the unpacked parameters: ``w13`` [E, 2I, H] (per
+    expert ``[gate; up]``), ``w2`` [E, H, I]; ``output`` [M, H] = Σ over each token's top-k of
+    ``weight · down(silu(gate(x)) · up(x))`` (this TP rank's share of I; vLLM all-reduces after)."""
+    if str(getattr(activation, "value", activation)).lower() != "silu":
+        raise NotImplementedError(f"plain_cpu_moe implements SiLU experts only, not {activation}")
+    if w13_bias is not None or w2_bias is not None or expert_map is not None:
+        raise NotImplementedError("plain_cpu_moe: expert biases and expert maps (EP inside vLLM) are not implemented")
+    out = torch.zeros(hidden_states.shape[0], w2.shape[1], dtype=torch.float32, device=hidden_states.device)
+    for e in torch.unique(topk_ids).tolist():
+        token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        gate, up = F.linear(hidden_states[token], w13[e]).chunk(2, dim=-1)  # [n, I] each
+        y = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
+        if not apply_router_weight_on_input:  # else the router weight was applied to the input
+            y = y * topk_weights[token, slot, None]
+        out.index_add_(0, token, y.float())
+    output.copy_(out.to(output.dtype))
+
+
+_ORIGINAL_CPU_MOE = None  # vLLM's CPUUnquantizedExperts methods, for restore_vllm_cpu_prepacking
+
+
+def disable_vllm_cpu_moe_prepacking() -> bool:
+    """Make vLLM's CPU MoE experts compute from their ``w13_weight``/``w2_weight`` parameters
+    (``plain_cpu_moe``). Returns whether the patch is in place.
+
+    Why: vllm-cpu 0.32.0's ``CPUUnquantizedExperts.process_weights_after_loading``
+    (``layers/fused_moe/experts/cpu_moe.py``) pads the intermediate dim and replaces both
+    parameters by *prepacked* copies of the same shape (``cpu_prepack_moe_weight``, a kernel-specific
+    element order): a VPS move then writes checkpoint-order bytes the kernel reads as packed ones —
+    wrong tokens, observed with a tiny Qwen3-MoE. Same scope and hook rules as
+    ``disable_vllm_cpu_prepacking`` (patched at import of the worker extension); on GPU the class is
+    never chosen: inert there. Still needed? ``vps_describe`` lists expert layers not marked
+    ``vps_plain_moe`` as prepacked, and the driver refuses such an engine."""
+    global _ORIGINAL_CPU_MOE
+    try:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    except ImportError:
+        return False
+    cls = getattr(cpu_moe, "CPUUnquantizedExperts", None)
+    if cls is None or not hasattr(cls, "process_weights_after_loading") or not hasattr(cls, "apply"):
+        return False
+    if cls.apply is not _plain_moe_apply:
+        _ORIGINAL_CPU_MOE = (cls.process_weights_after_loading, cls.apply)
+    cls.process_weights_after_loading = _plain_moe_weights
+    cls.apply = _plain_moe_apply
+    return True
 
 
 # vLLM reads these when it starts (the engine and its worker processes inherit them). Drivers set

@@ -1,20 +1,22 @@
 """The models every engine builds, and their VPS descriptions: a causal LM and its value-head twin.
 
-Both are Hugging Face models built from a config dict (or config object), fp32, sdpa attention,
-weights drawn from ``torch.manual_seed(seed)`` — identical on every rank that builds them, so an
-engine can shard a model each rank built for itself.
+Both are Hugging Face models of the config's family (``families.py``: llama, mistral, qwen2,
+qwen3, qwen3_moe; a dict without ``model_type`` is Llama) built from a config dict (or config
+object), fp32, sdpa attention, weights drawn from ``torch.manual_seed(seed)`` — identical on every
+rank that builds them, so an engine can shard a model each rank built for itself.
 
-- ``causal_lm``: ``LlamaForCausalLM`` — the actor, the reference, the SFT warm start;
-- ``value_model``: ``LlamaForTokenClassification`` with one label — the PPO critic: the same trunk
-  with a scalar head (optionally the trunk of an actor checkpoint);
+- ``causal_lm``: ``<Family>ForCausalLM`` — the actor, the reference, the SFT warm start;
+- ``value_model``: ``<Family>ForTokenClassification`` with one label — the PPO critic: the same
+  trunk with a scalar head (optionally the trunk of an actor checkpoint);
 - ``model_spec(hf_config, head)``: the VPS description of either (``head`` ``"lm"`` or ``"value"``),
-  names and order equal to the model's ``named_parameters()``.
+  derived from the model itself (``families.derive_spec``): names and order equal to the model's
+  ``named_parameters()`` (a MoE layer's stacked experts appear per expert: see ``families``);
+- ``family_problems(hf_config)``: why a config's model cannot run here (unknown ``model_type``, …).
 
 This module sits below the engines and the RL code: both build models from here.
 """
 from __future__ import annotations
 
-import copy
 import glob
 import os
 from typing import Any, Literal, Mapping
@@ -22,17 +24,14 @@ from typing import Any, Literal, Mapping
 import torch
 from torch import nn
 
-from .vps import ModelSpec, llama_spec
+from .families import derive_spec, family_problems, hf_config_object, model_class
+from .vps import ModelSpec
+
+__all__ = ["HEADS", "build_model", "causal_lm", "family_problems", "load_trunk", "model_spec",
+           "value_model", "value_spec"]
 
 Head = Literal["lm", "value"]
 HEADS = ("lm", "value")
-
-
-def _config(hf_config: Any, cls_name: str = "LlamaConfig"):
-    import transformers
-
-    cls = getattr(transformers, cls_name)
-    return cls(**hf_config) if isinstance(hf_config, Mapping) else copy.deepcopy(hf_config)
 
 
 def _hidden(cfg: Any) -> int:
@@ -40,34 +39,30 @@ def _hidden(cfg: Any) -> int:
 
 
 def causal_lm(hf_config: Any, seed: int) -> nn.Module:
-    """The HF ``LlamaForCausalLM`` of ``hf_config`` (dict or config), fp32, sdpa attention, with
+    """The HF ``<Family>ForCausalLM`` of ``hf_config`` (dict or config), fp32, sdpa attention, with
     weights drawn from ``torch.manual_seed(seed)``: identical on every rank."""
-    from transformers import LlamaForCausalLM
-
-    cfg = _config(hf_config)
+    cfg = hf_config_object(hf_config)
     cfg._attn_implementation = "sdpa"  # the pipeline stages call it directly; keep one kernel everywhere
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).float().train()
+    return model_class(hf_config, "lm")(cfg).float().train()
 
 
 def value_model(hf_config: Any, seed: int, init_from: str | None = None,
                 head_std: float | None = None) -> nn.Module:
-    """``LlamaForTokenClassification`` (``num_labels=1``) of ``hf_config`` (dict or config): fp32,
+    """``<Family>ForTokenClassification`` (``num_labels=1``) of ``hf_config`` (dict or config): fp32,
     sdpa attention, no dropout, weights from ``torch.manual_seed(seed)`` — identical on every rank.
 
-    ``init_from``: a directory with a safetensors checkpoint of a ``LlamaForCausalLM`` (one
+    ``init_from``: a directory with a safetensors checkpoint of the family's causal LM (one
     ``model.safetensors`` or shards ``*.safetensors``); its trunk ``model.*`` replaces the seeded
     trunk (all of it: a missing or misshapen tensor raises). ``head_std``: std of the value
     head's weight (default ``1/(hidden+1)``, OpenRLHF's choice; 0 = zeros); its bias is 0."""
-    from transformers import LlamaForTokenClassification
-
-    cfg = _config(hf_config)
+    cfg = hf_config_object(hf_config)
     cfg.num_labels = 1
     cfg.classifier_dropout = 0.0  # transformers' default would be 0.1: a noisy critic
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = LlamaForTokenClassification(cfg).float()
+    model = model_class(hf_config, "value")(cfg).float()
     std = 1.0 / (_hidden(cfg) + 1) if head_std is None else float(head_std)
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
@@ -80,7 +75,7 @@ def value_model(hf_config: Any, seed: int, init_from: str | None = None,
 
 
 def load_trunk(model: nn.Module, checkpoint_dir: str) -> None:
-    """Copy the ``model.*`` tensors of a safetensors HF checkpoint (a ``LlamaForCausalLM``) into
+    """Copy the ``model.*`` tensors of a safetensors HF checkpoint (the family's causal LM) into
     ``model.model`` — strictly: every trunk tensor must be there with its shape."""
     from safetensors.torch import load_file
 
@@ -99,19 +94,11 @@ def load_trunk(model: nn.Module, checkpoint_dir: str) -> None:
                          f"{missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def value_spec(hf_config: Any, name: str = "llama-value") -> ModelSpec:
-    """The VPS description of ``value_model``: the Llama trunk's tensors (as ``llama_spec``), no
-    LM head, and the value head ``score.weight [1, H]`` + ``score.bias [1]`` (replicated: no TP
-    rule splits a 1-row head). Names and order equal ``value_model(...).named_parameters()``."""
-    from .vps.spec import TensorSpec
-
-    base = llama_spec(dict(hf_config) if isinstance(hf_config, Mapping) else hf_config)
-    trunk = tuple(t for t in base.tensors if t.name != "lm_head.weight")
-    dtype = trunk[0].dtype
-    H = trunk[0].shape[1]
-    head = (TensorSpec("score.weight", (1, H), dtype, "replicate", anchor="last"),
-            TensorSpec("score.bias", (1,), dtype, "replicate", anchor="last"))
-    return ModelSpec(name, trunk + head, base.num_layers, base.attention, base.fused, False)
+def value_spec(hf_config: Any, name: str | None = None) -> ModelSpec:
+    """The VPS description of ``value_model``: the trunk's tensors, no LM head, and the value head
+    ``score.weight [1, H]`` (+ ``score.bias [1]`` where the family has one), replicated: no TP rule
+    splits a 1-row head. Names and order equal ``value_model(...).named_parameters()``."""
+    return derive_spec(hf_config, "value", name)
 
 
 def build_model(hf_config: Any, seed: int, head: Head = "lm", init_from: str | None = None) -> nn.Module:
@@ -126,7 +113,7 @@ def build_model(hf_config: Any, seed: int, head: Head = "lm", init_from: str | N
 def model_spec(hf_config: Any, head: Head = "lm") -> ModelSpec:
     """The VPS description of ``build_model(hf_config, seed, head)``."""
     if head == "lm":
-        return llama_spec(dict(hf_config) if isinstance(hf_config, Mapping) else hf_config)
+        return derive_spec(hf_config, "lm")
     if head == "value":
         return value_spec(hf_config)
     raise ValueError(f"unknown model head {head!r} (known: {', '.join(HEADS)})")

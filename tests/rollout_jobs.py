@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from rlhf_switch.engines.torch_rollout import TorchRollout
 from rlhf_switch.routing import move
-from rlhf_switch.vps import Layout, llama_spec
+from rlhf_switch.models import model_spec
+from rlhf_switch.vps import Layout
 from rlhf_switch.vps.layouts.vllm import vllm_layout
 from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize
 
@@ -30,10 +31,11 @@ def tp_group(tp: int):
 
 
 def _hf(model_dir: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The checkpoint's config and model, of whichever family it is."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = LlamaConfig.from_pretrained(model_dir)
-    return cfg, LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cfg = AutoConfig.from_pretrained(model_dir)
+    return cfg, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def safetensors_source(model_dir: str):
@@ -48,7 +50,7 @@ def engine_from_trainer(model_dir: str, trainer: Layout, tp: int):
     """The HF config and model, the trainer buffers, the engine, and its (vLLM) layout, after one move."""
     rank = dist.get_rank()
     cfg, hf = _hf(model_dir)
-    spec = llama_spec(cfg)
+    spec = model_spec(cfg)
     assert spec == trainer.spec, "the driver's spec and the file's config disagree"
     trainer_bufs = materialize(trainer, rank, safetensors_source(model_dir))
     group, tp_rank, replicas = tp_group(tp)

@@ -20,9 +20,9 @@ DATA = REPO / "data" / "gsm8k_tiny"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny Llama (vocab 384) with the BPE tokenizer beside it: a data run's ``model.path``."""
-    from rlhf_switch.testing.tiny_model import build_tiny_llama_dir
+    from rlhf_switch.testing.tiny_models import build_model_dir
 
-    return build_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "model")
+    return build_model_dir(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def data_config(model_dir: Path, **data) -> dict:
@@ -238,13 +238,13 @@ BAD_DATA = [
 
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory) -> Path:
-    from rlhf_switch.testing.tiny_model import build_tiny_llama_dir
+    from rlhf_switch.testing.tiny_models import build_model_dir
 
     """A Llama with 256 ids and eos 1; its directory's tokenizer is the 384-id BPE, and ``../tok``
     holds a copy of the BPE too (for a model.tokenizer kept elsewhere)."""
     import shutil
 
-    model = build_tiny_llama_dir(tmp_path_factory.mktemp("small") / "model", vocab_size=256, eos_token_id=1)
+    model = build_model_dir(tmp_path_factory.mktemp("small") / "model", vocab_size=256, eos_token_id=1)
     tok = model.parent / "tok"
     tok.mkdir()
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -32,9 +32,9 @@ def ray_session():
 
 def test_grpo_on_jsonl_data_from_model_path(ray_session, tmp_path):
     from recipes.grpo import run
-    from rlhf_switch.testing.tiny_model import build_tiny_llama_dir
+    from rlhf_switch.testing.tiny_models import build_model_dir
 
-    model = build_tiny_llama_dir(tmp_path / "model")
+    model = build_model_dir(tmp_path / "model")
     cfg = yaml.safe_load((REPO / "configs" / "gsm8k_tiny.yaml").read_text())
     cfg.update(output_dir=str(tmp_path / "run"), tensorboard=False)
     cfg["model"]["path"] = str(model)
@@ -87,9 +87,9 @@ def test_grpo_deepspeed_vllm_from_model_path_and_its_final_is_a_model_path(ray_s
     from recipes.grpo import run
     from rlhf_switch.engines.full_state import FullState
     from rlhf_switch.models import model_spec
-    from rlhf_switch.testing.tiny_model import build_tiny_llama_dir
+    from rlhf_switch.testing.tiny_models import build_model_dir
 
-    model = build_tiny_llama_dir(tmp_path / "model")
+    model = build_model_dir(tmp_path / "model")
     layouts = dict(train={"engine": "deepspeed", "zero_stage": 3, "tp": 1, "pp": 1, "dp": 2},
                    rollout={"engine": "vllm", "tp": 2, "pp": 1, "dp": 1},
                    reference={"engine": "deepspeed", "zero_stage": 3, "tp": 1, "pp": 1, "dp": 2})

@@ -41,3 +41,19 @@ def test_pure_zero_layout_is_deepspeeds_partitioning(world4, stage):
 def test_refuses_a_stage_it_cannot_describe(world4):
     messages = world4.run(jobs.refuses_stage, 0)
     assert all("stage must be 1, 2 or 3" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("model_type,stage", [("qwen2", 3), ("qwen3", 3), ("qwen3_moe", 3), ("qwen3_moe", 2)])
+def test_zero_of_other_families(world4, model_type, stage):
+    """ZeRO over a tiny qwen2 (q/k/v biases), qwen3 (q/k norms) and qwen3_moe (stacked experts,
+    described per expert): the adapter describes the family spec, every fragment is DeepSpeed's
+    own tensor (gathered by DeepSpeed), the layout covers the model, and for the dense families
+    the partitioning is the pure layout's."""
+    results = world4.run(jobs.family_layout_truth, model_type, stage, timeout=300)
+    extra = {"qwen2": "self_attn.q_proj.bias", "qwen3": "self_attn.q_norm.weight",
+             "qwen3_moe": "mlp.experts.3.down_proj.weight"}[model_type]
+    for rank, res in enumerate(results):
+        assert res["bad"] == [] and res["n"] > 0, (rank, res["bad"][:5])
+        assert res["losses"] == results[0]["losses"]
+    held = set().union(*(r["tensors"] for r in results))
+    assert f"model.layers.1.{extra}" in held

@@ -43,7 +43,7 @@ from rlhf_switch.vps import (PARAM, BufferSpec, Fragment, Layout, ParallelConfig
 from rlhf_switch.vps import planner  # noqa: E402
 from rlhf_switch.vps.layout import _pairwise_disjoint  # noqa: E402
 from rlhf_switch.vps.layouts import data_parallel  # noqa: E402
-from rlhf_switch.vps.layouts.vllm import vllm_layout, worker_tensors  # noqa: E402
+from rlhf_switch.vps.layouts.vllm import vllm_buffer, vllm_layout, worker_tensors  # noqa: E402
 from rlhf_switch.vps.spec import qwen3_moe_spec  # noqa: E402
 
 SMALL_MOE = qwen3_moe_spec(dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
@@ -83,7 +83,7 @@ def test_lazy_vllm_layout_is_the_plain_construction(spec, tp, replicas):
     """Worker by worker, ``vllm_layout`` holds what ``worker_tensors`` describes, and its
     per-tensor ``holders`` answer what an index over every rank answers."""
     lay = vllm_layout(spec, tp, replicas)
-    first = {g.buffer: g.members[0] for g in spec.fused}
+    first = {vllm_buffer(g.buffer): g.members[0] for g in spec.fused}  # vLLM's names (MoE: routed_experts.*)
     for r in range(lay.world_size):
         pieces, numels = data_parallel.replicate(worker_tensors(spec, tp, r % tp), 1, 0)
         assert lay.fragments(r) == tuple(Fragment(StateKey(n, PARAM), box, f"{PARAM}/{buf}", off, strides)

@@ -169,3 +169,59 @@ def test_refusals_leave_every_rank_free(world4):
         assert "num_key_value_heads=2" in tp, f"rank {rank}: {tp}"
         assert "ascending" in pp and "ascending" in fsdp2, f"rank {rank}: {errors}"
         assert world == "world ok: 4"
+
+
+# --- other model families -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type,plans", [
+    # qwen2: FSDP2 on one half, DTensor TP2 on the other (its q/k/v biases split with the weights)
+    ("qwen2", [("fsdp2", [0, 1], {}), ("tp", [2, 3], {})]),
+    ("qwen3", [("fsdp2", [0, 1, 2, 3], {})]),  # per-head q/k norms, replicated in the spec
+    # TP: each rank's q/k norms see its own heads; their gradients are summed over TP
+    ("qwen3", [("fsdp2", [0, 1], {}), ("tp", [2, 3], {})]),
+    ("qwen3_moe", [("fsdp2", [0, 1, 2, 3], {})]),  # stacked experts: one whole expert per rank
+    # pipeline stages of Llama-shaped layers: qwen2's and mistral's (no sliding window) run as they are
+    ("qwen2", [("pp", [0, 1], {}), ("fsdp2", [2, 3], {})]),
+    ("mistral", [("pp", [0, 1], {}), ("tp", [2, 3], {})]),
+    ("qwen3", [("tp_pp", [0, 1, 2, 3], {"tp": 2})]),  # TP inside the stages: q/k norm gradients summed
+])
+def test_engines_of_other_families(world4, model_type, plans):
+    """The engines wrap the family's HF model; the adapter's spec is the family spec (derived from
+    the model), every fragment holds what it claims, FSDP2's shards are the pure layout's, and the
+    engines train one model (equal losses; a pipeline's bit for bit a one-process run's)."""
+    from rlhf_switch.models import model_spec
+    from rlhf_switch.testing.tiny_models import tiny_config
+
+    cfg = tiny_config(model_type, vocab_size=TINY["vocab_size"])
+    results = world4.run(jobs.layout_truth, cfg, plans, batches(2))
+    names = {"fsdp2": "FSDP2·DP", "tp": "TP", "pp": "PP", "tp_pp": "TP2·PP"}
+    engines = {names[kind] + str(len(ranks) // kw.get("tp", 1)): ranks for kind, ranks, kw in plans}
+    by_engine = check_truth(results, engines)
+    spec = model_spec(cfg)
+    i, (_, fsdp_ranks, _) = next((i, p) for i, p in enumerate(plans) if p[0] == "fsdp2") \
+        if any(p[0] == "fsdp2" for p in plans) else (0, plans[0])
+    weights = results[0]["layouts"][2 * i]  # the plan's weights
+    assert weights.spec == spec
+    pure = fsdp(spec, len(fsdp_ranks), (PARAM,))
+    for dp_rank, rank in enumerate(fsdp_ranks if plans[i][0] == "fsdp2" else ()):  # world rank = layout rank
+        if model_type == "qwen3_moe":  # FSDP2 shards the stacked experts: rank r holds expert r whole
+            held = {f.key.tensor for f in weights.fragments(rank) if ".experts." in f.key.tensor}
+            assert held == {f"model.layers.{layer}.mlp.experts.{dp_rank}.{w}_proj.weight"
+                            for layer in range(2) for w in ("gate", "up", "down")}, f"rank {rank}"
+        else:
+            assert fragments(weights, rank) == fragments(pure, dp_rank), f"rank {rank}"
+    if model_type == "qwen2":  # rank 3 (TP rank 1) holds the second half of every k bias
+        tp_weights = results[0]["layouts"][2]
+        k_bias = [f for f in tp_weights.fragments(3) if f.key.tensor == "model.layers.0.self_attn.k_proj.bias"]
+        assert [(f.box.lo, f.box.hi) for f in k_bias] == [((32,), (64,))]
+    if "tp" in [kind for kind, _, _ in plans]:  # replicated tensors stay bit-identical over TP
+        assert results[2]["plain_digests"] and results[2]["plain_digests"] == results[3]["plain_digests"]
+    if "PP2" in by_engine:
+        assert by_engine["PP2"][0]["losses"] == by_engine["PP2"][0]["reference_losses"]
+    if "TP2·PP2" in by_engine:  # TP rounds differently from the one-process run, slightly
+        res = by_engine["TP2·PP2"][0]
+        assert res["losses"] == pytest.approx(res["reference_losses"], rel=LOSS_RTOL)
+        assert "model.layers.0.self_attn.q_norm.weight" in res["reference_tensors"]  # stage 0 holds layer 0
+        assert res["reference_max_diff"] < 1e-4
+    losses = [v[0]["losses"] for v in by_engine.values()]
+    assert all(x == pytest.approx(losses[0], rel=LOSS_RTOL) for x in losses)  # FSDP2 and TP: one model

@@ -124,3 +124,41 @@ def refuses_stage(stage: int) -> str:
     except ValueError as e:
         return str(e)
     return "built"
+
+
+def family_layout_truth(model_type: str, stage: int, steps: int = 2) -> dict:
+    """A ZeRO engine over the family's HF model (``testing.tiny_models``), its adapter's spec the
+    family spec: every fragment against DeepSpeed's own gathers, and the pure ``mesh.zero`` layout
+    of that spec against the adapter's partitioning."""
+    from rlhf_switch.models import build_model, model_spec
+    from rlhf_switch.testing.tiny_models import tiny_config
+    from rlhf_switch.vps.layouts.mesh import zero as zero_layout
+
+    cfg = tiny_config(model_type, vocab_size=MODEL["vocab_size"])
+    model, spec = build_model(cfg, 0), model_spec(cfg)
+    dp = dist.get_world_size()
+    trainer = build_zero_trainer(model, spec, stage, micro_batch=BATCH // dp, optim=OPTIM)
+    losses = [trainer.train_step(batch(s)) for s in range(steps)]
+    state, weights = trainer.adapter.state(), trainer.adapter.weights()
+    truth = per_expert({**full_state(trainer), **full_weights(trainer)})
+    bad = mismatches(read_back(state), truth) + mismatches(read_back(weights), truth)
+    if model_type != "qwen3_moe":  # ZeRO-3 partitions a stacked expert parameter as one, not per expert
+        pure = zero_layout(spec, dp, stage, fields=(MASTER, EXP_AVG, EXP_AVG_SQ))
+        mine = sorted((f.key, f.box, f.offset) for f in state.fragments)
+        if mine != sorted((f.key, f.box, f.offset) for f in pure.fragments(dist.get_rank())):
+            bad.append(f"rank {dist.get_rank()}: the adapter's state fragments are not the pure zero layout's")
+    (state_layout,), _ = gather_layouts([(spec, state)], ["state"])
+    state_layout.validate()  # the ranks together cover every tensor of the spec
+    tensors = {f.key.tensor for f in state.fragments}
+    return {"bad": bad, "losses": losses, "n": len(state.fragments), "tensors": sorted(tensors)}
+
+
+def per_expert(truth: dict) -> dict:
+    """``truth`` with each stacked expert parameter also as its per-expert tensors (slices)."""
+    from rlhf_switch.families import stacked_experts
+
+    out = dict(truth)
+    for (name, field_), t in truth.items():
+        for tensor, e, lo, hi in stacked_experts(name, tuple(t.shape)) or ():
+            out[(tensor, field_)] = t[e, lo:hi]
+    return out

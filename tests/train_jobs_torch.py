@@ -17,7 +17,9 @@ from rlhf_switch.engines.dtensor_adapter import MOMENTS, is_dtensor
 from rlhf_switch.engines.optim import AdamWConfig
 from rlhf_switch.engines.train_state import gather_layouts
 from rlhf_switch.routing import move
-from rlhf_switch.vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, StateKey, llama_spec
+from rlhf_switch.families import stacked_experts
+from rlhf_switch.models import model_spec
+from rlhf_switch.vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, StateKey
 from rlhf_switch.vps.materialize import fragment_view
 
 BUILDERS = {"fsdp2": torch_train.build_fsdp2, "tp": torch_train.build_tp,
@@ -51,6 +53,10 @@ def dtensor_truth(trainer) -> tuple[dict[StateKey, torch.Tensor], dict[str, str]
                 truth[StateKey(name, field)] = t.detach()
                 plain[f"{field}/{name}"] = _digest(t)
         truth[StateKey(name, PARAM)] = truth[StateKey(name, MASTER)]
+        # a stacked MoE expert parameter: the spec's per-expert tensors are slices of it
+        for tensor, e, lo, hi in stacked_experts(name, tuple(p.shape)) or ():
+            for field in (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ):
+                truth[StateKey(tensor, field)] = truth[StateKey(name, field)][e, lo:hi]
     return truth, plain
 
 
@@ -110,7 +116,7 @@ def layout_truth(cfg: dict, plans: list[tuple], batches: list[torch.Tensor], see
     for t, (kind, _, _) in zip(trainers, plans):
         locals_ += [t.adapter.weights(), t.adapter.state()] if t else [None, None]
         names += [f"{kind}:weights", f"{kind}:state"]
-    spec = llama_spec(cfg)
+    spec = model_spec(cfg)
     layouts, _ = gather_layouts([(spec, x) if x is not None else None for x in locals_], names)
     for layout in layouts:
         layout.validate()

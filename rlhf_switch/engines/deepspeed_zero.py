@@ -26,6 +26,7 @@ still re-gathers its persistent parameters from the written partitions).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -34,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
-from ..vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, Box, ModelSpec, StateKey
+from ..families import stacked_experts
+from ..vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, ModelSpec, StateKey
 from .optim import AdamWConfig, load_schedule
 from .train_state import LocalState
 
@@ -182,6 +184,24 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec | None, stage: in
     return ZeroTrainer(engine, adapter, dp_group, tuple(ranks))
 
 
+def add_param_flat(out: LocalState, field_: str, name: str, shape: tuple[int, ...], lo: int, hi: int,
+                   buffer: str, offset: int) -> None:
+    """``buffer[offset:offset + hi - lo]`` holds flat elements ``[lo, hi)`` of parameter ``name``.
+    A stacked MoE expert parameter (``families.stacked_experts``) is a run of per-expert tensors,
+    each a contiguous block of its flat range: the range is cut at their edges."""
+    stacked = stacked_experts(name, shape)
+    if stacked is None:
+        out.add_flat(StateKey(name, field_), shape, lo, hi, buffer, offset)
+        return
+    row = math.prod(shape[2:])
+    for tensor, e, r0, r1 in stacked:
+        b0, b1 = (e * shape[1] + r0) * row, (e * shape[1] + r1) * row  # the tensor's block
+        a, b = max(lo, b0), min(hi, b1)
+        if a < b:
+            out.add_flat(StateKey(tensor, field_), (r1 - r0,) + tuple(shape[2:]), a - b0, b - b0, buffer,
+                         offset + a - lo)
+
+
 class ZeroAdapter:
     """One rank of a DeepSpeed ZeRO engine, described as VPS fragments over its own buffers."""
 
@@ -198,7 +218,9 @@ class ZeroAdapter:
         self.opt = engine.optimizer
         self.name = name or f"ZeRO{self.stage}·DP{engine.dp_world_size}"
         names = dict(engine.param_names)
-        unknown = sorted(n for n in names.values() if n not in spec)
+        # transformers 5 stacks a MoE layer's experts in one parameter; the spec names them per expert
+        unknown = sorted(n for p, n in names.items()
+                         if n not in spec and stacked_experts(n, tuple(getattr(p, "ds_shape", p.shape))) is None)
         if unknown:
             raise ValueError(f"{self.name}: parameters {unknown[:5]} are not tensors of model {spec.name!r}")
         self._names = names
@@ -240,11 +262,11 @@ class ZeroAdapter:
             if self.stage == 3:
                 buf = out.add_buffer(f"{PARAM}/g{g}", o.fp16_partitioned_groups_flat[g])
                 for name, shape, lo, hi, off in self._owned(g):
-                    out.add_flat(StateKey(name, PARAM), shape, lo, hi, buf, off)
+                    add_param_flat(out, PARAM, name, shape, lo, hi, buf, off)
             else:
                 buf = out.add_buffer(f"{PARAM}/g{g}", o.bit16_groups_flat[g])
                 for p, off in zip(o.round_robin_bit16_groups[g], o.round_robin_bit16_offsets[g]):
-                    out.add_box(StateKey(self._names[p], PARAM), Box.full(p.shape), buf, off)
+                    add_param_flat(out, PARAM, self._names[p], tuple(p.shape), 0, p.numel(), buf, off)
         return out
 
     def state(self) -> LocalState:
@@ -263,7 +285,7 @@ class ZeroAdapter:
             for field_, t in tensors.items():
                 buf = out.add_buffer(f"{field_}/g{g}", t.data)
                 for name, shape, lo, hi, off in self._owned(g):
-                    out.add_flat(StateKey(name, field_), shape, lo, hi, buf, off)
+                    add_param_flat(out, field_, name, shape, lo, hi, buf, off)
         return out
 
     @torch.no_grad()

@@ -6,7 +6,8 @@ tensor holds — for FSDP2's ``Shard(0)`` (uneven last shard: the local tensor i
 only, a view into FSDP2's padded storage), TP's ``Shard(0)``/``Shard(1)`` and the 2-D
 ``_StridedShard`` × ``Shard`` that FSDP2 makes of a TP weight. A plain tensor (pipeline stage,
 replicated norm) holds its whole tensor. Parameter names are HF names, so they are the VPS
-tensor names as they stand.
+tensor names as they stand — except a MoE layer's stacked experts (``families.stacked_experts``):
+one buffer holding, per expert it has whole, that expert's per-expert tensors at their offsets.
 
 The parameters are fp32 and ARE the master weights: ``weights()`` describes them as ``param``,
 ``state()`` as ``master`` plus AdamW's ``exp_avg``/``exp_avg_sq`` (same placements as the
@@ -21,6 +22,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ..families import stacked_experts
 from ..vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, Box, ModelSpec, StateKey
 from .optim import load_schedule
 from .train_state import LocalState
@@ -64,7 +66,10 @@ class TorchTrainAdapter:
         self.spec, self.name = spec, name
         self.optimizer, self.scheduler = optimizer, scheduler
         self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
-        unknown = [n for n in self.params if n not in spec]
+        # transformers 5 stacks a MoE layer's experts in one parameter; the spec names them per expert
+        self.stacked = {n: stacked_experts(n, tuple(p.shape)) for n, p in self.params.items()
+                        if n not in spec and stacked_experts(n, tuple(p.shape))}
+        unknown = [n for n in self.params if n not in spec and n not in self.stacked]
         if unknown:
             raise ValueError(f"{name}: parameters {unknown[:4]} are not tensors of model {spec.name!r}")
 
@@ -75,8 +80,24 @@ class TorchTrainAdapter:
             box, local = local_box(tensor_of(name, p))
             if box.empty:  # an FSDP2 rank past the last row: nothing here
                 continue
-            out.add_box(StateKey(name, field), box, out.add_buffer(f"{field}/{name}", local))
+            buffer = out.add_buffer(f"{field}/{name}", local)
+            if name in self.stacked:
+                self._describe_experts(out, field, name, tuple(p.shape), box, buffer)
+            else:
+                out.add_box(StateKey(name, field), box, buffer)
         return out
+
+    def _describe_experts(self, out: LocalState, field: str, name: str, shape, box: Box, buffer: str) -> None:
+        """A stacked expert parameter [E, R, C] held as experts ``[box.lo[0], box.hi[0])`` whole (what
+        FSDP2's ``Shard(0)`` makes of it): each expert's tensors are row blocks of its ``[R, C]``."""
+        if box.lo[1:] != (0,) * (len(shape) - 1) or box.hi[1:] != tuple(shape[1:]):
+            raise ValueError(f"{self.name}: {name} is split inside an expert ({box}); only whole experts "
+                             f"(dim-0 shards) are described")
+        row = shape[2]
+        for tensor, e, lo, hi in self.stacked[name]:
+            if box.lo[0] <= e < box.hi[0]:
+                offset = ((e - box.lo[0]) * shape[1] + lo) * row
+                out.add_box(StateKey(tensor, field), Box.full((hi - lo, row)), buffer, offset)
 
     def weights(self) -> LocalState:
         return self._describe(PARAM, lambda n, p: p)

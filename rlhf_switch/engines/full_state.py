@@ -186,20 +186,18 @@ def _fp32_whole(tensors: Mapping[str, torch.Tensor] | None, t, zero: bool = Fals
 
 
 def write_hf_config(path: str | os.PathLike, hf_config: Mapping[str, Any], dtype: str = "float32") -> None:
-    """``config.json`` of the model ``hf_config`` describes (its ``model_type``: Llama when absent)
-    that transformers and vLLM load: ``architectures`` names its causal-LM class, ``dtype`` the
-    saved weights' dtype, also as ``torch_dtype`` for readers older than transformers 5. The
-    attribute set is ``dtype``: transformers 5 warns "`torch_dtype` is deprecated!" on every write
-    or read of ``config.torch_dtype`` (reading the key from a file does not warn)."""
+    """``config.json`` of the family's causal LM (``families.py``; a dict without ``model_type`` is
+    Llama) that transformers and vLLM load without a tokenizer (``architectures`` names the class
+    and ``model_type`` the family; ``dtype`` the saved weights' dtype, also as
+    ``torch_dtype`` for readers older than transformers 5). The attribute set is ``dtype``:
+    transformers 5 warns "`torch_dtype` is deprecated!" on every write or read of
+    ``config.torch_dtype`` (reading the key from a file does not warn)."""
     import json
 
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from ..families import family, hf_config_object
 
-    fields = {k: v for k, v in dict(hf_config).items() if k not in ("torch_dtype", "dtype", "architectures")}
-    model_type = fields.pop("model_type", None) or "llama"
-    cfg = AutoConfig.for_model(model_type, **fields)
-    cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    cfg = hf_config_object({k: v for k, v in dict(hf_config).items() if k != "torch_dtype"})
+    cfg.architectures = [family(hf_config).causal_lm_class]
     cfg.dtype = dtype
     cfg.save_pretrained(str(path))
     written = Path(path) / "config.json"

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..vps import llama_spec
+from ..models import model_spec
 from ..vps.layouts.pipeline import stage_bounds
 from .dtensor_adapter import TorchTrainAdapter
 from .optim import AdamWConfig
@@ -60,7 +60,8 @@ LossFn = Callable[[torch.Tensor, slice], tuple[torch.Tensor, dict]]
 
 
 class LlamaStage(nn.Module):
-    """Stage ``s`` of a pipelined ``LlamaForCausalLM`` that keeps the full model's parameter
+    """Stage ``s`` of a pipelined causal LM of a dense family (Llama-shaped decoder layers: llama,
+    mistral, qwen2, qwen3; the name is historical) that keeps the full model's parameter
     names: ``model.layers`` is a ``ModuleDict`` keyed by the original layer index (torchtitan's
     trick), holding only this stage's layers; the embedding lives on the first stage, the final
     norm and LM head on the last. Input: token ids (first stage) or hidden states; output:
@@ -182,7 +183,7 @@ def _build_pipeline(hf_config: Any, seed: int, ranks: Sequence[int], tp: int, mi
         return torch.stack(losses).mean() if losses else torch.zeros(())
 
     # the last stage of this rank's pipeline (same TP rank) broadcasts the loss along it
-    return TorchTrainer(stage, me.name, llama_spec(stage.model.config), optim, loss_and_backward,
+    return TorchTrainer(stage, me.name, model_spec(stage.model.config), optim, loss_and_backward,
                         None, 1, 0, loss_group=me.group if pp > 1 else None, loss_src=me.last_src)
 
 
@@ -208,7 +209,7 @@ class PipelineTrainer:
     def __init__(self, me: _Stage, engine: dist.ProcessGroup, src: int, optim: AdamWConfig,
                  seq_len: int, micro: int | None):
         self.module, self.name = me.module, me.name
-        self.spec = llama_spec(self.module.model.config)
+        self.spec = model_spec(self.module.model.config)
         self.stage_index, self.pp = me.index, me.pp
         self.seq_len, self.micro = int(seq_len), micro
         self._pipe, self._engine, self._src = me.group, engine, src

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..families import DENSE, engine_family_problems
 from ..models import build_model, model_spec
 from .base import LossFn, ModuleEngine, TrainingContext, TrainingEngine
 
@@ -34,7 +35,9 @@ class _TorchTrainerEngine(ModuleEngine):
 
 
 class FSDP2Engine(_TorchTrainerEngine):
-    """torch FSDP2 (``fully_shard`` per decoder layer and the root) over all its ranks: DP only."""
+    """torch FSDP2 (``fully_shard`` per decoder layer and the root) over all its ranks: DP only.
+    Every family: a qwen3_moe layer's stacked experts are sharded on the expert dim, each rank
+    holding whole experts, which the adapter describes per expert."""
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
@@ -52,11 +55,16 @@ class FSDP2Engine(_TorchTrainerEngine):
 
 
 class TorchTPEngine(_TorchTrainerEngine):
-    """DTensor TP (Megatron-style plan on every decoder layer), with FSDP2 over DP when dp > 1."""
+    """DTensor TP (Megatron-style plan on every decoder layer), with FSDP2 over DP when dp > 1.
+    The dense families: qwen2's q/k/v biases split with their weights, qwen3's per-head q/k norms
+    replicated with their gradients summed over TP (``torch_train._tensor_parallel``). Not
+    qwen3_moe: its stacked experts have no TP plan here."""
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         problems = _fixed(phase, layout, "torch_tp", pp=1, zero_stage=0)
+        problems += engine_family_problems(phase, "torch_tp", dims, DENSE,
+                                           "its stacked experts have no tensor-parallel plan here")
         if head != "lm":
             problems.append(f"{phase}: engine torch_tp builds causal LMs only (use fsdp2 or deepspeed)")
         return problems
@@ -75,11 +83,15 @@ class TorchTPEngine(_TorchTrainerEngine):
 class TorchPPEngine(TrainingEngine):
     """Pipeline stages (``torch.distributed.pipelining``, GPipe), DTensor TP inside each stage when
     tp > 1: every batch goes through the stages in micro-batches; the last stage computes the
-    log-probs and losses and hands them to every rank of the engine."""
+    log-probs and losses and hands them to every rank of the engine. The dense families (the
+    stages call the family's own decoder layers); not qwen3_moe."""
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         problems = _fixed(phase, layout, "torch_pp", dp=1, zero_stage=0)
+        # the stages (pipeline.LlamaStage) call the family's decoder layers as they are
+        problems += engine_family_problems(phase, "torch_pp", dims, DENSE,
+                                           "its stages have no MoE layer and no TP plan for one")
         if head != "lm":
             problems.append(f"{phase}: engine torch_pp builds causal LMs only (use fsdp2 or deepspeed)")
         if dims is not None and layout.pp > 1 and getattr(dims, "tie_word_embeddings", False):

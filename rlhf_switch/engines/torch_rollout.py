@@ -12,12 +12,15 @@ writes the engine's weights in place: no copy, nothing to reload, and the next f
 Per TP worker ``t`` of ``T`` (see ``vps/layouts/vllm.py``): ``qkv_proj = [q_t; k_t; v_t]`` (one
 KV head, replicated, when ``T > KV heads``), ``gate_up_proj = [gate_t; up_t]``, ``o_proj`` and
 ``down_proj`` split on dim 1 and summed with ``all_reduce``, embedding and LM head split by rows
-of the vocabulary padded to 64. Default Llama RoPE only. Everything is plain torch: CPU float32
+of the vocabulary padded to 64. Families: llama, mistral, qwen2 (its q/k/v biases fused like the
+weights: ``qkv_proj.bias``), qwen3 (per-head ``q_norm``/``k_norm`` before RoPE, whole on every
+worker); no MoE. Default RoPE only. Everything is plain torch: CPU float32
 in tests, any device the buffers live on otherwise.
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -29,7 +32,15 @@ from ..vps.layout import Layout
 from ..vps.layouts.vllm import padded_vocab, vllm_layout, worker_tensors
 from ..vps.materialize import allocate
 from ..vps.spec import ModelSpec
+from ..families import engine_family_problems
 from .base import RolloutContext, RolloutEngine
+
+# the families whose tensors are all ones forward reads: Llama's (with or without linear biases), per-
+# head q/k RMS norms applied before RoPE (qwen3)
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_KNOWN_TENSOR = re.compile(r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|model\.layers\.\d+\."
+                           r"((self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.(weight|bias)"
+                           r"|(input|post_attention)_layernorm\.weight|self_attn\.[qk]_norm\.weight)")
 
 
 @dataclass
@@ -68,8 +79,11 @@ class TorchRollout:
         if tp > 1 and (group is None or dist.get_world_size(group) != tp or dist.get_rank(group) != tp_rank):
             raise ValueError(f"TP={tp} worker {tp_rank} needs its TP group (dist.new_group of the "
                              f"replica's {tp} ranks) in which it has rank {tp_rank}")
-        if getattr(spec, "num_experts", 0) or spec.attention is None:
-            raise NotImplementedError(f"TorchRollout runs dense Llama-shaped models only, not {spec.name!r}")
+        extra = [t.name for t in spec.tensors if not _KNOWN_TENSOR.fullmatch(t.name)]
+        if getattr(spec, "num_experts", 0) or spec.attention is None or extra:
+            raise NotImplementedError(f"TorchRollout runs dense models of {', '.join(DENSE_FAMILIES)} only, "
+                                      f"not {spec.name!r}"
+                                      + (f" (it has {', '.join(extra[:3])})" if extra else ""))
         self.spec, self.tp, self.tp_rank, self.group, self.dtype = spec, tp, tp_rank, group, dtype
         self.eps, self.theta = rms_norm_eps, rope_theta
         a = spec.attention
@@ -152,8 +166,11 @@ class TorchRollout:
         positions = slots if pad is None else (slots[None, :] - pad[:, None]).clamp(min=0)  # [T] / [B, T]
         qkv = self._column(x, p + "qkv_proj")                          # [B, T, (nq + 2·nkv)·hd]
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-        q = self._rope(q.view(B, T, nq, hd).transpose(1, 2), positions)  # [B, nq, T, hd]
-        k = self._rope(k.view(B, T, nkv, hd).transpose(1, 2), positions)  # [B, nkv, T, hd]
+        q, k = q.view(B, T, nq, hd), k.view(B, T, nkv, hd)
+        if p + "q_norm.weight" in self.w:  # qwen3: RMS norm over each head's features, before RoPE
+            q, k = self._rms_norm(q, self.w[p + "q_norm.weight"]), self._rms_norm(k, self.w[p + "k_norm.weight"])
+        q = self._rope(q.transpose(1, 2), positions)                   # [B, nq, T, hd]
+        k = self._rope(k.transpose(1, 2), positions)                   # [B, nkv, T, hd]
         v = v.view(B, T, nkv, hd).transpose(1, 2)                      # [B, nkv, T, hd]
         if cache is not None:                                          # write, then read the prefix
             cache.k[i][:, :, slots] = k
@@ -277,6 +294,11 @@ class TorchRolloutEngine(RolloutEngine):
     trainer's world (placement ``worker``), its weights the very buffers the channel writes."""
 
     placement = "worker"
+
+    @classmethod
+    def layout_problems(cls, phase, layout, dims):
+        return super().layout_problems(phase, layout, dims) + engine_family_problems(
+            phase, "torch rollout", dims, DENSE_FAMILIES, "its forward has no mixture-of-experts layer")
 
     @classmethod
     def build(cls, ctx: RolloutContext) -> "TorchRolloutEngine":

@@ -4,9 +4,9 @@ and TP inside pipeline stages (TP×PP).
 Each ``build_*`` function is called on EVERY rank of the world (process groups are created
 collectively over the world) and returns a ``TorchTrainer`` on the ranks the engine lives on,
 ``None`` elsewhere, so one world can hold several engines on disjoint subsets of its ranks.
-Every engine builds the same Hugging Face ``LlamaForCausalLM`` (fp32, seeded, identical on every
-rank), applies its parallelism, and trains it with the shared ``optim.AdamWConfig`` recipe (torch
-``AdamW`` + ``LambdaLR`` warmup); its parameters keep their HF names, so ``trainer.adapter`` (a
+Every engine builds the same Hugging Face causal LM of the config's family (``families.py``; fp32,
+seeded, identical on every rank), applies its parallelism, and trains it with the shared
+``optim.AdamWConfig`` recipe (torch ``AdamW`` + ``LambdaLR`` warmup); its parameters keep their HF names, so ``trainer.adapter`` (a
 ``TorchTrainAdapter``) describes them in the VPS directly.
 
 ``train_step(input_ids)`` takes the GLOBAL batch on every rank; each DP rank takes its contiguous
@@ -18,6 +18,7 @@ Rank order on a mesh is Megatron's (TP fastest): ``ranks[dp_rank · tp + tp_rank
 """
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -25,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..vps import llama_spec
 from ..models import causal_lm as hf_model  # noqa: F401 - the name tests and benches import
+from ..models import model_spec
 from .dtensor_adapter import TorchTrainAdapter
 from .optim import AdamWConfig
 
@@ -199,7 +200,7 @@ def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamW
     if model_fn is not None:
         return TorchTrainer(model, f"FSDP2·DP{dp}", spec, optim, None,
                             mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
-    return TorchTrainer(model, f"FSDP2·DP{dp}", llama_spec(model.config), optim,
+    return TorchTrainer(model, f"FSDP2·DP{dp}", model_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)),
                         mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
 
@@ -211,11 +212,38 @@ def _backward(loss: torch.Tensor) -> torch.Tensor:
 
 # --- DTensor TP, and TP×DP -----------------------------------------------------------------------
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group. For a replicated weight
+    that each TP rank applies to its own heads only (qwen3's per-head q/k norms): its full
+    gradient is the sum of the ranks' partial ones, identical on every rank after the sum."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _head_norm_forward(norm: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen3 RMSNorm forward, op for op, its weight through ``_SumGradOverTP``."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return _SumGradOverTP.apply(norm.weight, group) * x.to(dtype)
+
+
 def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
     """Megatron-style TP of every decoder layer: q/k/v/gate/up column-parallel, o/down
     row-parallel (one all-reduce each). Embedding, norms and LM head stay plain replicated
     tensors: they see replicated activations and replicated (all-reduced) gradients, so they
-    stay bit-identical on every TP rank. ``model`` is an HF model or a ``LlamaStage`` (whose
+    stay bit-identical on every TP rank. Qwen3's per-head q/k norms see only the rank's heads:
+    their gradients are summed over TP (``_SumGradOverTP``). q/k/v biases (qwen2) are split with
+    their weights by ``ColwiseParallel``. ``model`` is an HF model or a ``LlamaStage`` (whose
     ``model.layers`` is a ``ModuleDict`` of this stage's layers only)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -226,6 +254,9 @@ def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
     layers = model.model.layers
     for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
         parallelize_module(layer, tp_mesh, plan)
+        for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
+            if norm is not None:  # qwen3: a rank's norm sees its own heads only
+                norm.forward = functools.partial(_head_norm_forward, norm, tp_mesh.get_group())
 
 
 def build_tp(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWConfig = AdamWConfig(),
@@ -238,7 +269,7 @@ def build_tp(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWCon
         return None
     model = hf_model(hf_config, seed)
     _tensor_parallel(model, mesh)
-    return TorchTrainer(model, f"TP{tp}", llama_spec(model.config), optim,
+    return TorchTrainer(model, f"TP{tp}", model_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)), None, 1, 0)
 
 
@@ -261,7 +292,7 @@ def build_tp_dp(hf_config: Any, seed: int, ranks: Sequence[int], *, tp: int,
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    return TorchTrainer(model, f"TP{tp}·DP{dp}", llama_spec(model.config), optim,
+    return TorchTrainer(model, f"TP{tp}·DP{dp}", model_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)),
                         mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
 

@@ -31,7 +31,7 @@ from .. import compat
 from ..routing.executor import DEFAULT_BUDGET
 from ..rl.tokenizer import has_tokenizer
 from ..vps.layout import Layout, LayoutError
-from ..vps.layouts.vllm import vllm_layout, worker_tensors
+from ..vps.layouts.vllm import param_shape, vllm_layout, worker_tensors
 from ..vps.placement import place
 from ..vps.spec import ModelSpec
 from .base import RolloutContext, RolloutEngine
@@ -61,7 +61,7 @@ def check_engine(layout: Layout, descriptions: Sequence[dict], engine: str = "th
             problems.append(f"{where} computes with prepacked copies of {len(d['prepacked'])} layers "
                             f"(e.g. {d['prepacked'][0]}): in-place writes would be ignored")
         have = d["params"]
-        want = {PREFIX + lt.buffer: lt.shape for lt in worker_tensors(spec, tp, rank)}
+        want = {PREFIX + lt.buffer: param_shape(spec, lt) for lt in worker_tensors(spec, tp, rank)}
         bufs = layout.buffers(rank)
         for name in sorted(set(want) - set(have)):
             problems.append(f"{where} has no parameter {name[len(PREFIX):]!r} (layout shape {list(want[name])})")

@@ -49,6 +49,7 @@ PREFIX = "param/"
 # vLLM imports this module in each worker before load_model(): turn CPU weight prepacking off now
 # (compat.disable_vllm_cpu_prepacking says why and how a vLLM that moved the hook is caught)
 PREPACKING_DISABLED = compat.disable_vllm_cpu_prepacking()
+MOE_PREPACKING_DISABLED = compat.disable_vllm_cpu_moe_prepacking()  # the same for MoE experts
 
 
 def _tp_rank_and_size() -> tuple[int, int]:
@@ -103,6 +104,11 @@ class VpsWorkerExtension:
         prepacked = [name for name, m in model.named_modules()
                      if hasattr(m, "cpu_linear") and m.cpu_linear is not compat.plain_cpu_linear
                      and not getattr(getattr(m, "weight", None), "is_meta", False)]
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():  # CPU MoE experts prepack w13/w2 unless compat's patch marked them
+            prepacked += [name for name, m in model.named_modules()
+                          if hasattr(m, "w13_weight") and not getattr(m, "vps_plain_moe", False)]
         return {
             "tp_rank": tp_rank,
             "tp_size": tp_size,
@@ -110,7 +116,7 @@ class VpsWorkerExtension:
             "params": {PREFIX + name: [list(p.shape), str(p.dtype).replace("torch.", ""), p.is_contiguous()]
                        for name, p in model.named_parameters()},
             "prepacked": prepacked,
-            "prepacking_disabled": PREPACKING_DISABLED,
+            "prepacking_disabled": PREPACKING_DISABLED and MOE_PREPACKING_DISABLED,
         }
 
     @_answer

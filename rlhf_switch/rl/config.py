@@ -89,9 +89,10 @@ class RolloutLayout(PhaseLayout):
 
 
 class ModelConfig(Strict):
-    """The actor's architecture: ``hf_config`` (a ``LlamaConfig`` as a dict; the reference and
-    the critic's trunk share it) or ``path`` (a local directory with ``config.json``, and for
-    ``data:`` runs the tokenizer unless ``tokenizer`` names another directory)."""
+    """The actor's architecture: ``hf_config`` (an HF config as a dict, its ``model_type`` one of
+    ``families.FAMILIES``, Llama when absent; the reference and the critic's trunk share it) or
+    ``path`` (a local directory with ``config.json``, and for ``data:`` runs the tokenizer unless
+    ``tokenizer`` names another directory)."""
 
     hf_config: dict[str, Any] | None = None
     path: str | None = None
@@ -420,6 +421,7 @@ class ModelDims:
     max_context: int
     special_ids: Mapping[str, int]
     tie_word_embeddings: bool = False
+    model_type: str = "llama"  # families.py: what the engines' layout_problems refuse by family
 
     REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     OPTIONAL = ("num_key_value_heads", "max_position_embeddings")
@@ -433,7 +435,8 @@ class ModelDims:
                    max_context=int(cfg.get("max_position_embeddings") or LLAMA_DEFAULT_CONTEXT),
                    special_ids={k: cfg[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")
                                 if cfg.get(k) is not None},
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                   model_type=str(cfg.get("model_type") or "llama"))
 
 
 def model_dims(model: ModelConfig) -> ModelDims:
@@ -459,6 +462,15 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
+def _family_problems(model: ModelConfig) -> list[str]:
+    """The model family's refusals (``families.family_problems``: an unknown ``model_type``, …)."""
+    from ..families import family_problems
+
+    cfg = model.hf_config if model.hf_config is not None else \
+        json.loads((Path(model.path) / "config.json").read_text())
+    return [f"model: {p}" for p in family_problems(cfg)]
+
+
 def _weights_problems(model: ModelConfig) -> list[str]:
     """``model.path``: the weights beside ``config.json`` must be the model it describes (names
     and shapes from the safetensors header, against the VPS spec of the config)."""
@@ -468,9 +480,12 @@ def _weights_problems(model: ModelConfig) -> list[str]:
     weights = root / "model.safetensors"
     if not weights.is_file():
         return []  # no weights: the run starts from the config's seeded initial model
-    from ..vps.spec import llama_spec
+    from ..families import derive_spec, family_problems
 
-    spec = llama_spec(json.loads((root / "config.json").read_text()), name=str(root))
+    hf_config = json.loads((root / "config.json").read_text())
+    if family_problems(hf_config):
+        return []  # fit_problems reports the family's own problems; there is no spec to compare with
+    spec = derive_spec(hf_config, name=str(root))
     try:
         held = safetensors_shapes(weights)
     except (OSError, ValueError, KeyError) as e:
@@ -631,6 +646,7 @@ def fit_problems(cfg: RunConfig, load_reward: bool = True) -> list[str]:
         problems += e.problems
         dims = None
     if dims is not None:
+        problems += _family_problems(cfg.model)
         problems += _weights_problems(cfg.model)
     for phase, layout in cfg.phases().items():
         problems += _layout_problems(phase, layout, cfg.world_size)

@@ -1,2 +1,3 @@
-"""Small, deterministic stand-ins for downloads: a GSM8K-format word-problem generator and a
-byte-level BPE tokenizer trained on its output (tests and the shipped example run use them)."""
+"""Small, deterministic stand-ins for downloads: tiny random models of every family, a GSM8K-format
+word-problem generator and a byte-level BPE tokenizer trained on its output (tests and the shipped
+examples use them)."""

@@ -147,6 +147,16 @@ def _cfg(config: Any, name: str, default: Any = None) -> Any:
     return getattr(config, name, default)
 
 
+def config_dtype(config: Any) -> str:
+    """The parameter dtype a config names (``float32`` when it names none)."""
+    # transformers 5 calls it `dtype` (reading `torch_dtype` warns); older configs, dicts: torch_dtype
+    if isinstance(config, Mapping) or not hasattr(config, "dtype"):
+        found = _cfg(config, "dtype") or _cfg(config, "torch_dtype")
+    else:
+        found = config.dtype
+    return str(found or "float32").replace("torch.", "")
+
+
 def llama_spec(config: Any, dtype: str | None = None, name: str = "llama") -> ModelSpec:
     """Spec of a Hugging Face ``LlamaForCausalLM`` (and Llama-shaped models: Qwen2, Mistral)
     from its config object or dict. Names and order equal ``model.named_parameters()``."""
@@ -160,13 +170,7 @@ def llama_spec(config: Any, dtype: str | None = None, name: str = "llama") -> Mo
     tied = bool(_cfg(config, "tie_word_embeddings", False))
     attn_bias = bool(_cfg(config, "attention_bias", False))
     mlp_bias = bool(_cfg(config, "mlp_bias", False))
-    if dtype is None:
-        # transformers 5 calls it `dtype` (reading `torch_dtype` warns); older configs, dicts: torch_dtype
-        if isinstance(config, Mapping) or not hasattr(config, "dtype"):
-            found = _cfg(config, "dtype") or _cfg(config, "torch_dtype")
-        else:
-            found = config.dtype
-        dtype = str(found or "float32").replace("torch.", "")
+    dtype = dtype or config_dtype(config)
     itemsize(dtype)
 
     tensors: list[TensorSpec] = [TensorSpec("model.embed_tokens.weight", (V, H), dtype, "vocab", anchor="first")]

@@ -75,6 +75,7 @@ def build_layout(spec: ModelSpec, config: ParallelConfig, fields: tuple[str, ...
         raise LayoutError(f"{config} needs tp·pp·dp = {config.tp}·{config.pp}·{config.dp} = "
                           f"{config.world_size} ranks, the world has {world_size}")
     tensor_parallel.check_tp(spec, config.tp, config.vocab_divisible_by, config.fuse_qkv)
+    tensor_parallel.check_tp_cover(spec, config.tp, config.fuse_qkv, config.fuse_gate_up)
     expert_parallel.check_ep(spec, config.ep)
     fields = tuple(fields)
     build = _ClassBuilder(spec, config, fields, param_dtype, state_dtype)

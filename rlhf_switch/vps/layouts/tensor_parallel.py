@@ -12,7 +12,8 @@ replicate  whole tensor on every TP rank (norms)
 
 Fusion, when asked for, follows Megatron's buffers: ``qkv`` interleaves per query group —
 rank t holds groups ``[t·G/tp, (t+1)·G/tp)`` and for each group its q heads, then its k head, then
-its v head; ``concat`` stacks the members' shards (``[gate_t; up_t]``). Worked example, 4 heads,
+its v head; ``concat`` stacks the members' shards, each split by its own role (``[gate_t; up_t]``
+of column shards; a MoE ``w2`` of every expert's ``down_proj`` row shard). Worked example, 4 heads,
 2 KV groups, head_dim 2, tp=2: rank 0's ``qkv_proj`` rows are q[0:4], k[0:2], v[0:2]; rank 1's
 are q[4:8], k[2:4], v[2:4].
 """
@@ -46,6 +47,35 @@ def check_tp(spec: ModelSpec, tp: int, vocab_divisible_by: int | None, fuse_qkv:
     if bad:
         shown = ", ".join(bad[:8]) + (f", … ({len(bad)} in all)" if len(bad) > 8 else "")
         raise LayoutError(f"TP={tp} does not divide {shown}")
+
+
+def check_tp_cover(spec: ModelSpec, tp: int, fuse_qkv: bool, fuse_gate_up: bool) -> None:
+    """Refuse, when the layout is built, TP rules whose ranks together do not hold every element
+    of a fused buffer's members (each member's distinct boxes over the TP ranks must tile it).
+    Unfused tensors follow ``shard``, whose split ``check_tp`` has already made even. Checked once
+    per fused geometry: a model's layers repeat a few."""
+    if tp == 1 or not (fuse_qkv or fuse_gate_up):
+        return
+    seen: set[tuple] = set()
+    problems = []
+    for g in spec.fused:
+        if not ((g.style == "qkv" and fuse_qkv) or (g.style == "concat" and fuse_gate_up)):
+            continue
+        members = [spec[m] for m in g.members]
+        geometry = (g.style, tuple((t.shape, t.tp) for t in members))
+        if geometry in seen:
+            continue
+        seen.add(geometry)
+        boxes: dict[str, set[Box]] = {m: set() for m in g.members}
+        for rank in range(tp):
+            for p in _fused(spec, g, tp, rank).parts:
+                boxes[p.tensor].add(p.box)
+        for t in members:
+            held = sum(b.numel for b in boxes[t.name])
+            if held != t.numel:
+                problems.append(f"{t.name} in {g.buffer}: TP ranks hold {held} of its {t.numel} elements")
+    if problems:
+        raise LayoutError(f"TP={tp} with fused buffers does not cover the model: " + "; ".join(problems[:8]))
 
 
 def undivided_dims(spec: ModelSpec, tp: int, vocab_rows, vocab_note: str, skip=frozenset()) -> list[str]:
@@ -128,10 +158,13 @@ def _fused(spec: ModelSpec, g: FusedGroup, tp: int, rank: int) -> LocalTensor:
     parts: list[Part] = []
     row = 0
 
-    def add(t: TensorSpec, lo: int, hi: int):
+    def add_box(t: TensorSpec, box: Box):
         nonlocal row
-        parts.append(Part(t.name, Box((lo,) + (0,) * (len(t.shape) - 1), (hi,) + t.shape[1:]), row))
-        row += hi - lo
+        parts.append(Part(t.name, box, row))
+        row += box.shape[0]
+
+    def add(t: TensorSpec, lo: int, hi: int):
+        add_box(t, Box((lo,) + (0,) * (len(t.shape) - 1), (hi,) + t.shape[1:]))
 
     if g.style == "qkv":
         a = spec.attention
@@ -142,8 +175,17 @@ def _fused(spec: ModelSpec, g: FusedGroup, tp: int, rank: int) -> LocalTensor:
             add(q, grp * q_rows, (grp + 1) * q_rows)
             add(k, grp * a.head_dim, (grp + 1) * a.head_dim)
             add(v, grp * a.head_dim, (grp + 1) * a.head_dim)
+        trailing = members[0].shape[1:]
     else:
+        # each member split by its own role: [gate_t; up_t] are column shards (dim 0), a MoE
+        # layer's w2 stacks row shards (dim 1) of every expert's down_proj on dim 0
+        trailing = None
         for t in members:
-            n = t.shape[0] // tp
-            add(t, rank * n, (rank + 1) * n)
-    return LocalTensor(g.buffer, (row,) + members[0].shape[1:], tuple(parts), members[0].dtype)
+            local, box = _shard(t.shape, t.tp, tp, rank, None)
+            if trailing is None:
+                trailing = local[1:]
+            elif local[1:] != trailing:
+                raise LayoutError(f"fused buffer {g.buffer}: member {t.name} has local shape {local}, "
+                                  f"the first member's rows are {trailing}; they cannot stack on dim 0")
+            add_box(t, box)
+    return LocalTensor(g.buffer, (row,) + trailing, tuple(parts), members[0].dtype)

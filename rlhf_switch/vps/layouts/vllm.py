@@ -8,6 +8,13 @@ Rules, from vLLM's own layers (``vllm/model_executor/layers/linear.py``,
                     KV heads ``[t·KV/T, (t+1)·KV/T)``; when ``T > KV`` each worker holds ONE KV head,
                     ``t // (T/KV)`` — KV heads are *replicated*, not split
 ``gate_up_proj``    ``[gate_t; up_t]`` on dim 0
+qkv bias            as the qkv weight's rows (Qwen2)
+``q_norm``,         whole on every worker (per-head norms, Qwen3)
+``k_norm``
+MoE ``w13_weight``  ``FusedMoE``'s ``[E, 2I/T, H]``: per expert ``[gate_t; up_t]`` (the intermediate dim split)
+MoE ``w2_weight``   ``[E, H, I/T]``: per expert ``down_proj`` split on dim 1; both named
+                    ``mlp.experts.routed_experts.w{13,2}_weight`` (``vllm_buffer``)
+router ``mlp.gate`` whole on every worker (vLLM's ``ReplicatedLinear``)
 ``o_proj``,         dim 1 split (their biases, if any, whole on every worker)
 ``down_proj``
 embedding, LM head  vocabulary padded to a multiple of 64, then split in ``T`` equal row ranges;
@@ -52,6 +59,25 @@ def check_vllm_tp(spec: ModelSpec, tp: int) -> None:
         raise LayoutError(f"vLLM cannot run {spec.name!r} at TP={tp}: it does not divide " + ", ".join(bad))
 
 
+def vllm_buffer(fused: str) -> str:
+    """vLLM's parameter name of a fused buffer: vLLM 0.32's ``FusedMoE`` keeps a layer's expert
+    weights in a ``routed_experts`` child (``mlp.experts.routed_experts.w13_weight``)."""
+    for w in (".experts.w13_weight", ".experts.w2_weight"):
+        if fused.endswith(w):
+            return fused[: -len(w)] + ".experts.routed_experts." + w[len(".experts."):]
+    return fused
+
+
+def param_shape(spec: ModelSpec, local: LocalTensor) -> tuple[int, ...]:
+    """The shape of vLLM's parameter behind ``local`` (same bytes, row-major): ``local.shape``,
+    except FusedMoE's ``w13``/``w2``, which are 3-D ``[E, rows of one expert, ...]`` where the
+    local tensor stacks every expert's rows on dim 0."""
+    experts = len({spec[p.tensor].expert for p in local.parts if spec[p.tensor].expert is not None})
+    if not experts:
+        return local.shape
+    return (experts, local.shape[0] // experts) + local.shape[1:]
+
+
 def padded_vocab(vocab: int) -> int:
     return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
 
@@ -66,7 +92,7 @@ def worker_tensors(spec: ModelSpec, tp: int, rank: int) -> list[LocalTensor]:
         if g is not None:
             if g.buffer not in done:
                 done.add(g.buffer)
-                out.append(_fused(spec, g.members, g.buffer, g.style, tp, rank))
+                out.append(_fused(spec, g.members, vllm_buffer(g.buffer), g.style, tp, rank))
             continue
         if t.tp == "vocab":
             per = padded_vocab(t.shape[0]) // tp
@@ -166,7 +192,7 @@ class Workers:
                 done.add(g.buffer)
                 members = [spec._by_name[m] for m in g.members]
                 bdtype = dtype or members[0].dtype
-                bname = f"{PARAM}/{g.buffer}"
+                bname = f"{PARAM}/{vllm_buffer(g.buffer)}"
                 row = 0
                 if g.style == "qkv":
                     q, k, v = members
@@ -189,7 +215,7 @@ class Workers:
                             at = splits[(m.shape, m.tp)] = (split, _local_shape(m, split)[0])
                         row = put(m, bname, row, at[0], at[1], bdtype)
                 first = _local_shape(members[0], self.place[members[0].name][2])
-                self.buffers[f"{PARAM}/{g.buffer}"] = BufferSpec(row * prod(first[1:]), bdtype)
+                self.buffers[bname] = BufferSpec(row * prod(first[1:]), bdtype)
             elif t.tp == "vocab":
                 per = padded_vocab(t.shape[0]) // tp
                 put(t, f"{PARAM}/{t.name}", 0, (0, per, t.shape[0]), per, dtype or t.dtype)
