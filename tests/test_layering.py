@@ -39,7 +39,7 @@ def test_compat_imports_no_third_party_engine_at_module_level():
 
 # inside the package, each layer may import only the layers below it
 LAYERS = {"vps": set(), "routing": {"vps"}, "families": {"vps"}, "models": {"vps", "families"},
-          "testing": {"vps", "families", "models"}, "rl": {"vps", "families", "models"},
+          "testing": {"vps", "families", "models", "rl"}, "rl": {"vps", "families", "models"},
           "engines": {"vps", "routing", "families", "models", "rl", "compat", "launch"}}
 
 
