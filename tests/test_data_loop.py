@@ -112,3 +112,25 @@ def test_grpo_deepspeed_vllm_from_model_path_and_its_final_is_a_model_path(ray_s
     # final/ as the next run's model.path: vLLM loads it with its tokenizer, the sync still verified
     again = [r for r in run(gsm8k_config(tmp_path / "again", final, 1, **layouts), quiet=True) if "reward_mean" in r]
     assert [r["iteration"] for r in again] == [0] and again[0]["stale_check_passed"]
+
+
+def test_grpo_raises_heldout_math_accuracy_on_the_real_path(ray_session, tmp_path):
+    """The learning test on the real path, ``configs/gsm8k_tiny.yaml`` as shipped: a tiny Qwen2
+    ``model.path`` with the locally trained BPE tokenizer, the generated GSM8K-format data in the
+    chat template, SFT warm start (600 steps), then 15 GRPO iterations of 64 prompts × 8 samples:
+    held-out greedy ``math_answer`` accuracy on 200 problems rises by at least 0.025 (measured
+    2026-12-01 over run seeds 0-3: 0.39 -> 0.445, 0.375 -> 0.46, 0.445 -> 0.475, 0.375 -> 0.46)."""
+    from recipes.grpo import run
+    from rlhf_switch.testing.tiny_models import build_model_dir
+
+    model = build_model_dir(tmp_path / "model")
+    cfg = yaml.safe_load((REPO / "configs" / "gsm8k_tiny.yaml").read_text())
+    cfg.update(output_dir=str(tmp_path / "run"), tensorboard=False, checkpoint={"save_every": 0})
+    cfg["model"]["path"] = str(model)
+    cfg["data"].update(train_files=[str(REPO / "data/gsm8k_tiny/train.jsonl")],
+                       heldout_files=[str(REPO / "data/gsm8k_tiny/test.jsonl")])
+    evals = [r for r in run(cfg, quiet=True) if "heldout_reward" in r]
+    before, after = evals[0]["heldout_reward"], evals[-1]["heldout_reward"]
+    assert evals[0]["iteration"] == 0 and evals[-1]["iteration"] == 15
+    assert before > 0.2, f"the SFT warm start solves almost nothing ({before})"
+    assert after >= before + 0.025, f"held-out math_answer {before:.3f} -> {after:.3f}: GRPO did not raise it by 0.025"
