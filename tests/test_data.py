@@ -231,6 +231,10 @@ BAD_DATA = [
     ("eval wants more held-out prompts than there are",
      lambda c, f, m: (c["data"].update(num_heldout=8), c["eval"].update(num_prompts=16)),
      ["eval.num_prompts=16 is more than the 8 held-out prompts"]),
+    ("unknown model type", lambda c, f, m: c["model"].update(path=str(m.parent / "gpt2")),
+     ["model_type 'gpt2' is not supported (known: llama, mistral, qwen2, qwen3, qwen3_moe)"]),
+    ("sliding-window attention", lambda c, f, m: c["model"].update(path=str(m.parent / "mistral_window")),
+     ["model_type 'mistral': sliding_window=16 is not supported"]),
     ("a reward that does not load", lambda c, f, m: c["data"].update(reward_fn="rlhf_switch.rl.rewards:nope"),
      ["data.reward_fn: reward function 'rlhf_switch.rl.rewards:nope'"]),
 ]
@@ -238,17 +242,25 @@ BAD_DATA = [
 
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory) -> Path:
-    from rlhf_switch.testing.tiny_models import build_model_dir
-
-    """A Llama with 256 ids and eos 1; its directory's tokenizer is the 384-id BPE, and ``../tok``
-    holds a copy of the BPE too (for a model.tokenizer kept elsewhere)."""
+    """A model with 256 ids and eos 1; its directory's tokenizer is the 384-id BPE, and ``../tok``
+    holds a copy of the BPE too (for a model.tokenizer kept elsewhere). Beside it: ``../gpt2`` and
+    ``../mistral_window`` — a model whose config.json names a family this package does not run, and a
+    Mistral with sliding-window attention."""
+    import json
     import shutil
+
+    from rlhf_switch.testing.tiny_models import build_model_dir
 
     model = build_model_dir(tmp_path_factory.mktemp("small") / "model", vocab_size=256, eos_token_id=1)
     tok = model.parent / "tok"
     tok.mkdir()
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(model / f, tok / f)
+    for name, model_type, change in (("mistral_window", "mistral", {"sliding_window": 16}),
+                                     ("gpt2", "qwen2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})):
+        other = build_model_dir(model.parent / name, model_type=model_type)
+        config = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**config, **change}))
     return model
 
 
