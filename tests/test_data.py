@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from test_loop_inputs import cli, config
 
@@ -280,3 +281,25 @@ def test_bad_data_input_exits_2_before_ray(name, change, expected, model_dir, sm
     for text in expected:
         assert text in err, err
     assert "Traceback" not in err
+
+
+GPU_RECIPES = [("gsm8k_qwen2.5_0.5b.yaml", "qwen2"), ("gsm8k_qwen3_1.7b.yaml", "qwen3"),
+               ("gsm8k_qwen3_30b_a3b.yaml", "qwen3_moe")]
+
+
+@pytest.mark.parametrize("name, model_type", GPU_RECIPES, ids=[r[0] for r in GPU_RECIPES])
+def test_gpu_recipes_pass_every_check_before_ray(name, model_type, tmp_path):
+    """The real-model recipes are not run here (no GPU, no download), but each passes every check
+    the loop makes before Ray — layouts against its world, engines against its family, batch
+    sizes, data keys — with a tiny random model of its family and the shipped GSM8K-format files
+    (GSM8K's own keys) in place of the user's copies."""
+    from recipes.loop import prepare
+    from rlhf_switch.testing.tiny_models import build_model_dir
+
+    cfg = yaml.safe_load((REPO / "configs" / name).read_text())
+    cfg["model"]["path"] = str(build_model_dir(tmp_path / "model", model_type=model_type,
+                                               max_position_embeddings=2048))
+    cfg["data"].update(train_files=[str(DATA / "train.jsonl")], heldout_files=[str(DATA / "test.jsonl")])
+    cfg["eval"]["num_prompts"] = 200  # the shipped test file's size (GSM8K's has 1319)
+    checked, iterations = prepare(cfg)
+    assert checked.data.chat_template and checked.sft is None and iterations == cfg["algorithm"]["iterations"]
