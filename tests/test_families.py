@@ -215,6 +215,19 @@ def test_config_check_names_an_unknown_model_type():
     assert _family_problems(ModelConfig(hf_config=tiny_config("qwen3_moe"))) == []
 
 
+def test_config_check_splits_the_experts_width_by_tp():
+    """TP splits the MoE experts' ``moe_intermediate_size`` as it splits a dense MLP: a TP that
+    does not divide it is refused by the config check (before any layout is built)."""
+    from rlhf_switch.rl.config import ModelDims, RolloutLayout, _model_split_problems
+
+    dims = ModelDims.from_hf_config(tiny_config("qwen3_moe", moe_intermediate_size=6, num_key_value_heads=4,
+                                                num_attention_heads=4))
+    layout = RolloutLayout(engine="vllm", tp=4, pp=1, dp=1)
+    assert _model_split_problems("rollout", layout, dims) == [
+        "rollout: tp=4 does not divide moe_intermediate_size=6"]
+    assert _model_split_problems("rollout", RolloutLayout(engine="vllm", tp=2, pp=1, dp=1), dims) == []
+
+
 def test_weights_check_reads_a_family_checkpoint(tmp_path):
     """``model.path`` with a qwen3_moe checkpoint: the per-expert tensors it holds are the spec's."""
     import json

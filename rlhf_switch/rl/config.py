@@ -422,6 +422,7 @@ class ModelDims:
     special_ids: Mapping[str, int]
     tie_word_embeddings: bool = False
     model_type: str = "llama"  # families.py: what the engines' layout_problems refuse by family
+    moe_intermediate_size: int | None = None  # MoE experts' width: TP splits it as it splits the MLP's
 
     REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     OPTIONAL = ("num_key_value_heads", "max_position_embeddings")
@@ -436,7 +437,8 @@ class ModelDims:
                    special_ids={k: cfg[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")
                                 if cfg.get(k) is not None},
                    tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   model_type=str(cfg.get("model_type") or "llama"))
+                   model_type=str(cfg.get("model_type") or "llama"),
+                   moe_intermediate_size=int(cfg["moe_intermediate_size"]) if cfg.get("moe_intermediate_size") else None)
 
 
 def model_dims(model: ModelConfig) -> ModelDims:
@@ -528,6 +530,8 @@ def _model_split_problems(phase: str, layout: PhaseLayout, dims: ModelDims) -> l
         problems.append(f"{phase}: tp={tp} does not divide num_key_value_heads={kv}")
     if dims.intermediate_size % tp:
         problems.append(f"{phase}: tp={tp} does not divide intermediate_size={dims.intermediate_size}")
+    if dims.moe_intermediate_size and dims.moe_intermediate_size % tp:
+        problems.append(f"{phase}: tp={tp} does not divide moe_intermediate_size={dims.moe_intermediate_size}")
     if layout.pp > dims.num_layers:
         problems.append(f"{phase}: pp={layout.pp} is more stages than num_hidden_layers={dims.num_layers}")
     return problems
