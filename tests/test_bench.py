@@ -62,9 +62,11 @@ def test_train_switch_bench_matches_deepspeed_universal_checkpoint(tmp_path):
 def test_plan_scale_bench_moves_the_minimum(tmp_path):
     out = tmp_path / "plan_scale.json"
     _bench("bench.plan_scale", "--only", "70B TP8·PP2·DP4 ->", "--ranks", "2", "--out", str(out))
-    (case,) = json.loads(out.read_text())["cases"]
-    assert case["world"] == 64 and len(case["ranks"]) == 2
+    case, back = json.loads(out.read_text())["cases"]  # train -> vLLM, then vLLM -> train (one-rank plans)
+    assert (case["direction"], back["direction"]) == ("train -> vLLM", "vLLM -> train")
+    assert case["world"] == back["world"] == 64 and len(case["ranks"]) == len(back["ranks"]) == 2
     assert case["rank_bytes_received"] == case["rank_min_bytes"]
+    assert back["rank_bytes_received"] == back["rank_min_bytes"]
     assert case["bytes_moved"] == case["min_bytes"] > 0
     assert case["modelled_s"] > 0
 
