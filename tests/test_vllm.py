@@ -26,6 +26,8 @@ import time
 import pytest
 
 from rlhf_switch.compat import set_vllm_env_defaults, vllm_dist_ident
+from vllm_checks import assert_matches_hf as matches_hf
+from vllm_checks import assert_weights_equal, hf_greedy
 
 pytestmark = [
     pytest.mark.vllm,
@@ -231,52 +233,8 @@ def train(model, steps: int, rule: int, lr: float = 3e-3, seed: int = 0) -> list
     return losses
 
 
-def hf_greedy(model, prompts, max_tokens: int):
-    """HF's greedy continuation and the log-softmax of each chosen token (full forward per step)."""
-    import torch
-
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for p in prompts:
-            ids = list(p)
-            out, lps = [], []
-            for _ in range(max_tokens):
-                logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-                lp = torch.log_softmax(logits, -1)
-                t = int(torch.argmax(logits))
-                out.append(t)
-                lps.append(float(lp[t]))
-                ids.append(t)
-            tokens.append(out)
-            logprobs.append(lps)
-    return tokens, logprobs
-
-
 def assert_matches_hf(rollout, model, prompts=PROMPTS, max_tokens=MAX_TOKENS):
-    import numpy as np
-
-    v_tokens, v_lps = rollout.generate(prompts, max_tokens, greedy=True)
-    h_tokens, h_lps = hf_greedy(model, prompts, max_tokens)
-    assert v_tokens == h_tokens
-    np.testing.assert_allclose(np.array(v_lps), np.array(h_lps), rtol=0, atol=2e-4)
-    return v_tokens, v_lps
-
-
-def assert_weights_equal(rollout, state) -> None:
-    """The workers' live parameters equal, bit for bit, a direct construction of the engine layout."""
-    import torch
-
-    from rlhf_switch.vps.materialize import bits, coverage_masks, materialize
-
-    got = rollout.read_weights()
-    for r, bufs in enumerate(got):
-        want = materialize(rollout.layout, r, lambda key: state[key.tensor])
-        masks = coverage_masks(rollout.layout, r)
-        assert set(bufs) == set(want)
-        for n, t in bufs.items():
-            assert t.numel() == want[n].numel(), n
-            m = masks[n]
-            assert torch.equal(bits(t.reshape(-1))[m], bits(want[n])[m]), f"worker {r} {n}"
+    return matches_hf(rollout, model, prompts, max_tokens, atol=2e-4)[:2]
 
 
 # --- (d) a TP vLLM cannot run: refused before anything starts ------------------------------------------
