@@ -112,10 +112,21 @@ def test_grpo_200_iterations_leave_the_actors_flat(tmp_path):
     set_vllm_env_defaults()
     ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
     samples, stop = [], threading.Event()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def iterations_done() -> int:
+        try:
+            return sum('"reward_mean"' in line for line in metrics.read_text().splitlines())
+        except OSError:
+            return 0
 
     def sampler():
+        # only samples taken while iterations still run count: after the last one the actors are
+        # torn down, and a sample caught mid-teardown sees members leaving (not a leak)
         while not stop.wait(2):
-            samples.append(_ray_members())
+            before, members = iterations_done(), _ray_members()
+            if before < GRPO_ITERATIONS and iterations_done() < GRPO_ITERATIONS:
+                samples.append(members)
 
     th = threading.Thread(target=sampler, daemon=True)
     th.start()
