@@ -9,15 +9,28 @@
    every rank is fine and they agree, go; otherwise one ``all_gather_object`` of (plan digest,
    per-peer digests, error) and *every* rank raises the same ``MoveError`` — before a byte has
    moved;
-3. every message that is one contiguous range of the buffers on this rank's side is posted at
-   once, straight from/into the buffers (zero copy; each message of a pair has its own tag, so
-   posting order does not matter);
-4. local copies (source view → destination view, no staging), while those are in flight;
-5. the staged steps (pieces that must be packed or unpacked), in the schedule's (round, step)
-   order through one staging pool that never exceeds the budget: a step is packed and posted
-   while older ones are still in flight, and waits only for older steps (``Schedule.staged``);
-6. wait for everything, unpacking the staged receives;
-7. with ``verify`` ``"full"`` or ``"sample"``: checksums of the moved pieces, computed at their
+3. the messages, under one of two posting disciplines (``discipline``):
+
+   * ``"ordered"`` (the default; the only one NCCL can run): the schedule's posting program
+     (``Schedule.batches``), one ``batch_isend_irecv`` per round, every message under one tag.
+     NCCL matches the messages of a pair by posting order alone, and so does gloo when every
+     tag is the same — so CI on gloo runs exactly the discipline a GPU needs, and a pair whose
+     two ends posted in different orders fails (or corrupts) on CPU too. The posting order and
+     every message's size are part of the agreement (step 2), so ends that would not match
+     refuse before a byte moves. A staged step is packed just before its batch is posted; a
+     batch whose staged steps need pool space first waits for the oldest staged steps
+     (``StagedStep.retire``), doing the local copies (step 4) at its first such wait;
+   * ``"tagged"`` (gloo only): every message that is one contiguous range of the buffers on this
+     rank's side is posted at once, straight from/into the buffers (zero copy; message ``i`` of a
+     pair travels with tag ``TAG_BASE + i``, so posting order does not matter), then local copies
+     (step 4) while those are in flight, then the staged steps (pieces that must be packed or
+     unpacked) in the schedule's (round, step) order through one staging pool that never exceeds
+     the budget: a step is packed and posted while older ones are still in flight, and waits
+     only for older steps (``Schedule.staged``). It posts the two ends of a message in
+     different orders whenever one end stages it and the other does not;
+4. local copies (source view → destination view, no staging), while messages are in flight;
+5. wait for everything, unpacking the staged receives;
+6. with ``verify`` ``"full"`` or ``"sample"``: checksums of the moved pieces, computed at their
    sources and checked on the bytes that landed (``routing/verify.py``); a corrupted piece raises
    ``VerifyError`` on every rank.
 
@@ -30,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
@@ -42,12 +56,24 @@ import torch.distributed as dist
 from ..vps.layout import Layout, LayoutError
 from ..vps.materialize import torch_dtype
 from ..vps.planner import RankPlan, check_pair, plan_rank
-from .comm import Comm, as_comm
-from .schedule import Chunk, Schedule, build_schedule
+from .comm import P2P, Comm, as_comm
+from .schedule import Batch, Chunk, Schedule, build_schedule
 from .verify import DEFAULT_FRACTION, VerifyError, check_mode, verify_move  # noqa: F401 - re-exported
 
 DEFAULT_BUDGET = 64 << 20
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+DISCIPLINES = ("ordered", "tagged")  # how messages are posted: see the module docstring, step 3
+DISCIPLINE_ENV = "RLHF_SWITCH_P2P"  # overrides the default discipline (CI runs the suite under both)
+
+
+def resolve_discipline(discipline: str | None, comm: Comm | None) -> str:
+    """``discipline``, else ``$RLHF_SWITCH_P2P``, else ``"ordered"``; ``"tagged"`` needs gloo."""
+    chosen = discipline or os.environ.get(DISCIPLINE_ENV) or "ordered"
+    if chosen not in DISCIPLINES:
+        raise ValueError(f"unknown posting discipline {chosen!r}; known: {', '.join(DISCIPLINES)}")
+    if chosen == "tagged" and comm is not None and not comm.gloo:
+        raise ValueError("the tagged discipline needs gloo (NCCL ignores tags): use discipline='ordered'")
+    return chosen
 
 
 class MoveError(RuntimeError):
@@ -151,7 +177,7 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
          budget_bytes: int = DEFAULT_BUDGET, ranks_per_node: int | None = None,
          timeout: timedelta = DEFAULT_TIMEOUT, deadline: Deadlines | None = None,
          dry_run: bool = False, verify: str = "off", verify_fraction: float = DEFAULT_FRACTION,
-         verify_seed: int = 0) -> MoveReport | Schedule:
+         verify_seed: int = 0, discipline: str | None = None) -> MoveReport | Schedule:
     """Move everything ``dst`` wants from ``src``'s buffers into ``dst``'s buffers on this rank.
 
     ``group`` is the default world, a registered group, a bare ``ProcessGroup`` (one formed
@@ -166,12 +192,16 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     source, is checked on the bytes that landed) or ``"sample"`` (a ``verify_fraction`` of each
     pair's pieces, chosen from the plan digest and ``verify_seed``, the same on every rank); see
     ``routing/verify.py``. A mismatch raises ``VerifyError`` on every rank.
+    ``discipline``: how messages are posted, ``"ordered"`` or ``"tagged"`` (module docstring,
+    step 3; default ``$RLHF_SWITCH_P2P``, else ``"ordered"``); every rank must use the same one
+    (it is part of the agreement).
     """
     check_mode(verify, verify_fraction)
     t_start = time.perf_counter()
     comm = as_comm(group) if not dry_run or dist.is_initialized() or group is not None else None
     rank = comm.rank if comm else 0
     world = comm.size if comm else src.world_size
+    discipline = resolve_discipline(discipline, comm)
     if src.world_size != world or dst.world_size != world:
         raise LayoutError(f"{src.name} is for {src.world_size} ranks and {dst.name} for "
                           f"{dst.world_size}; this process group has {world}")
@@ -187,11 +217,18 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     deadline = deadline or DEFAULT_DEADLINES
     if deadline.ceiling_s is None:
         deadline = replace(deadline, ceiling_s=(timeout or DEFAULT_TIMEOUT).total_seconds())
+    batches = schedule.batches if schedule else ()
+    if schedule and POSTING_ORDER_HOOK is not None:  # test-only: see POSTING_ORDER_HOOK
+        batches = POSTING_ORDER_HOOK(schedule)
     t_prep = time.perf_counter()
     try:
-        _agree(schedule.plan if schedule else None, error, comm, src, dst, deadline)
+        _agree(schedule.plan if schedule else None, _pair_agreement(schedule, batches, discipline),
+               error, comm, src, dst, deadline)
         t_agree = time.perf_counter()
-        report = _run(schedule, src_buffers, dst_buffers, comm, deadline)
+        if discipline == "ordered":
+            report = _run_ordered(schedule, batches, src_buffers, dst_buffers, comm, deadline)
+        else:
+            report = _run(schedule, src_buffers, dst_buffers, comm, deadline)
     except _WaitFailed as f:
         raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     report.phases = dict(prepare=t_prep - t_start, agree=t_agree - t_prep, **report.phases)
@@ -227,7 +264,7 @@ def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budge
     if schedule is None:
         src_dtypes = {n: b.dtype for n, b in src.buffers(rank).items()}
         schedule = build_schedule(plan, budget_bytes, src_dtypes)
-        schedule.staged  # computed once, here, not inside the timed move
+        schedule.staged, schedule.batches, schedule.message_digests  # once, here, not in the timed move
         _SCHEDULES[key] = schedule
         while len(_SCHEDULES) > _SCHEDULE_CACHE:
             _SCHEDULES.popitem(last=False)
@@ -286,7 +323,20 @@ def _check_disjoint(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffer
 _P = (1 << 61) - 1  # a Mersenne prime: the pair digests are summed modulo it
 
 
-def _agreement_row(plan: RankPlan | None, error: str | None, rank: int) -> list[int]:
+def _pair_agreement(schedule: Schedule | None, batches, discipline: str) -> dict[int, int]:
+    """Per peer, what the two ends must agree on before a byte moves: the transfers between them
+    (the plan's pair digest), the messages they cut them into in posting order, with every
+    message's size (``Schedule.message_digests``: a different budget on one end, or another
+    posting order, changes it) and the posting discipline (their tags must match)."""
+    if schedule is None:
+        return {}
+    msgs = schedule.message_digests if batches is schedule.batches else schedule.digest_messages(batches)
+    return {p: hash((d, msgs.get(p, 0), DISCIPLINES.index(discipline))) & ((1 << 56) - 1)
+            for p, d in schedule.plan.pair_digests.items()}
+
+
+def _agreement_row(plan: RankPlan | None, pair_digests: dict[int, int], error: str | None,
+                   rank: int) -> list[int]:
     """(error?, plan digest as two 48-bit ints, signed sum of the pair digests). Every pair's
     digest enters the sum once with + (from its lower rank) and once with - (from its higher
     rank), mixed with the pair's ranks, so the sums of all ranks cancel exactly when every pair
@@ -295,24 +345,24 @@ def _agreement_row(plan: RankPlan | None, error: str | None, rank: int) -> list[
         return [1, 0, 0, 0]
     d = int(hashlib.sha256(plan.digest.encode()).hexdigest()[:24], 16)
     total = 0
-    for p, dig in plan.pair_digests.items():
+    for p, dig in pair_digests.items():
         a, b = min(rank, p), max(rank, p)
         term = (dig * 0x9E3779B97F4A7C15 + a * 0x100000001B3 + b * 0xC2B2AE3D27D4EB4F + 1) % _P
         total = (total + (term if rank < p else -term)) % _P
     return [1 if error else 0, d >> 48, d & ((1 << 48) - 1), total]
 
 
-def _agree(plan: RankPlan | None, error: str | None, comm: Comm, src, dst,
+def _agree(plan: RankPlan | None, pair_digests: dict[int, int], error: str | None, comm: Comm, src, dst,
            deadline: Deadlines = DEFAULT_DEADLINES) -> None:
     rank, world = comm.rank, comm.size
-    rows = _waiting(lambda t: comm.all_gather_ints(_agreement_row(plan, error, rank), t),
+    rows = _waiting(lambda t: comm.all_gather_ints(_agreement_row(plan, pair_digests, error, rank), t),
                     deadline.arrival, f"agreement gather ({4 * 8} B per rank)", None)
     if not any(r[0] for r in rows) and len({(r[1], r[2]) for r in rows}) == 1 \
             and sum(r[3] for r in rows) % _P == 0:
         return  # everyone is fine and agrees: the common case, one 32-byte gather per rank
     # someone failed or disagrees (every rank saw the same rows, so every rank is here): gather
     # the details and raise the same error everywhere
-    mine = (plan.digest if plan else None, plan.pair_digests if plan else {}, error)
+    mine = (plan.digest if plan else None, pair_digests, error)
     everyone = _waiting(lambda t: comm.all_gather_object(mine, t), deadline.for_bytes(world * 4096),
                         "agreement details gather", None)
     errors = [(r, e) for r, (_, _, e) in enumerate(everyone) if e]
@@ -330,15 +380,17 @@ def _agree(plan: RankPlan | None, error: str | None, comm: Comm, src, dst,
         detail = "; ".join(f"ranks {rs} planned {d}" for d, rs in digests.items())
         raise MoveError(f"plan digest mismatch, refusing to move {src.name} -> {dst.name}: {detail} "
                         f"(the ranks were given different layouts or library versions)")
-    for p, d in plan.pair_digests.items():
+    for p, d in pair_digests.items():
         theirs = everyone[p][1].get(rank)
         if theirs != d:
-            raise MoveError(f"rank {rank} and rank {p} disagree on the transfers between them "
-                            f"({d} vs {theirs}); refusing to move {src.name} -> {dst.name}")
+            raise MoveError(f"rank {rank} and rank {p} disagree on the transfers between them, or on "
+                            f"their messages and posting order ({d} vs {theirs}); refusing to move "
+                            f"{src.name} -> {dst.name}")
     bad = sorted({(min(r, p), max(r, p)) for r, (_, pairs, _) in enumerate(everyone)
                   for p, d in pairs.items() if everyone[p][1].get(r) != d})
     if bad:  # ranks whose own pairs agree refuse too: their peers will not take part
-        raise MoveError(f"ranks {bad} disagree on the transfers between them; refusing to move "
+        raise MoveError(f"ranks {bad} disagree on the transfers between them, or on their messages and "
+                        f"posting order; refusing to move "
                         f"{src.name} -> {dst.name}")
 
 
@@ -385,7 +437,15 @@ def _copy_local(schedule: Schedule, src_buffers, dst_buffers) -> None:
                 _view(src_buffers, t.src_buffer, t.src_offset, t.box.shape, t.src_strides))
 
 
-TAG_BASE = 1 << 20  # message i of a pair (each direction) travels with tag TAG_BASE + i
+TAG_BASE = 1 << 20  # tagged: message i of a pair (each direction) travels with tag TAG_BASE + i
+ORDERED_TAG = TAG_BASE  # ordered: every message (one tag: gloo then matches by order, as NCCL does)
+
+# test-only (tests/test_posting_order.py): called with (peer, send?, bytes) for every message this
+# rank posts, in posting order — a test records both ends of every pair. Never set otherwise.
+POST_HOOK = None
+# test-only: called with the schedule, returns the posting program to use instead of
+# ``schedule.batches`` (a test's deliberately mis-ordered one). Never set otherwise.
+POSTING_ORDER_HOOK = None
 
 
 class _WaitFailed(Exception):
@@ -411,25 +471,41 @@ class _Outstanding:
 
     def __init__(self, comm: Comm, deadline: Deadlines):
         self.comm, self.deadline = comm, deadline
-        self.works: dict[int, tuple[object, str, int, int]] = {}  # id -> (work, what, bytes, peer)
+        self.works: dict[int, tuple[object, str, int, int]] = {}  # token -> (work, what, bytes, peer)
         self.bytes = 0
+        self.posted = 0  # tokens handed out (on NCCL the messages of a batch share one work)
 
     def pending(self) -> list[str]:
         return [d for _, d, _, _ in self.works.values()]
 
-    def post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int):
-        nbytes = tensor.numel() * tensor.element_size()
-        what = f"{kind} {nbytes} B {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})"
-        op = self.comm.isend if kind == "send" else self.comm.irecv
-        work = _waiting(lambda _: op(tensor, peer, tag), 0.0, what, peer, self.pending)
-        self.works[id(work)] = (work, what, nbytes, peer)
-        self.bytes += nbytes
-        return work
+    @staticmethod
+    def _what(op: P2P) -> str:
+        nbytes = op.tensor.numel() * op.tensor.element_size()
+        return f"{'send' if op.send else 'recv'} {nbytes} B {'to' if op.send else 'from'} rank {op.peer} (tag {op.tag})"
 
-    def wait(self, work) -> None:
-        _, what, nbytes, peer = self.works[id(work)]
+    def post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> int:
+        return self.post_batch([P2P(kind == "send", tensor, peer, tag)])[0]
+
+    def post_batch(self, ops: list[P2P]) -> list[int]:
+        """Post ``ops`` in this order as one batch; a token per op, to ``wait`` for."""
+        if POST_HOOK is not None:  # test-only: see POST_HOOK
+            for op in ops:
+                POST_HOOK(op.peer, op.send, op.tensor.numel() * op.tensor.element_size())
+        what = self._what(ops[0]) + (f" and {len(ops) - 1} more in its batch" if len(ops) > 1 else "")
+        works = _waiting(lambda _: self.comm.batch(ops), 0.0, what, ops[0].peer, self.pending)
+        tokens = []
+        for op, work in zip(ops, works):
+            nbytes = op.tensor.numel() * op.tensor.element_size()
+            self.posted += 1
+            self.works[self.posted] = (work, self._what(op), nbytes, op.peer)
+            self.bytes += nbytes
+            tokens.append(self.posted)
+        return tokens
+
+    def wait(self, token: int) -> None:
+        work, what, nbytes, peer = self.works[token]
         _waiting(work.wait, self.deadline.for_bytes(self.bytes), what, peer, self.pending)
-        del self.works[id(work)]
+        del self.works[token]
         self.bytes -= nbytes
 
 
@@ -524,6 +600,98 @@ def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, deadline: Dea
                       plan.min_bytes_received, len(direct) + staged_msgs, peak, planned_peak,
                       schedule.budget_bytes, t4 - t0,
                       phases=dict(post=t1 - t0, local=t_local, staged=t3 - t2 - t_local, wait=t4 - t3))
+
+
+def _run_ordered(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffers, comm: Comm,
+                 deadline: Deadlines) -> MoveReport:
+    """The ordered discipline (module docstring, step 3): ``batches`` posted in order, each as one
+    batch; staged steps packed into / unpacked from the pool at ``Schedule.staged``'s offsets."""
+    plan = schedule.plan
+    out = _Outstanding(comm, deadline)
+    t0 = time.perf_counter()
+    exchanges = schedule.exchanges
+    program, planned_peak = schedule.staged
+    staged_at = {(st.exchange, st.step): st for st in program}
+    pool = None
+    if program:
+        send, recv = exchanges[program[0].exchange].steps[program[0].step]
+        device = (dst_buffers[recv.pieces[0].transfer.dst_buffer].device if program[0].recv_bytes
+                  else src_buffers[send.pieces[0].transfer.src_buffer].device)
+        pool = torch.empty(planned_peak, dtype=torch.uint8, device=device)  # NCCL needs it on the GPU
+    t_local = 0.0
+    local_done = False
+
+    def copy_local():
+        nonlocal local_done, t_local
+        if not local_done:
+            local_done = True
+            tl = time.perf_counter()
+            _copy_local(schedule, src_buffers, dst_buffers)
+            t_local = time.perf_counter() - tl
+
+    peak = alive_bytes = messages = 0
+    inflight: deque = deque()  # staged steps in flight, oldest first: [tokens, recv chunk, recv buffer, size]
+    direct: list[int] = []  # tokens of the messages that use no staging
+
+    def retire():
+        nonlocal alive_bytes
+        tokens, recv, buf, size = inflight.popleft()
+        for tok in tokens:
+            out.wait(tok)
+        if recv is not None:
+            _unpack(recv, buf, dst_buffers)
+        alive_bytes -= size
+
+    for batch in batches:
+        if batch.retire:
+            copy_local()  # where the program first blocks: the batches posted so far travel meanwhile
+        for _ in range(batch.retire):
+            retire()
+        ops, owners, steps = [], [], {}
+        for m in batch.messages:
+            ex = exchanges[m.exchange]
+            send, recv = ex.steps[m.step]
+            st = staged_at.get((m.exchange, m.step))
+            rec = steps.get((m.exchange, m.step))
+            if st is not None and rec is None:  # the step's block of the pool: [recv chunk | send chunk]
+                rbuf = pool[st.offset:st.offset + recv.nbytes] if st.recv_bytes else None
+                rec = steps[m.exchange, m.step] = [[], recv if st.recv_bytes else None, rbuf, st.recv_bytes + st.send_bytes]
+                inflight.append(rec)
+                alive_bytes += rec[3]
+                peak = max(peak, st.offset + rec[3])
+                if alive_bytes > schedule.budget_bytes:  # a broken promise is a bug, never a silent one
+                    raise AssertionError(f"staging holds {alive_bytes} B over the {schedule.budget_bytes} B budget")
+            if m.send and send.stage_send:
+                tensor = pool[st.offset + st.recv_bytes:st.offset + st.recv_bytes + send.nbytes]
+                _pack(send, src_buffers, tensor)
+            elif m.send:
+                p = send.pieces[0]
+                tensor = _flat(src_buffers, p.transfer.src_buffer, p.src_view()[0], send.nbytes)
+            elif recv.stage_recv:
+                tensor = rec[2]
+            else:
+                p = recv.pieces[0]
+                tensor = _flat(dst_buffers, p.transfer.dst_buffer, p.dst_view()[0], recv.nbytes)
+            staged = send.stage_send if m.send else recv.stage_recv
+            ops.append(P2P(m.send, tensor, ex.peer, ORDERED_TAG))
+            owners.append(rec[0] if staged else direct)
+        for tok, owner in zip(out.post_batch(ops), owners):
+            owner.append(tok)
+        messages += len(ops)
+    t_posted = time.perf_counter()
+    local_while_posting = t_local  # 0 unless a batch had to wait
+    copy_local()
+    while inflight:
+        retire()
+    for tok in direct:
+        out.wait(tok)
+    t_end = time.perf_counter()
+    if peak > schedule.budget_bytes:
+        raise AssertionError(f"staging peaked at {peak} B over the {schedule.budget_bytes} B budget")
+    return MoveReport(plan.rank, plan.transition, plan.bytes_sent, plan.bytes_received, plan.bytes_local,
+                      plan.min_bytes_received, messages, peak, planned_peak, schedule.budget_bytes, t_end - t0,
+                      phases=dict(post=t_posted - t0 - local_while_posting, local=t_local,
+                                  wait=t_end - t_posted - (t_local - local_while_posting)))
 
 
 def _report_key(rank: int) -> str:
