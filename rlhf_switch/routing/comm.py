@@ -136,8 +136,8 @@ class TorchComm(Comm):
         return dist.irecv(tensor, self._global(peer), group=self.group, tag=tag)
 
     def batch(self, ops):
-        if not ops:
-            return []
+        if self.gloo or not ops:  # gloo's batch_isend_irecv is this same loop
+            return super().batch(ops)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor,
                                                    self._global(op.peer), self.group, op.tag) for op in ops])
         return works if len(works) == len(ops) else works[-1:] * len(ops)  # NCCL: one work per batch
