@@ -141,16 +141,17 @@ def test_real_ranks_post_both_ends_of_every_message_at_the_same_place(world4, la
     cases = [(a, b, budget), ("zero3", "tp2xpp2", 1000), ("fsdp", "tp4", 64), ("zero1-flat", "tp2xdp2", 1 << 20)]
     for x, y, bud in cases:
         src, dst = layouts4[x], layouts4[y]
-        results = world4.run(rank_jobs.move_recording_posts, src, dst, "ordered", budget_bytes=bud)
-        assert all(res["wrong"] == [] for res in results), (x, y, bud)
-        assert sum(res["report"].bytes_received for res in results) == plan_transition(src, dst).min_bytes
-        posts = {r: res["posts"] for r, res in enumerate(results)}
-        assert misordered(posts) == [], (x, y, bud)
         scheds = schedules(src, dst, bud)
-        assert all(posts[r] == ordered_posts(s) for r, s in enumerate(scheds))  # the program, as run
-    results = world4.run(rank_jobs.move_recording_posts, layouts4[a], layouts4[b], "tagged", budget_bytes=budget)
-    assert all(res["wrong"] == [] for res in results)
-    assert misordered({r: res["posts"] for r, res in enumerate(results)})
+        for discipline, program in (("ordered", ordered_posts), ("tagged", tagged_posts)):
+            results = world4.run(rank_jobs.move_recording_posts, src, dst, discipline, budget_bytes=bud)
+            assert all(res["wrong"] == [] for res in results), (x, y, bud, discipline)
+            assert sum(res["report"].bytes_received for res in results) == plan_transition(src, dst).min_bytes
+            posts = {r: res["posts"] for r, res in enumerate(results)}
+            assert all(posts[r] == program(s) for r, s in enumerate(scheds))  # the program, as run
+            if discipline == "ordered":
+                assert misordered(posts) == [], (x, y, bud)
+            elif (x, y, bud) == (a, b, budget):
+                assert misordered(posts)  # exact on gloo (tags), mis-matched on NCCL
 
 
 def test_a_rank_posting_in_another_order_is_refused_before_any_byte(world4, layouts4):

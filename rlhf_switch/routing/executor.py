@@ -63,7 +63,7 @@ from .verify import DEFAULT_FRACTION, VerifyError, check_mode, verify_move  # no
 DEFAULT_BUDGET = 64 << 20
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DISCIPLINES = ("ordered", "tagged")  # how messages are posted: see the module docstring, step 3
-DISCIPLINE_ENV = "RLHF_SWITCH_P2P"  # overrides the default discipline (CI runs the suite under both)
+DISCIPLINE_ENV = "RLHF_SWITCH_P2P"  # the default discipline: CI runs ordered; RLHF_SWITCH_P2P=tagged make test
 
 
 def resolve_discipline(discipline: str | None, comm: Comm | None) -> str:
