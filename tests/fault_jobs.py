@@ -5,13 +5,12 @@ The kill points are armed by patching, in the dying rank's process only, the fun
 executor calls there (test-only; the executor has no hook for this):
 
 * ``before_move``: right before ``move`` (the survivors fail in the agreement gather);
-* ``before_first_send``: at the start of ``executor._run_ordered`` (or ``_run``, tagged), after the
-  agreement, before it posts anything;
+* ``before_first_send``: at the start of ``executor._run``, after the agreement, before it posts
+  anything;
 * ``mid_message``: a moment after posting its first large send (``MID_MESSAGE_DELAY_S``), while
   gloo is writing it — the survivor receiving it ends up with part of it;
 * ``after_sends``: it posts its receives nowhere (they are held back), waits until every send it
-  posted has completed (or, ordered, those that can: ``_HeldBack``), then dies with its receives
-  outstanding.
+  posted has completed (those that can: ``_HeldBack``), then dies with its receives outstanding.
 """
 from __future__ import annotations
 
@@ -41,9 +40,9 @@ def _die() -> None:
 class _HeldBack:
     """A receive that was never posted: waiting on it waits for this rank's sends, then dies.
 
-    Under the ordered discipline a peer posts its later receives only after its older staged
-    steps finish, and some of those wait for a receive held back here: the sends that can
-    complete do so at once, the others never will — so each gets ``SENDS_S`` at most."""
+    A peer posts its later receives only after its older staged steps finish, and some of those
+    wait for a receive held back here: the sends that can complete do so at once, the others
+    never will — so together they get ``SENDS_S`` at most."""
 
     SENDS_S = 1.0
 
@@ -64,7 +63,7 @@ class _HeldBack:
 
 def _arm(point: str) -> None:
     if point == "before_first_send":
-        executor._run = executor._run_ordered = lambda *a, **k: _die()
+        executor._run = lambda *a, **k: _die()
     elif point == "mid_message":
         real = TorchComm.isend
 

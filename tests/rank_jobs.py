@@ -242,26 +242,17 @@ def move_engine_like(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int 
             "local": len(sched.local_runs)}
 
 
-def move_recording_posts(src: Layout, dst: Layout, discipline: str, budget_bytes: int = 1 << 20,
-                         seed: int = 0) -> dict:
-    """``move_and_check`` under ``discipline``, recording every message this rank posts, in
-    posting order, as (peer, send?, bytes) (``executor.POST_HOOK``)."""
-    import os
-
+def move_recording_posts(src: Layout, dst: Layout, budget_bytes: int = 1 << 20, seed: int = 0) -> dict:
+    """``move_and_check``, recording every message this rank posts, in posting order, as
+    (peer, send?, bytes) (``executor.POST_HOOK``)."""
     from rlhf_switch.routing import executor
 
     posts: list[tuple[int, bool, int]] = []
     executor.POST_HOOK = lambda peer, send, nbytes: posts.append((peer, send, nbytes))
-    old = os.environ.get(executor.DISCIPLINE_ENV)
-    os.environ[executor.DISCIPLINE_ENV] = discipline
     try:
         out = move_and_check(src, dst, seed=seed, budget_bytes=budget_bytes)
     finally:
         executor.POST_HOOK = None
-        if old is None:
-            del os.environ[executor.DISCIPLINE_ENV]
-        else:
-            os.environ[executor.DISCIPLINE_ENV] = old
     return {**out, "posts": posts}
 
 
@@ -291,6 +282,6 @@ def move_misordered_on(odd_rank: int, src: Layout, dst: Layout, budget_bytes: in
     try:
         src_bufs = materialize(src, rank, tensor_source(src, 0))
         dst_bufs = garbage_like(allocate(dst, rank, fill=None), 7 + rank)
-        return _attempt(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes, discipline="ordered")
+        return _attempt(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes)
     finally:
         executor.POSTING_ORDER_HOOK = None

@@ -1,9 +1,8 @@
-"""The ordered (NCCL) posting discipline: the two ends of every message post it at the same place.
+"""The NCCL posting discipline: the two ends of every message post it at the same place.
 
-NCCL matches the messages between two ranks by posting order alone (no tags). A move under the
-ordered discipline posts, on both ends of every pair, the same sequence of messages with the same
-sizes — whatever each end stages — and a rank that would post another order is refused before a
-byte moves. Checked three ways: on the schedules of every rank (no processes), on what real
+NCCL matches the messages between two ranks by posting order alone (no tags). A move posts, on
+both ends of every pair, the same sequence of messages with the same sizes — whatever each end
+stages — and a rank that would post another order is refused before a byte moves. Checked three ways: on the schedules of every rank (no processes), on what real
 ranks record posting (``executor.POST_HOOK``), and with a deliberately mis-ordered program on
 one rank (``executor.POSTING_ORDER_HOOK``).
 """
@@ -38,7 +37,7 @@ def misordered(posts: dict[int, Posts]) -> list[str]:
 
 
 def ordered_posts(schedule, batches=None) -> Posts:
-    """What the ordered discipline posts on this schedule's rank (``executor._run_ordered``)."""
+    """What the executor posts on this schedule's rank (``executor._run``)."""
     out = []
     for b in schedule.batches if batches is None else batches:
         for m in b.messages:
@@ -49,8 +48,9 @@ def ordered_posts(schedule, batches=None) -> Posts:
 
 
 def tagged_posts(schedule) -> Posts:
-    """What the tagged discipline posts (``executor._run``): every direct message at once, then
-    the staged ones in the staging program's order."""
+    """What the executor posted before issue 13 (the "tagged" discipline, each message of a pair
+    under its own tag): every direct message at once, then the staged ones in the staging
+    program's order — the two ends of a message staged on one side only at different places."""
     out = []
     for ex in schedule.exchanges:
         for send, recv in ex.steps:
@@ -107,17 +107,17 @@ def test_random_layout_pairs_post_in_the_same_order_on_both_ends(data):
 
 
 def _misordered_tagged_case(layouts4):
-    """A named pair and budget where the tagged discipline posts some message at different places
-    on its two ends (one end stages it, the other does not)."""
+    """A named pair and budget where the pre-issue-13 order posts some message at different
+    places on its two ends (one end stages it, the other does not)."""
     for budget in (1000, 64, 1 << 20):
         for a, b in PAIRS:
             scheds = schedules(layouts4[a], layouts4[b], budget)
             if misordered({r: tagged_posts(s) for r, s in enumerate(scheds)}):
                 return a, b, budget
-    raise AssertionError("the tagged discipline posts every pair in order: no case to show")
+    raise AssertionError("the pre-issue-13 order posts every pair in order: no case to show")
 
 
-def test_the_check_fires_on_the_tagged_discipline_and_on_a_swapped_program(layouts4):
+def test_the_check_fires_on_the_old_order_and_on_a_swapped_program(layouts4):
     a, b, budget = _misordered_tagged_case(layouts4)
     scheds = schedules(layouts4[a], layouts4[b], budget)
     assert misordered({r: tagged_posts(s) for r, s in enumerate(scheds)})
@@ -134,24 +134,19 @@ def test_the_check_fires_on_the_tagged_discipline_and_on_a_swapped_program(layou
 
 
 def test_real_ranks_post_both_ends_of_every_message_at_the_same_place(world4, layouts4):
-    """Recorded on 4 gloo ranks: ordered moves are exact, bytes = minimum, and every pair posts
-    in matching order; the tagged discipline, on a case it mis-orders, still lands exactly
-    (its tags match the messages) — but the recorded order fails the check: it would not on NCCL."""
+    """Recorded on 4 gloo ranks, including the case the old order mis-posted: moves are exact,
+    bytes = minimum, every rank posts exactly its schedule's program, and every pair matches."""
     a, b, budget = _misordered_tagged_case(layouts4)
     cases = [(a, b, budget), ("zero3", "tp2xpp2", 1000), ("fsdp", "tp4", 64), ("zero1-flat", "tp2xdp2", 1 << 20)]
     for x, y, bud in cases:
         src, dst = layouts4[x], layouts4[y]
+        results = world4.run(rank_jobs.move_recording_posts, src, dst, budget_bytes=bud)
+        assert all(res["wrong"] == [] for res in results), (x, y, bud)
+        assert sum(res["report"].bytes_received for res in results) == plan_transition(src, dst).min_bytes
+        posts = {r: res["posts"] for r, res in enumerate(results)}
         scheds = schedules(src, dst, bud)
-        for discipline, program in (("ordered", ordered_posts), ("tagged", tagged_posts)):
-            results = world4.run(rank_jobs.move_recording_posts, src, dst, discipline, budget_bytes=bud)
-            assert all(res["wrong"] == [] for res in results), (x, y, bud, discipline)
-            assert sum(res["report"].bytes_received for res in results) == plan_transition(src, dst).min_bytes
-            posts = {r: res["posts"] for r, res in enumerate(results)}
-            assert all(posts[r] == program(s) for r, s in enumerate(scheds))  # the program, as run
-            if discipline == "ordered":
-                assert misordered(posts) == [], (x, y, bud)
-            elif (x, y, bud) == (a, b, budget):
-                assert misordered(posts)  # exact on gloo (tags), mis-matched on NCCL
+        assert all(posts[r] == ordered_posts(s) for r, s in enumerate(scheds))  # the program, as run
+        assert misordered(posts) == [], (x, y, bud)
 
 
 def test_a_rank_posting_in_another_order_is_refused_before_any_byte(world4, layouts4):
@@ -163,6 +158,5 @@ def test_a_rank_posting_in_another_order_is_refused_before_any_byte(world4, layo
         assert "posting order" in res["error"], res["error"]
         assert res["untouched"], f"rank {r} wrote into its destination"
     # the same world then moves exactly
-    results = world4.run(rank_jobs.move_recording_posts, layouts4["zero3"], layouts4["tp2xpp2"], "ordered",
-                         budget_bytes=1000)
+    results = world4.run(rank_jobs.move_recording_posts, layouts4["zero3"], layouts4["tp2xpp2"], budget_bytes=1000)
     assert all(res["wrong"] == [] for res in results)

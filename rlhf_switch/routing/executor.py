@@ -9,26 +9,21 @@
    every rank is fine and they agree, go; otherwise one ``all_gather_object`` of (plan digest,
    per-peer digests, error) and *every* rank raises the same ``MoveError`` — before a byte has
    moved;
-3. the messages, under one of two posting disciplines (``discipline``):
-
-   * ``"ordered"`` (the default; the only one NCCL can run): the schedule's posting program
-     (``Schedule.batches``), one ``batch_isend_irecv`` per round, every message under one tag.
-     NCCL matches the messages of a pair by posting order alone, and so does gloo when every
-     tag is the same — so CI on gloo runs exactly the discipline a GPU needs, and a pair whose
-     two ends posted in different orders fails (or corrupts) on CPU too. The posting order and
-     every message's size are part of the agreement (step 2), so ends that would not match
-     refuse before a byte moves. A staged step is packed just before its batch is posted; a
-     batch whose staged steps need pool space first waits for the oldest staged steps
-     (``StagedStep.retire``), doing the local copies (step 4) at its first such wait;
-   * ``"tagged"`` (gloo only): every message that is one contiguous range of the buffers on this
-     rank's side is posted at once, straight from/into the buffers (zero copy; message ``i`` of a
-     pair travels with tag ``TAG_BASE + i``, so posting order does not matter), then local copies
-     (step 4) while those are in flight, then the staged steps (pieces that must be packed or
-     unpacked) in the schedule's (round, step) order through one staging pool that never exceeds
-     the budget: a step is packed and posted while older ones are still in flight, and waits
-     only for older steps (``Schedule.staged``). It posts the two ends of a message in
-     different orders whenever one end stages it and the other does not;
-4. local copies (source view → destination view, no staging), while messages are in flight;
+3. the messages, in the schedule's posting program (``Schedule.batches``): one
+   ``batch_isend_irecv`` per round, every message under one tag. NCCL matches the messages of a
+   pair by posting order alone, and so does gloo when every tag is the same — so CI on gloo runs
+   exactly the discipline a GPU needs, and a pair whose two ends posted in different orders
+   fails (or corrupts) on CPU too. The posting order and every message's size are part of the
+   agreement (step 2), so ends that would not match refuse before a byte moves. Messages that
+   are one contiguous range of the buffers on this rank's side go straight from/into them (zero
+   copy); a staged step is packed into the staging pool (``Schedule.staged``, never over the
+   budget) just before its batch is posted, and a batch whose staged steps need pool space
+   first waits for the oldest staged steps (``StagedStep.retire``). (Until issue 13 every
+   direct message was posted at once under its own tag and the staged ones after: the two ends
+   of a message staged on one side only were posted at different places — fine on gloo, a
+   mis-match on NCCL — and that was no faster: ``tests/test_posting_order.py``, README);
+4. local copies (source view → destination view, no staging), while messages are in flight
+   (at the first wait for pool space, or after the last batch is posted);
 5. wait for everything, unpacking the staged receives;
 6. with ``verify`` ``"full"`` or ``"sample"``: checksums of the moved pieces, computed at their
    sources and checked on the bytes that landed (``routing/verify.py``); a corrupted piece raises
@@ -43,7 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
@@ -62,18 +56,6 @@ from .verify import DEFAULT_FRACTION, VerifyError, check_mode, verify_move  # no
 
 DEFAULT_BUDGET = 64 << 20
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-DISCIPLINES = ("ordered", "tagged")  # how messages are posted: see the module docstring, step 3
-DISCIPLINE_ENV = "RLHF_SWITCH_P2P"  # the default discipline: CI runs ordered; RLHF_SWITCH_P2P=tagged make test
-
-
-def resolve_discipline(discipline: str | None, comm: Comm | None) -> str:
-    """``discipline``, else ``$RLHF_SWITCH_P2P``, else ``"ordered"``; ``"tagged"`` needs gloo."""
-    chosen = discipline or os.environ.get(DISCIPLINE_ENV) or "ordered"
-    if chosen not in DISCIPLINES:
-        raise ValueError(f"unknown posting discipline {chosen!r}; known: {', '.join(DISCIPLINES)}")
-    if chosen == "tagged" and comm is not None and not comm.gloo:
-        raise ValueError("the tagged discipline needs gloo (NCCL ignores tags): use discipline='ordered'")
-    return chosen
 
 
 class MoveError(RuntimeError):
@@ -132,7 +114,7 @@ class PeerLost(MoveError):
       (dead, or stuck) among those some rank lost contact with; when no report could be read (no
       store), the peers this rank itself lost;
     * ``pending``: what this rank was waiting for when it stopped, e.g. ``"recv 4096 B from rank 3
-      (tag 1048577)"`` or ``"agreement gather (32 B per rank)"``; ``cause``: gloo's own text;
+      (tag 1048576)"`` or ``"agreement gather (32 B per rank)"``; ``cause``: gloo's own text;
     * ``reports``: what the other ranks said (rank -> text), ``elapsed_s`` since the move began,
       ``deadline_s``: the deadline of the wait that failed.
 
@@ -177,7 +159,7 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
          budget_bytes: int = DEFAULT_BUDGET, ranks_per_node: int | None = None,
          timeout: timedelta = DEFAULT_TIMEOUT, deadline: Deadlines | None = None,
          dry_run: bool = False, verify: str = "off", verify_fraction: float = DEFAULT_FRACTION,
-         verify_seed: int = 0, discipline: str | None = None) -> MoveReport | Schedule:
+         verify_seed: int = 0) -> MoveReport | Schedule:
     """Move everything ``dst`` wants from ``src``'s buffers into ``dst``'s buffers on this rank.
 
     ``group`` is the default world, a registered group, a bare ``ProcessGroup`` (one formed
@@ -192,16 +174,12 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     source, is checked on the bytes that landed) or ``"sample"`` (a ``verify_fraction`` of each
     pair's pieces, chosen from the plan digest and ``verify_seed``, the same on every rank); see
     ``routing/verify.py``. A mismatch raises ``VerifyError`` on every rank.
-    ``discipline``: how messages are posted, ``"ordered"`` or ``"tagged"`` (module docstring,
-    step 3; default ``$RLHF_SWITCH_P2P``, else ``"ordered"``); every rank must use the same one
-    (it is part of the agreement).
     """
     check_mode(verify, verify_fraction)
     t_start = time.perf_counter()
     comm = as_comm(group) if not dry_run or dist.is_initialized() or group is not None else None
     rank = comm.rank if comm else 0
     world = comm.size if comm else src.world_size
-    discipline = resolve_discipline(discipline, comm)
     if src.world_size != world or dst.world_size != world:
         raise LayoutError(f"{src.name} is for {src.world_size} ranks and {dst.name} for "
                           f"{dst.world_size}; this process group has {world}")
@@ -222,13 +200,10 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
         batches = POSTING_ORDER_HOOK(schedule)
     t_prep = time.perf_counter()
     try:
-        _agree(schedule.plan if schedule else None, _pair_agreement(schedule, batches, discipline),
-               error, comm, src, dst, deadline)
+        _agree(schedule.plan if schedule else None, _pair_agreement(schedule, batches), error, comm,
+               src, dst, deadline)
         t_agree = time.perf_counter()
-        if discipline == "ordered":
-            report = _run_ordered(schedule, batches, src_buffers, dst_buffers, comm, deadline)
-        else:
-            report = _run(schedule, src_buffers, dst_buffers, comm, deadline)
+        report = _run(schedule, batches, src_buffers, dst_buffers, comm, deadline)
     except _WaitFailed as f:
         raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     report.phases = dict(prepare=t_prep - t_start, agree=t_agree - t_prep, **report.phases)
@@ -323,15 +298,15 @@ def _check_disjoint(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffer
 _P = (1 << 61) - 1  # a Mersenne prime: the pair digests are summed modulo it
 
 
-def _pair_agreement(schedule: Schedule | None, batches, discipline: str) -> dict[int, int]:
+def _pair_agreement(schedule: Schedule | None, batches) -> dict[int, int]:
     """Per peer, what the two ends must agree on before a byte moves: the transfers between them
-    (the plan's pair digest), the messages they cut them into in posting order, with every
+    (the plan's pair digest) and the messages they cut them into in posting order, with every
     message's size (``Schedule.message_digests``: a different budget on one end, or another
-    posting order, changes it) and the posting discipline (their tags must match)."""
+    posting order, changes it)."""
     if schedule is None:
         return {}
     msgs = schedule.message_digests if batches is schedule.batches else schedule.digest_messages(batches)
-    return {p: hash((d, msgs.get(p, 0), DISCIPLINES.index(discipline))) & ((1 << 56) - 1)
+    return {p: hash((d, msgs.get(p, 0))) & ((1 << 56) - 1)
             for p, d in schedule.plan.pair_digests.items()}
 
 
@@ -437,8 +412,7 @@ def _copy_local(schedule: Schedule, src_buffers, dst_buffers) -> None:
                 _view(src_buffers, t.src_buffer, t.src_offset, t.box.shape, t.src_strides))
 
 
-TAG_BASE = 1 << 20  # tagged: message i of a pair (each direction) travels with tag TAG_BASE + i
-ORDERED_TAG = TAG_BASE  # ordered: every message (one tag: gloo then matches by order, as NCCL does)
+MESSAGE_TAG = 1 << 20  # every message: one tag, so gloo matches by posting order, as NCCL does
 
 # test-only (tests/test_posting_order.py): called with (peer, send?, bytes) for every message this
 # rank posts, in posting order — a test records both ends of every pair. Never set otherwise.
@@ -483,9 +457,6 @@ class _Outstanding:
         nbytes = op.tensor.numel() * op.tensor.element_size()
         return f"{'send' if op.send else 'recv'} {nbytes} B {'to' if op.send else 'from'} rank {op.peer} (tag {op.tag})"
 
-    def post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> int:
-        return self.post_batch([P2P(kind == "send", tensor, peer, tag)])[0]
-
     def post_batch(self, ops: list[P2P]) -> list[int]:
         """Post ``ops`` in this order as one batch; a token per op, to ``wait`` for."""
         if POST_HOOK is not None:  # test-only: see POST_HOOK
@@ -509,103 +480,10 @@ class _Outstanding:
         self.bytes -= nbytes
 
 
-def _run(schedule: Schedule, src_buffers, dst_buffers, comm: Comm, deadline: Deadlines) -> MoveReport:
-    plan = schedule.plan
-    out = _Outstanding(comm, deadline)
-    t0 = time.perf_counter()
-    exchanges = schedule.exchanges
-    # 1. every message that needs no staging on this side, posted at once
-    direct = []
-    for ex in exchanges:
-        peer = ex.peer
-        for i, (send, recv) in enumerate(ex.steps):
-            if recv is not None and not recv.stage_recv:
-                p = recv.pieces[0]
-                direct.append(out.post("recv", _flat(dst_buffers, p.transfer.dst_buffer, p.dst_view()[0],
-                                                     recv.nbytes), peer, TAG_BASE + i))
-            if send is not None and not send.stage_send:
-                p = send.pieces[0]
-                direct.append(out.post("send", _flat(src_buffers, p.transfer.src_buffer, p.src_view()[0],
-                                                     send.nbytes), peer, TAG_BASE + i))
-    t1 = time.perf_counter()
-    # 2. local copies while those travel: done where the staged program would first block (the
-    # steps posted before then travel meanwhile), or after it has posted everything
-    local_done = False
-    t_local = 0.0
-
-    def copy_local():
-        nonlocal local_done, t_local
-        if local_done:
-            return
-        local_done = True
-        tl = time.perf_counter()
-        _copy_local(schedule, src_buffers, dst_buffers)
-        t_local = time.perf_counter() - tl
-
-    t2 = time.perf_counter()
-    # 3. staged steps through one pool, following the schedule's program
-    program, planned_peak = schedule.staged
-    staged_msgs = 0
-    peak = 0
-    alive_bytes = 0
-    inflight: deque = deque()
-
-    def retire():
-        nonlocal alive_bytes
-        works, recv, buf, size = inflight.popleft()
-        for w in works:
-            out.wait(w)
-        if recv is not None:
-            _unpack(recv, buf, dst_buffers)
-        alive_bytes -= size
-
-    if program:
-        send, recv = exchanges[program[0].exchange].steps[program[0].step]
-        device = (dst_buffers[recv.pieces[0].transfer.dst_buffer].device if program[0].recv_bytes
-                  else src_buffers[send.pieces[0].transfer.src_buffer].device)
-        pool = torch.empty(planned_peak, dtype=torch.uint8, device=device)  # NCCL needs it on the GPU
-        for st in program:
-            if st.retire:
-                copy_local()
-            for _ in range(st.retire):
-                retire()
-            ex = exchanges[st.exchange]
-            send, recv = ex.steps[st.step]
-            tag = TAG_BASE + st.step
-            works, rbuf = [], None
-            if st.recv_bytes:
-                rbuf = pool[st.offset:st.offset + recv.nbytes]
-                works.append(out.post("recv", rbuf, ex.peer, tag))
-            if st.send_bytes:
-                sbuf = pool[st.offset + st.recv_bytes:st.offset + st.recv_bytes + send.nbytes]
-                _pack(send, src_buffers, sbuf)
-                works.append(out.post("send", sbuf, ex.peer, tag))
-            size = st.recv_bytes + st.send_bytes
-            alive_bytes += size
-            peak = max(peak, st.offset + size)
-            if alive_bytes > schedule.budget_bytes:  # a broken promise is a bug, never a silent one
-                raise AssertionError(f"staging holds {alive_bytes} B over the {schedule.budget_bytes} B budget")
-            staged_msgs += len(works)
-            inflight.append((works, recv if st.recv_bytes else None, rbuf, size))
-    copy_local()
-    t3 = time.perf_counter()
-    while inflight:
-        retire()
-    for w in direct:
-        out.wait(w)
-    t4 = time.perf_counter()
-    if peak > schedule.budget_bytes:
-        raise AssertionError(f"staging peaked at {peak} B over the {schedule.budget_bytes} B budget")
-    return MoveReport(plan.rank, plan.transition, plan.bytes_sent, plan.bytes_received, plan.bytes_local,
-                      plan.min_bytes_received, len(direct) + staged_msgs, peak, planned_peak,
-                      schedule.budget_bytes, t4 - t0,
-                      phases=dict(post=t1 - t0, local=t_local, staged=t3 - t2 - t_local, wait=t4 - t3))
-
-
-def _run_ordered(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffers, comm: Comm,
-                 deadline: Deadlines) -> MoveReport:
-    """The ordered discipline (module docstring, step 3): ``batches`` posted in order, each as one
-    batch; staged steps packed into / unpacked from the pool at ``Schedule.staged``'s offsets."""
+def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffers, comm: Comm,
+         deadline: Deadlines) -> MoveReport:
+    """Steps 3–5 of the module docstring: ``batches`` posted in order, each as one batch; staged
+    steps packed into / unpacked from the pool at ``Schedule.staged``'s offsets."""
     plan = schedule.plan
     out = _Outstanding(comm, deadline)
     t0 = time.perf_counter()
@@ -673,7 +551,7 @@ def _run_ordered(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, ds
                 p = recv.pieces[0]
                 tensor = _flat(dst_buffers, p.transfer.dst_buffer, p.dst_view()[0], recv.nbytes)
             staged = send.stage_send if m.send else recv.stage_recv
-            ops.append(P2P(m.send, tensor, ex.peer, ORDERED_TAG))
+            ops.append(P2P(m.send, tensor, ex.peer, MESSAGE_TAG))
             owners.append(rec[0] if staged else direct)
         for tok, owner in zip(out.post_batch(ops), owners):
             owner.append(tok)

@@ -18,9 +18,8 @@ peers without knowing anyone else's plan and without any extra collective::
     round(a, b) = a            if b == m   (the fixed player)
                 = (a + b) / 2  mod m        otherwise
 
-*Posting order (the ordered discipline).* NCCL matches the messages between two ranks by the
-order they are posted in (it has no tags). ``Schedule.batches`` is that order, decided by the
-plan alone: exchanges in (round, peer) order, and in each the steps in order; a step's two
+*Posting order.* NCCL matches the messages between two ranks by the order they are posted in
+(it has no tags). ``Schedule.batches`` is that order, decided by the plan alone: exchanges in (round, peer) order, and in each the steps in order; a step's two
 messages go lower rank → higher rank first, then back, on both ends. So the two ends of a pair
 post the same sequence of (direction, bytes) messages — whether each side stages a message or
 sends/receives it in place changes neither its place nor its size. A round is one batch
@@ -89,7 +88,7 @@ class StagedStep(NamedTuple):
 
 
 class Message(NamedTuple):
-    """One point-to-point message, as the ordered discipline posts it."""
+    """One point-to-point message, as the executor posts it."""
 
     exchange: int  # index into Schedule.exchanges
     step: int  # index into that exchange's steps
@@ -162,7 +161,7 @@ class Schedule:
 
     @functools.cached_property
     def batches(self) -> tuple[Batch, ...]:
-        """The ordered discipline's posting program (see the module docstring), computed once.
+        """The posting program (see the module docstring), computed once.
 
         One batch per exchange (a round: one peer), cut before every staged step that must retire
         older steps first — those waits are only ever for steps posted earlier, in the same

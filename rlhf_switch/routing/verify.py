@@ -56,7 +56,7 @@ from .comm import P2P
 Mode = Literal["off", "sample", "full"]
 MODES = ("off", "sample", "full")
 DEFAULT_FRACTION = 0.1
-VERIFY_TAG = (1 << 20) - 7  # below the executor's message tags (TAG_BASE + i)
+VERIFY_TAG = (1 << 20) - 7  # not the executor's message tag (MESSAGE_TAG)
 MAX_REPORTED = 8  # mismatches described per rank
 
 
