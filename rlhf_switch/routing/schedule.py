@@ -165,7 +165,10 @@ class Schedule:
 
         One batch per exchange (a round: one peer), cut before every staged step that must retire
         older steps first — those waits are only ever for steps posted earlier, in the same
-        (round, step) order on every rank, so they cannot deadlock, on gloo or on an NCCL stream."""
+        (round, step) order on every rank, so they cannot deadlock, on gloo or on an NCCL stream.
+        The two ends of a pair may cut at different steps (a sender that casts stages a message
+        its peer receives in place): cuts group messages, they do not reorder them, and neither
+        NCCL nor gloo needs the two ends' groups to coincide — only the order within the pair."""
         retire_at = {(st.exchange, st.step): st.retire for st in self.staged[0]}
         lower = [self.plan.rank < ex.peer for ex in self.exchanges]
         out: list[Batch] = []
