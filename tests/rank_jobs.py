@@ -285,3 +285,12 @@ def move_misordered_on(odd_rank: int, src: Layout, dst: Layout, budget_bytes: in
         return _attempt(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes)
     finally:
         executor.POSTING_ORDER_HOOK = None
+
+
+def move_with_budget_on(odd_rank: int, odd_budget: int, src: Layout, dst: Layout, budget_bytes: int) -> dict:
+    """``odd_rank`` moves under another staging budget than the others (so it cuts other
+    messages): every rank must refuse before a byte moves."""
+    rank = dist.get_rank()
+    src_bufs = materialize(src, rank, tensor_source(src, 0))
+    dst_bufs = garbage_like(allocate(dst, rank, fill=None), 7 + rank)
+    return _attempt(src, dst, src_bufs, dst_bufs, budget_bytes=odd_budget if rank == odd_rank else budget_bytes)

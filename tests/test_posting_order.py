@@ -150,12 +150,18 @@ def test_real_ranks_post_both_ends_of_every_message_at_the_same_place(world4, la
 
 
 def test_a_rank_posting_in_another_order_is_refused_before_any_byte(world4, layouts4):
-    """Rank 1 would post two of its sends in swapped order: every rank refuses in the agreement
-    (the digests cover the posting order), and no destination byte is written."""
+    """Rank 1 would post two of its sends in swapped order, or rank 2 cut other messages (another
+    budget): every rank refuses in the agreement (the digests cover each pair's messages and
+    their order), and no destination byte is written."""
     results = world4.run(rank_jobs.move_misordered_on, 1, layouts4["zero3"], layouts4["tp2xpp2"], 1000)
     for r, res in enumerate(results):
         assert res["error"] is not None and res["error"].startswith("MoveError:"), (r, res["error"])
         assert "posting order" in res["error"], res["error"]
+        assert res["untouched"], f"rank {r} wrote into its destination"
+    # a rank under another budget cuts other messages: refused the same way (the transfers agree)
+    results = world4.run(rank_jobs.move_with_budget_on, 2, 4096, layouts4["zero3"], layouts4["tp2xpp2"], 1000)
+    for r, res in enumerate(results):
+        assert res["error"] is not None and "posting order" in res["error"], (r, res["error"])
         assert res["untouched"], f"rank {r} wrote into its destination"
     # the same world then moves exactly
     results = world4.run(rank_jobs.move_recording_posts, layouts4["zero3"], layouts4["tp2xpp2"], budget_bytes=1000)
