@@ -72,7 +72,7 @@ class Comm:
         """End this rank's connections in the group after a failed move (gloo only; best effort).
 
         A group that carried a failed move cannot carry another (messages of the failed one may
-        still be pending on it, under the tags the next move would use), and peers blocked on this
+        still be pending on it, under the tag the next move would use), and peers blocked on this
         rank would otherwise wait for their own deadlines. gloo (torch 2.13) has no call that
         closes a group's connections — ``ProcessGroupGloo.abort`` leaves them open — but a wait
         that times out closes every connection of the group ("Application timeout caused pair
