@@ -79,10 +79,10 @@ def rank_of_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _attempt(src: Layout, dst: Layout, src_bufs, dst_bufs) -> dict:
+def _attempt(src: Layout, dst: Layout, src_bufs, dst_bufs, **kw) -> dict:
     before = {n: t.clone() for n, t in dst_bufs.items()}
     try:
-        move(src, dst, src_bufs, dst_bufs)
+        move(src, dst, src_bufs, dst_bufs, **kw)
         error = None
     except Exception as e:  # noqa: BLE001 - the test inspects it
         error = f"{type(e).__name__}: {e}"
@@ -240,3 +240,57 @@ def move_engine_like(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int 
     sides += [r.stage_recv for ex in sched.exchanges for _, r in ex.steps if r is not None]
     return {"wrong": wrong, "report": report, "direct": sides.count(False), "staged": sides.count(True),
             "local": len(sched.local_runs)}
+
+
+def move_recording_posts(src: Layout, dst: Layout, budget_bytes: int = 1 << 20, seed: int = 0) -> dict:
+    """``move_and_check``, recording every message this rank posts, in posting order, as
+    (peer, send?, bytes) (``executor.POST_HOOK``)."""
+    from rlhf_switch.routing import executor
+
+    posts: list[tuple[int, bool, int]] = []
+    executor.POST_HOOK = lambda peer, send, nbytes: posts.append((peer, send, nbytes))
+    try:
+        out = move_and_check(src, dst, seed=seed, budget_bytes=budget_bytes)
+    finally:
+        executor.POST_HOOK = None
+    return {**out, "posts": posts}
+
+
+def swap_two_sends(schedule):
+    """The schedule's posting program with the first two sends of one batch swapped: a rank
+    that would post two messages to a peer in the other order than the peer receives them."""
+    batches = list(schedule.batches)
+    for i, b in enumerate(batches):
+        sends = [j for j, m in enumerate(b.messages) if m.send]
+        if len(sends) >= 2:
+            msgs = list(b.messages)
+            j, k = sends[:2]
+            msgs[j], msgs[k] = msgs[k], msgs[j]
+            batches[i] = b._replace(messages=tuple(msgs))
+            return tuple(batches)
+    raise AssertionError("no batch with two sends to swap")
+
+
+def move_misordered_on(odd_rank: int, src: Layout, dst: Layout, budget_bytes: int) -> dict:
+    """On ``odd_rank`` the posting program has two sends swapped (``swap_two_sends`` through
+    ``executor.POSTING_ORDER_HOOK``): every rank must refuse before a byte moves."""
+    from rlhf_switch.routing import executor
+
+    rank = dist.get_rank()
+    if rank == odd_rank:
+        executor.POSTING_ORDER_HOOK = swap_two_sends
+    try:
+        src_bufs = materialize(src, rank, tensor_source(src, 0))
+        dst_bufs = garbage_like(allocate(dst, rank, fill=None), 7 + rank)
+        return _attempt(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes)
+    finally:
+        executor.POSTING_ORDER_HOOK = None
+
+
+def move_with_budget_on(odd_rank: int, odd_budget: int, src: Layout, dst: Layout, budget_bytes: int) -> dict:
+    """``odd_rank`` moves under another staging budget than the others (so it cuts other
+    messages): every rank must refuse before a byte moves."""
+    rank = dist.get_rank()
+    src_bufs = materialize(src, rank, tensor_source(src, 0))
+    dst_bufs = garbage_like(allocate(dst, rank, fill=None), 7 + rank)
+    return _attempt(src, dst, src_bufs, dst_bufs, budget_bytes=odd_budget if rank == odd_rank else budget_bytes)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pickle
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,15 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 CLOSE_TAG = (1 << 20) - 7  # a tag no move uses: the receive that ``close`` lets time out
+
+
+class P2P(NamedTuple):
+    """One point-to-point op of a batch: send ``tensor`` to ``peer``, or receive it from them."""
+
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
 
 
 class Comm:
@@ -62,7 +72,7 @@ class Comm:
         """End this rank's connections in the group after a failed move (gloo only; best effort).
 
         A group that carried a failed move cannot carry another (messages of the failed one may
-        still be pending on it, under the tags the next move would use), and peers blocked on this
+        still be pending on it, under the tag the next move would use), and peers blocked on this
         rank would otherwise wait for their own deadlines. gloo (torch 2.13) has no call that
         closes a group's connections — ``ProcessGroupGloo.abort`` leaves them open — but a wait
         that times out closes every connection of the group ("Application timeout caused pair
@@ -81,6 +91,13 @@ class Comm:
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         raise NotImplementedError
+
+    def batch(self, ops: list[P2P]) -> list:
+        """Post ``ops`` as one batch, in this order; one ``Work`` per op (on NCCL the batch's
+        single work, repeated). Messages between two ranks in one direction are matched in the
+        order they are posted (NCCL ignores tags), and a batch is one NCCL group, so no op of it
+        waits on another. gloo has no groups: its ops are posted one by one, in order."""
+        return [(self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag) for op in ops]
 
 
 
@@ -118,6 +135,13 @@ class TorchComm(Comm):
     def irecv(self, tensor, peer, tag=0):
         return dist.irecv(tensor, self._global(peer), group=self.group, tag=tag)
 
+    def batch(self, ops):
+        if self.gloo or not ops:  # gloo's batch_isend_irecv is this same loop
+            return super().batch(ops)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor,
+                                                   self._global(op.peer), self.group, op.tag) for op in ops])
+        return works if len(works) == len(ops) else works[-1:] * len(ops)  # NCCL: one work per batch
+
     def all_gather_ints(self, values, timeout=None):
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
@@ -146,6 +170,16 @@ class GroupComm(Comm):
 
     def irecv(self, tensor, peer, tag=0):
         return self.pg.recv([tensor], peer, tag)
+
+    def batch(self, ops):
+        if self.gloo or not ops:
+            return super().batch(ops)
+        # a bare NCCL group: one NCCL group call, as ``batch_isend_irecv`` makes for a registered
+        # one (not run here: no GPU in CI)
+        self.pg._start_coalescing(self.device)
+        for op in ops:
+            (self.pg.send if op.send else self.pg.recv)([op.tensor], op.peer, op.tag)
+        return [self.pg._end_coalescing(self.device)] * len(ops)
 
     def _allgather(self, outs, tensor):
         return self.pg.allgather([outs], [tensor])

@@ -18,6 +18,13 @@ peers without knowing anyone else's plan and without any extra collective::
     round(a, b) = a            if b == m   (the fixed player)
                 = (a + b) / 2  mod m        otherwise
 
+*Posting order.* NCCL matches the messages between two ranks by the order they are posted in
+(it has no tags). ``Schedule.batches`` is that order, decided by the plan alone: exchanges in (round, peer) order, and in each the steps in order; a step's two
+messages go lower rank → higher rank first, then back, on both ends. So the two ends of a pair
+post the same sequence of (direction, bytes) messages — whether each side stages a message or
+sends/receives it in place changes neither its place nor its size. A round is one batch
+(``batch_isend_irecv``), cut where a staged step must first wait for older ones to free the pool.
+
 *Staging.* The staged steps of all exchanges share one pool laid out as a ring
 (``Schedule.staged``): a step is packed and posted while older ones are in flight, and retires
 the oldest when it does not fit. The schedule knows the exact peak before anything runs.
@@ -80,6 +87,23 @@ class StagedStep(NamedTuple):
     retire: int
 
 
+class Message(NamedTuple):
+    """One point-to-point message, as the executor posts it."""
+
+    exchange: int  # index into Schedule.exchanges
+    step: int  # index into that exchange's steps
+    send: bool  # this rank sends the step's send chunk (else it receives the step's recv chunk)
+
+
+class Batch(NamedTuple):
+    """Messages posted together as one ``batch_isend_irecv``, in this order, after ``retire`` of
+    the oldest staged steps in flight have finished (``StagedStep.retire`` of the batch's first
+    step: that step's block of the pool must be free before it is packed)."""
+
+    retire: int
+    messages: tuple[Message, ...]
+
+
 @dataclass(frozen=True)
 class Schedule:
     plan: RankPlan
@@ -134,6 +158,56 @@ class Schedule:
                 peak = max(peak, at + need)
                 out.append(StagedStep(ei, si, at, rb, sb, retire))
         return tuple(out), peak
+
+    @functools.cached_property
+    def batches(self) -> tuple[Batch, ...]:
+        """The posting program (see the module docstring), computed once.
+
+        One batch per exchange (a round: one peer), cut before every staged step that must retire
+        older steps first — those waits are only ever for steps posted earlier, in the same
+        (round, step) order on every rank, so they cannot deadlock, on gloo or on an NCCL stream.
+        The two ends of a pair may cut at different steps (a sender that casts stages a message
+        its peer receives in place): cuts group messages, they do not reorder them, and neither
+        NCCL nor gloo needs the two ends' groups to coincide — only the order within the pair."""
+        retire_at = {(st.exchange, st.step): st.retire for st in self.staged[0]}
+        lower = [self.plan.rank < ex.peer for ex in self.exchanges]
+        out: list[Batch] = []
+        for ei, ex in enumerate(self.exchanges):
+            retire, messages = 0, []
+            for si, (send, recv) in enumerate(ex.steps):
+                wait = retire_at.get((ei, si), 0)
+                if wait:
+                    if messages:
+                        out.append(Batch(retire, tuple(messages)))
+                    retire, messages = wait, []
+                step = [Message(ei, si, True)] if send is not None else []
+                if recv is not None:  # the lower rank's message of the step goes first
+                    step.insert(len(step) if lower[ei] else 0, Message(ei, si, False))
+                messages += step
+            if messages:
+                out.append(Batch(retire, tuple(messages)))
+        return tuple(out)
+
+    @functools.cached_property
+    def message_digests(self) -> dict[int, int]:
+        """``digest_messages(self.batches)``, computed once."""
+        return self.digest_messages(self.batches)
+
+    def digest_messages(self, batches: Sequence[Batch]) -> dict[int, int]:
+        """Per peer, a hash of the messages between the two ranks in posting order — per message
+        its direction (from the lower rank or not), bytes, and its pieces' boxes and offsets —
+        the same on both ends when they will post the same sequence."""
+        per_peer: dict[int, list] = {}
+        for b in batches:
+            for m in b.messages:
+                ex = self.exchanges[m.exchange]
+                chunk = ex.steps[m.step][0 if m.send else 1]
+                lower_sends = m.send == (self.plan.rank < ex.peer)
+                per_peer.setdefault(ex.peer, []).append(
+                    (lower_sends, chunk.nbytes, tuple(p.box.lo + p.box.hi + (p.transfer.src_offset, p.transfer.dst_offset)
+                                                      for p in chunk.pieces)))
+        # CPython's hash of ints and tuples of them is the same in every process
+        return {p: hash(tuple(seq)) & ((1 << 56) - 1) for p, seq in per_peer.items()}
 
     @property
     def peak_staging_bytes(self) -> int:

@@ -51,11 +51,12 @@ import torch
 
 from ..vps.materialize import torch_dtype
 from ..vps.planner import Transfer
+from .comm import P2P
 
 Mode = Literal["off", "sample", "full"]
 MODES = ("off", "sample", "full")
 DEFAULT_FRACTION = 0.1
-VERIFY_TAG = (1 << 20) - 7  # below the executor's message tags (TAG_BASE + i)
+VERIFY_TAG = (1 << 20) - 7  # not the executor's message tag (MESSAGE_TAG)
 MAX_REPORTED = 8  # mismatches described per rank
 
 
@@ -211,17 +212,16 @@ def verify_move(schedule, src_buffers: Mapping[str, torch.Tensor], dst_buffers: 
         raise VerifyError(f"verification of {plan.transition}: the ranks disagree on what to check "
                           f"({detail}); the bytes were moved but not checked")
     sends, recvs, local = checked(plan, fraction, seed)
-    works, outgoing, incoming = [], [], {}
+    ops, incoming = [], {}  # one message per peer and direction, all in one batch (NCCL-safe)
     for p, ts in sends.items():
         if ts:
-            outgoing.append(torch.stack([source_checksum(t, src_buffers) for t in ts]))  # alive until sent
-            works.append(comm.isend(outgoing[-1], p, VERIFY_TAG))
+            ops.append(P2P(True, torch.stack([source_checksum(t, src_buffers) for t in ts]), p, VERIFY_TAG))
     for p, ts in recvs.items():
         if ts:
             device = dst_buffers[ts[0].dst_buffer].device
-            buf = torch.empty((len(ts), 2), dtype=torch.int64, device=device)
-            works.append(comm.irecv(buf, p, VERIFY_TAG))
-            incoming[p] = buf
+            incoming[p] = torch.empty((len(ts), 2), dtype=torch.int64, device=device)
+            ops.append(P2P(False, incoming[p], p, VERIFY_TAG))
+    works = comm.batch(ops)  # the ops hold the outgoing tensors alive until sent
     problems: list[str] = []
     n_bad = 0
     # local pieces while the checksums travel
