@@ -87,7 +87,7 @@ def bench(size: str, dtype: str, device: str, repeats: int) -> dict:
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            _run(sched, src_bufs, dst_bufs, _NoPeers(), None)
+            _run(sched, sched.batches, src_bufs, dst_bufs, _NoPeers(), None)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
