@@ -46,3 +46,22 @@ def world2():
 def pytest_addoption(parser):
     parser.addoption("--soak-moves", type=int, default=None,
                      help="moves of the soak test (tests/test_soak.py; default sized for a few minutes)")
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray session per test module (the loop's actors find the repository on
+    ``PYTHONPATH``; 4 logical CPUs and GPUs)."""
+    import ray
+
+    from rlhf_switch.compat import set_vllm_env_defaults
+
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in paths if p != REPO])
+    set_vllm_env_defaults()
+    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

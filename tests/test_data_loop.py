@@ -5,7 +5,6 @@ written as text too, and the weight sync is verified every iteration."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,20 +13,6 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in paths if p != str(REPO)])
-    from rlhf_switch.compat import set_vllm_env_defaults
-
-    set_vllm_env_defaults()
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def test_grpo_on_jsonl_data_from_model_path(ray_session, tmp_path):

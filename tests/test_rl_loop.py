@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -55,20 +54,6 @@ def small(config: str, out: Path, world: int = 2, **blocks) -> dict:
 
 def records(out: Path, name: str = "metrics.jsonl") -> list[dict]:
     return [json.loads(line) for line in (out / name).read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from rlhf_switch.compat import set_vllm_env_defaults
-
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in paths if p != str(REPO)])
-    set_vllm_env_defaults()
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def test_grpo_deepspeed_vllm_sync_verified_and_stale_weights_caught(ray_session, tmp_path):

@@ -28,6 +28,7 @@ import pytest
 from rlhf_switch.compat import set_vllm_env_defaults, vllm_dist_ident
 from vllm_checks import assert_matches_hf as matches_hf
 from vllm_checks import assert_weights_equal, hf_greedy
+from vllm_family_jobs import worker_differences
 
 pytestmark = [
     pytest.mark.vllm,
@@ -93,7 +94,7 @@ def loader_check(cases, seed: int = 0) -> list[list[str]]:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     from rlhf_switch.vps.layouts.vllm import vllm_layout
-    from rlhf_switch.vps.materialize import bits, coverage_masks, materialize
+    from rlhf_switch.vps.materialize import coverage_masks, materialize
 
     rank, world = dist.get_rank(), dist.get_world_size()
     found: list[list[str]] = []
@@ -148,16 +149,7 @@ def loader_check(cases, seed: int = 0) -> list[list[str]]:
                 where = f"{spec.name} TP{tp} rank {t_rank} (H={H}, heads {nh}/{nkv}, V={V})"
                 if set(want) != {"param/" + n for n in got}:
                     problems.append(f"{where}: buffers {sorted(want)} vs vLLM {sorted(got)}")
-                for name, t in got.items():
-                    w, mk = want.get("param/" + name), masks.get("param/" + name)
-                    if w is None:
-                        continue
-                    flat = t.reshape(-1)
-                    if flat.numel() != w.numel():
-                        problems.append(f"{where}: {name} has {flat.numel()} elements in vLLM, layout {w.numel()}")
-                    elif not torch.equal(bits(flat)[mk], bits(w)[mk]):
-                        problems.append(f"{where}: {name}: {(bits(flat)[mk] != bits(w)[mk]).sum().item()} "
-                                        f"elements differ")
+                problems += worker_differences(where, got, want, masks)
             finally:
                 ps.destroy_model_parallel()
     return found

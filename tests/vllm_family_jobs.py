@@ -8,6 +8,25 @@ import torch
 import torch.distributed as dist
 
 
+def worker_differences(where: str, got, want, masks) -> list[str]:
+    """What a vLLM worker's parameters (``got``: name -> tensor, as its loader left them) hold that
+    the layout's buffers for that worker (``want``/``masks``: ``param/<name>`` -> flat tensor and
+    the mask of elements some fragment covers) do not: bit for bit, covered elements only."""
+    from rlhf_switch.vps.materialize import bits
+
+    problems = []
+    for name, t in got.items():
+        w, mk = want.get("param/" + name), masks.get("param/" + name)
+        if w is None:
+            continue
+        flat = t.reshape(-1)
+        if flat.numel() != w.numel():
+            problems.append(f"{where}: {name} has {flat.numel()} elements in vLLM, layout {w.numel()}")
+        elif not torch.equal(bits(flat)[mk], bits(w)[mk]):
+            problems.append(f"{where}: {name}: {(bits(flat)[mk] != bits(w)[mk]).sum().item()} elements differ")
+    return problems
+
+
 def _vllm_model(model_dir: str, tp: int):
     """vLLM's model class of ``model_dir``'s checkpoint, built for this rank's TP rank (the
     caller has initialised vLLM's model parallel groups)."""
@@ -73,16 +92,7 @@ def family_loader_check(cases, move_from=None) -> list[list[str]]:
                     problems.append(f"{where}: buffers {sorted(set(want) - {'param/' + n for n in got})} "
                                     f"not in vLLM, vLLM's {sorted({'param/' + n for n in got} - set(want))} "
                                     f"not in the layout")
-                for name, t in got.items():
-                    w, mk = want.get("param/" + name), masks.get("param/" + name)
-                    if w is None:
-                        continue
-                    flat = t.reshape(-1)
-                    if flat.numel() != w.numel():
-                        problems.append(f"{where}: {name} has {flat.numel()} elements in vLLM, layout {w.numel()}")
-                    elif not torch.equal(bits(flat)[mk], bits(w)[mk]):
-                        problems.append(f"{where}: {name}: {(bits(flat)[mk] != bits(w)[mk]).sum().item()} "
-                                        f"elements differ")
+                problems += worker_differences(where, got, want, masks)
                 if move_from is not None and move_from[0] == i and not problems:
                     src = build_layout(spec, move_from[1])
                     src_bufs = materialize(src, rank, lambda key: hf[key.tensor])
