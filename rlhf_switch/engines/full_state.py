@@ -206,7 +206,6 @@ def write_hf_config(path: str | os.PathLike, hf_config: Mapping[str, Any], dtype
     written.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-
 def is_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / COMPLETE).is_file()
 
