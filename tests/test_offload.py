@@ -42,3 +42,79 @@ def test_offload_mode_is_checked():
 
     with pytest.raises(ValueError, match="offload mode 'gpu'"):
         HostOffload(None, "gpu")
+
+
+# --- the loop: GRPO over Ray with real DeepSpeed, offload: optimizer against offload: none ----------
+
+def _loop_config(out, offload: str) -> dict:
+    from test_rl_loop import small
+
+    cfg = small("grpo_tiny.yaml", out, train={"engine": "deepspeed", "zero_stage": 3, "dp": 2, "offload": offload},
+                rollout={"engine": "torch", "tp": 1, "dp": 2}, checkpoint={"save_every": 0})
+    cfg["algorithm"]["iterations"] = 2
+    return cfg
+
+
+def _zero3_optimizer_bytes_per_rank(hf_config: dict, dp: int) -> list[int]:
+    """fp32 master + two Adam moments of each rank's ZeRO-3 partition, from the model's shapes and
+    ZeRO-3's rule (each parameter split on its own: rank r owns flat [r·P, (r+1)·P), P = ceil(n/dp))."""
+    from rlhf_switch.vps import llama_spec
+
+    per_rank = [0] * dp
+    for t in llama_spec(hf_config).tensors:
+        P = -(-t.numel // dp)
+        for r in range(dp):
+            per_rank[r] += max(0, min((r + 1) * P, t.numel) - r * P)
+    return [3 * 4 * n for n in per_rank]
+
+
+@pytest.mark.slow
+def test_grpo_with_optimizer_offload_is_bit_identical_to_none(ray_session, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from recipes.grpo import run
+    from test_rl_loop import TINY, records
+
+    outs = {mode: tmp_path / mode for mode in ("none", "optimizer")}
+    for mode, out in outs.items():
+        run(_loop_config(out, mode), quiet=True)
+    recs = {m: [r for r in records(o) if "reward_mean" in r] for m, o in outs.items()}
+    assert [r["iteration"] for r in recs["optimizer"]] == [0, 1]
+    for a, b in zip(recs["none"], recs["optimizer"]):
+        for k in ("reward_mean", "policy_loss", "kl", "clipfrac", "grad_norm", "stale_logprob_diff", "optimizer_steps"):
+            assert a[k] == b[k], (a["iteration"], k, a[k], b[k])
+    ra, rb = (records(o, "rollouts.jsonl") for o in outs.values())
+    assert [r["responses"] for r in ra] == [r["responses"] for r in rb]
+    assert [r["logprobs"] for r in ra] == [r["logprobs"] for r in rb]
+    for f in ("model.safetensors", "optimizer/moments.safetensors"):
+        wa, wb = (load_file(str(o / "final" / f)) for o in outs.values())
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), f
+    # the moves: each rank's own optimizer state out and back, every iteration
+    want = _zero3_optimizer_bytes_per_rank(TINY, 2)
+    for r in recs["optimizer"]:
+        assert r["offload_bytes_per_rank"] == r["reload_bytes_per_rank"] == want, (r["offload_bytes_per_rank"], want)
+        assert r["offload_seconds"] > 0 and r["reload_seconds"] > 0 and r["switch_rollout_to_train_s"] > 0
+        # CPU: the trainer's live state buffers; generation ran with the optimizer state gone
+        assert r["peak_device_bytes_generate"] <= r["peak_device_bytes_train"] - max(want)
+        assert r["peak_device_bytes_sync"] == r["peak_device_bytes_train"]
+    for r in recs["none"]:
+        assert r["offload_bytes"] == r["reload_bytes"] == 0
+        assert r["peak_device_bytes_generate"] == r["peak_device_bytes_train"]
+
+
+def test_offload_is_refused_before_ray_for_engines_without_it(tmp_path):
+    from recipes.loop import prepare
+    from rlhf_switch.rl.config import ConfigError
+
+    cfg = _loop_config(tmp_path, "optimizer")
+    cfg["train"] = {"engine": "torch_tp", "tp": 2, "offload": "optimizer"}
+    with pytest.raises(ConfigError, match="train.offload: optimizer — engine torch_tp cannot park"):
+        prepare(cfg)
+    cfg["train"] = {"engine": "deepspeed", "zero_stage": 3, "dp": 2, "offload": "gpu"}
+    with pytest.raises(ConfigError, match="train.offload"):
+        prepare(cfg)
+    cfg["reference"] = {**cfg["reference"], "offload": "optimizer"}  # the train block's key only
+    cfg["train"]["offload"] = "optimizer"
+    with pytest.raises(ConfigError, match="reference.offload: unknown field"):
+        prepare(cfg)
