@@ -8,6 +8,11 @@ then moved back — on 2 ranks, DeepSpeed ZeRO-1/2/3 and FSDP2.
 - While parked, those storages are 0 bytes (the memory really was handed back).
 - Bytes moved each way = the rank's optimizer state counted from the torch optimizer the engine
   steps (fp32 master where apart from the weights + two Adam moments; ``all``: + the weights).
+
+Then the loop (slow, over Ray, the module's ``ray_session``): GRPO with real DeepSpeed ZeRO-3 DP2
+and ``train.offload: optimizer`` / ``all`` gives the same rollouts, losses and final state, bit for
+bit, as ``none``, and each rank's offload/reload bytes are its own state, counted from the model's
+shapes. An engine without offload is refused before Ray starts (exit 2 from the CLI).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ def test_offload_mode_is_checked():
         HostOffload(None, "gpu")
 
 
-# --- the loop: GRPO over Ray with real DeepSpeed, offload: optimizer against offload: none ----------
+# --- the loop: GRPO over Ray with real DeepSpeed, offload: optimizer / all against none -----------
 
 def _loop_config(out, offload: str) -> dict:
     from test_rl_loop import small
@@ -55,9 +60,9 @@ def _loop_config(out, offload: str) -> dict:
     return cfg
 
 
-def _zero3_optimizer_bytes_per_rank(hf_config: dict, dp: int) -> list[int]:
-    """fp32 master + two Adam moments of each rank's ZeRO-3 partition, from the model's shapes and
-    ZeRO-3's rule (each parameter split on its own: rank r owns flat [r·P, (r+1)·P), P = ceil(n/dp))."""
+def _zero3_partition_elements(hf_config: dict, dp: int) -> list[int]:
+    """The elements of each rank's ZeRO-3 partition, from the model's shapes and ZeRO-3's rule
+    (each parameter split on its own: rank r owns flat [r·P, (r+1)·P), P = ceil(n/dp))."""
     from rlhf_switch.vps import llama_spec
 
     per_rank = [0] * dp
@@ -65,52 +70,62 @@ def _zero3_optimizer_bytes_per_rank(hf_config: dict, dp: int) -> list[int]:
         P = -(-t.numel // dp)
         for r in range(dp):
             per_rank[r] += max(0, min((r + 1) * P, t.numel) - r * P)
-    return [3 * 4 * n for n in per_rank]
+    return per_rank
 
 
 @pytest.mark.slow
-def test_grpo_with_optimizer_offload_is_bit_identical_to_none(ray_session, tmp_path):
+def test_grpo_with_offload_is_bit_identical_to_none(ray_session, tmp_path):
     import torch
     from safetensors.torch import load_file
 
     from recipes.grpo import run
     from test_rl_loop import TINY, records
 
-    outs = {mode: tmp_path / mode for mode in ("none", "optimizer")}
+    outs = {mode: tmp_path / mode for mode in ("none", "optimizer", "all")}
     for mode, out in outs.items():
         run(_loop_config(out, mode), quiet=True)
     recs = {m: [r for r in records(o) if "reward_mean" in r] for m, o in outs.items()}
-    assert [r["iteration"] for r in recs["optimizer"]] == [0, 1]
-    for a, b in zip(recs["none"], recs["optimizer"]):
-        for k in ("reward_mean", "policy_loss", "kl", "clipfrac", "grad_norm", "stale_logprob_diff", "optimizer_steps"):
-            assert a[k] == b[k], (a["iteration"], k, a[k], b[k])
-    ra, rb = (records(o, "rollouts.jsonl") for o in outs.values())
-    assert [r["responses"] for r in ra] == [r["responses"] for r in rb]
-    assert [r["logprobs"] for r in ra] == [r["logprobs"] for r in rb]
-    for f in ("model.safetensors", "optimizer/moments.safetensors"):
-        wa, wb = (load_file(str(o / "final" / f)) for o in outs.values())
-        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), f
-    # the moves: each rank's own optimizer state out and back, every iteration
-    want = _zero3_optimizer_bytes_per_rank(TINY, 2)
-    for r in recs["optimizer"]:
-        assert r["offload_bytes_per_rank"] == r["reload_bytes_per_rank"] == want, (r["offload_bytes_per_rank"], want)
-        assert r["offload_seconds"] > 0 and r["reload_seconds"] > 0 and r["switch_rollout_to_train_s"] > 0
-        # CPU: the trainer's live state buffers; generation ran with the optimizer state gone
-        assert r["peak_device_bytes_generate"] <= r["peak_device_bytes_train"] - max(want)
-        assert r["peak_device_bytes_sync"] == r["peak_device_bytes_train"]
+    keys = ("reward_mean", "policy_loss", "kl", "clipfrac", "grad_norm", "stale_logprob_diff", "optimizer_steps")
+    for mode in ("optimizer", "all"):
+        assert [r["iteration"] for r in recs[mode]] == [0, 1]
+        for a, b in zip(recs["none"], recs[mode]):
+            assert [a[k] for k in keys] == [b[k] for k in keys], (mode, a["iteration"])
+        ra, rb = records(outs["none"], "rollouts.jsonl"), records(outs[mode], "rollouts.jsonl")
+        assert [r["responses"] for r in ra] == [r["responses"] for r in rb]
+        assert [r["logprobs"] for r in ra] == [r["logprobs"] for r in rb]
+        for f in ("model.safetensors", "optimizer/moments.safetensors"):
+            wa, wb = (load_file(str(outs[m] / "final" / f)) for m in ("none", mode))
+            assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), (mode, f)
+    # the moves: each rank's own optimizer state (fp32 master + 2 moments; all: + its fp32
+    # "bit16" partition) out and back, every iteration
+    elements = _zero3_partition_elements(TINY, 2)
+    for mode, copies in (("optimizer", 3), ("all", 4)):
+        want = [copies * 4 * n for n in elements]
+        for r in recs[mode]:
+            assert r["offload_bytes_per_rank"] == r["reload_bytes_per_rank"] == want, (mode, r["offload_bytes_per_rank"])
+            assert r["offload_seconds"] > 0 and r["reload_seconds"] > 0 and r["switch_rollout_to_train_s"] > 0
+            # CPU: the trainer's live state buffers; generation ran with the optimizer state gone
+            assert r["peak_device_bytes_generate"] <= r["peak_device_bytes_train"] - max(want)
+            assert r["peak_device_bytes_sync"] == r["peak_device_bytes_train"]
+    assert all(r["peak_device_bytes_generate"] == 0 for r in recs["all"])  # gradient buffers too
     for r in recs["none"]:
         assert r["offload_bytes"] == r["reload_bytes"] == 0
         assert r["peak_device_bytes_generate"] == r["peak_device_bytes_train"]
 
 
 def test_offload_is_refused_before_ray_for_engines_without_it(tmp_path):
-    from recipes.loop import prepare
+    import yaml
+
+    from recipes.loop import main, prepare
     from rlhf_switch.rl.config import ConfigError
 
     cfg = _loop_config(tmp_path, "optimizer")
     cfg["train"] = {"engine": "torch_tp", "tp": 2, "offload": "optimizer"}
     with pytest.raises(ConfigError, match="train.offload: optimizer — engine torch_tp cannot park"):
         prepare(cfg)
+    path = tmp_path / "tp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main([str(path), "--quiet"]) == 2  # the CLI: exit 2, nothing started
     cfg["train"] = {"engine": "deepspeed", "zero_stage": 3, "dp": 2, "offload": "gpu"}
     with pytest.raises(ConfigError, match="train.offload"):
         prepare(cfg)
