@@ -20,7 +20,7 @@
 The weights reach the rollout engine through the run's weight channel (``engines/channel.py``),
 opened once (``channel_open``): every sync is ``sync_send`` — one VPS move from the trainer's
 compute weights (``adapter.weights()``) into the rollout buffers. The trainer keeps its optimizer
-state in place (on CPU there is no device memory to free for generation). ``train_on`` first
+state in place unless ``train.offload`` says otherwise (below). ``train_on`` first
 recomputes the log-probs of the generated tokens with the trainer (the *old* log-probs) and
 compares them with what the rollout engine reported — the stale-weights check — then updates.
 

@@ -301,6 +301,8 @@ class Cluster:
         return self._boundary("reload")
 
     def _boundary(self, method: str) -> dict:
+        if self.cfg.train.offload == "none":  # nothing moves: no call to the workers
+            return {"bytes": 0, "bytes_per_rank": [0] * self.world, "released_bytes": 0, "seconds": 0.0}
         reports = self.all(method, desc=f"{method} trainer state")
         return {"bytes": sum(r["bytes_moved"] for r in reports),
                 "bytes_per_rank": [r["bytes_moved"] for r in reports],
