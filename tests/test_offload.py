@@ -133,3 +133,30 @@ def test_offload_is_refused_before_ray_for_engines_without_it(tmp_path):
     cfg["train"]["offload"] = "optimizer"
     with pytest.raises(ConfigError, match="reference.offload: unknown field"):
         prepare(cfg)
+
+
+# --- the host layout itself (pure metadata) ---------------------------------------------------------
+
+def test_host_layout_keeps_every_rank_its_own_boxes_packed():
+    """For every named 4-rank layout (with Adam state: weights + master + moments): the host layout
+    is valid, holds on each rank exactly the boxes the rank holds, densely (each host buffer is
+    the sum of its fragments, no gaps), and the move into it is local copies of every byte."""
+    from catalogue import CONFIGS, TINY_LLAMA
+    from rlhf_switch.vps import ADAM_FIELDS, PARAM, build_layout, llama_spec, plan_rank
+    from rlhf_switch.vps.layouts.host import host_layout
+
+    spec = llama_spec(TINY_LLAMA, name="tiny-llama")
+    for name, config in CONFIGS.items():
+        src = build_layout(spec, config, (PARAM, *ADAM_FIELDS))
+        host = host_layout(src).validate()
+        for rank in range(src.world_size):
+            assert sorted((f.key, f.box) for f in host.fragments(rank)) == \
+                sorted((f.key, f.box) for f in src.fragments(rank)), (name, rank)
+            used = {}
+            for f in host.fragments(rank):
+                used[f.buffer] = used.get(f.buffer, 0) + f.box.numel
+            assert {b: s.numel for b, s in host.buffers(rank).items()} == used, (name, rank)
+            there, back = plan_rank(src, host, rank), plan_rank(host, src, rank)
+            assert there.bytes_sent == back.bytes_sent == 0, (name, rank)
+            held = sum(f.box.numel * 4 for f in src.fragments(rank))  # fp32 spec
+            assert there.bytes_local == back.bytes_local == held, (name, rank)
