@@ -79,6 +79,9 @@ class TrainingEngine(ABC):
     dp: int = 1                # data-parallel size; each DP rank takes a contiguous share of a batch
     dp_rank: int = 0
     dp_group: Any = None       # the DP process group (None: DP 1, or the whole world)
+    # whether ``train.offload`` may park its state in host memory between phases
+    # (``engines/offload.py``): engines whose adapter it is tested with say so
+    can_offload: bool = False
 
     @classmethod
     def layout_problems(cls, phase: str, layout: Any, dims: Any, head: str = "lm") -> list[str]:

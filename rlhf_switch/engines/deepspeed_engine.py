@@ -12,6 +12,8 @@ from .base import LossFn, ModuleEngine, TrainingContext
 
 
 class DeepSpeedEngine(ModuleEngine):
+    can_offload = True  # ZeRO-1/2/3: tests/test_offload.py
+
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         problems = []

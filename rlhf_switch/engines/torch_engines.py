@@ -39,6 +39,8 @@ class FSDP2Engine(_TorchTrainerEngine):
     Every family: a qwen3_moe layer's stacked experts are sharded on the expert dim, each rank
     holding whole experts, which the adapter describes per expert."""
 
+    can_offload = True  # tests/test_offload.py
+
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         return _fixed(phase, layout, "fsdp2", tp=1, pp=1, zero_stage=0)
