@@ -93,7 +93,41 @@ class HybridWorker:
         self.rank, self.world = rank, world
         return {"rank": rank, "pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
+    def init_world_at(self, address: tuple[str, int], rank: int, world: int) -> dict:
+        """``init_world`` with rank 0's ``open_store`` answer as one argument: the driver can pass
+        that call's object ref on without waiting for it (the elastic background build)."""
+        return self.init_world(address[0], address[1], rank, world)
+
     # --- engines -----------------------------------------------------------------------------------
+    def _training_context(self, cfg: RunConfig):
+        from rlhf_switch.engines.base import TrainingContext
+        from rlhf_switch.engines.optim import AdamWConfig
+
+        alg = cfg.algorithm
+        if cfg.model.dtype != "float32":
+            raise NotImplementedError("float32 only on CPU")
+        optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
+        return TrainingContext(hf_config_of(cfg), cfg.seed, tuple(range(self.world)), optim,
+                               micro_batch=alg.micro_batch_size, timeout=TIMEOUT)
+
+    def build_empty(self, config: dict | RunConfig) -> dict:
+        """The trainer of ``config`` on this rank with no state of its own worth keeping (its seeded
+        weights, Adam state created at zero): the destination of an elastic resize, which
+        overwrites all of it. No reference, critic or rollout engine (not part of a resize yet)."""
+        from rlhf_switch.engines.base import training_engine
+
+        cfg = config if isinstance(config, RunConfig) else load_config(config)
+        self.cfg = cfg
+        t0 = time.perf_counter()
+        self.trainer = training_engine(cfg.train.engine).build(cfg.train, self._training_context(cfg))
+        self.trainer.adapter.prepare_state()  # done here, in the background, not in the stop-the-world
+        self.spec = self.trainer.spec
+        self.reference = self.critic = self.rollout = None
+        hf = hf_config_of(cfg)
+        self.pad_id, self.eos_id = int(hf.get("pad_token_id") or 0), hf.get("eos_token_id")
+        self.train_steps = 0
+        return {"rank": self.rank, "trainer": self.trainer.name, "seconds": time.perf_counter() - t0}
+
     def build(self, config: dict | RunConfig, init_dir: str, resume_dir: str | None = None) -> dict:
         """Build the engines of ``config`` on this rank. The trainer starts from the weights in
         ``init_dir`` (fresh optimizer, step 0) or, when ``resume_dir`` is given, from that
@@ -101,17 +135,13 @@ class HybridWorker:
         from dataclasses import replace
 
         from actors.critic import Critic
-        from rlhf_switch.engines.base import RolloutContext, TrainingContext, rollout_engine, training_engine
-        from rlhf_switch.engines.optim import AdamWConfig
+        from rlhf_switch.engines.base import RolloutContext, rollout_engine, training_engine
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
         self.cfg, alg = cfg, cfg.algorithm
-        if cfg.model.dtype != "float32":
-            raise NotImplementedError("float32 only on CPU")
         hf = hf_config_of(cfg)
-        optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
-        ctx = TrainingContext(hf, cfg.seed, tuple(range(self.world)), optim, micro_batch=alg.micro_batch_size,
-                              timeout=TIMEOUT)
+        ctx = self._training_context(cfg)
+        optim = ctx.optim
         self.trainer = training_engine(cfg.train.engine).build(cfg.train, ctx)
         self.spec = self.trainer.spec
         # the starting state, through the VPS from rank 0's copy of the checkpoint
@@ -213,6 +243,39 @@ class HybridWorker:
                 holder.save_dir(where, hf, dtype, extra, tokenizer_from=tokenizer_dir_of(self.cfg) if hf else None)
         dist.barrier()
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": sent}
+
+    def gathered_state(self) -> dict | None:
+        """The trainer's whole state gathered on rank 0 (fp32 master, Adam moments, step, LR
+        schedule, RNG) through the VPS; rank 0 returns it, the others None (collective)."""
+        from rlhf_switch.engines.full_state import FullState
+        from rlhf_switch.engines.train_switch import switch_training
+
+        holder = FullState(self.spec, name="gathered state") if self.rank == 0 else None
+        switch_training(self.trainer.adapter, holder, timeout=TIMEOUT)
+        if holder is None:
+            return None
+        return {"master": holder.master, "moments": holder.moments, "scalars": holder.scalars()}
+
+    # --- elastic resize: this rank's part of the move between the old and the new world ------------
+    def resize_store(self) -> tuple[str, int]:
+        """Old rank 0 only: the union group's TCPStore on a free port of this node."""
+        from rlhf_switch.engines.channel import open_store
+
+        self._resize_store, host, port = open_store(300.0)
+        return host, port
+
+    def resize_move(self, endpoint) -> dict:
+        """Join the union of the old and new trainer ranks and move the training state across
+        (``rlhf_switch.elastic.member``): an old rank sends, a new rank receives; on the new side
+        the trainer's step counter follows the moved state."""
+        from rlhf_switch.elastic.member import move_over_union
+
+        host_store = getattr(self, "_resize_store", None) if endpoint.rank == 0 else None
+        out = move_over_union(self.trainer.adapter, endpoint, store=host_store)
+        self._resize_store = None
+        if endpoint.side == "new":
+            self.train_steps = out["step"]
+        return out
 
     # --- the weight channel ------------------------------------------------------------------------
     def channel_source(self):

@@ -116,7 +116,10 @@ class SyncFailed(RuntimeError):
 class Cluster:
     """The actors of one run and the phases that involve all of them."""
 
-    def __init__(self, cfg, ray, quiet: bool = False):
+    def __init__(self, cfg, ray, quiet: bool = False, devices: Sequence | None = None):
+        """``devices``: one (placement group, bundle index) per rank, owned by the caller (the
+        elastic device manager, whose devices outlive a world); by default the cluster makes and
+        owns a placement group of ``world_size`` devices."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -127,11 +130,18 @@ class Cluster:
         self.hf = hf_config_of(cfg)
         self.world = world = cfg.world_size
         self.workers, self.replicas = [], []
-        self.pg = placement_group([{"CPU": 1, "GPU": 1}] * world, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)  # pg.ready() can pend forever
+        self.owns_devices = devices is None
+        if devices is None:
+            self.pg = placement_group([{"CPU": 1, "GPU": 1}] * world, strategy="PACK")
+            ray.get(self.pg.ready(), timeout=120)  # pg.ready() can pend forever
+            devices = [(self.pg, i) for i in range(world)]
+        elif len(devices) != world:
+            raise ValueError(f"{len(devices)} devices for a world of {world}")
+        self.devices = list(devices)
 
         def on(bundle: int):
-            return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+            pg, index = self.devices[bundle]
+            return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
 
         # colocation: the hybrid worker and (placement "replica") a rollout replica share each device
         cls = remote_class(num_cpus=0.5, num_gpus=0.5)
@@ -239,7 +249,8 @@ class Cluster:
 
     def _node_of_bundle(self, bundle: int) -> str:
         try:
-            node_id = self.ray.util.placement_group_table(self.pg)["bundles_to_node_id"][bundle]
+            pg, index = self.devices[bundle]
+            node_id = self.ray.util.placement_group_table(pg)["bundles_to_node_id"][index]
             return next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
         except Exception:  # noqa: BLE001 - a name without an address is still a name
             return "?"
@@ -355,4 +366,5 @@ class Cluster:
         for a in self.replicas + self.workers:
             ray.kill(a)
         self.replicas, self.workers = [], []
-        remove_placement_group(self.pg)
+        if self.owns_devices:
+            remove_placement_group(self.pg)
