@@ -12,6 +12,8 @@ ranks carries the fp32 master, Adam moments, step, LR schedule and RNG, and the 
 - The next training step of the resized world equals, bit for bit (losses, gradient norm and the
   whole state after it), the step of a world built directly in the new layout from a checkpoint
   of the same state (the ordinary resume path).
+- A new actor that dies during the background build: one clear ``ResizeError``, the construction
+  abandoned, the old world trains on.
 - Background vs stop-the-world seconds are printed (``-s``), never asserted.
 """
 from __future__ import annotations
@@ -79,9 +81,30 @@ def _resize(ray, actor_cls, config: dict, devices, plan, old, step: int, ckpt: P
         _train(ray, old, step)
         step, during = step + 1, during + 1
     before = _gathered(ray, old)
+    # the new world's own (seeded, fresh) state is not the old one: only the move can make them equal
+    assert _differences(before, _gathered(ray, pending.workers)) != []
     ray.get([w.save_checkpoint.remote(str(ckpt), {}) for w in old], timeout=600)  # for the direct world
     result = pending.commit(old)
     return result, during, step, before
+
+
+def _death_during_the_build_abandons_it(ray, actor_cls, config, devices, old, step: int) -> int:
+    """A new actor killed while its world is being built: one clear ``ResizeError``, the
+    construction is abandoned (its actors gone) and the old world trains on."""
+    from rlhf_switch.elastic import ResizeError, ResizePlan
+    from rlhf_switch.elastic.manager import start_world
+
+    pending = start_world(ray, actor_cls, config, devices, ResizePlan((0, 1, 2, 3), (0, 1)))
+    victim = pending.workers[1]
+    ray.kill(victim)
+    with pytest.raises(ResizeError, match="abandoned, the old world trains on"):
+        while not pending.ready():
+            _train(ray, old, step)
+            step += 1
+    assert pending.workers == []
+    _train(ray, old, step)
+    assert _gathered(ray, old)["scalars"]["step"] == step + 1
+    return step + 1
 
 
 def _next_step_equals_a_direct_world(ray, cluster_cls, config, devices, plan, resized, step, init, ckpt):
@@ -120,6 +143,7 @@ def test_zero3_dp4_to_dp2_and_back_over_ray(ray_session, tmp_path):
         alive = cluster.workers
         _train(ray, alive, 0)  # Adam moments and the step are non-zero before the first resize
         step = 1
+        step = _death_during_the_build_abandons_it(ray, actor_cls, cfg2, devices, alive, step)
         figures = []
         for name, new_cfg, plan in (("DP4 -> DP2", cfg2, ResizePlan((0, 1, 2, 3), (0, 1))),
                                     ("DP2 -> DP4", cfg4, ResizePlan((0, 1), (0, 1, 2, 3)))):
