@@ -156,7 +156,12 @@ class PendingWorld:
         host, port = ray.get(old_workers[0].resize_store.remote(), timeout=120)
         refs = [w.resize_move.remote(plan.endpoint(host, port, "old", r)) for r, w in enumerate(old_workers)]
         refs += [w.resize_move.remote(plan.endpoint(host, port, "new", r)) for r, w in enumerate(self.workers)]
-        members = ray.get(refs, timeout=timeout_s)
+        try:
+            members = ray.get(refs, timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - the old side only read its state: it trains on
+            self.abandon()
+            raise ResizeError(f"the stop-the-world move failed ({type(e).__name__}); the new world "
+                              f"is abandoned, the old world keeps its state") from e
         stop_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
