@@ -110,10 +110,12 @@ class HybridWorker:
         return TrainingContext(hf_config_of(cfg), cfg.seed, tuple(range(self.world)), optim,
                                micro_batch=alg.micro_batch_size, timeout=TIMEOUT)
 
-    def build_empty(self, config: dict | RunConfig) -> dict:
+    def build_empty(self, config: dict | RunConfig, init_dir: str | None = None) -> dict:
         """The trainer of ``config`` on this rank with no state of its own worth keeping (its seeded
         weights, Adam state created at zero): the destination of an elastic resize, which
-        overwrites all of it. No reference, critic or rollout engine (not part of a resize yet)."""
+        overwrites all of it. ``init_dir`` (the run's warm start): the reference and a rollout
+        engine of placement ``worker`` are built from it too (the reference is the warm start; the
+        rollout engine gets the trainer's weights at the next sync). Never a critic."""
         from rlhf_switch.engines.base import training_engine
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
@@ -123,6 +125,9 @@ class HybridWorker:
         self.trainer.adapter.prepare_state()  # done here, in the background, not in the stop-the-world
         self.spec = self.trainer.spec
         self.reference = self.critic = self.rollout = None
+        if init_dir is not None:
+            self._build_reference(cfg, self._training_context(cfg), init_dir)
+            self._build_rollout(cfg, init_dir)
         hf = hf_config_of(cfg)
         self.pad_id, self.eos_id = int(hf.get("pad_token_id") or 0), hf.get("eos_token_id")
         self.train_steps = 0
@@ -135,7 +140,7 @@ class HybridWorker:
         from dataclasses import replace
 
         from actors.critic import Critic
-        from rlhf_switch.engines.base import RolloutContext, rollout_engine, training_engine
+        from rlhf_switch.engines.base import training_engine
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
         self.cfg, alg = cfg, cfg.algorithm
@@ -148,12 +153,7 @@ class HybridWorker:
         t0 = time.perf_counter()
         start = self._load_state(resume_dir or init_dir, weights_only=resume_dir is None)
         load_s = time.perf_counter() - t0
-        # the reference: the warm-start weights, frozen, in its own engine and layout
-        self.reference = None
-        if cfg.reference:
-            self.reference = training_engine(cfg.reference.engine).build(cfg.reference, ctx)
-            self._load_weights(init_dir, self.reference)
-            self.reference.freeze()
+        self._build_reference(cfg, ctx, init_dir)
         # PPO: the critic, its trunk from the warm start, its own engine and layout
         self.critic = None
         if cfg.critic is not None:
@@ -163,8 +163,34 @@ class HybridWorker:
             self.critic = Critic(engine, micro_batch=alg.micro_batch_size)
             if resume_dir is not None:  # its weights, moments, step and LR schedule
                 self._load_state(str(Path(resume_dir) / "critic"), weights_only=False, adapter=self.critic.adapter)
-        # rollout (placement "worker": here; placement "replica": separate actors)
-        tp = cfg.rollout.tp
+        self._build_rollout(cfg, init_dir)
+        tp = self.tp
+        self.pad_id = int(hf.get("pad_token_id") or 0)
+        self.eos_id = hf.get("eos_token_id")
+        self.train_steps = int(start.get("step", 0))
+        rollout = (f"{self.rollout.name}×{self.replicas}" if self.rollout is not None
+                   else f"{cfg.rollout.engine} TP{tp}×{self.replicas} (separate actors)")
+        return {"rank": self.rank, "trainer": self.trainer.name, "rollout": rollout, "params": self.spec.numel,
+                "reference": self.reference.name if self.reference is not None else None,
+                "critic": self.critic.name if self.critic is not None else None,
+                "start": start, "load_seconds": load_s}
+
+    def _build_reference(self, cfg: RunConfig, ctx, init_dir: str) -> None:
+        """The reference: the warm-start weights, frozen, in its own engine and layout."""
+        from rlhf_switch.engines.base import training_engine
+
+        self.reference = None
+        if cfg.reference:
+            self.reference = training_engine(cfg.reference.engine).build(cfg.reference, ctx)
+            self._load_weights(init_dir, self.reference)
+            self.reference.freeze()
+
+    def _build_rollout(self, cfg: RunConfig, init_dir: str) -> None:
+        """The rollout engine of placement ``worker`` on this rank (placement ``replica``: separate
+        actors, nothing here), starting from ``init_dir``; the weight channel brings it up to date."""
+        from rlhf_switch.engines.base import RolloutContext, rollout_engine
+
+        hf, tp = hf_config_of(cfg), cfg.rollout.tp
         self.tp, self.replicas = tp, self.world // tp
         self.replica, self.tp_rank = self.rank // tp, self.rank % tp
         self.rollout_cls = rollout_engine(cfg.rollout.engine)
@@ -175,15 +201,6 @@ class HybridWorker:
             self.rollout = self.rollout_cls.build(RolloutContext(
                 hf, self.spec, init_dir, tp, self.replicas, self.replica, cfg.seed,
                 int(hf.get("max_position_embeddings", 2048)), tp_rank=self.tp_rank, group=groups[self.replica]))
-        self.pad_id = int(hf.get("pad_token_id") or 0)
-        self.eos_id = hf.get("eos_token_id")
-        self.train_steps = int(start.get("step", 0))
-        rollout = (f"{self.rollout.name}×{self.replicas}" if self.rollout is not None
-                   else f"{cfg.rollout.engine} TP{tp}×{self.replicas} (separate actors)")
-        return {"rank": self.rank, "trainer": self.trainer.name, "rollout": rollout, "params": self.spec.numel,
-                "reference": self.reference.name if self.reference is not None else None,
-                "critic": self.critic.name if self.critic is not None else None,
-                "start": start, "load_seconds": load_s}
 
     def _load_weights(self, path: str, engine) -> None:
         """The weights of the checkpoint at ``path`` into ``engine`` (a VPS move from rank 0's

@@ -183,6 +183,17 @@ class Cluster:
         self.open_channel()
         return built[0]
 
+    def adopt(self, cfg, workers: list, devices: Sequence) -> None:
+        """After an elastic resize (``rlhf_switch.elastic.manager``): the new world's actors —
+        trainer, reference and in-actor rollout engine built by ``build_empty(config, init_dir)``,
+        the training state moved in — become this cluster's; the weight channel is re-formed over
+        them and the next ``sync`` brings their rollout engines up to date."""
+        if self.replicas:
+            raise NotImplementedError("an elastic resize with rollout replicas in their own actors (vLLM)")
+        self.cfg, self.workers, self.world, self.devices = cfg, list(workers), cfg.world_size, list(devices)
+        self.tp, self.n_replicas = cfg.rollout.tp, cfg.world_size // cfg.rollout.tp
+        self.open_channel()
+
     # --- the weight channel train -> rollout -------------------------------------------------------
     def open_channel(self, budget_bytes: int | None = None) -> None:
         """Form the weight channel between the trainer's ranks and the rollout workers: one process

@@ -186,3 +186,66 @@ def test_resize_plan_ranks_and_devices():
         ResizePlan((0, 1), ())
     with pytest.raises(ResizeError, match="new rank 2"):
         shrink.union_rank("new", 2)
+
+
+def test_grpo_with_an_elastic_schedule_continues_as_the_new_layout_from_that_iteration(ray_session, tmp_path):
+    """``elastic.schedule`` in the loop: GRPO on ZeRO-3 DP4 (torch rollout DP4), resized to DP2
+    before iteration 2 — the DP2 world built during iteration 1. The run equals one resumed from
+    the same run's iteration-2 checkpoint directly in DP2: the same rewards and losses, and the
+    final weights and Adam moments bit for bit."""
+    import shutil
+
+    from recipes.grpo import run
+    from rlhf_switch.engines.full_state import FullState
+    from rlhf_switch.models import model_spec
+
+    def config(out: Path, world: int) -> dict:
+        cfg = _config(out, world)
+        cfg["algorithm"].update(iterations=4, prompts_per_iteration=4, micro_batch_size=2)  # fits DP4 and DP2
+        cfg["checkpoint"] = {"save_every": 2, "keep": 2}
+        return cfg
+
+    cfg = config(tmp_path / "elastic", 4)
+    dp2 = config(tmp_path / "unused", 2)
+    cfg["elastic"] = {"schedule": [{"iteration": 2, "world_size": 2, "train": dp2["train"], "rollout": dp2["rollout"]}]}
+    recs = run(cfg, quiet=True)
+    (resize,) = [r["resize"] for r in recs if "resize" in r]
+    assert "abandoned" not in resize, resize
+    assert resize["iterations_during_build"] == 1 and resize["bytes_moved"] > 0
+    steps = [r for r in recs if "reward_mean" in r]
+    assert [r["iteration"] for r in steps] == [0, 1, 2, 3] and all(r["stale_check_passed"] for r in steps)
+
+    direct = tmp_path / "direct"  # the same run, resumed at iteration 2 in DP2 from its checkpoint
+    shutil.copytree(tmp_path / "elastic", direct)
+    shutil.rmtree(direct / "final")
+    dp2["output_dir"] = str(direct)
+    theirs = [r for r in run(dp2, quiet=True, resume=True) if "reward_mean" in r]
+    assert [r["iteration"] for r in theirs] == [2, 3]
+    for a, b in zip(steps[2:], theirs):
+        assert (a["reward_mean"], a["policy_loss"], a["grad_norm"]) == (b["reward_mean"], b["policy_loss"], b["grad_norm"])
+    spec = model_spec(cfg["model"]["hf_config"])
+    mine, ref = (FullState.load_dir(p / "final", spec) for p in (tmp_path / "elastic", direct))
+    assert all(torch.equal(mine.master[n], ref.master[n]) for n in mine.master)
+    assert all(torch.equal(mine.moments[f][n], ref.moments[f][n]) for f in mine.moments for n in mine.moments[f])
+    print(f"\nloop resize DP4 -> DP2: background {resize['background_s']:.1f} s "
+          f"(waited {resize['waited_for_build_s']:.1f} s at the boundary), stop-the-world "
+          f"{resize['stop_the_world_s']:.2f} s")
+
+
+def test_a_bad_elastic_schedule_is_one_config_error(tmp_path):
+    from rlhf_switch.rl.config import ConfigError, check_fits, load_config
+
+    cfg = _config(tmp_path, 4)
+    dp2 = _config(tmp_path, 2)
+    entry = {"iteration": 2, "world_size": 2, "train": dp2["train"], "rollout": dp2["rollout"]}
+    ok = load_config({**cfg, "elastic": {"schedule": [entry]}})
+    assert ok.at_iteration(1).world_size == 4 and ok.at_iteration(2).world_size == 2
+    assert ok.at_iteration(2).train.dp == 2 and ok.at_iteration(2).elastic is None
+    with pytest.raises(ConfigError) as e:
+        load_config({**cfg, "elastic": {"schedule": [entry, {**entry, "iteration": 1},
+                                                     {**entry, "iteration": 3, "rollout": {"engine": "vllm", "tp": 1, "dp": 2}}]}})
+    text = str(e.value) + " ".join(e.value.problems)
+    assert "increasing iteration order" in text and "only the torch rollout engine" in text
+    with pytest.raises(ConfigError) as e:  # a layout that does not fit the entry's own world
+        check_fits(load_config({**cfg, "elastic": {"schedule": [{**entry, "world_size": 3}]}}))
+    assert any(p.startswith("elastic.schedule[0]:") for p in e.value.problems), e.value.problems
