@@ -3,7 +3,8 @@
 The driver is Ray's single controller. ``Cluster`` owns the actors: one ``HybridWorker`` per
 logical device (training engine, reference, and for ``rollout.engine: torch`` the rollout engine)
 and, for a rollout engine of placement ``replica`` (vLLM), one ``RolloutReplica`` per replica, colocated on the same
-placement-group bundles. ``Cluster.open_channel`` forms the run's weight channel once; ``Cluster.sync``
+placement-group bundles (packed on few nodes or spread over many by the config's ``placement``;
+rank -> bundle by ``rank_bundles``, which keeps a replica's TP ranks on one node). ``Cluster.open_channel`` forms the run's weight channel once; ``Cluster.sync``
 is the weight switch train -> rollout through it.
 """
 from __future__ import annotations
