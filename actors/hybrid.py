@@ -85,6 +85,12 @@ class HybridWorker:
         self._store, host, port = open_store(TIMEOUT.total_seconds())
         return host, port
 
+    def node(self) -> dict:
+        """The Ray node this rank runs on (``engines.channel.node_of_this_process``)."""
+        from rlhf_switch.engines.channel import node_of_this_process
+
+        return node_of_this_process()
+
     def init_world(self, host: str, port: int, rank: int, world: int) -> dict:
         torch.set_num_threads(1)
         store = self._store or dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT)
