@@ -34,6 +34,12 @@ def loop_problems(cfg) -> list[str]:
                 problems += training_engine(layout.engine).layout_problems(phase, layout, dims, head=head)
         except EngineError as e:
             problems.append(f"{phase}.engine: {e}")
+    try:
+        if cfg.rollout.handoff == "ipc" and rollout_engine(cfg.rollout.engine).placement != "replica":
+            problems.append(f"rollout.handoff: ipc hands buckets to rollout workers in processes of their own; "
+                            f"engine {cfg.rollout.engine!r} runs inside the trainer's processes (use p2p or auto)")
+    except EngineError:
+        pass  # reported above
     if cfg.critic is not None and cfg.critic.dp != cfg.train.dp:
         problems.append(f"critic: dp={cfg.critic.dp} must equal train.dp={cfg.train.dp} (the critic and the "
                         f"actor take the same share of each batch)")
