@@ -251,6 +251,9 @@ class Cluster:
                               "replica_rpc_s": max((w.get("rpc_s", 0.0) for r in receivers for w in r["workers"]),
                                                    default=0.0),
                               "cache_reset_s": max((w.get("reset_s", 0.0) for r in receivers for w in r["workers"]),
+                                                   default=0.0),
+                              # the workers' part of the move (ipc: waiting for the handles, the copy)
+                              "worker_move_s": max((w["seconds"] for r in receivers for w in r["workers"]),
                                                    default=0.0)}}
 
     def _node_of_bundle(self, bundle: int) -> str:

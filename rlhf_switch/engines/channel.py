@@ -188,6 +188,7 @@ class ChannelEnd:
         self._handoff_store = dist.PrefixStore("vps-handoff", store) if handoff == "ipc" else None
         self._gather = self._own = None  # ipc: the bucket layouts (held by trainer ranks / by the workers)
         self._buckets = None  # ipc, a trainer rank holding buckets: made at the first move, reused
+        self._opened = None  # ipc, a worker: (the handles' bytes, the buckets they map)
         # the move's comm, made once; it knows the channel's store, where a failed move's reports
         # go (``PeerLost`` then names the member that is gone)
         self._comm = (GroupComm(group, store=dist.PrefixStore("vps-weight-channel", store))
@@ -262,7 +263,7 @@ class ChannelEnd:
                                   f"trainer rank; nothing was moved")
             self._gather = bucket_layout(dst, self.colocated, self.budget_bytes)
             self._own = bucket_layout(dst, {w: w for w in self.colocated}, self.budget_bytes)
-            self._buckets = None
+            self._buckets = self._opened = None
         self.src, self.dst = src, dst
         self._stats.plans += 1
 
@@ -341,13 +342,18 @@ class ChannelEnd:
                                                             f"buckets: {e}" for w, e in sorted(failed.items())))
             report = ChannelReport(**vars(gather), handoff="ipc", handles=handles, buckets=len(self._buckets))
         elif worker:  # open my buckets' handles, copy out of them into my buffers, say so
-            handles = pickle.loads(store.get(f"{seq}/handles/{self.rank}"))
+            raw = store.get(f"{seq}/handles/{self.rank}")
+            handles = pickle.loads(raw)
             t_handles = time.perf_counter()
             try:
-                buckets = handoff.open_handles(handles)
+                # the trainer reuses its buckets, so the same handles come every sync: map them
+                # once (a new set — re-planned, re-allocated — replaces the old mapping)
+                if self._opened is None or self._opened[0] != raw:
+                    self._opened = None
+                    self._opened = (raw, handoff.open_handles(handles))
+                buckets = self._opened[1]
                 local = handoff.copy_local(self._own, self.dst, self.rank, buckets, dst_buffers, self.budget_bytes)
                 handoff.settle(dst_buffers)
-                del buckets
             except BaseException as e:
                 store.set(f"{seq}/done/{self.rank}", f"{type(e).__name__}: {e}"[:2000])
                 raise
@@ -375,7 +381,7 @@ class ChannelEnd:
     def close(self) -> None:
         self.group = self._comm = None
         self._store = self._handoff_store = None
-        self._buckets = None
+        self._buckets = self._opened = None
         self.src = self.dst = None
 
 
