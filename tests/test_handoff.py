@@ -100,3 +100,28 @@ def test_p2p_channel_unchanged_by_default(world4, layouts):
     assert all(all(r["exact"]) for r in out)
     assert all(r["stats"]["handoff"] == "p2p" and r["stats"]["handles_sent"] == 0 for r in out)
     assert out[2]["reports"][0]["bytes_received"] == dst.numel(2) * 4
+
+
+def test_ipc_worker_misfit_refused_by_every_member_before_a_byte_moves(world4, layouts):
+    """Worker rank 3's buffer of the wrong dtype: it refuses in the gather's agreement, so every
+    member raises the same ``MoveError`` and no buffer anywhere is written."""
+    _, src, dst = layouts
+    _, colocated = resolve_handoff("ipc", [0, 1, 0, 1], 2)
+    out = world4.run(handoff_jobs.ipc_misfit_or_silent, src, dst, colocated, BUDGET, "misfit", 3, timeout=300)
+    for r, res in enumerate(out):
+        assert res["error"] and "MoveError" in res["error"] and "destination buffers of rank 3" in res["error"], (r, res)
+        assert "is torch.float64, layout says float32" in res["error"], res["error"]
+        assert res["dst_untouched"] and res["src_intact"], (r, res)
+
+
+def test_ipc_worker_that_never_copies_is_named_lost(world4, layouts):
+    """Worker rank 3 takes part in the gather, then never copies out of its buckets: its trainer
+    rank (1) raises ``PeerLost`` naming it within the move's deadline (10 s + its bytes at 50 MB/s);
+    worker 2 and its trainer rank finish."""
+    _, src, dst = layouts
+    _, colocated = resolve_handoff("ipc", [0, 1, 0, 1], 2)
+    out = world4.run(handoff_jobs.ipc_misfit_or_silent, src, dst, colocated, BUDGET, "silent", 3, timeout=300)
+    assert out[1]["error"] and "PeerLost" in out[1]["error"] and "lost rank 3" in out[1]["error"], out[1]
+    assert out[1]["lost"] == [3] and out[1]["elapsed_s"] < 60, out[1]
+    assert out[0]["error"] is None and out[2]["error"] is None, (out[0], out[2])
+    assert out[1]["src_intact"]

@@ -55,6 +55,7 @@ from ..routing.executor import DEFAULT_BUDGET, Deadlines, MoveError, MoveReport,
 from ..routing.verify import DEFAULT_FRACTION, check_mode
 from ..vps.layout import Layout, LayoutError
 from ..vps.layouts.buckets import bucket_layout
+from ..vps.spec import itemsize
 
 HANDOFFS = ("auto", "p2p", "ipc")
 
@@ -308,6 +309,19 @@ class ChannelEnd:
             else:
                 s.handles_sent += report.handles
 
+    def _wait(self, store, key: str, nbytes: int, peer: int, what: str) -> None:
+        """Wait for ``key`` as long as the move's deadlines allow for ``nbytes``; else ``PeerLost``
+        naming ``peer`` (the member that should have written it)."""
+        from ..routing.executor import PeerLost
+
+        limit = self.deadline.for_bytes(nbytes)
+        try:
+            store.wait([key], timedelta(seconds=limit))
+        except Exception as e:  # noqa: BLE001 - the store's timeout (its type differs across versions)
+            raise PeerLost(f"rank {self.rank}: handoff ipc: lost rank {peer}: no {what} within {limit:.0f} s",
+                           rank=self.rank, lost=[peer], pending=[key], cause=f"{type(e).__name__}: {e}",
+                           reports={}, elapsed_s=limit, deadline_s=limit) from None
+
     def _move_ipc(self, src_buffers, dst_buffers, seq: int, **verify) -> ChannelReport:
         """The colocated handoff (module docstring): gather into the buckets over the group, then
         the handles through the store, the workers' local copies, their word that they are done."""
@@ -319,8 +333,12 @@ class ChannelEnd:
             device = next(iter(src_buffers.values())).device if src_buffers else torch.device("cpu")
             self._buckets = handoff.allocate(self._gather, self.rank, device)
         worker = self.rank in self.colocated
+        # a worker whose buffers cannot take its buckets refuses in the gather's agreement: every
+        # member raises there, before a byte moves
+        refuse = handoff.check_destination(self.dst, self.rank, dst_buffers) if worker else None
         gather = move(self.src, self._gather, src_buffers, self._buckets if mine else {}, group=self._comm,
-                      budget_bytes=self.budget_bytes, timeout=self.timeout, deadline=self.deadline, **verify)
+                      budget_bytes=self.budget_bytes, timeout=self.timeout, deadline=self.deadline,
+                      refuse=refuse, **verify)
         t_gather = time.perf_counter()
         store, report = self._handoff_store, None
         if mine:  # hand each colocated worker its buckets' handles, then wait for its copy
@@ -332,6 +350,10 @@ class ChannelEnd:
                 handles += len(names)
             failed = {}
             for w in mine:
+                # the worker's copy of its bytes: the move's deadline for them, then it is lost
+                # ("lost rank N": Cluster names the member)
+                nbytes = sum(b.numel * itemsize(b.dtype) for b in self._own.buffers(w).values())
+                self._wait(store, f"{seq}/done/{w}", nbytes, w, "word that it copied out of the buckets")
                 word = store.get(f"{seq}/done/{w}").decode()
                 if word != "ok":
                     failed[w] = word
@@ -342,6 +364,7 @@ class ChannelEnd:
                                                             f"buckets: {e}" for w, e in sorted(failed.items())))
             report = ChannelReport(**vars(gather), handoff="ipc", handles=handles, buckets=len(self._buckets))
         elif worker:  # open my buckets' handles, copy out of them into my buffers, say so
+            self._wait(store, f"{seq}/handles/{self.rank}", 0, self.colocated[self.rank], "the handles of its buckets")
             raw = store.get(f"{seq}/handles/{self.rank}")
             handles = pickle.loads(raw)
             t_handles = time.perf_counter()

@@ -31,7 +31,7 @@ import torch
 
 from ..vps.layout import Layout, LayoutError
 from ..vps.materialize import torch_dtype
-from .executor import DEFAULT_BUDGET, MoveReport, _copy_local, prepare
+from .executor import DEFAULT_BUDGET, MoveReport, _check_buffers, _copy_local, prepare
 
 
 @contextmanager
@@ -79,6 +79,17 @@ def open_handles(handles: list[tuple[str, bytes]]) -> dict[str, torch.Tensor]:
         rebuild, args = pickle.loads(h)
         out[name] = rebuild(*args)
     return out
+
+
+def check_destination(layout: Layout, rank: int, buffers: Mapping[str, torch.Tensor]) -> str | None:
+    """Why ``buffers`` cannot be rank ``rank``'s destination of ``layout`` (None: they can) —
+    asked by a worker before the trainer's ranks fill its buckets, so a misfit is refused by
+    every member in the agreement instead of after the gather."""
+    try:
+        _check_buffers("destination", layout, rank, buffers)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return None
 
 
 @torch.no_grad()
