@@ -345,7 +345,7 @@ class ChannelEnd:
             handoff.settle(self._buckets)
             handles = 0
             for w in mine:
-                names = [n for n in self._buckets if n.startswith(f"bucket/{w}/")]
+                names = list(self._own.buffers(w))  # worker w's buckets, as both bucket layouts name them
                 store.set(f"{seq}/handles/{w}", pickle.dumps(handoff.export({n: self._buckets[n] for n in names})))
                 handles += len(names)
             failed = {}
