@@ -6,8 +6,10 @@ model) and ``resolve_handoff`` (colocation from the members' devices). Multi-pro
 ``LocalWorld``: ranks 0-1 a ZeRO-3 DP2 trainer, ranks 2-3 the two workers of a TP2 rollout layout,
 worker ``t`` on trainer rank ``t``'s device): each worker's box is spread over both trainer ranks,
 so the trainer ranks gather over the group, then hand off locally — bit for bit, every move, with
-handles per move = buckets (not tensors), nothing over the group into the workers. The same with
-real vLLM workers (and HF parity after it) is in ``test_vllm.py``.
+handles per move = buckets (not tensors), nothing over the group into the workers; a worker whose
+buffers misfit is refused by every member before a byte moves, one that never copies is named
+lost. The same with real vLLM workers (and HF parity after it) is in ``test_vllm.py``, a GRPO run
+in ``test_handoff_loop.py``.
 """
 from __future__ import annotations
 
