@@ -15,7 +15,9 @@ The move goes through a weight channel (``engines/channel.py``): trainer ranks `
 vLLM workers ``n..n+tp-1`` form one gloo group over a TCPStore, both layouts placed on it
 (``place``); every worker keeps its end (``channel_open``, once) and each sync is one
 ``channel_receive`` — the workers' part of the move, straight into their parameters — while the
-trainer ranks send. Then the prefix cache is reset: KV computed with old weights must not be
+trainer ranks send (``handoff="ipc"``: the trainer rank on a worker's device gathers the worker's
+fragments into shared buckets and hands it one handle per bucket; the worker copies them into its
+parameters — ``engines/channel.py``). Then the prefix cache is reset: KV computed with old weights must not be
 reused. ``load_from`` does the same for the ranks of a ``LocalWorld``, with a one-shot channel. Where the platform has sleep mode (GPU), the engine sleeps (level 2: weights and KV
 freed), wakes its weights, receives, then wakes its KV cache; on CPU sleep mode is refused by vLLM
 and these steps are skipped.
