@@ -95,6 +95,11 @@ class TrainerLayout(TrainLayout):
 
 class RolloutLayout(PhaseLayout):
     engine: EngineName
+    # how the weight channel hands the trainer's weights to the rollout workers
+    # (engines/channel.py): p2p = over the channel's group; ipc = the colocated handoff (a
+    # trainer rank on each worker's device hands it shared buckets by handle: CUDA IPC / shared
+    # memory); auto = ipc where every worker has a trainer rank on its device, else p2p
+    handoff: Literal["auto", "p2p", "ipc"] = "p2p"
 
 
 class ModelConfig(Strict):
