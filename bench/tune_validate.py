@@ -1,0 +1,125 @@
+"""Validation of ``rlhf-switch tune`` on this machine: predicted vs measured time per phase.
+
+    python -m bench.tune_validate --measure          # real `rlhf-switch train` runs -> measured JSON
+    python -m bench.tune_validate --measure --only ds_z3   # the cases whose name starts with ds_z3
+    python -m bench.tune_validate                    # the table: prediction (calibrated CPU profile) vs measured
+
+Each case is ``configs/grpo_tiny.yaml`` (or ``ppo_tiny.yaml``) with other per-phase layouts, run
+for ``--iterations`` iterations without SFT, a small held-out eval and no intermediate checkpoints;
+the first iteration (warm-up: first compiles, first allocations) is left out and the others are
+averaged. The loop's own metrics (``<output_dir>/metrics.jsonl``: ``switch_train_to_rollout_s``,
+``gen_seconds``, ``logprob_seconds``, ``update_seconds``, ``iteration_seconds``) are the measured
+figures. The machine is shared: the 1-minute load average before and after each run goes beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+MEASURED = RESULTS / "tune_validate_measured.json"
+
+
+def _ds(stage: int, dp: int) -> dict:
+    return {"engine": "deepspeed", "zero_stage": stage, "tp": 1, "pp": 1, "dp": dp}
+
+
+def _t(engine: str, tp: int = 1, pp: int = 1, dp: int = 1) -> dict:
+    return {"engine": engine, "zero_stage": 0, "tp": tp, "pp": pp, "dp": dp}
+
+
+# name -> (base config, world, train, rollout, reference or None, critic or None)
+CASES = {
+    "ds_z3_vllm_tp2":        ("grpo_tiny", 2, _ds(3, 2), _t("vllm", tp=2), _ds(3, 2), None),
+    "ds_z1_vllm_tp1x2":      ("grpo_tiny", 2, _ds(1, 2), _t("vllm", dp=2), _ds(1, 2), None),
+    "ds_z2_torch_tp2":       ("grpo_tiny", 2, _ds(2, 2), _t("torch", tp=2), _ds(2, 2), None),
+    "fsdp2_torch_tp1x2":     ("grpo_tiny", 2, _t("fsdp2", dp=2), _t("torch", dp=2), _t("fsdp2", dp=2), None),
+    "torch_tp2_torch_tp2":   ("grpo_tiny", 2, _t("torch_tp", tp=2), _t("torch", tp=2), _t("torch_tp", tp=2), None),
+    "torch_pp2_torch_tp1x2": ("grpo_tiny", 2, _t("torch_pp", pp=2), _t("torch", dp=2), _t("torch_pp", pp=2), None),
+    "w4_fsdp2_torch_tp2x2":  ("grpo_tiny", 4, _t("fsdp2", dp=4), _t("torch", tp=2, dp=2), _t("fsdp2", dp=4), None),
+    "w4_tp2dp2_torch_tp1x4": ("grpo_tiny", 4, _t("torch_tp", tp=2, dp=2), _t("torch", dp=4), _t("torch_tp", tp=2, dp=2), None),
+    "w4_ds_z3_vllm_tp2x2":   ("grpo_tiny", 4, _ds(3, 4), _t("vllm", tp=2, dp=2), _ds(3, 4), None),
+    "ppo_ds_z3_vllm_tp1x2":  ("ppo_tiny", 2, _ds(3, 2), _t("vllm", dp=2), _ds(3, 2), _ds(2, 2)),
+}
+
+
+def case_config(name: str, out_root: Path) -> dict:
+    """The case's config as a dict: the base config with the case's layouts, no SFT, a small eval."""
+    base, world, train, rollout, reference, critic = CASES[name]
+    cfg = yaml.safe_load((REPO / "configs" / f"{base}.yaml").read_text())
+    cfg.update(world_size=world, output_dir=str(out_root / name), train=train, rollout=rollout, tensorboard=False)
+    cfg["sft"] = None
+    cfg["eval"] = {"every": 0, "num_prompts": 4}
+    cfg["checkpoint"] = {"save_every": 0, "keep": 1}
+    if reference is not None:
+        cfg["reference"] = reference
+    if critic is not None:
+        cfg["critic"] = critic
+    algo = cfg["algorithm"]
+    mini = algo.get("mini_batch_size") or algo["prompts_per_iteration"] * algo["group_size"]
+    algo["micro_batch_size"] = min(algo["micro_batch_size"], mini // train["dp"])
+    return cfg
+
+
+PHASE_KEYS = ("switch_train_to_rollout_s", "gen_seconds", "logprob_seconds", "update_seconds", "iteration_seconds")
+
+
+def measure(name: str, iterations: int, out_root: Path) -> dict:
+    cfg = case_config(name, out_root)
+    out = Path(cfg["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "case.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "recipes.cli", "train", str(path), "--iterations", str(iterations),
+                           "--quiet"], cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    row = {"case": name, "rc": proc.returncode, "wall_s": wall, "load_before": load_before,
+           "load_after": os.getloadavg()[0], "iterations": iterations}
+    if proc.returncode:
+        row["error"] = (proc.stderr or proc.stdout)[-2000:]
+        return row
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    its = [r for r in recs if "reward_mean" in r and r["iteration"] >= 1]
+    for k in PHASE_KEYS:
+        row[k] = sum(r[k] for r in its) / len(its)
+        row[k + "_all"] = [r[k] for r in its]
+    row["bytes_moved"] = its[0]["bytes_moved"]
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--measure", action="store_true", help="run the real trainings (minutes each)")
+    ap.add_argument("--only", default=None, help="cases whose name starts with this")
+    ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--out-root", default=str(REPO / "runs" / "tune_validate"))
+    ap.add_argument("--profile", default=None, help="machine profile JSON (default: the shipped CPU profile)")
+    a = ap.parse_args(argv)
+    names = [n for n in CASES if a.only is None or n.startswith(a.only)]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if a.measure:
+        done = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
+        for n in names:
+            row = measure(n, a.iterations, Path(a.out_root))
+            done[n] = row
+            MEASURED.write_text(json.dumps(done, indent=1))
+            print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
+        return 0
+    from bench.tune_table import print_validation  # noqa: F401  (filled in below)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""``rlhf-switch tune --calibrate``: short measured micro-runs on this machine -> a machine profile.
+
+- matmul rate: fp32 ``torch.mm`` (the CPU loop trains in fp32) on one thread, the size of the tiny models' layers;
+- memory bandwidth: a sum over a 256 MiB tensor (what a decode step does to its weights);
+- a decoder layer's fixed cost: forward of the config's model on one short sequence, less its FLOPs;
+- gloo on 2 local processes (``rlhf_switch.launch.LocalWorld``): point-to-point ping-pong and
+  all-gather / all-reduce, each at 4 KiB (latency) and 16 MiB (bandwidth);
+- decode steps of the config's model: the torch rollout engine in this process, and one real
+  vLLM engine (TP1) in a child process when vLLM is installed — per step less the modelled
+  bandwidth part = the engine's fixed cost per step.
+
+Every figure is a median of a few repeats on a machine that may be shared: the load average at
+the time is stored in the profile's ``origin``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from rlhf_switch.tune.profile import Link, MachineProfile
+
+SMALL, LARGE = 4 << 10, 16 << 20
+
+
+def _median(fn, repeats: int = 5) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_rate(dtype: torch.dtype, n: int = 512) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    reps = 8
+    return 2 * n ** 3 * reps / _median(lambda: [torch.mm(a, b) for _ in range(reps)])
+
+
+def memory_bandwidth() -> float:
+    x = torch.ones(64 << 20)  # 256 MiB fp32
+    return x.numel() * 4 / _median(lambda: x.sum())
+
+
+def layer_overhead(hf_config: dict, flops: float) -> float:
+    """Seconds per decoder-layer call beyond its FLOPs: a forward on a 1×8 batch."""
+    from rlhf_switch.models import causal_lm
+    from rlhf_switch.tune.workload import Workload
+
+    model = causal_lm(hf_config, 0)
+    ids = torch.randint(3, 40, (1, 8))
+    with torch.no_grad():
+        t = _median(lambda: model(input_ids=ids, use_cache=False), 9)
+    layers = int(hf_config["num_hidden_layers"])
+    w = Workload(hf_config=hf_config, dtype="float32", rollout_batch=1, mini_batch=1, micro_batch=1, epochs=1,
+                 prompt_tokens=8, new_tokens=0, has_reference=False, has_critic=False)
+    return max(0.0, (t - w.forward_flops_per_token() * 8 / flops) / layers)
+
+
+# --- gloo on 2 processes (jobs run on every rank of a LocalWorld) ---------------------------------
+
+def comm_job(sizes: list[int], repeats: int = 7) -> dict:
+    import torch.distributed as dist
+
+    rank, out = dist.get_rank(), {}
+    for size in sizes:
+        x = torch.zeros(size // 4)
+        gathered = torch.zeros(2 * (size // 4))
+
+        def ping():
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+
+        def gather():
+            dist.all_gather_into_tensor(gathered, x)
+
+        def reduce():
+            dist.all_reduce(x)
+
+        for name, fn in (("p2p", ping), ("all_gather", gather), ("all_reduce", reduce)):
+            dist.barrier()
+            t = _median(fn, repeats)
+            out[f"{name}_{size}"] = t / 2 if name == "p2p" else t  # one way of the round trip
+    return out
+
+
+def _link(m: dict, name: str, per_rank_bytes: float) -> Link:
+    """Latency from the small message, bandwidth from the large one (its latency share is
+    negligible; a difference of the two is not robust on a loaded machine). 2 ranks: one ring
+    step; ``per_rank_bytes``: the share of the message a rank moves in that step."""
+    small, large = m[f"{name}_{SMALL}"], m[f"{name}_{LARGE}"]
+    return Link(bandwidth=LARGE * per_rank_bytes / max(large, 1e-9), latency=small)
+
+
+def measure_comm() -> dict:
+    from rlhf_switch.launch import LocalWorld
+
+    with LocalWorld(2, timeout=300) as world:
+        return world.run(comm_job, [SMALL, LARGE])[0]
+
+
+# --- decode ----------------------------------------------------------------------------------------
+
+def _steps(generate, new: int) -> float:
+    """Seconds per decode step: (time of ``new`` tokens − time of 1) / (new − 1)."""
+    t1 = _median(lambda: generate(1), 3)
+    tn = _median(lambda: generate(new), 3)
+    return max(0.0, (tn - t1) / (new - 1))
+
+
+def torch_decode_step(hf_config: dict, batch: int = 16, prompt: int = 8, new: int = 9) -> float:
+    from rlhf_switch.engines.torch_rollout import TorchRollout
+    from rlhf_switch.families import derive_spec
+
+    eng = TorchRollout.from_hf_config(derive_spec(hf_config), hf_config)
+    prompts = [[1] + [5] * (prompt - 1) for _ in range(batch)]
+    return _steps(lambda n: eng.generate(prompts, n, temperature=0.0, eos_token_id=None), new)
+
+
+def vllm_decode_step(hf_config: dict, batch: int = 16, prompt: int = 8, new: int = 9, timeout: int = 400) -> float | None:
+    """One vLLM TP1 engine in a child process (its own environment); None when vLLM is missing or fails."""
+    try:
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            return None
+    except ImportError:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        from rlhf_switch.models import causal_lm
+
+        causal_lm(hf_config, 0).save_pretrained(d)
+        code = ("import json,sys; from recipes.tune_calibrate import _vllm_child; "
+                f"print('RESULT', json.dumps(_vllm_child({d!r}, {batch}, {prompt}, {new})))")
+        # one thread, as a Ray actor of num_cpus=1 runs it (a 2-thread pool on a shared 2-core
+        # machine waits at every barrier)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                          os.environ.get("PYTHONPATH", "")]))
+        try:
+            p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return None
+        lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+        return json.loads(lines[-1][7:]) if lines else None
+
+
+def _vllm_child(model_dir: str, batch: int, prompt: int, new: int) -> float:
+    from rlhf_switch import compat
+    from rlhf_switch.engines.vllm_rollout import VLLMRollout
+    from rlhf_switch.families import derive_spec
+
+    compat.set_vllm_env_defaults()
+    compat.vllm_engine_core_in_this_process()
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    r = VLLMRollout(model_dir, derive_spec(hf), tp=1, max_model_len=64)
+    prompts = [[1] + [5] * (prompt - 1) for _ in range(batch)]
+    try:
+        return _steps(lambda n: r.generate(prompts, n, greedy=True, eos_token_id=None), new)
+    finally:
+        r.shutdown()
+
+
+# --- the profile -----------------------------------------------------------------------------------
+
+def calibrate(hf_config: dict, with_vllm: bool = True, log=print) -> MachineProfile:
+    """Measure this machine with the config's model; one thread per process, as the loop's workers run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        f32 = matmul_rate(torch.float32)
+        mem = memory_bandwidth()
+        overhead = layer_overhead(hf_config, f32)
+        log(f"matmul fp32 {f32 / 1e9:.1f} GFLOP/s; memory {mem / 1e9:.1f} GB/s; "
+            f"decoder layer call {overhead * 1e3:.2f} ms")
+        comm = measure_comm()
+        p2p = _link(comm, "p2p", 1.0)
+        # the cost model's ring: all-gather of the whole (2×SMALL, 2×LARGE here) tensor moves half
+        # of it per rank in one step; all-reduce moves 2·(n−1)/n = 1× its bytes in two steps
+        gather = _link(comm, "all_gather", 1.0)
+        reduce = _link(comm, "all_reduce", 1.0)
+        collective = Link(bandwidth=(gather.bandwidth + reduce.bandwidth) / 2,
+                          latency=(gather.latency + reduce.latency / 2) / 2)
+        log(f"gloo p2p {p2p.bandwidth / 1e9:.2f} GB/s + {p2p.latency * 1e6:.0f} µs; collectives "
+            f"{collective.bandwidth / 1e9:.2f} GB/s + {collective.latency * 1e6:.0f} µs per step")
+        w_bytes = _model_bytes(hf_config)
+        torch_step = torch_decode_step(hf_config)
+        decode = {"torch": max(0.0, torch_step - w_bytes / mem), "default": max(0.0, torch_step - w_bytes / mem)}
+        log(f"torch rollout decode step {torch_step * 1e3:.2f} ms")
+        if with_vllm:
+            v = vllm_decode_step(hf_config)
+            if v is not None:
+                decode["vllm"] = max(0.0, v - w_bytes / mem)
+                log(f"vLLM TP1 decode step {v * 1e3:.2f} ms")
+            else:
+                log("vLLM: not measured (not installed or failed); its decode uses the torch engine's figure")
+        cores = os.cpu_count() or 1
+        when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        return MachineProfile(
+            name="cpu_local",
+            origin=f"measured by rlhf-switch tune --calibrate on {when}, {cores} cores, load average {load:.2f} "
+                   f"at start, {time.perf_counter() - t0:.0f} s",
+            matmul_flops={"float32": f32}, memory_bandwidth=mem,
+            device_memory=_host_memory() / max(1, cores), devices_per_node=1 << 16,
+            p2p_intra=p2p, p2p_inter=p2p, collective_intra=collective, collective_inter=collective,
+            same_device=p2p, compute_slots=cores, layer_overhead_s=overhead, decode_step_overhead_s=decode,
+            sources={"all": "measured (medians of 3-9 repeats), one thread per process, gloo over loopback"})
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _model_bytes(hf_config: dict) -> float:
+    from rlhf_switch.families import derive_spec
+    return derive_spec(hf_config).numel * 4.0
+
+
+def _host_memory() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
