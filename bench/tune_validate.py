@@ -117,8 +117,62 @@ def main(argv=None) -> int:
             MEASURED.write_text(json.dumps(done, indent=1))
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
         return 0
-    from bench.tune_table import print_validation  # noqa: F401  (filled in below)
+    measured = json.loads(MEASURED.read_text())
+    rows = predict_rows(measured, names, a.profile or "cpu_local")
+    table = format_rows(rows)
+    (RESULTS / "tune_validate.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / "tune_validate.md").write_text(table + "\n")
+    print(table)
     return 0
+
+
+PAIRS = (("switch", "switch_train_to_rollout_s"), ("rollout", "gen_seconds"), ("logprob", "logprob_seconds"),
+         ("update", "update_seconds"), ("total", "iteration_seconds"))
+
+
+def predict_rows(measured: dict, names: list[str], profile_name: str) -> list[dict]:
+    """Each measured case beside the model's prediction for its layouts (ratio = predicted / measured)."""
+    from rlhf_switch.rl.config import load_config
+    from rlhf_switch.tune import Combination, Workload, load_profile
+    from rlhf_switch.tune.cost import iteration_seconds
+
+    profile = load_profile(profile_name)
+    rows = []
+    for n in names:
+        m = measured.get(n)
+        if not m or m.get("rc"):
+            continue
+        cfg = load_config(case_config(n, Path("runs/tune_validate")))
+        combo = Combination(cfg.train, cfg.rollout, cfg.reference, cfg.critic)
+        pred = iteration_seconds(Workload.from_config(cfg), profile, combo)
+        row = {"case": n, "world": cfg.world_size, "load": (m["load_before"] + m["load_after"]) / 2}
+        for phase, key in PAIRS:
+            row[f"{phase}_pred"], row[f"{phase}_meas"] = pred[phase], m[key]
+            row[f"{phase}_ratio"] = pred[phase] / m[key] if m[key] else float("nan")
+        rows.append(row)
+    by_pred = sorted(rows, key=lambda r: r["total_pred"])
+    by_meas = sorted(rows, key=lambda r: r["total_meas"])
+    for r in rows:
+        r["rank_pred"], r["rank_meas"] = by_pred.index(r) + 1, by_meas.index(r) + 1
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = "| case | world | load | " + " | ".join(f"{p} pred / meas (ratio)" for p, _ in PAIRS) + \
+        " | rank pred / meas |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = [f"{r[p + '_pred'] * 1e3:.0f} / {r[p + '_meas'] * 1e3:.0f} ms ({r[p + '_ratio']:.2f})" for p, _ in PAIRS]
+        lines.append(f"| {r['case']} | {r['world']} | {r['load']:.1f} | " + " | ".join(cells) +
+                     f" | {r['rank_pred']} / {r['rank_meas']} |")
+    within = sum(0.7 <= r["total_ratio"] <= 1.3 for r in rows)
+    top_pred = [r["case"] for r in sorted(rows, key=lambda r: r["rank_pred"])[:3]]
+    top_meas = [r["case"] for r in sorted(rows, key=lambda r: r["rank_meas"])[:3]]
+    lines.append("")
+    lines.append(f"total within ±30 %: {within} of {len(rows)}; measured top 3 {top_meas}, predicted top 3 {top_pred} "
+                 f"({'same set' if set(top_pred) == set(top_meas) else 'different set'}"
+                 f"{', same order' if top_pred == top_meas else ''})")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 - matmul rate: fp32 ``torch.mm`` (the CPU loop trains in fp32) on one thread, the size of the tiny models' layers;
 - memory bandwidth: a sum over a 256 MiB tensor (what a decode step does to its weights);
 - a decoder layer's fixed cost: forward of the config's model on one short sequence, less its FLOPs;
+- an optimizer step's fixed cost per tensor: AdamW (``foreach=False``, as the engines run it) and
+  gradient clipping over the model's tensors;
 - gloo on 2 local processes (``rlhf_switch.launch.LocalWorld``): point-to-point ping-pong and
   all-gather / all-reduce, each at 4 KiB (latency) and 16 MiB (bandwidth);
 - decode steps of the config's model: the torch rollout engine in this process, and one real
@@ -65,6 +67,23 @@ def layer_overhead(hf_config: dict, flops: float) -> float:
     w = Workload(hf_config=hf_config, dtype="float32", rollout_batch=1, mini_batch=1, micro_batch=1, epochs=1,
                  prompt_tokens=8, new_tokens=0, has_reference=False, has_critic=False)
     return max(0.0, (t - w.forward_flops_per_token() * 8 / flops) / layers)
+
+
+def optimizer_tensor_seconds(hf_config: dict) -> float:
+    """One AdamW step (the engines' ``foreach=False``) plus gradient clipping over the model's
+    tensors, per tensor (the tiny model's arithmetic is negligible beside the loop's turns)."""
+    from rlhf_switch.engines.optim import AdamWConfig
+    from rlhf_switch.models import causal_lm
+
+    params = list(causal_lm(hf_config, 0).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = AdamWConfig().make(params)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    return _median(step, 9) / len(params)
 
 
 # --- gloo on 2 processes (jobs run on every rank of a LocalWorld) ---------------------------------
@@ -185,8 +204,10 @@ def calibrate(hf_config: dict, with_vllm: bool = True, log=print) -> MachineProf
         f32 = matmul_rate(torch.float32)
         mem = memory_bandwidth()
         overhead = layer_overhead(hf_config, f32)
+        opt_tensor = optimizer_tensor_seconds(hf_config)
         log(f"matmul fp32 {f32 / 1e9:.1f} GFLOP/s; memory {mem / 1e9:.1f} GB/s; "
-            f"decoder layer call {overhead * 1e3:.2f} ms")
+            f"decoder layer call {overhead * 1e3:.2f} ms; "
+            f"optimizer {opt_tensor * 1e6:.0f} µs per tensor")
         comm = measure_comm()
         p2p = _link(comm, "p2p", 1.0)
         # the cost model's ring: all-gather of the whole (2×SMALL, 2×LARGE here) tensor moves half
@@ -218,6 +239,7 @@ def calibrate(hf_config: dict, with_vllm: bool = True, log=print) -> MachineProf
             device_memory=_host_memory() / max(1, cores), devices_per_node=1 << 16,
             p2p_intra=p2p, p2p_inter=p2p, collective_intra=collective, collective_inter=collective,
             same_device=p2p, compute_slots=cores, layer_overhead_s=overhead, decode_step_overhead_s=decode,
+            optimizer_tensor_s=opt_tensor,
             sources={"all": "measured (medians of 3-9 repeats), one thread per process, gloo over loopback"})
     finally:
         torch.set_num_threads(threads)

@@ -3,7 +3,9 @@ profile. Named ``cost`` (not ``time``) so it never shadows the standard library.
 
 - **compute**: FLOPs (2 per multiplied parameter per token, ×3 with the backward) over the
   profile's matmul rate, per device; a pipeline's bubble as GPipe's ``(m + pp − 1) / m``; a fixed
-  cost per decoder-layer call (what a GPU hides, what a CPU pays in Python and kernel starts).
+  cost per decoder-layer call (what a GPU hides, what a CPU pays in Python and kernel starts);
+  the optimizer step: its bytes over memory bandwidth plus a fixed cost per tensor (DeepSpeed
+  steps one flat group, the torch engines loop over their tensors).
 - **engine communication** (no overlap with compute assumed): ZeRO-3 / FSDP2 all-gather the
   weights for every micro-batch's forward and again for its backward, and reduce-scatter the
   gradients (one message per tensor for DeepSpeed, per decoder layer for FSDP2); ZeRO-1/2
@@ -31,7 +33,7 @@ from ..vps import ParallelConfig, build_layout, plan_rank
 from ..vps.layout import Layout
 from ..vps.placement import place
 from .enumerate import Combination
-from .memory import STAGING_BYTES
+from .memory import STAGING_BYTES, _shards
 from .profile import Link, MachineProfile
 from .workload import Workload
 
@@ -82,6 +84,11 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
         compute *= (per_step_micro + pp - 1) / per_step_micro
     params = w.params(head)
     weights = params * b / (tp * pp)
+    if train:  # the optimizer: AdamW reads param, grad and two moments and writes three (fp32)
+        _, _, opt_shards = _shards(layout)
+        tensors = 1 if layout.engine == "deepspeed" else math.ceil(len(w.spec.tensors) / pp)  # ZeRO: one flat group
+        compute += steps * (tensors * profile.optimizer_tensor_s * slow
+                            + params / opt_shards * 28 / profile.memory_bandwidth * slow)
     dp_link = ring_link(profile, dp, tp)
     comm = 0.0
     sharded = (layout.engine == "deepspeed" and layout.zero_stage == 3) or layout.engine in ("fsdp2", "torch_tp")
@@ -150,9 +157,9 @@ def train_layout(w: Workload, layout: PhaseLayout) -> Layout:
 
 @dataclass(frozen=True)
 class SwitchCost:
-    seconds: float
-    bytes_received: int   # the slowest sampled rank's
-    messages: int
+    seconds: float        # the slowest planned rank's
+    rank_bytes: int       # the most bytes one planned rank sends or receives (the planner's)
+    messages: int         # the slowest rank's messages (one per staging chunk per peer)
     ranks_planned: int
 
 
@@ -170,9 +177,10 @@ def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollou
         ranks = list(range(world))
     else:
         ranks = sorted({0, n // 2, n - 1} | ({n, n + n // 2, 2 * n - 1} if world > n else set()))
-    worst = SwitchCost(0.0, 0, 0, len(ranks))
+    worst, most = SwitchCost(0.0, 0, 0, len(ranks)), 0
     for r in ranks:
         p = plan_rank(src, dst, r, per_node)
+        most = max(most, p.bytes_sent, p.bytes_received)
         peers: dict[int, list[int]] = {}
         for t in p.sends:
             peers.setdefault(t.dst, [0, 0])[0] += t.nbytes
@@ -193,10 +201,10 @@ def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollou
             msgs += chunks
         seconds += p.bytes_local / profile.same_device.bandwidth
         if seconds > worst.seconds:
-            worst = SwitchCost(seconds, p.bytes_received, msgs, len(ranks))
+            worst = SwitchCost(seconds, 0, msgs, len(ranks))
     # every rank agrees on the plan's digest before a byte moves (one small gather)
     agree = ring_seconds(ring_link(profile, world, 1), 32 * world, world, "all_gather")
-    return SwitchCost(worst.seconds + agree, worst.bytes_received, worst.messages, worst.ranks_planned)
+    return SwitchCost(worst.seconds + agree, most, worst.messages, worst.ranks_planned)
 
 
 # ----------------------------------------------------------------------------- one iteration

@@ -15,7 +15,8 @@ on GPU, shared memory on CPU). Two profiles ship:
 CPU-only fields: ``compute_slots`` — how many devices can compute at the same time (a CPU box
 with 2 cores running 4 logical devices runs them 2 at a time; ``None``: every device is its own
 chip) — and the fixed costs a GPU hides, per layer forward (``layer_overhead_s``) and per decode
-step (``decode_step_overhead_s``, per rollout engine).
+step (``decode_step_overhead_s``, per rollout engine) and per tensor of an optimizer step
+(``optimizer_tensor_s``: the engines run AdamW with ``foreach=False``, one loop turn per tensor).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class MachineProfile:
     compute_slots: int | None = None          # devices that compute at once (None: all)
     layer_overhead_s: float = 0.0             # fixed cost of one decoder layer's forward call
     decode_step_overhead_s: dict[str, float] = field(default_factory=dict)  # rollout engine -> s/step
+    optimizer_tensor_s: float = 0.0           # AdamW (foreach=False) + clipping, fixed cost per tensor per step
     sources: dict[str, str] = field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:

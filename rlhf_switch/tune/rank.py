@@ -51,7 +51,7 @@ class Row:
                 **{f"{k}_s": v for k, v in self.seconds.items()},
                 "peak_gib": self.memory.peak / GIB, "headroom_gib": self.headroom / GIB,
                 "switch_share": self.switch_share,
-                "switch_bytes_slowest_rank": self.switch.bytes_received if self.switch else None}
+                "switch_max_rank_bytes": self.switch.rank_bytes if self.switch else None}
 
 
 @dataclass
