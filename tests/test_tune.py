@@ -222,14 +222,37 @@ def test_cli_a_world_that_cannot_hold_the_model(tmp_path):
     assert p.stderr.count("error:") == 1 and "does not fit world_size=2 in any training layout" in p.stderr
 
 
+def test_vllm_decodes_a_batch_larger_than_its_kv_cache_in_waves(grpo, cpu):
+    from rlhf_switch.rl.config import RolloutLayout
+    from rlhf_switch.tune import Combination
+    from rlhf_switch.tune.cost import decode_seconds
+    from rlhf_switch.tune.memory import estimate_memory, rollout_bytes
+
+    cfg, w = grpo
+    vllm = RolloutLayout(engine="vllm", tp=2, dp=1)
+    combo = Combination(cfg.train, vllm, cfg.reference)
+    roomy = estimate_memory(w, combo)
+    assert roomy.concurrent_sequences == w.rollout_batch and roomy.rollout_waves == 1
+    per_seq = rollout_bytes(w, vllm)["kv_per_sequence"]
+    tight = estimate_memory(w, combo, roomy.resident + roomy.rollout_weights + roomy.staging + 40 * per_seq)
+    assert tight.concurrent_sequences == 40 and tight.rollout_waves == 4 and tight.kv_cache == 40 * per_seq
+    assert decode_seconds(w, cpu, vllm, 2, 40) > decode_seconds(w, cpu, vllm, 2)
+    # the small torch engine batches everything at once: its KV cache is the whole batch
+    torch_engine = Combination(cfg.train, RolloutLayout(engine="torch", tp=2, dp=1), cfg.reference)
+    assert estimate_memory(w, torch_engine, 1.0).kv_cache == w.rollout_batch * per_seq
+
+
 def test_cli_a_rollout_batch_too_large_for_the_device(tmp_path, capsys):
     from recipes.cli import main
 
-    path = tmp_path / "big.yaml"
-    path.write_text(yaml.safe_dump(config(**{"algorithm.prompts_per_iteration": 4096})))
-    assert main(["tune", str(path), "--device-memory", "0.1"]) == 2
+    # 100k-token responses: one sequence's KV cache (~49 MiB per TP2 worker) exceeds a 32 MiB
+    # device that holds the training state (~3 MiB)
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(config(**{"algorithm.max_new_tokens": 100_000,
+                                             "model.hf_config.max_position_embeddings": 131072})))
+    assert main(["tune", str(path), "--device-memory", str(32 / 1024)]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and "the rollout batch does not fit: 32768 sequences" in err
+    assert err.count("error:") == 1 and "the rollout batch does not fit: even one sequence of" in err
     assert main(["tune", str(tmp_path / "missing.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
     assert main(["tune"]) == 2 and "give a config file" in capsys.readouterr().err

@@ -15,7 +15,8 @@ profile. Named ``cost`` (not ``time``) so it never shadows the standard library.
   (all-reduce twice that), ``n − 1`` latency steps; the link is intra-node when the group fits in
   a node.
 - **decode** per replica: each step reads the replica's weights (/tp) and KV cache from memory or
-  multiplies them, whichever is slower, plus TP all-reduces and the engine's fixed cost per step.
+  multiplies them, whichever is slower, plus TP all-reduces and the engine's fixed cost per step;
+  a batch larger than vLLM's KV cache runs in waves (``memory``).
 - **switch**: the planner's own per-rank plan (``vps.plan_rank``) of the trainer's layout into
   the rollout engine's (placed on separate ranks when the engine runs its own workers, as the
   weight channel places them): per rank, over its peers (one per round), the larger of sent and
@@ -33,7 +34,7 @@ from ..vps import ParallelConfig, build_layout, plan_rank
 from ..vps.layout import Layout
 from ..vps.placement import place
 from .enumerate import Combination
-from .memory import STAGING_BYTES, _shards
+from .memory import STAGING_BYTES, MemoryEstimate, _shards
 from .profile import Link, MachineProfile
 from .workload import Workload
 
@@ -118,11 +119,18 @@ def _gather_cost(link: Link, nbytes: float, n: int, calls: int, msgs: int) -> fl
     return calls * ((n - 1) / n * nbytes / link.bandwidth + msgs * (n - 1) * link.latency)
 
 
-def decode_seconds(w: Workload, profile: MachineProfile, layout: PhaseLayout, world: int) -> float:
-    """Prefill of the prompts and ``new_tokens`` decode steps of the slowest replica."""
+def decode_seconds(w: Workload, profile: MachineProfile, layout: PhaseLayout, world: int,
+                   concurrent: int | None = None) -> float:
+    """Prefill of the prompts and ``new_tokens`` decode steps of the slowest replica, in waves
+    of ``concurrent`` sequences (what its KV cache holds; default: the whole share at once)."""
+    share = math.ceil(w.rollout_batch / layout.dp)
+    batch = min(share, concurrent or share)
+    return math.ceil(share / batch) * _wave_seconds(w, profile, layout, world, batch)
+
+
+def _wave_seconds(w: Workload, profile: MachineProfile, layout: PhaseLayout, world: int, batch: int) -> float:
     d, b = w.dims, w.bytes_per_param
-    tp, replicas = layout.tp, layout.dp
-    batch = math.ceil(w.rollout_batch / replicas)
+    tp = layout.tp
     slow = profile.slowdown(world)
     rate, mem = profile.flops(w.dtype) / slow, profile.memory_bandwidth / slow
     weight_bytes = w.params() * b / tp
@@ -214,7 +222,7 @@ PHASE_COLUMNS = ("switch", "rollout", "logprob", "update")
 
 
 def iteration_seconds(w: Workload, profile: MachineProfile, combo: Combination,
-                      switch: SwitchCost | None = None) -> dict[str, float]:
+                      switch: SwitchCost | None = None, memory: MemoryEstimate | None = None) -> dict[str, float]:
     """Seconds per phase: ``switch`` (train → rollout; nothing moves back), ``rollout`` (generate),
     ``logprob`` (old log-probs on the trainer, reference log-probs, PPO values) and ``update``
     (the policy's and the critic's optimizer steps); ``total`` their sum."""
@@ -229,7 +237,8 @@ def iteration_seconds(w: Workload, profile: MachineProfile, combo: Combination,
         logprob += engine_pass(w, profile, combo.critic, world, B, train=False, head="value").total
         update += engine_pass(w, profile, combo.critic, world, w.epochs * B, train=True, steps=steps, head="value").total
     switch = switch or switch_cost(w, profile, combo.train, combo.rollout)
-    out = {"switch": switch.seconds, "rollout": decode_seconds(w, profile, combo.rollout, world),
+    concurrent = memory.concurrent_sequences if memory is not None else None
+    out = {"switch": switch.seconds, "rollout": decode_seconds(w, profile, combo.rollout, world, concurrent),
            "logprob": logprob, "update": update}
     out["total"] = sum(out[k] for k in PHASE_COLUMNS)
     return out

@@ -14,10 +14,12 @@ parameters, ``b`` the bytes of its dtype and the shards each layout makes:
 The fp32 master is 0 when the model trains in float32 (the weights are the master). Activations:
 one micro-batch's forward saved for backward, ~18·b bytes per token per hidden unit per local
 layer (attention, MLP and norms inputs, no recomputation) plus the fp32 logits (twice: log-softmax
-and its gradient), split by TP. The rollout phase holds its weights (/tp) and the KV cache of its
-replica's share of the rollout batch at full length; vLLM sleeps during training where the
-platform has it (GPU), so the peak is the resident training state plus the larger of the two
-phases' working sets, plus the switch's staging budget. No engine here offloads to the host, so
+and its gradient), split by TP. The rollout phase holds its weights (/tp) and a KV cache at full
+sequence length: the small torch engine batches its replica's whole share of the rollout batch
+at once; vLLM (paged attention, a scheduler) fills the memory left with as many sequences as fit
+and decodes the rest in further waves, refusing only when not one sequence fits. vLLM sleeps
+during training where the platform has it (GPU), so the peak is the resident training state plus
+the larger of the two phases' working sets, plus the switch's staging budget. No engine here offloads to the host, so
 nothing is modelled as moved away.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..rl.config import PhaseLayout
 from .enumerate import Combination
 from .workload import Workload
 
+PAGED_ENGINES = ("vllm",)       # rollout engines that decode a batch larger than their KV cache in waves
 STAGING_BYTES = 2 * (64 << 20)  # the executor's default budget (routing.executor.DEFAULT_BUDGET), send + receive
 ADAM_BYTES = 8                  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4
@@ -78,11 +81,21 @@ def activation_bytes(w: Workload, layout: PhaseLayout) -> float:
 
 
 def rollout_bytes(w: Workload, layout: PhaseLayout) -> dict[str, float]:
+    """Per worker: ``weights``, ``kv_cache`` of its replica's whole share of the rollout batch,
+    ``kv_per_sequence`` (one sequence at full length) and ``sequences`` (that share)."""
     d = w.dims
     per_replica = -(-w.rollout_batch // layout.dp)
     kv_heads = max(1, d.num_kv_heads // layout.tp)  # vLLM replicates KV heads when TP exceeds them
-    kv = per_replica * w.seq * d.num_layers * 2 * kv_heads * w.head_dim * w.bytes_per_param
-    return {"weights": w.params() * w.bytes_per_param / layout.tp, "kv_cache": kv}
+    per_seq = w.seq * d.num_layers * 2 * kv_heads * w.head_dim * w.bytes_per_param
+    return {"weights": w.params() * w.bytes_per_param / layout.tp, "kv_cache": per_replica * per_seq,
+            "kv_per_sequence": per_seq, "sequences": per_replica}
+
+
+def rollout_need(w: Workload, layout: PhaseLayout) -> float:
+    """The least a rollout layout needs per device: weights and one sequence's KV cache (paged
+    engines) or the whole batch's."""
+    rb = rollout_bytes(w, layout)
+    return rb["weights"] + (rb["kv_per_sequence"] if layout.engine in PAGED_ENGINES else rb["kv_cache"])
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,12 @@ class MemoryEstimate:
     rollout_weights: float
     kv_cache: float
     staging: float
+    concurrent_sequences: int = 0   # per replica, decoded at once (paged engines: what the KV cache holds)
+    sequences: int = 0              # per replica in all
+
+    @property
+    def rollout_waves(self) -> int:
+        return -(-self.sequences // self.concurrent_sequences) if self.concurrent_sequences else 0
 
     @property
     def resident(self) -> float:
@@ -104,15 +123,23 @@ class MemoryEstimate:
         return self.resident + max(self.activations, self.rollout_weights + self.kv_cache) + self.staging
 
 
-def estimate_memory(w: Workload, combo: Combination) -> MemoryEstimate:
+def estimate_memory(w: Workload, combo: Combination, device_memory: float = float("inf")) -> MemoryEstimate:
+    """Per device. A paged rollout engine's KV cache is what ``device_memory`` leaves beside the
+    resident state, its weights and the staging budget, up to the whole batch (at least one
+    sequence: below that the peak exceeds the device and the combination is refused)."""
     ro = rollout_bytes(w, combo.rollout)
     acts = activation_bytes(w, combo.train)
     critic = 0.0
     if combo.critic is not None:
         critic = train_state_bytes(w, combo.critic, head="value")
         acts = max(acts, activation_bytes(w, combo.critic))
-    return MemoryEstimate(
-        train_state=train_state_bytes(w, combo.train),
-        reference=train_state_bytes(w, combo.reference, trains=False) if combo.reference is not None else 0.0,
-        critic=critic, activations=acts, rollout_weights=ro["weights"], kv_cache=ro["kv_cache"],
-        staging=STAGING_BYTES)
+    train = train_state_bytes(w, combo.train)
+    ref = train_state_bytes(w, combo.reference, trains=False) if combo.reference is not None else 0.0
+    n, per_seq = int(ro["sequences"]), ro["kv_per_sequence"]
+    concurrent = n
+    if combo.rollout.engine in PAGED_ENGINES:
+        free = device_memory - (train + ref + critic + ro["weights"] + STAGING_BYTES)
+        concurrent = max(1, min(n, int(free // per_seq))) if free < float("inf") else n
+    return MemoryEstimate(train_state=train, reference=ref, critic=critic, activations=acts,
+                          rollout_weights=ro["weights"], kv_cache=concurrent * per_seq, staging=STAGING_BYTES,
+                          concurrent_sequences=concurrent, sequences=n)

@@ -16,7 +16,7 @@ from typing import Sequence
 from ..rl.config import RunConfig
 from .cost import PHASE_COLUMNS, SwitchCost, engine_pass, iteration_seconds, switch_cost
 from .enumerate import Combination, combination_problems, describe, enumerate_combinations
-from .memory import MemoryEstimate, estimate_memory, rollout_bytes, train_state_bytes
+from .memory import PAGED_ENGINES, MemoryEstimate, estimate_memory, rollout_bytes, rollout_need, train_state_bytes
 from .profile import GIB, MachineProfile
 from .workload import Workload
 
@@ -70,18 +70,21 @@ def _fits(w: Workload, profile: MachineProfile, phases: dict) -> None:
     if train_need is not None and train_need > cap:
         best = min(phases["train"], key=lambda t: train_state_bytes(w, t))
         raise TuneError(f"the model does not fit world_size={best.size} in any training layout: the smallest "
-                        f"training state is {train_need / GIB:.3g} GiB per device ({describe(best)}: weights, "
-                        f"gradients, fp32 master and Adam moments), a device has {cap / GIB:.3g} GiB; use more "
+                        f"training state is {train_need / GIB:.4g} GiB per device ({describe(best)}: weights, "
+                        f"gradients, fp32 master and Adam moments), a device has {cap / GIB:.4g} GiB; use more "
                         f"devices or larger ones (--device-memory)")
-    need = [(sum(rollout_bytes(w, r).values()), i) for i, r in enumerate(phases["rollout"])]
+    need = [(rollout_need(w, r), i) for i, r in enumerate(phases["rollout"])]
     if need and min(need)[0] + (train_need or 0) > cap:
         best = phases["rollout"][min(need)[1]]
         rb = rollout_bytes(w, best)
-        raise TuneError(f"the rollout batch does not fit: {w.rollout_batch} sequences of {w.seq} tokens need "
-                        f"{rb['kv_cache'] / GIB:.3g} GiB of KV cache + {rb['weights'] / GIB:.3g} GiB of weights per "
-                        f"device in the best rollout layout ({describe(best)}), beside {(train_need or 0) / GIB:.3g} "
-                        f"GiB of training state; a device has {cap / GIB:.3g} GiB (lower "
-                        f"algorithm.prompts_per_iteration or group_size, or use larger devices)")
+        kv, what = ((rb["kv_per_sequence"], f"even one sequence of {w.seq} tokens needs")
+                    if best.engine in PAGED_ENGINES else
+                    (rb["kv_cache"], f"{w.rollout_batch} sequences of {w.seq} tokens need"))
+        raise TuneError(f"the rollout batch does not fit: {what} {kv / GIB:.4g} GiB of KV cache + "
+                        f"{rb['weights'] / GIB:.4g} GiB of weights per device in the smallest rollout layout "
+                        f"({describe(best)}), beside {(train_need or 0) / GIB:.4g} GiB of training state; a device "
+                        f"has {cap / GIB:.4g} GiB (lower algorithm.prompts_per_iteration, group_size or "
+                        f"max_new_tokens, or use larger devices)")
 
 
 def rank(cfg: RunConfig, profile: MachineProfile, world: int | None = None, top: int = 10,
@@ -109,7 +112,7 @@ def rank(cfg: RunConfig, profile: MachineProfile, world: int | None = None, top:
             if combination_problems(cfg, combo):
                 continue
             considered += 1
-            mem = estimate_memory(w, combo)
+            mem = estimate_memory(w, combo, profile.device_memory)
             if mem.peak <= profile.device_memory:
                 fitted = (combo, mem)
                 break
@@ -117,7 +120,7 @@ def rank(cfg: RunConfig, profile: MachineProfile, world: int | None = None, top:
             continue
         fitting += 1
         combo, mem = fitted
-        no_switch = iteration_seconds(w, profile, combo, switch=SwitchCost(0.0, 0, 0, 0))
+        no_switch = iteration_seconds(w, profile, combo, switch=SwitchCost(0.0, 0, 0, 0), memory=mem)
         candidates.append((no_switch["total"], combo, mem))
     if not candidates:
         raise TuneError(f"no combination of layouts fits a device of {profile.device_memory / GIB:.3g} GiB on "
@@ -132,7 +135,7 @@ def rank(cfg: RunConfig, profile: MachineProfile, world: int | None = None, top:
         key = (layout_key(combo.train), layout_key(combo.rollout))
         if key not in switches:
             switches[key] = switch_cost(w, profile, combo.train, combo.rollout)
-        secs = iteration_seconds(w, profile, combo, switch=switches[key])
+        secs = iteration_seconds(w, profile, combo, switch=switches[key], memory=mem)
         rows.append(Row(combo, secs, mem, profile.device_memory, switches[key]))
         rows.sort(key=lambda r: r.seconds["total"])
     return Ranking(rows[:top], considered, fitting, len(switches))
