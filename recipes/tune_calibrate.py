@@ -5,6 +5,9 @@
 - a decoder layer's fixed cost: forward of the config's model on one short sequence, less its FLOPs;
 - an optimizer step's fixed cost per tensor: AdamW (``foreach=False``, as the engines run it) and
   gradient clipping over the model's tensors;
+- each training engine's own fixed costs: a micro-run of the real engine (DeepSpeed ZeRO-1/2/3,
+  FSDP2, torch TP, torch PP) over 2 local processes, one forward and one optimizer step, less
+  what the terms above model for them;
 - gloo on 2 local processes (``rlhf_switch.launch.LocalWorld``): point-to-point ping-pong and
   all-gather / all-reduce, each at 4 KiB (latency) and 16 MiB (bandwidth);
 - decode steps of the config's model: the torch rollout engine in this process, and one real
@@ -132,6 +135,74 @@ def measure_comm() -> dict:
         return world.run(comm_job, [SMALL, LARGE])[0]
 
 
+# --- the training engines' own fixed costs (a micro-run of each real engine on 2 processes) ------
+
+ENGINE_LAYOUTS = (dict(engine="deepspeed", zero_stage=1, dp=2), dict(engine="deepspeed", zero_stage=2, dp=2),
+                  dict(engine="deepspeed", zero_stage=3, dp=2), dict(engine="fsdp2", dp=2),
+                  dict(engine="torch_tp", tp=2), dict(engine="torch_pp", pp=2))
+
+
+def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int) -> dict:
+    """On every rank: build each engine over the 2 ranks, time one forward of ``micro`` rows and
+    one optimizer step on them (rank 0's medians)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rlhf_switch.engines.base import TrainingContext, training_engine
+    from rlhf_switch.engines.optim import AdamWConfig
+    from rlhf_switch.rl.config import TrainLayout
+
+    torch.set_num_threads(1)
+    ranks = tuple(range(dist.get_world_size()))
+    ids = torch.randint(3, 40, (micro, seq), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for d in layouts:
+        layout = TrainLayout(**d)
+        ctx = TrainingContext(hf_config, 0, ranks, AdamWConfig(max_grad_norm=1.0), micro_batch=micro,
+                              seq_len=seq, timeout=timedelta(seconds=300))
+        eng = training_engine(layout.engine).build(layout, ctx)
+
+        def forward():
+            dist.barrier()
+            eng.outputs(ids)
+
+        def step():
+            dist.barrier()
+            eng.train_step(ids, micro, lambda o, s: (o.float().mean(), {}))
+
+        out[json.dumps(d, sort_keys=True)] = {"forward": _median(forward, 5), "step": _median(step, 5)}
+        del eng
+    return out
+
+
+def engine_costs(hf_config: dict, profile: MachineProfile, micro: int = 8, seq: int = 16) -> tuple[dict, dict]:
+    """Per engine: measured forward and step less what the profile's other terms model for them."""
+    import dataclasses
+
+    from rlhf_switch.launch import LocalWorld
+    from rlhf_switch.rl.config import TrainLayout
+    from rlhf_switch.tune.cost import engine_key, engine_pass
+    from rlhf_switch.tune.workload import Workload
+
+    with LocalWorld(2, timeout=900) as world:
+        measured = world.run(engine_job, hf_config, [dict(d) for d in ENGINE_LAYOUTS], micro, seq)[0]
+    fwd, step = {}, {}
+    for d in ENGINE_LAYOUTS:
+        layout = TrainLayout(**d)
+        m = measured[json.dumps(d, sort_keys=True)]
+        w = Workload(hf_config=hf_config, dtype="float32", rollout_batch=micro * layout.dp, mini_batch=micro * layout.dp,
+                     micro_batch=micro, epochs=1, prompt_tokens=seq, new_tokens=0, has_reference=False,
+                     has_critic=False)
+        bare = dataclasses.replace(profile, compute_slots=None)  # one engine at a time: no sharing
+        f_model = engine_pass(w, bare, layout, 2, micro * layout.dp, train=False).total
+        fwd[engine_key(layout)] = f = max(0.0, m["forward"] - f_model)
+        s_model = engine_pass(w, dataclasses.replace(bare, engine_forward_s=dict(fwd)), layout, 2,
+                              micro * layout.dp, train=True, steps=1).total
+        step[engine_key(layout)] = max(0.0, m["step"] - s_model)
+    return fwd, step
+
+
 # --- decode ----------------------------------------------------------------------------------------
 
 def _steps(generate, new: int) -> float:
@@ -230,6 +301,13 @@ def calibrate(hf_config: dict, with_vllm: bool = True, log=print) -> MachineProf
             else:
                 log("vLLM: not measured (not installed or failed); its decode uses the torch engine's figure")
         cores = os.cpu_count() or 1
+        partial = MachineProfile(
+            name="partial", origin="", matmul_flops={"float32": f32}, memory_bandwidth=mem, device_memory=1e12,
+            devices_per_node=1 << 16, p2p_intra=p2p, p2p_inter=p2p, collective_intra=collective,
+            collective_inter=collective, same_device=p2p, layer_overhead_s=overhead, optimizer_tensor_s=opt_tensor)
+        engine_fwd, engine_step = engine_costs(hf_config, partial)
+        log("training engines, fixed ms per forward / per optimizer step: " + ", ".join(
+            f"{k} {engine_fwd[k] * 1e3:.1f} / {engine_step[k] * 1e3:.1f}" for k in engine_fwd))
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         return MachineProfile(
             name="cpu_local",
@@ -239,7 +317,7 @@ def calibrate(hf_config: dict, with_vllm: bool = True, log=print) -> MachineProf
             device_memory=_host_memory() / max(1, cores), devices_per_node=1 << 16,
             p2p_intra=p2p, p2p_inter=p2p, collective_intra=collective, collective_inter=collective,
             same_device=p2p, compute_slots=cores, layer_overhead_s=overhead, decode_step_overhead_s=decode,
-            optimizer_tensor_s=opt_tensor,
+            optimizer_tensor_s=opt_tensor, engine_forward_s=engine_fwd, engine_step_s=engine_step,
             sources={"all": "measured (medians of 3-9 repeats), one thread per process, gloo over loopback"})
     finally:
         torch.set_num_threads(threads)

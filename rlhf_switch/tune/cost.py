@@ -66,6 +66,11 @@ class PassCost:
         return self.compute + self.comm
 
 
+def engine_key(layout: PhaseLayout) -> str:
+    """The profile's key of a training engine's fixed costs: ``deepspeed-z3``, ``fsdp2``, ..."""
+    return f"deepspeed-z{layout.zero_stage}" if layout.engine == "deepspeed" else layout.engine
+
+
 def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world: int, sequences: int,
                 train: bool, steps: int = 1, head: str = "lm") -> PassCost:
     """Forward (``train`` False) or forward+backward+optimizer over ``sequences`` sequences
@@ -80,6 +85,8 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
     flops = w.forward_flops_per_token() * w.seq * per_rank * mult / (tp * pp)
     layers = math.ceil(d.num_layers / pp)
     compute = flops / profile.flops(w.dtype) * slow + n_micro * layers * mult * profile.layer_overhead_s * slow
+    fwd_fixed, step_fixed = profile.engine_costs(engine_key(layout))
+    compute += (n_micro * fwd_fixed * mult + (steps * step_fixed if train else 0.0)) * slow
     if pp > 1:  # GPipe: the stages idle for pp - 1 micro-batch slots
         per_step_micro = max(1, n_micro // max(1, steps))
         compute *= (per_step_micro + pp - 1) / per_step_micro

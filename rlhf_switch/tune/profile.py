@@ -16,7 +16,9 @@ CPU-only fields: ``compute_slots`` — how many devices can compute at the same 
 with 2 cores running 4 logical devices runs them 2 at a time; ``None``: every device is its own
 chip) — and the fixed costs a GPU hides, per layer forward (``layer_overhead_s``) and per decode
 step (``decode_step_overhead_s``, per rollout engine) and per tensor of an optimizer step
-(``optimizer_tensor_s``: the engines run AdamW with ``foreach=False``, one loop turn per tensor).
+(``optimizer_tensor_s``: the engines run AdamW with ``foreach=False``, one loop turn per tensor),
+and what each training engine adds on top (``engine_forward_s``, ``engine_step_s``), measured by
+a micro-run of the real engine on 2 processes.
 """
 from __future__ import annotations
 
@@ -56,12 +58,21 @@ class MachineProfile:
     layer_overhead_s: float = 0.0             # fixed cost of one decoder layer's forward call
     decode_step_overhead_s: dict[str, float] = field(default_factory=dict)  # rollout engine -> s/step
     optimizer_tensor_s: float = 0.0           # AdamW (foreach=False) + clipping, fixed cost per tensor per step
+    # a training engine's own fixed costs beyond the above (hooks, DTensor dispatch, gathers'
+    # bookkeeping), measured by a micro-run of the real engine: per micro-batch forward, per
+    # optimizer step; keyed by engine_key ("deepspeed-z3", "fsdp2", ...)
+    engine_forward_s: dict[str, float] = field(default_factory=dict)
+    engine_step_s: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:
         if dtype in self.matmul_flops:
             return self.matmul_flops[dtype]
         return self.matmul_flops.get("float32", min(self.matmul_flops.values()))
+
+    def engine_costs(self, key: str) -> tuple[float, float]:
+        """(per forward micro-batch, per optimizer step) fixed seconds of a training engine."""
+        return self.engine_forward_s.get(key, 0.0), self.engine_step_s.get(key, 0.0)
 
     def decode_overhead(self, engine: str) -> float:
         return self.decode_step_overhead_s.get(engine, self.decode_step_overhead_s.get("default", 0.0))
