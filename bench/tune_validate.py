@@ -41,6 +41,8 @@ CASES = {
     "ds_z3_vllm_tp2":        ("grpo_tiny", 2, _ds(3, 2), _t("vllm", tp=2), _ds(3, 2), None),
     "ds_z1_vllm_tp1x2":      ("grpo_tiny", 2, _ds(1, 2), _t("vllm", dp=2), _ds(1, 2), None),
     "ds_z2_torch_tp2":       ("grpo_tiny", 2, _ds(2, 2), _t("torch", tp=2), _ds(2, 2), None),
+    # what `rlhf-switch tune configs/grpo_tiny.yaml` recommends with the calibrated CPU profile
+    "ds_z2_torch_tp1x2":     ("grpo_tiny", 2, _ds(2, 2), _t("torch", dp=2), _ds(2, 2), None),
     "fsdp2_torch_tp1x2":     ("grpo_tiny", 2, _t("fsdp2", dp=2), _t("torch", dp=2), _t("fsdp2", dp=2), None),
     "torch_tp2_torch_tp2":   ("grpo_tiny", 2, _t("torch_tp", tp=2), _t("torch", tp=2), _t("torch_tp", tp=2), None),
     "torch_pp2_torch_tp1x2": ("grpo_tiny", 2, _t("torch_pp", pp=2), _t("torch", dp=2), _t("torch_pp", pp=2), None),
@@ -106,18 +108,22 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--out-root", default=str(REPO / "runs" / "tune_validate"))
     ap.add_argument("--profile", default=None, help="machine profile JSON (default: the shipped CPU profile)")
+    ap.add_argument("--measured", default=str(MEASURED), help="the measured JSON (read and extended; default: %(default)s)")
     a = ap.parse_args(argv)
     names = [n for n in CASES if a.only is None or n.startswith(a.only)]
     RESULTS.mkdir(parents=True, exist_ok=True)
     if a.measure:
-        done = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
+        path = Path(a.measured)
+        done = json.loads(path.read_text()) if path.exists() else {}
         for n in names:
             row = measure(n, a.iterations, Path(a.out_root))
             done[n] = row
-            MEASURED.write_text(json.dumps(done, indent=1))
+            path.write_text(json.dumps(done, indent=1))
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
         return 0
-    measured = json.loads(MEASURED.read_text())
+    measured = {}
+    for p in a.measured.split(","):  # several files: a case's last one wins
+        measured.update(json.loads(Path(p).read_text()))
     rows = predict_rows(measured, names, a.profile or "cpu_local")
     table = format_rows(rows)
     (RESULTS / "tune_validate.json").write_text(json.dumps(rows, indent=1))

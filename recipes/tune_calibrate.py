@@ -10,18 +10,19 @@
   what the terms above model for them;
 - gloo on 2 local processes (``rlhf_switch.launch.LocalWorld``): point-to-point ping-pong and
   all-gather / all-reduce, each at 4 KiB (latency) and 16 MiB (bandwidth);
-- decode steps of the config's model: the torch rollout engine in this process, and one real
-  vLLM engine (TP1) in a child process when vLLM is installed — per step less the modelled
-  bandwidth part = the engine's fixed cost per step.
+- decode steps of the config's model, sampled with per-sequence seeds as the loop samples, at
+  two batch sizes: the torch rollout engine in this process, and one real vLLM engine (TP1) in a
+  child process when vLLM is installed — per step less the modelled bandwidth part = the
+  engine's fixed cost per step and per sequence in the batch.
 
-Every figure is a median of a few repeats on a machine that may be shared: the load average at
-the time is stored in the profile's ``origin``.
+Every figure is the least of a few repeats (a machine shared with other jobs only ever adds time;
+the least is the machine's own cost); the load average at the time is stored in the profile's
+``origin``.
 """
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,25 +37,27 @@ from rlhf_switch.tune.profile import Link, MachineProfile
 SMALL, LARGE = 4 << 10, 16 << 20
 
 
-def _median(fn, repeats: int = 5) -> float:
+def _best(fn, repeats: int = 5) -> float:
+    """The least of ``repeats`` timings after a warm-up: the machine's own cost, not its
+    neighbours' (a shared machine only ever adds time)."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def matmul_rate(dtype: torch.dtype, n: int = 512) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     reps = 8
-    return 2 * n ** 3 * reps / _median(lambda: [torch.mm(a, b) for _ in range(reps)])
+    return 2 * n ** 3 * reps / _best(lambda: [torch.mm(a, b) for _ in range(reps)])
 
 
 def memory_bandwidth() -> float:
     x = torch.ones(64 << 20)  # 256 MiB fp32
-    return x.numel() * 4 / _median(lambda: x.sum())
+    return x.numel() * 4 / _best(lambda: x.sum())
 
 
 def layer_overhead(hf_config: dict, flops: float) -> float:
@@ -65,7 +68,7 @@ def layer_overhead(hf_config: dict, flops: float) -> float:
     model = causal_lm(hf_config, 0)
     ids = torch.randint(3, 40, (1, 8))
     with torch.no_grad():
-        t = _median(lambda: model(input_ids=ids, use_cache=False), 9)
+        t = _best(lambda: model(input_ids=ids, use_cache=False), 9)
     layers = int(hf_config["num_hidden_layers"])
     w = Workload(hf_config=hf_config, dtype="float32", rollout_batch=1, mini_batch=1, micro_batch=1, epochs=1,
                  prompt_tokens=8, new_tokens=0, has_reference=False, has_critic=False)
@@ -86,7 +89,7 @@ def optimizer_tensor_seconds(hf_config: dict) -> float:
     def step():
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-    return _median(step, 9) / len(params)
+    return _best(step, 9) / len(params)
 
 
 # --- gloo on 2 processes (jobs run on every rank of a LocalWorld) ---------------------------------
@@ -115,7 +118,7 @@ def comm_job(sizes: list[int], repeats: int = 7) -> dict:
 
         for name, fn in (("p2p", ping), ("all_gather", gather), ("all_reduce", reduce)):
             dist.barrier()
-            t = _median(fn, repeats)
+            t = _best(fn, repeats)
             out[f"{name}_{size}"] = t / 2 if name == "p2p" else t  # one way of the round trip
     return out
 
@@ -171,8 +174,8 @@ def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int) -> di
             dist.barrier()
             eng.train_step(ids, micro, lambda o, s: (o.float().mean(), {}))
 
-        out[json.dumps(d, sort_keys=True)] = {"forward": _median(forward, 5), "step": _median(step, 5)}
-        del eng
+        out[json.dumps(d, sort_keys=True)] = {"forward": _best(forward, 5), "step": _best(step, 5)}
+        eng = None  # noqa: F841  (freed before the next engine is built)
     return out
 
 
@@ -196,7 +199,7 @@ def engine_costs(hf_config: dict, profile: MachineProfile, micro: int = 8, seq: 
                      has_critic=False)
         bare = dataclasses.replace(profile, compute_slots=None)  # one engine at a time: no sharing
         f_model = engine_pass(w, bare, layout, 2, micro * layout.dp, train=False).total
-        fwd[engine_key(layout)] = f = max(0.0, m["forward"] - f_model)
+        fwd[engine_key(layout)] = max(0.0, m["forward"] - f_model)
         s_model = engine_pass(w, dataclasses.replace(bare, engine_forward_s=dict(fwd)), layout, 2,
                               micro * layout.dp, train=True, steps=1).total
         step[engine_key(layout)] = max(0.0, m["step"] - s_model)
@@ -205,23 +208,38 @@ def engine_costs(hf_config: dict, profile: MachineProfile, micro: int = 8, seq: 
 
 # --- decode ----------------------------------------------------------------------------------------
 
+DECODE_BATCHES = (8, 64)
+
+
 def _steps(generate, new: int) -> float:
     """Seconds per decode step: (time of ``new`` tokens − time of 1) / (new − 1)."""
-    t1 = _median(lambda: generate(1), 3)
-    tn = _median(lambda: generate(new), 3)
+    t1 = _best(lambda: generate(1), 5)
+    tn = _best(lambda: generate(new), 5)
     return max(0.0, (tn - t1) / (new - 1))
 
 
-def torch_decode_step(hf_config: dict, batch: int = 16, prompt: int = 8, new: int = 9) -> float:
+def _per_batch(step_at: dict) -> tuple[float, float]:
+    """(fixed, per sequence) seconds of a decode step from its time at two batch sizes."""
+    (b1, t1), (b2, t2) = sorted(step_at.items())
+    per_seq = max(0.0, (t2 - t1) / (b2 - b1))
+    return max(0.0, t1 - b1 * per_seq), per_seq
+
+
+def torch_decode_steps(hf_config: dict, prompt: int = 8, new: int = 17) -> dict[int, float]:
+    """Step seconds per batch size, sampled with per-sequence seeds as the loop samples."""
     from rlhf_switch.engines.torch_rollout import TorchRollout
     from rlhf_switch.families import derive_spec
 
     eng = TorchRollout.from_hf_config(derive_spec(hf_config), hf_config)
-    prompts = [[1] + [5] * (prompt - 1) for _ in range(batch)]
-    return _steps(lambda n: eng.generate(prompts, n, temperature=0.0, eos_token_id=None), new)
+    out = {}
+    for batch in DECODE_BATCHES:
+        prompts = [[1] + [5] * (prompt - 1) for _ in range(batch)]
+        out[batch] = _steps(lambda n: eng.generate(prompts, n, temperature=1.0, seed=list(range(batch)),
+                                                   eos_token_id=None), new)
+    return out
 
 
-def vllm_decode_step(hf_config: dict, batch: int = 16, prompt: int = 8, new: int = 9, timeout: int = 400) -> float | None:
+def vllm_decode_steps(hf_config: dict, prompt: int = 8, new: int = 17, timeout: int = 400) -> dict[int, float] | None:
     """One vLLM TP1 engine in a child process (its own environment); None when vLLM is missing or fails."""
     try:
         import importlib.util
@@ -234,7 +252,7 @@ def vllm_decode_step(hf_config: dict, batch: int = 16, prompt: int = 8, new: int
 
         causal_lm(hf_config, 0).save_pretrained(d)
         code = ("import json,sys; from recipes.tune_calibrate import _vllm_child; "
-                f"print('RESULT', json.dumps(_vllm_child({d!r}, {batch}, {prompt}, {new})))")
+                f"print('RESULT', json.dumps(_vllm_child({d!r}, {prompt}, {new})))")
         # one thread, as a Ray actor of num_cpus=1 runs it (a 2-thread pool on a shared 2-core
         # machine waits at every barrier)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
@@ -244,10 +262,10 @@ def vllm_decode_step(hf_config: dict, batch: int = 16, prompt: int = 8, new: int
         except subprocess.TimeoutExpired:
             return None
         lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-        return json.loads(lines[-1][7:]) if lines else None
+        return {int(k): v for k, v in json.loads(lines[-1][7:]).items()} if lines else None
 
 
-def _vllm_child(model_dir: str, batch: int, prompt: int, new: int) -> float:
+def _vllm_child(model_dir: str, prompt: int, new: int) -> dict[int, float]:
     from rlhf_switch import compat
     from rlhf_switch.engines.vllm_rollout import VLLMRollout
     from rlhf_switch.families import derive_spec
@@ -256,9 +274,13 @@ def _vllm_child(model_dir: str, batch: int, prompt: int, new: int) -> float:
     compat.vllm_engine_core_in_this_process()
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     r = VLLMRollout(model_dir, derive_spec(hf), tp=1, max_model_len=64)
-    prompts = [[1] + [5] * (prompt - 1) for _ in range(batch)]
+    out = {}
     try:
-        return _steps(lambda n: r.generate(prompts, n, greedy=True, eos_token_id=None), new)
+        for batch in DECODE_BATCHES:
+            prompts = [[1] + [5] * (prompt - 1) for _ in range(batch)]
+            out[batch] = _steps(lambda n: r.generate(prompts, n, greedy=False, seed=list(range(batch)),
+                                                     temperature=1.0, eos_token_id=None), new)
+        return out
     finally:
         r.shutdown()
 
@@ -290,14 +312,16 @@ def calibrate(hf_config: dict, with_vllm: bool = True, log=print) -> MachineProf
         log(f"gloo p2p {p2p.bandwidth / 1e9:.2f} GB/s + {p2p.latency * 1e6:.0f} µs; collectives "
             f"{collective.bandwidth / 1e9:.2f} GB/s + {collective.latency * 1e6:.0f} µs per step")
         w_bytes = _model_bytes(hf_config)
-        torch_step = torch_decode_step(hf_config)
-        decode = {"torch": max(0.0, torch_step - w_bytes / mem), "default": max(0.0, torch_step - w_bytes / mem)}
-        log(f"torch rollout decode step {torch_step * 1e3:.2f} ms")
+        fixed, per_seq = _per_batch(torch_decode_steps(hf_config))
+        decode = {"torch": max(0.0, fixed - w_bytes / mem)}
+        decode_seq = {"torch": per_seq}
+        log(f"torch rollout decode step {fixed * 1e3:.2f} ms + {per_seq * 1e6:.0f} µs per sequence")
         if with_vllm:
-            v = vllm_decode_step(hf_config)
+            v = vllm_decode_steps(hf_config)
             if v is not None:
-                decode["vllm"] = max(0.0, v - w_bytes / mem)
-                log(f"vLLM TP1 decode step {v * 1e3:.2f} ms")
+                fixed, per_seq = _per_batch(v)
+                decode["vllm"], decode_seq["vllm"] = max(0.0, fixed - w_bytes / mem), per_seq
+                log(f"vLLM TP1 decode step {fixed * 1e3:.2f} ms + {per_seq * 1e6:.0f} µs per sequence")
             else:
                 log("vLLM: not measured (not installed or failed); its decode uses the torch engine's figure")
         cores = os.cpu_count() or 1
@@ -317,8 +341,9 @@ def calibrate(hf_config: dict, with_vllm: bool = True, log=print) -> MachineProf
             device_memory=_host_memory() / max(1, cores), devices_per_node=1 << 16,
             p2p_intra=p2p, p2p_inter=p2p, collective_intra=collective, collective_inter=collective,
             same_device=p2p, compute_slots=cores, layer_overhead_s=overhead, decode_step_overhead_s=decode,
+            decode_sequence_s=decode_seq,
             optimizer_tensor_s=opt_tensor, engine_forward_s=engine_fwd, engine_step_s=engine_step,
-            sources={"all": "measured (medians of 3-9 repeats), one thread per process, gloo over loopback"})
+            sources={"all": "measured (the least of 3-9 repeats), one thread per process, gloo over loopback"})
     finally:
         torch.set_num_threads(threads)
 

@@ -141,7 +141,7 @@ def _wave_seconds(w: Workload, profile: MachineProfile, layout: PhaseLayout, wor
     slow = profile.slowdown(world)
     rate, mem = profile.flops(w.dtype) / slow, profile.memory_bandwidth / slow
     weight_bytes = w.params() * b / tp
-    overhead = profile.decode_overhead(layout.engine) * slow
+    overhead = profile.decode_overhead(layout.engine, batch) * slow
     tp_link = ring_link(profile, tp, 1)
     prefill = 2 * w.matmul_params * batch * w.prompt_tokens / tp / rate + weight_bytes / mem + overhead
     kv_heads = max(1, d.num_kv_heads // tp)

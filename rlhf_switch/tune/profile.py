@@ -57,6 +57,7 @@ class MachineProfile:
     compute_slots: int | None = None          # devices that compute at once (None: all)
     layer_overhead_s: float = 0.0             # fixed cost of one decoder layer's forward call
     decode_step_overhead_s: dict[str, float] = field(default_factory=dict)  # rollout engine -> s/step
+    decode_sequence_s: dict[str, float] = field(default_factory=dict)       # rollout engine -> s/step/sequence
     optimizer_tensor_s: float = 0.0           # AdamW (foreach=False) + clipping, fixed cost per tensor per step
     # a training engine's own fixed costs beyond the above (hooks, DTensor dispatch, gathers'
     # bookkeeping), measured by a micro-run of the real engine: per micro-batch forward, per
@@ -74,8 +75,9 @@ class MachineProfile:
         """(per forward micro-batch, per optimizer step) fixed seconds of a training engine."""
         return self.engine_forward_s.get(key, 0.0), self.engine_step_s.get(key, 0.0)
 
-    def decode_overhead(self, engine: str) -> float:
-        return self.decode_step_overhead_s.get(engine, self.decode_step_overhead_s.get("default", 0.0))
+    def decode_overhead(self, engine: str, batch: int = 0) -> float:
+        """A decode step's fixed seconds for ``batch`` sequences (sampling, scheduling)."""
+        return self.decode_step_overhead_s.get(engine, 0.0) + batch * self.decode_sequence_s.get(engine, 0.0)
 
     def slowdown(self, world: int) -> float:
         """How much slower each device computes when ``world`` of them share ``compute_slots``."""
