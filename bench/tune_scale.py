@@ -60,24 +60,45 @@ def best(name: str, world: int, profile) -> dict:
         return {"model": name, "world": world, "refused": str(e), "tune_s": time.perf_counter() - t0}
     r = ranking.rows[0]
     m = r.memory
+    base = baseline(cfg, w, profile, world)
     return {"model": name, "world": world, "train": describe(r.combo.train), "rollout": describe(r.combo.rollout),
             "reference": describe(r.combo.reference), **{f"{k}_s": v for k, v in r.seconds.items()},
             "switch_share": r.switch_share, "switch_rank_gib": r.switch.rank_bytes / GIB,
             "peak_gib": m.peak / GIB, "train_state_gib": m.train_state / GIB, "kv_gib": m.kv_cache / GIB,
             "considered": ranking.considered, "fitting": ranking.fitting, "planned_pairs": ranking.planned_pairs,
-            "tune_s": time.perf_counter() - t0}
+            "tune_s": time.perf_counter() - t0, **base}
+
+
+def baseline(cfg, w, profile, world: int) -> dict:
+    """A hand-set layout as a point of comparison: DeepSpeed ZeRO-3 over the whole world for the
+    trainer and the reference, vLLM TP8 replicas (one per node), as in verl's default recipes."""
+    from rlhf_switch.rl.config import RolloutLayout, TrainLayout
+    from rlhf_switch.tune import Combination
+    from rlhf_switch.tune.cost import iteration_seconds
+    from rlhf_switch.tune.enumerate import combination_problems, phase_problems
+    from rlhf_switch.tune.memory import estimate_memory
+
+    z3 = TrainLayout(engine="deepspeed", zero_stage=3, dp=world)
+    combo = Combination(z3, RolloutLayout(engine="vllm", tp=8, dp=world // 8), z3)
+    problems = combination_problems(cfg, combo) + phase_problems("rollout", combo.rollout, world, w.dims)
+    mem = estimate_memory(w, combo, profile.device_memory)
+    if problems or mem.peak > profile.device_memory:
+        return {"baseline_total_s": None}
+    return {"baseline_total_s": iteration_seconds(w, profile, combo, memory=mem)["total"]}
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | GPUs | train | rollout | reference | rollout s | logprob s | update s | switch s | "
-             "iteration s | switch share | peak GiB/GPU | tune s |", "|" + "---|" * 13]
+             "iteration s | switch share | peak GiB/GPU | ZeRO-3 + vLLM TP8 s (×) | tune s |", "|" + "---|" * 14]
     for r in rows:
         if "refused" in r:
-            lines.append(f"| {r['model']} | {r['world']} | refused: {r['refused'].split(';')[0]} |" + " |" * 10)
+            lines.append(f"| {r['model']} | {r['world']} | refused: {r['refused'].split(';')[0]} |" + " |" * 11)
             continue
+        b = r.get("baseline_total_s")
+        vs = f"{b:.1f} ({b / r['total_s']:.2f}×)" if b else "does not fit"
         lines.append(f"| {r['model']} | {r['world']} | {r['train']} | {r['rollout']} | {r['reference']} | "
                      f"{r['rollout_s']:.1f} | {r['logprob_s']:.1f} | {r['update_s']:.1f} | {r['switch_s']:.2f} | "
-                     f"{r['total_s']:.1f} | {100 * r['switch_share']:.1f} % | {r['peak_gib']:.0f} | {r['tune_s']:.0f} |")
+                     f"{r['total_s']:.1f} | {100 * r['switch_share']:.1f} % | {r['peak_gib']:.0f} | {vs} | {r['tune_s']:.0f} |")
     return "\n".join(lines)
 
 

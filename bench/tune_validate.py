@@ -42,7 +42,7 @@ CASES = {
     "ds_z1_vllm_tp1x2":      ("grpo_tiny", 2, _ds(1, 2), _t("vllm", dp=2), _ds(1, 2), None),
     "ds_z2_torch_tp2":       ("grpo_tiny", 2, _ds(2, 2), _t("torch", tp=2), _ds(2, 2), None),
     # what `rlhf-switch tune configs/grpo_tiny.yaml` recommends with the calibrated CPU profile
-    "ds_z2_torch_tp1x2":     ("grpo_tiny", 2, _ds(2, 2), _t("torch", dp=2), _ds(2, 2), None),
+    "ds_z2_vllm_tp1x2":      ("grpo_tiny", 2, _ds(2, 2), _t("vllm", dp=2), _ds(2, 2), None),
     "fsdp2_torch_tp1x2":     ("grpo_tiny", 2, _t("fsdp2", dp=2), _t("torch", dp=2), _t("fsdp2", dp=2), None),
     "torch_tp2_torch_tp2":   ("grpo_tiny", 2, _t("torch_tp", tp=2), _t("torch", tp=2), _t("torch_tp", tp=2), None),
     "torch_pp2_torch_tp1x2": ("grpo_tiny", 2, _t("torch_pp", pp=2), _t("torch", dp=2), _t("torch_pp", pp=2), None),
@@ -151,15 +151,19 @@ def predict_rows(measured: dict, names: list[str], profile_name: str) -> list[di
         cfg = load_config(case_config(n, Path("runs/tune_validate")))
         combo = Combination(cfg.train, cfg.rollout, cfg.reference, cfg.critic)
         pred = iteration_seconds(Workload.from_config(cfg), profile, combo)
-        row = {"case": n, "world": cfg.world_size, "load": (m["load_before"] + m["load_after"]) / 2}
+        row = {"case": n, "world": cfg.world_size, "load": (m["load_before"] + m["load_after"]) / 2,
+               "group": f"{CASES[n][0]} on {cfg.world_size}"}
         for phase, key in PAIRS:
             row[f"{phase}_pred"], row[f"{phase}_meas"] = pred[phase], m[key]
             row[f"{phase}_ratio"] = pred[phase] / m[key] if m[key] else float("nan")
         rows.append(row)
-    by_pred = sorted(rows, key=lambda r: r["total_pred"])
-    by_meas = sorted(rows, key=lambda r: r["total_meas"])
-    for r in rows:
-        r["rank_pred"], r["rank_meas"] = by_pred.index(r) + 1, by_meas.index(r) + 1
+    # ranks compare layouts of one workload on one world (what the tuner ranks)
+    for group in {r["group"] for r in rows}:
+        same = [r for r in rows if r["group"] == group]
+        by_pred = sorted(same, key=lambda r: r["total_pred"])
+        by_meas = sorted(same, key=lambda r: r["total_meas"])
+        for r in same:
+            r["rank_pred"], r["rank_meas"] = by_pred.index(r) + 1, by_meas.index(r) + 1
     return rows
 
 
@@ -172,12 +176,16 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"| {r['case']} | {r['world']} | {r['load']:.1f} | " + " | ".join(cells) +
                      f" | {r['rank_pred']} / {r['rank_meas']} |")
     within = sum(0.7 <= r["total_ratio"] <= 1.3 for r in rows)
-    top_pred = [r["case"] for r in sorted(rows, key=lambda r: r["rank_pred"])[:3]]
-    top_meas = [r["case"] for r in sorted(rows, key=lambda r: r["rank_meas"])[:3]]
     lines.append("")
-    lines.append(f"total within ±30 %: {within} of {len(rows)}; measured top 3 {top_meas}, predicted top 3 {top_pred} "
-                 f"({'same set' if set(top_pred) == set(top_meas) else 'different set'}"
-                 f"{', same order' if top_pred == top_meas else ''})")
+    lines.append(f"total within ±30 %: {within} of {len(rows)}")
+    for group in sorted({r["group"] for r in rows}):
+        same = [r for r in rows if r["group"] == group]
+        k = min(3, len(same))
+        top_pred = [r["case"] for r in sorted(same, key=lambda r: r["rank_pred"])[:k]]
+        top_meas = [r["case"] for r in sorted(same, key=lambda r: r["rank_meas"])[:k]]
+        lines.append(f"{group} ({len(same)} cases): measured top {k} {top_meas}, predicted top {k} {top_pred} "
+                     f"({'same set' if set(top_pred) == set(top_meas) else 'different set'}"
+                     f"{', same order' if top_pred == top_meas else ''})")
     return "\n".join(lines)
 
 

@@ -38,7 +38,7 @@ from .memory import STAGING_BYTES, MemoryEstimate, _shards
 from .profile import Link, MachineProfile
 from .workload import Workload
 
-SAMPLED_RANKS = 4  # above this many ranks the switch is planned for a sample (first, middle, last)
+SAMPLED_RANKS = 4  # above 2× this many ranks of the move, the switch is planned for a sample of ranks
 
 
 def ring_link(profile: MachineProfile, size: int, stride: int, kind: str = "collective") -> Link:
@@ -190,8 +190,8 @@ def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollou
     device = (lambda r: r % n)
     if world <= 2 * SAMPLED_RANKS:
         ranks = list(range(world))
-    else:
-        ranks = sorted({0, n // 2, n - 1} | ({n, n + n // 2, 2 * n - 1} if world > n else set()))
+    else:  # first and last of each side (sender classes repeat along DP; a 235B plan is GBs per rank)
+        ranks = sorted({0, n - 1} | ({n, 2 * n - 1} if world > n else {n // 2}))
     worst, most = SwitchCost(0.0, 0, 0, len(ranks)), 0
     for r in ranks:
         p = plan_rank(src, dst, r, per_node)
@@ -217,6 +217,7 @@ def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollou
         seconds += p.bytes_local / profile.same_device.bandwidth
         if seconds > worst.seconds:
             worst = SwitchCost(seconds, 0, msgs, len(ranks))
+    plan_rank.cache_clear()  # the plans are summarised above; at 235B × 1024 ranks each is large
     # every rank agrees on the plan's digest before a byte moves (one small gather)
     agree = ring_seconds(ring_link(profile, world, 1), 32 * world, world, "all_gather")
     return SwitchCost(worst.seconds + agree, most, worst.messages, worst.ranks_planned)
