@@ -98,7 +98,7 @@ def write_config(cfg, row, path: str) -> Path:
 
     best = row.combo.apply(cfg)
     secs = ", ".join(f"{k} {v:.3g} s" for k, v in row.seconds.items())
-    header = (f"# written by rlhf-switch tune from {cfg.output_dir!r}'s config: modelled {secs}\n"
+    header = (f"# written by rlhf-switch tune; modelled seconds per iteration: {secs}\n"
               f"# layouts: " + "; ".join(f"{p} {describe(layout)}" for p, layout in row.combo.phases().items()) + "\n")
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
