@@ -15,14 +15,14 @@ from typing import Iterable, Sequence
 from ..engines.base import (EngineError, rollout_engine, rollout_engine_names, training_engine,
                             training_engine_names)
 from ..rl import config as rlconfig
-from ..rl.config import PhaseLayout, RolloutLayout, RunConfig, TrainLayout
+from ..rl.config import PhaseLayout, RolloutLayout, RunConfig, TrainerLayout, TrainLayout
 
 
 @dataclass(frozen=True)
 class Combination:
     """One layout per phase of a run (``reference``/``critic`` None when the run has none)."""
 
-    train: TrainLayout
+    train: TrainerLayout
     rollout: RolloutLayout
     reference: TrainLayout | None = None
     critic: TrainLayout | None = None
@@ -68,7 +68,8 @@ def phase_problems(phase: str, layout: PhaseLayout, world: int, dims) -> list[st
 
 def phase_layouts(phase: str, world: int, dims, engines: Iterable[str]) -> list[PhaseLayout]:
     """Every legal layout of ``phase`` on ``world`` devices with one of ``engines``."""
-    cls = RolloutLayout if phase == "rollout" else TrainLayout
+    # the train block has fields of its own (offload); the candidates keep their defaults
+    cls = {"rollout": RolloutLayout, "train": TrainerLayout}.get(phase, TrainLayout)
     found = []
     for engine in engines:
         for tp, pp in product(divisors(world), divisors(world)):
