@@ -3,7 +3,8 @@
 The driver is Ray's single controller. ``Cluster`` owns the actors: one ``HybridWorker`` per
 logical device (training engine, reference, and for ``rollout.engine: torch`` the rollout engine)
 and, for a rollout engine of placement ``replica`` (vLLM), one ``RolloutReplica`` per replica, colocated on the same
-placement-group bundles. ``Cluster.open_channel`` forms the run's weight channel once; ``Cluster.sync``
+placement-group bundles (packed on few nodes or spread over many by the config's ``placement``;
+rank -> bundle by ``rank_bundles``, which keeps a replica's TP ranks on one node). ``Cluster.open_channel`` forms the run's weight channel once; ``Cluster.sync``
 is the weight switch train -> rollout through it.
 """
 from __future__ import annotations
@@ -103,6 +104,34 @@ def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900) -> l
     return ray.get(refs)
 
 
+# config ``placement`` -> the placement group's strategy (SPREAD is Ray's best-effort spread: on one
+# node every bundle still fits)
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
+
+
+class PlacementError(RuntimeError):
+    """The placement group's bundles landed where a rollout replica cannot run."""
+
+
+def rank_bundles(bundle_nodes: Sequence[str], group: int = 1) -> list[int]:
+    """Rank -> placement-group bundle: the bundles grouped by node (nodes in the order of their
+    first bundle, bundles in index order within a node), so every ``group`` consecutive ranks — a
+    rollout replica's TP devices, whose workers run inside one actor — share a node. On one node,
+    and whenever Ray packed the bundles in order, this is the identity. ``bundle_nodes[b]``: the
+    node of bundle ``b``. Raises ``PlacementError`` when a group would span nodes."""
+    nodes = list(dict.fromkeys(bundle_nodes))
+    order = sorted(range(len(bundle_nodes)), key=lambda b: (nodes.index(bundle_nodes[b]), b))
+    for first in range(0, len(order), group):
+        spanned = sorted({bundle_nodes[b] for b in order[first:first + group]}, key=nodes.index)
+        if len(spanned) > 1:
+            counts = {n[:8]: bundle_nodes.count(n) for n in nodes}
+            raise PlacementError(
+                f"ranks {first}..{first + group - 1} (one rollout replica of tp {group}) would span nodes "
+                f"{[n[:8] for n in spanned]}: its workers run inside one actor on one node. Devices per node "
+                f"{counts}: use placement: pack, or nodes whose device counts are multiples of {group}")
+    return order
+
+
 class SyncFailed(RuntimeError):
     """A weight sync that failed, naming the channel member(s) lost — an actor Ray reports dead
     (``ActorDiedError``), else the ranks the surviving members' ``PeerLost`` errors name — as
@@ -130,25 +159,36 @@ class Cluster:
         self.hf = hf_config_of(cfg)
         self.world = world = cfg.world_size
         self.workers, self.replicas = [], []
+        self.rollout_cls = rollout_engine(cfg.rollout.engine)
+        self.in_world = self.rollout_cls.placement == "worker"
+        self.tp, self.n_replicas = cfg.rollout.tp, world // cfg.rollout.tp
         self.owns_devices = devices is None
         if devices is None:
-            self.pg = placement_group([{"CPU": 1, "GPU": 1}] * world, strategy="PACK")
+            strategy = STRATEGIES[cfg.placement]
+            self.pg = placement_group([{"CPU": 1, "GPU": 1}] * world, strategy=strategy)
             ray.get(self.pg.ready(), timeout=120)  # pg.ready() can pend forever
-            devices = [(self.pg, i) for i in range(world)]
+            # rank r sits on bundle self.bundles[r]: a replica's tp ranks on one node (rank_bundles)
+            bundle_nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+            try:
+                bundles = rank_bundles([bundle_nodes[b] for b in range(world)], 1 if self.in_world else self.tp)
+            except PlacementError:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.pg)
+                raise
+            devices = [(self.pg, b) for b in bundles]
         elif len(devices) != world:
             raise ValueError(f"{len(devices)} devices for a world of {world}")
-        self.devices = list(devices)
+        self.devices = list(devices)  # rank r: (placement group, bundle index)
+        self.bundles = [index for _, index in self.devices]
 
-        def on(bundle: int):
-            pg, index = self.devices[bundle]
+        def on(rank: int):
+            pg, index = self.devices[rank]
             return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
 
         # colocation: the hybrid worker and (placement "replica") a rollout replica share each device
         cls = remote_class(num_cpus=0.5, num_gpus=0.5)
         self.workers = [cls.options(scheduling_strategy=on(i)).remote() for i in range(world)]
-        self.rollout_cls = rollout_engine(cfg.rollout.engine)
-        self.in_world = self.rollout_cls.placement == "worker"
-        self.tp, self.n_replicas = cfg.rollout.tp, world // cfg.rollout.tp
         if not self.in_world:
             from actors.rollout_replica import remote_class as replica_class
 
@@ -158,6 +198,7 @@ class Cluster:
         host, port = ray.get(self.workers[0].open_store.remote(), timeout=180)
         ray.get([w.init_world.remote(host, port, r, world) for r, w in enumerate(self.workers)], timeout=180)
         self.channel_opened = 0
+        self.handoff = "p2p"  # the weight channel's, once opened (rollout.handoff resolved)
         self._standing_by = None  # the replicas' receives posted ahead of the next sync
 
     def all(self, method: str, *args, desc: str | None = None, **kwargs) -> list:
@@ -191,6 +232,7 @@ class Cluster:
         if self.replicas:
             raise NotImplementedError("an elastic resize with rollout replicas in their own actors (vLLM)")
         self.cfg, self.workers, self.world, self.devices = cfg, list(workers), cfg.world_size, list(devices)
+        self.bundles = [index for _, index in self.devices]
         self.tp, self.n_replicas = cfg.rollout.tp, cfg.world_size // cfg.rollout.tp
         self.open_channel()
 
@@ -199,24 +241,36 @@ class Cluster:
         """Form the weight channel between the trainer's ranks and the rollout workers: one process
         group, both layouts placed on it, handed out once. Called again only when a layout changes
         (it re-plans; the members' groups are made anew only then)."""
-        from rlhf_switch.engines.channel import Endpoint
+        from rlhf_switch.engines.channel import Endpoint, resolve_handoff
         from rlhf_switch.routing.executor import DEFAULT_BUDGET
         from rlhf_switch.vps.placement import place
 
         if self.in_world:  # the rollout engine lives on the trainer's ranks: a group of their world
             self.all("channel_open", desc="open weight channel")
         else:
+            # the handoff first: an impossible ``ipc`` is refused before anything is opened
+            self.handoff, colocated = resolve_handoff(self.cfg.rollout.handoff, self.member_devices(), self.world)
             src = next(x for x in self.all("channel_source", desc="describe weights") if x is not None)
             n, total = self.world, self.world + self.n_replicas * self.tp
             dst = self.rollout_cls.rollout_layout(src.spec, self.tp, self.n_replicas)
             host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=60)
             ep = Endpoint(host, port, total, 0, place(src, range(n), total), place(dst, range(n, total), total),
                           budget_bytes or DEFAULT_BUDGET, verify=self.cfg.verify,
-                          verify_fraction=self.cfg.verify_fraction)
+                          verify_fraction=self.cfg.verify_fraction, handoff=self.handoff, colocated=colocated)
             refs = [r.channel_open.remote(ep.at(n + i * self.tp)) for i, r in enumerate(self.replicas)]
             refs += [w.channel_open.remote(ep.at(rank)) for rank, w in enumerate(self.workers)]
             wait_all(self.ray, refs, "open weight channel", self.quiet)
         self.channel_opened += 1
+
+    def member_devices(self) -> list[tuple[str, int]]:
+        """Each channel member's device as ``(node, bundle)``: trainer rank ``i`` on bundle ``i``;
+        replica ``r``'s worker ``t`` runs in the replica's actor process tree (on the node of its
+        bundle ``r·tp``) on device ``r·tp + t`` — the colocated handoff needs both the same."""
+        devices = [(self._node_of_bundle(i), i) for i in range(self.world)]
+        for r in range(self.n_replicas):
+            node = self._node_of_bundle(r * self.tp)
+            devices += [(node, r * self.tp + t) for t in range(self.tp)]
+        return devices
 
     def stand_by(self) -> None:
         """The rollout replicas post their receive now (call it when a rollout phase is over and
@@ -245,6 +299,9 @@ class Cluster:
         return {"seconds": seconds,
                 "bytes_moved": sum(r["bytes_sent"] + r["bytes_local"] for r in senders),
                 "bytes_sent": sum(r["bytes_sent"] for r in senders),
+                # ipc: bucket handles handed to the workers (one per bucket) — 0 with p2p
+                "handoff": self.handoff,
+                "handles": sum(r.get("handles", 0) for r in senders),
                 # where the time went: every member in the move (the replicas may have been
                 # standing by since before the call), the trainers' agreement and move, their whole
                 # call (describe + check + move), the replicas' RPC to their workers and cache reset
@@ -256,22 +313,36 @@ class Cluster:
                               "replica_rpc_s": max((w.get("rpc_s", 0.0) for r in receivers for w in r["workers"]),
                                                    default=0.0),
                               "cache_reset_s": max((w.get("reset_s", 0.0) for r in receivers for w in r["workers"]),
+                                                   default=0.0),
+                              # the workers' part of the move (ipc: waiting for the handles, the copy)
+                              "worker_move_s": max((w["seconds"] for r in receivers for w in r["workers"]),
                                                    default=0.0)}}
 
-    def _node_of_bundle(self, bundle: int) -> str:
+    def _node_of_rank(self, rank: int) -> str:
+        """The node of rank ``rank``'s bundle: its address and id (nodes may share an address)."""
         try:
-            pg, index = self.devices[bundle]
+            pg, index = self.devices[rank]
             node_id = self.ray.util.placement_group_table(pg)["bundles_to_node_id"][index]
-            return next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
+            address = next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
+            return f"{address} {node_id[:8]}"
         except Exception:  # noqa: BLE001 - a name without an address is still a name
             return "?"
 
     def _trainer_name(self, rank: int) -> str:
-        return f"trainer rank {rank} (node {self._node_of_bundle(rank)})"
+        return f"trainer rank {rank} (node {self._node_of_rank(rank)})"
 
     def _replica_name(self, replica: int, worker: int | None = None) -> str:
         who = f"rollout replica {replica}" + ("" if worker is None else f" worker {worker}")
-        return f"{who} (node {self._node_of_bundle(replica * self.tp)})"
+        return f"{who} (node {self._node_of_rank(replica * self.tp)})"
+
+    def nodes(self) -> dict:
+        """Where the run's actors are, as each actor's process reports it (Ray's node id and
+        address, pid): the trainer ranks in rank order, the rollout replicas (their engines'
+        workers are the replica actors' own processes) in replica order; each rank's bundle."""
+        got = self.ray.get([w.node.remote() for w in self.workers] + [r.node.remote() for r in self.replicas],
+                           timeout=120)
+        return {"placement": self.cfg.placement, "trainers": got[:self.world], "replicas": got[self.world:],
+                "n_nodes": len({g["node_id"] for g in got}), "rank_bundles": list(self.bundles)}
 
     def channel_member(self, rank: int) -> str:
         """Who channel rank ``rank`` is: trainer ranks first, then each replica's workers."""

@@ -240,8 +240,14 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 "peak_device_measure": peak["train"]["measure"],
                 "bytes_moved": sync["bytes_moved"],
                 "bytes_sent": sync["bytes_sent"],
+                # rollout.handoff ipc: bucket handles handed to the workers (one per bucket)
+                "handoff": sync.get("handoff", "p2p"),
+                "handles": sync.get("handles", 0),
                 "switch_breakdown": sync.get("breakdown", {}),
                 "train_seconds": train_s,
+                # inside train: old/reference log-probs (and PPO values) vs the update, slowest worker
+                "logprob_seconds": max(s["logprob_seconds"] for s in stats),
+                "update_seconds": max(s["update_seconds"] for s in stats),
                 "optimizer_steps": stats[0]["steps"],
                 **({k: stats[0][k] for k in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean") if k in stats[0]}),
                 "iteration_seconds": time.perf_counter() - t_it,
@@ -339,12 +345,14 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
 
 def channel_summary(cluster) -> dict:
     """How the run's weight channel was used: how often it was opened (once, unless a layout
-    changed), the syncs through it, and the process groups each member process made for it."""
+    changed), the syncs through it, the process groups each member process made for it, and the
+    Ray nodes its members ran on (``Cluster.nodes``)."""
     stats = cluster.channel_stats()
     members = stats["trainers"] + [w for r in stats["replicas"] for w in r["workers"]]
     return {"opened": cluster.channel_opened, "moves": max(m.get("moves", 0) for m in members),
             "groups_per_member": sorted({m.get("groups_created", 0) for m in members}),
-            "members": len(members), "pieces_verified": sum(m.get("pieces_verified", 0) for m in members)}
+            "members": len(members), "pieces_verified": sum(m.get("pieces_verified", 0) for m in members),
+            "nodes": cluster.nodes()}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -329,6 +329,10 @@ CASES = [
     Bad("model-dtype", "model.dtype bfloat16 (the CPU loop trains in fp32)",
         lambda ctx: loop(config(**{"model.dtype": "bfloat16"})),
         "model.dtype: bfloat16 — the CPU loop trains in float32", None),
+    Bad("handoff-ipc-in-process", "rollout.handoff: ipc with the torch rollout engine (in the trainer's processes)",
+        lambda ctx: loop(config(**{"rollout.engine": "torch", "rollout.handoff": "ipc"})),
+        "rollout.handoff: ipc hands buckets to rollout workers in processes of their own; engine 'torch' runs "
+        "inside the trainer's processes (use p2p or auto)", None),
     Bad("unknown-field", "a misspelt field (algorithm.group_sise)",
         lambda ctx: load(config(**{"algorithm.group_sise": 4})),
         "algorithm.group_sise: unknown field in algorithm; did you mean 'group_size'?"),

@@ -95,6 +95,11 @@ class TrainerLayout(TrainLayout):
 
 class RolloutLayout(PhaseLayout):
     engine: EngineName
+    # how the weight channel hands the trainer's weights to the rollout workers
+    # (engines/channel.py): p2p = over the channel's group; ipc = the colocated handoff (a
+    # trainer rank on each worker's device hands it shared buckets by handle: CUDA IPC / shared
+    # memory); auto = ipc where every worker has a trainer rank on its device, else p2p
+    handoff: Literal["auto", "p2p", "ipc"] = "p2p"
 
 
 class ModelConfig(Strict):
@@ -288,6 +293,10 @@ class RunConfig(Strict):
     seed: int = 0
     output_dir: str = "runs/default"
     ray_address: str | None = None  # None: an embedded Ray (address="local"), never a stale cluster
+    # how the placement group's bundles (one per logical device) go onto Ray's nodes: pack (fill a
+    # node first; one node when it fits) or spread (across nodes). Either way a rollout replica's
+    # tp devices stay on one node (recipes/cluster.py)
+    placement: Literal["pack", "spread"] = "pack"
     tensorboard: bool = True        # metrics also as TensorBoard events in <output_dir>/tensorboard
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
