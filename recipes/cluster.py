@@ -11,15 +11,78 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 REPO = str(Path(__file__).resolve().parents[1])
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where one actor goes: a placement-group bundle and what it takes of it."""
+
+    bundle: int
+    num_cpus: float
+    num_gpus: float
+
+
+@dataclass(frozen=True)
+class Resources:
+    """The placement group of a run and every actor's slot in it (``resources``)."""
+
+    bundles: tuple[dict, ...]
+    workers: tuple[Slot, ...]                    # one hybrid worker per trainer rank
+    replicas: tuple[Slot, ...]                   # one actor per rollout replica (placement "replica")
+    replica_devices: tuple[tuple[int, ...], ...]  # colocated: the bundles whose devices replica r's workers use
+
+    @property
+    def devices(self) -> int:
+        return int(sum(b.get("GPU", 0) for b in self.bundles))
+
+    @property
+    def cpus(self) -> float:
+        return float(sum(b.get("CPU", 0) for b in self.bundles))
+
+
+def resources(world: int, tp: int, replica_placement: bool, colocate: bool = True) -> Resources:
+    """The bundles and actor slots of a run of ``world`` trainer devices whose rollout engine runs
+    replicas of TP ``tp`` (``replica_placement``: in actors of their own, vLLM; else inside the
+    hybrid workers). Pure.
+
+    Colocated (the default): one bundle per device; its hybrid worker and (placement replica) the
+    replica that starts on it take half each, and replica ``r``'s TP workers use the ``tp`` whole
+    devices of bundles ``r·tp .. r·tp+tp-1`` (a Ray actor holds a share of ONE bundle, so those
+    devices are handed to it, ``replica_devices``). Not colocated: the trainer's devices, then one
+    bundle of ``tp`` devices per replica, all its own."""
+    device = {"CPU": 1, "GPU": 1}
+    workers = tuple(Slot(i, 0.5, 0.5 if colocate else 1.0) for i in range(world))
+    if not replica_placement:
+        return Resources((device,) * world, workers, (), ())
+    n = world // tp
+    if colocate:
+        replicas = tuple(Slot(r * tp, 0.4, 0.5) for r in range(n))
+        return Resources((device,) * world, workers, replicas,
+                         tuple(tuple(range(r * tp, (r + 1) * tp)) for r in range(n)))
+    replicas = tuple(Slot(world + r, 1, tp) for r in range(n))
+    return Resources((device,) * world + ({"CPU": 1, "GPU": tp},) * n, workers, replicas, ())
+
+
+def resources_for(cfg) -> Resources:
+    """``resources`` of a run config."""
+    from rlhf_switch.engines.base import rollout_engine
+
+    return resources(cfg.world_size, cfg.rollout.tp, rollout_engine(cfg.rollout.engine).placement == "replica",
+                     cfg.rollout.colocate)
+
+
 def start_ray(cfg, world: int, verbose: bool = False):
     """Ray for this run: the session already running in this process (tests share one per
     module), the cluster at ``ray_address``, or an embedded one. Returns (ray, owned).
+
+    The embedded instance has the CPUs the run's bundles need (``resources_for``) and, on a run
+    that resolves to ``cpu`` here, as many logical GPUs (Ray then only counts them: nothing
+    computes on them); on ``cuda`` Ray counts this machine's real GPUs itself.
 
     vLLM's log level (``VLLM_LOGGING_LEVEL``, read when vLLM is imported in each of its processes)
     is WARNING unless ``verbose`` (INFO) or set by the user: set here, in the driver's environment,
@@ -42,8 +105,13 @@ def start_ray(cfg, world: int, verbose: bool = False):
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, log_to_driver=True)
     else:  # never join a stale cluster on the machine
+        from rlhf_switch.device import cuda_available, resolve_device
+
+        res = resources_for(cfg)
+        logical = resolve_device(cfg.device, cuda_available(), cfg.model.dtype).kind == "cpu"
         with quiet_default_token_auth_notice():
-            ray.init(address="local", num_cpus=world, num_gpus=world, log_to_driver=True, include_dashboard=False)
+            ray.init(address="local", num_cpus=max(world, int(res.cpus)), num_gpus=res.devices if logical else None,
+                     log_to_driver=True, include_dashboard=False)
     return ray, True
 
 
@@ -121,32 +189,39 @@ class Cluster:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from actors.hybrid import hf_config_of, remote_class
+        from recipes.common import world_device
         from rlhf_switch.engines.base import rollout_engine
 
         self.cfg, self.quiet, self.ray = cfg, quiet, ray
         self.hf = hf_config_of(cfg)
         self.world = world = cfg.world_size
         self.workers, self.replicas = [], []
-        self.pg = placement_group([{"CPU": 1, "GPU": 1}] * world, strategy="PACK")
+        self.rollout_cls = rollout_engine(cfg.rollout.engine)
+        self.in_world = self.rollout_cls.placement == "worker"
+        self.tp, self.n_replicas = cfg.rollout.tp, world // cfg.rollout.tp
+        self.resources = res = resources_for(cfg)
+        self.pg = placement_group(list(res.bundles), strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)  # pg.ready() can pend forever
 
         def on(bundle: int):
             return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
-        # colocation: the hybrid worker and (placement "replica") a rollout replica share each device
-        cls = remote_class(num_cpus=0.5, num_gpus=0.5)
-        self.workers = [cls.options(scheduling_strategy=on(i)).remote() for i in range(world)]
-        self.rollout_cls = rollout_engine(cfg.rollout.engine)
-        self.in_world = self.rollout_cls.placement == "worker"
-        self.tp, self.n_replicas = cfg.rollout.tp, world // cfg.rollout.tp
+        self.workers = [remote_class(num_cpus=s.num_cpus, num_gpus=s.num_gpus).options(scheduling_strategy=on(s.bundle))
+                        .remote() for s in res.workers]
+        # the run's device, backend and dtypes: resolved once, from what an actor on a bundle sees
+        seen = ray.get([w.devices_seen.remote() for w in self.workers], timeout=180)
+        self.device = world_device(cfg, seen[0]["cuda"])
         if not self.in_world:
             from actors.rollout_replica import remote_class as replica_class
 
-            rcls = replica_class(num_cpus=0.4, num_gpus=0.5)
-            self.replicas = [rcls.options(scheduling_strategy=on(r * self.tp)).remote() for r in range(self.n_replicas)]
+            self.replicas = [replica_class(num_cpus=s.num_cpus, num_gpus=s.num_gpus)
+                             .options(scheduling_strategy=on(s.bundle)).remote() for s in res.replicas]
+            # colocated: replica r's workers use the (whole) devices of the trainer ranks it shares
+            self._replica_gpus = [[g for b in bundles for g in seen[b]["gpu_ids"]] for bundles in res.replica_devices]
         # rank 0 hosts the world's store on its own node's address: nothing assumes one host
         host, port = ray.get(self.workers[0].open_store.remote(), timeout=180)
-        ray.get([w.init_world.remote(host, port, r, world) for r, w in enumerate(self.workers)], timeout=180)
+        ray.get([w.init_world.remote(host, port, r, world, self.device) for r, w in enumerate(self.workers)],
+                timeout=180)
         self.channel_opened = 0
         self._standing_by = None  # the replicas' receives posted ahead of the next sync
 
@@ -163,11 +238,15 @@ class Cluster:
         hf = self.hf
         spec = model_spec(hf)
         max_len = int(hf.get("max_position_embeddings", 2048))
+        gpus = getattr(self, "_replica_gpus", None) or [None] * len(self.replicas)
         starts = [r.start.remote(self.cfg.rollout.engine,
-                                 RolloutContext(hf, spec, str(init_dir), self.tp, self.n_replicas, i, self.cfg.seed, max_len))
+                                 RolloutContext(hf, spec, str(init_dir), self.tp, self.n_replicas, i, self.cfg.seed, max_len,
+                                                device=self.device,
+                                                memory_utilization=self.cfg.rollout.memory_utilization),
+                                 gpus[i])
                   for i, r in enumerate(self.replicas)]
         built = self.all("build", self.cfg.model_dump(), str(init_dir), str(resume_dir) if resume_dir else None,
-                         desc="build engines")
+                         self.device, desc="build engines")
         if starts:
             wait_all(self.ray, starts, "start rollout replicas", self.quiet)
         self.open_channel()
@@ -187,11 +266,11 @@ class Cluster:
         else:
             src = next(x for x in self.all("channel_source", desc="describe weights") if x is not None)
             n, total = self.world, self.world + self.n_replicas * self.tp
-            dst = self.rollout_cls.rollout_layout(src.spec, self.tp, self.n_replicas)
+            dst = self.rollout_cls.rollout_layout(src.spec, self.tp, self.n_replicas, self.device.compute_dtype)
             host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=60)
             ep = Endpoint(host, port, total, 0, place(src, range(n), total), place(dst, range(n, total), total),
                           budget_bytes or DEFAULT_BUDGET, verify=self.cfg.verify,
-                          verify_fraction=self.cfg.verify_fraction)
+                          verify_fraction=self.cfg.verify_fraction, backend=self.device.backend)
             refs = [r.channel_open.remote(ep.at(n + i * self.tp)) for i, r in enumerate(self.replicas)]
             refs += [w.channel_open.remote(ep.at(rank)) for rank, w in enumerate(self.workers)]
             wait_all(self.ray, refs, "open weight channel", self.quiet)

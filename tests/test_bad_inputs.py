@@ -84,6 +84,14 @@ def loop(cfg: dict) -> list[str]:
     return loop_problems(load_config(cfg))
 
 
+def devices(cfg: dict, cuda_available: bool) -> list[str]:
+    """The device checks before Ray, where the actors would (not) see a GPU."""
+    from recipes.common import device_problems
+    from rlhf_switch.rl.config import load_config
+
+    return device_problems(load_config(cfg), cuda_available)
+
+
 def load(cfg: dict) -> None:
     from rlhf_switch.rl.config import load_config
 
@@ -329,6 +337,9 @@ CASES = [
     Bad("model-dtype", "model.dtype bfloat16 (the CPU loop trains in fp32)",
         lambda ctx: loop(config(**{"model.dtype": "bfloat16"})),
         "model.dtype: bfloat16 — the CPU loop trains in float32", None),
+    Bad("device-cuda", "device: cuda where no GPU is visible",
+        lambda ctx: devices(config(device="cuda"), cuda_available=False),
+        "device: cuda, but no GPU is visible here (torch.cuda.is_available() is False", None),
     Bad("unknown-field", "a misspelt field (algorithm.group_sise)",
         lambda ctx: load(config(**{"algorithm.group_sise": 4})),
         "algorithm.group_sise: unknown field in algorithm; did you mean 'group_size'?"),

@@ -38,7 +38,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from ..routing.comm import GroupComm, as_comm
+from ..routing.comm import GroupComm, as_comm, bare_group, comm_device
 from ..routing.executor import DEFAULT_BUDGET, Deadlines, MoveReport, move
 from ..routing.verify import DEFAULT_FRACTION, check_mode
 from ..vps.layout import Layout, LayoutError
@@ -90,6 +90,7 @@ class Endpoint:
     standby_s: float = 3600.0    # how long a member may stand ready before the others arrive
     verify: str = "off"          # off | sample | full: checksums of the moved pieces (routing/verify.py)
     verify_fraction: float = DEFAULT_FRACTION  # of each pair's pieces, with verify "sample"
+    backend: str = "gloo"        # the group's: nccl where the weights are CUDA tensors (rlhf_switch.device)
 
     def at(self, first_rank: int) -> "Endpoint":
         from dataclasses import replace
@@ -118,12 +119,12 @@ class ChannelEnd:
     def __init__(self, group: Any, rank: int, world_size: int, *, store: Any = None,
                  timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET, open_s: float = 0.0,
                  standby_s: float | None = None, deadline: Deadlines | None = None,
-                 verify: str = "off", verify_fraction: float = DEFAULT_FRACTION):
+                 verify: str = "off", verify_fraction: float = DEFAULT_FRACTION, backend: str = "gloo"):
         check_mode(verify, verify_fraction)
         self.group, self.rank, self.world_size, self._store = group, rank, world_size, store
         # the move's comm, made once; it knows the channel's store, where a failed move's reports
         # go (``PeerLost`` then names the member that is gone)
-        self._comm = (GroupComm(group, store=dist.PrefixStore("vps-weight-channel", store))
+        self._comm = (GroupComm(group, comm_device(backend), store=dist.PrefixStore("vps-weight-channel", store))
                       if store is not None else as_comm(group))
         self.timeout = timedelta(seconds=timeout_s)
         # each wait of a move: 10 s + 1 s per 50 MB in flight, at most ``timeout_s``; the first
@@ -142,9 +143,10 @@ class ChannelEnd:
     def join(cls, host: str, port: int, rank: int, world_size: int, *, store: Any = None,
              timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET,
              standby_s: float = 3600.0, verify: str = "off",
-             verify_fraction: float = DEFAULT_FRACTION) -> "ChannelEnd":
-        """Join the channel's own gloo group (collective over its ``world_size`` members) over
-        the TCPStore at ``host:port`` (``store``: the store itself, on the member that hosts it).
+             verify_fraction: float = DEFAULT_FRACTION, backend: str = "gloo") -> "ChannelEnd":
+        """Join the channel's own group (``backend``: gloo, or nccl for CUDA weights; collective
+        over its ``world_size`` members) over the TCPStore at ``host:port`` (``store``: the store
+        itself, on the member that hosts it).
         The group's collectives wait up to ``standby_s``: a rollout engine stands ready in its
         receive (the move's first collective) while the trainer is still training; the move's
         transfers wait up to ``timeout_s``."""
@@ -153,12 +155,12 @@ class ChannelEnd:
         timeout = timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("vps-weight-channel", store), rank, world_size,
-                                      timedelta(seconds=max(timeout_s, standby_s)))
+        group = bare_group(backend, dist.PrefixStore("vps-weight-channel", store), rank, world_size,
+                           timedelta(seconds=max(timeout_s, standby_s)))
         GROUPS_CREATED += 1
         return cls(group, rank, world_size, store=store, timeout_s=timeout_s, budget_bytes=budget_bytes,
                    open_s=time.perf_counter() - t0, standby_s=max(timeout_s, standby_s),
-                   verify=verify, verify_fraction=verify_fraction)
+                   verify=verify, verify_fraction=verify_fraction, backend=backend)
 
     @classmethod
     def over(cls, ranks: list[int] | None = None, *, timeout_s: float = 300.0,

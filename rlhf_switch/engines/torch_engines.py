@@ -50,7 +50,8 @@ class FSDP2Engine(_TorchTrainerEngine):
         value = {} if ctx.head == "lm" else dict(  # the causal LM is build_fsdp2's own default
             model_fn=lambda cfg, seed: build_model(cfg, seed, ctx.head, ctx.init_from),
             spec=model_spec(ctx.hf_config, ctx.head))
-        t = build_fsdp2(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout, **value)
+        t = build_fsdp2(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout,
+                        device=ctx.device, **value)
         return None if t is None else cls(t, ctx)
 
 
@@ -74,9 +75,10 @@ class TorchTPEngine(_TorchTrainerEngine):
         from .torch_train import build_tp, build_tp_dp
 
         if layout.dp > 1:
-            t = build_tp_dp(ctx.hf_config, ctx.seed, ctx.ranks, tp=layout.tp, optim=ctx.optim, timeout=ctx.timeout)
+            t = build_tp_dp(ctx.hf_config, ctx.seed, ctx.ranks, tp=layout.tp, optim=ctx.optim, timeout=ctx.timeout,
+                            device=ctx.device)
         else:
-            t = build_tp(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout)
+            t = build_tp(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout, device=ctx.device)
         return None if t is None else cls(t, ctx)
 
 
@@ -103,7 +105,8 @@ class TorchPPEngine(TrainingEngine):
         from .pipeline import build_pipeline_trainer
 
         t = build_pipeline_trainer(ctx.hf_config, ctx.seed, ctx.ranks, tp=layout.tp, optim=ctx.optim,
-                                   timeout=ctx.timeout, seq_len=ctx.context, micro=ctx.micro_batch)
+                                   timeout=ctx.timeout, seq_len=ctx.context, micro=ctx.micro_batch,
+                                   device=ctx.device)
         if t is None:
             return None
         self = cls()

@@ -86,6 +86,18 @@ class TrainLayout(PhaseLayout):
 
 class RolloutLayout(PhaseLayout):
     engine: EngineName
+    # the rollout engine shares its devices with the trainer (one placement-group bundle per
+    # device, both actors on it); false: its own devices (engines of placement "replica" only)
+    colocate: bool = True
+    # vLLM's share of each device's memory (weights + KV cache); None: 0.5 colocated, 0.9 alone
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+
+    @property
+    def memory_utilization(self) -> float:
+        """``gpu_memory_utilization``, or its default for this placement."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return 0.5 if self.colocate else 0.9
 
 
 class ModelConfig(Strict):
@@ -97,7 +109,10 @@ class ModelConfig(Strict):
     hf_config: dict[str, Any] | None = None
     path: str | None = None
     tokenizer: str | None = None  # a data: run's tokenizer directory; default: path
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # the compute dtype (the forward/backward and the rollout engine); the optimizer's master copy
+    # and moments stay float32. None: the device's default (rlhf_switch.device: bfloat16 on cuda,
+    # float32 on cpu)
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     @field_validator("hf_config")
     @classmethod
@@ -260,6 +275,8 @@ class EvalConfig(Strict):
 
 class RunConfig(Strict):
     world_size: int = Field(ge=1)
+    # where every engine computes (rlhf_switch.device): auto = cuda when the actors see a GPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     output_dir: str = "runs/default"
     ray_address: str | None = None  # None: an embedded Ray (address="local"), never a stale cluster
