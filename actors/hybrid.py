@@ -173,7 +173,8 @@ class HybridWorker:
         from rlhf_switch.routing import move
 
         spec = engine.spec
-        holder = FullState.load_dir(path, spec, weights_only=True).weights() if self.rank == 0 else None
+        holder = (FullState.load_dir(path, spec, weights_only=True).to(self.device.torch_device()).weights()
+                  if self.rank == 0 else None)
         mine = engine.adapter.weights()
         (src, dst), _ = gather_layouts([(spec, holder) if holder else None, (spec, mine)],
                                        ["warm start", f"reference:{engine.name}"])
@@ -191,7 +192,8 @@ class HybridWorker:
         adapter = adapter or self.trainer.adapter
         holder = None
         if self.rank == 0:
-            holder = FullState.load_dir(path, adapter.spec, weights_only=weights_only)
+            # on the run's device: the world's group (nccl on CUDA) carries it to the other ranks
+            holder = FullState.load_dir(path, adapter.spec, weights_only=weights_only).to(self.device.torch_device())
             if weights_only:
                 holder.load_scalars(adapter.scalars())
         report = switch_training(holder, adapter, timeout=TIMEOUT)
@@ -213,7 +215,8 @@ class HybridWorker:
         if self.critic is not None:
             parts.append((self.critic.adapter, Path(path) / "critic", None, "float32"))
         for adapter, where, hf, dtype in parts:
-            holder = FullState(adapter.spec, name=f"checkpoint {where}") if self.rank == 0 else None
+            holder = (FullState(adapter.spec, name=f"checkpoint {where}").to(self.device.torch_device())
+                      if self.rank == 0 else None)
             report = switch_training(adapter, holder, timeout=TIMEOUT)
             sent += report.move.bytes_sent
             if holder is not None:

@@ -3,6 +3,7 @@
 One YAML file per run (see ``configs/``)::
 
     world_size: 2                  # devices every phase is colocated on (logical ones on CPU)
+    device: auto                   # auto | cpu | cuda (rlhf_switch.device: backend, dtypes)
     model: {hf_config: {...}}      # a tiny LlamaConfig as a dict, or {path: dir with config.json}
     train:     {engine: deepspeed, zero_stage: 3, dp: 2}
     rollout:   {engine: vllm, tp: 2}
@@ -20,8 +21,9 @@ MLP width, layers) and the batch, the tokenizer fits the model's vocabulary, the
 prompt plus ``max_new_tokens`` fits its context (``data:``: every file reads, with its keys, and
 some prompts fit), and the reward function loads — again one error listing every problem.
 
-Layout rule: all phases are colocated, so each one spans the whole world: ``tp·pp·dp ==
-world_size`` for ``train``, ``rollout``, ``reference`` and ``critic`` alike.
+Layout rule: each phase spans the whole world: ``tp·pp·dp == world_size`` for ``train``,
+``rollout``, ``reference`` and ``critic`` alike — all colocated on the same devices, unless
+``rollout.colocate: false`` gives the rollout replicas as many devices of their own.
 """
 from __future__ import annotations
 
