@@ -208,9 +208,15 @@ class Cluster:
 
         self.workers = [remote_class(num_cpus=s.num_cpus, num_gpus=s.num_gpus).options(scheduling_strategy=on(s.bundle))
                         .remote() for s in res.workers]
-        # the run's device, backend and dtypes: resolved once, from what an actor on a bundle sees
+        # the run's device, backend and dtypes: resolved once, from what the actors on their
+        # bundles see (cuda only if every one sees a GPU)
         seen = ray.get([w.devices_seen.remote() for w in self.workers], timeout=180)
-        self.device = world_device(cfg, seen[0]["cuda"])
+        try:
+            self.device = world_device(cfg, all(s["cuda"] for s in seen))
+        except Exception:  # a ConfigError: nothing of this run may stay behind on a joined cluster
+            self.shutdown(graceful=False)
+            raise
+        self._replica_gpus: list[list[str]] = []
         if not self.in_world:
             from actors.rollout_replica import remote_class as replica_class
 
@@ -238,7 +244,7 @@ class Cluster:
         hf = self.hf
         spec = model_spec(hf)
         max_len = int(hf.get("max_position_embeddings", 2048))
-        gpus = getattr(self, "_replica_gpus", None) or [None] * len(self.replicas)
+        gpus = self._replica_gpus or [None] * len(self.replicas)
         starts = [r.start.remote(self.cfg.rollout.engine,
                                  RolloutContext(hf, spec, str(init_dir), self.tp, self.n_replicas, i, self.cfg.seed, max_len,
                                                 device=self.device,
