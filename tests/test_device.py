@@ -66,7 +66,7 @@ def test_config_fields_and_their_defaults():
 
 
 def test_device_problems_before_anything_starts():
-    fsdp = load_config(config(**{"model.dtype": None}))           # fsdp2 + torch rollout
+    fsdp = load_config(config(**{"model.dtype": None}))           # fsdp2 + torch rollout (fp32 only)
     ds_vllm = load_config(config("grpo_tiny.yaml", **{"model.dtype": None}))  # deepspeed + vllm
     # no GPU: cuda is refused, auto is cpu (float32), bf16 on cpu is refused
     assert device_problems(load_config(config(device="cuda")), cuda_available=False) == [
@@ -76,10 +76,14 @@ def test_device_problems_before_anything_starts():
         "model.dtype: bfloat16 — the CPU loop trains in float32"]
     # a GPU: bf16 compute (the default) only where the engine runs it beside an fp32 master
     assert device_problems(ds_vllm, cuda_available=True) == []
-    problems = device_problems(fsdp, cuda_available=True)
-    assert problems[0] == ("train: engine fsdp2 computes in float32, not bfloat16 (model.dtype unset: device "
-                           "cuda's default); set model.dtype: float32 or use an engine that does")
-    assert {p.split(":")[0] for p in problems} == {"train", "reference", "rollout"}
+    assert device_problems(fsdp, cuda_available=True) == [
+        "rollout: engine torch computes in float32, not bfloat16 (model.dtype unset: device cuda's default); "
+        "set model.dtype: float32 or use an engine that does"]
+    tp = load_config(config(**{"model.dtype": "bfloat16", "train": {"engine": "torch_tp", "tp": 2},
+                               "rollout": {"engine": "vllm", "tp": 2}}))
+    assert device_problems(tp, cuda_available=True) == [
+        "train: engine torch_tp computes in float32, not bfloat16 (model.dtype); set model.dtype: float32 or use "
+        "an engine that does"]
     assert device_problems(load_config(config(**{"model.dtype": "float32"})), True) == []
     assert "float16" in device_problems(load_config(config("grpo_tiny.yaml", **{"model.dtype": "float16"})), True)[0]
     # a joined cluster: auto waits for the actors; cuda is taken at its word
@@ -89,7 +93,7 @@ def test_device_problems_before_anything_starts():
     with pytest.raises(ConfigError, match=CUDA_REFUSAL):
         world_device(load_config(config(device="cuda")), cuda_available=False)
     assert world_device(ds_vllm, cuda_available=True) == DeviceSpec("cuda", "nccl", "bfloat16", "float32")
-    with pytest.raises(ConfigError, match="train: engine fsdp2 computes in float32"):
+    with pytest.raises(ConfigError, match="rollout: engine torch computes in float32"):
         world_device(fsdp, cuda_available=True)
 
 
@@ -143,3 +147,17 @@ def test_device_cuda_without_a_gpu_exits_2_before_ray_with_one_message(tmp_path)
     assert out.stderr.count(CUDA_REFUSAL) == 1, out.stderr
     assert out.stderr.startswith("error: the loop cannot run this config: 1 problem"), out.stderr
     assert "ray" not in out.stderr.lower() and not (tmp_path / "run").exists()
+
+
+def test_fsdp2_bf16_compute_over_an_fp32_master(world2):
+    """The one torch engine that runs ``compute_dtype`` bf16 (FSDP2's mixed precision), on CPU with
+    a spec that asks for it: the layers compute in bf16, the sharded parameters the optimizer
+    steps — and the adapter hands to the weight channel — stay fp32, and a step moves them."""
+    import train_jobs_torch as jobs
+    from test_loop_inputs import config as shipped
+
+    cfg = dict(shipped()["model"]["hf_config"])
+    for r in world2.run(jobs.fsdp2_mixed_precision, cfg):
+        assert r["compute"] == {"input": "torch.bfloat16", "weight": "torch.bfloat16"}, r
+        assert r["params"] == ["torch.float32"] and r["weights"] == ["float32"], r
+        assert r["moved"] and r["loss"] == r["loss"], r

@@ -37,7 +37,10 @@ class _TorchTrainerEngine(ModuleEngine):
 class FSDP2Engine(_TorchTrainerEngine):
     """torch FSDP2 (``fully_shard`` per decoder layer and the root) over all its ranks: DP only.
     Every family: a qwen3_moe layer's stacked experts are sharded on the expert dim, each rank
-    holding whole experts, which the adapter describes per expert."""
+    holding whole experts, which the adapter describes per expert. bf16 compute: FSDP2's mixed
+    precision over fp32 sharded parameters (the master the optimizer steps)."""
+
+    compute_dtypes = ("float32", "bfloat16")
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):

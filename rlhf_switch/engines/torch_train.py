@@ -190,17 +190,22 @@ def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamW
     instead of the causal LM (e.g. the critic's value model, ``rlhf_switch.models.value_model``), whose
     VPS description is ``spec`` (None: no adapter). Such a trainer has no ``train_step``: its
     owner runs the forward/backward and ``optimizer``/``scheduler`` itself. ``device``: the run's
-    (``rlhf_switch.device``): the model is built on the CPU, seeded, then moved there."""
-    from torch.distributed.fsdp import fully_shard
+    (``rlhf_switch.device``): the model is built on the CPU, seeded, then moved there; with a
+    compute dtype narrower than the master (bf16 + fp32) FSDP2's mixed precision gathers the
+    parameters in the compute dtype for forward/backward and reduces gradients in the master's,
+    while the sharded parameters — what the optimizer steps and the adapter describes — stay fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp = len(_check_ranks(ranks, len(ranks), "FSDP2"))
     mesh = device_mesh(ranks, (dp,), ("dp",), timeout, device)
     if mesh is None:
         return None
     model = (hf_model(hf_config, seed) if model_fn is None else model_fn(hf_config, seed)).to(device.torch_device())
+    mixed = {"mp_policy": MixedPrecisionPolicy(param_dtype=device.torch_dtype("compute"),
+                                               reduce_dtype=device.torch_dtype("master"))} if device.mixed else {}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **mixed)
+    fully_shard(model, mesh=mesh, **mixed)
     if model_fn is not None:
         return TorchTrainer(model, f"FSDP2·DP{dp}", spec, optim, None,
                             mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
