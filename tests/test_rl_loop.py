@@ -207,13 +207,14 @@ def test_grpo_raises_the_heldout_reward_from_the_sft_warm_start(ray_session, tmp
 
 
 def test_grpo_with_vllm_on_devices_of_its_own(ray_session, tmp_path):
-    """``rollout.colocate: false``: the trainer's 2 (logical) devices, then one bundle of 2 devices
-    for the vLLM TP2 replica (``recipes.cluster.resources``); the loop runs the same — every sync
-    passes the stale-weights check."""
+    """``rollout.colocate: false``: the trainer's (logical) device, then a bundle of its own for
+    the vLLM replica (``recipes.cluster.resources``; one rank each, to stay small); the loop runs
+    the same — every sync passes the stale-weights check."""
     from recipes.grpo import run
 
     out = tmp_path / "apart"
-    cfg = small("grpo_tiny.yaml", out, rollout={"engine": "vllm", "tp": 2, "colocate": False},
+    cfg = small("grpo_tiny.yaml", out, world=1, train={"engine": "fsdp2", "dp": 1},
+                reference={"engine": "fsdp2", "dp": 1}, rollout={"engine": "vllm", "tp": 1, "colocate": False},
                 checkpoint={"save_every": 0})
     cfg["algorithm"]["iterations"] = 2
     run(cfg, quiet=True)
