@@ -20,9 +20,15 @@
 The weights reach the rollout engine through the run's weight channel (``engines/channel.py``),
 opened once (``channel_open``): every sync is ``sync_send`` — one VPS move from the trainer's
 compute weights (``adapter.weights()``) into the rollout buffers. The trainer keeps its optimizer
-state in place (on CPU there is no device memory to free for generation). ``train_on`` first
+state in place unless ``train.offload`` says otherwise (below). ``train_on`` first
 recomputes the log-probs of the generated tokens with the trainer (the *old* log-probs) and
 compares them with what the rollout engine reported — the stale-weights check — then updates.
+
+Memory at the phase boundary (``train.offload``, ``engines/offload.py``): after the sync,
+``offload`` parks the trainer's optimizer state (``all``: its weights too) in host buffers and
+hands the engine's memory back; ``reload`` puts it back before the update. ``memory_mark`` closes
+a phase: its peak device memory (``torch.cuda.max_memory_allocated`` where the trainer is on a
+GPU; on CPU the largest number of bytes the trainer's state buffers held in the phase).
 """
 from __future__ import annotations
 
@@ -68,6 +74,8 @@ class HybridWorker:
         self._store = self._channel_store = None
         self.rank = self.world = None
         self.channel = None
+        self._offload = None
+        self._cpu_peak = 0  # CPU: the most bytes the trainer's state buffers held since the last mark
         self.device = CPU
 
     def devices_seen(self) -> dict:
@@ -301,6 +309,49 @@ class HybridWorker:
         self._weights = self.trainer.adapter.weights()
         (src,), _ = gather_layouts([(self.spec, self._weights)], [f"train:{self.trainer.name}"])
         return src
+
+    # --- memory at the phase boundary --------------------------------------------------------------
+    def offload(self) -> dict:
+        """After the weight sync: what ``train.offload`` names leaves the trainer's buffers for host
+        memory (collective over the trainer's ranks). Returns this rank's bytes and seconds."""
+        from rlhf_switch.engines.offload import HostOffload
+
+        mode = self.cfg.train.offload
+        if mode == "none":
+            return {"bytes_moved": 0, "bytes_released": 0, "seconds": 0.0}
+        self._note_memory()  # the phase that ends here held the whole state
+        if self._offload is None or self._offload.adapter is not self.trainer.adapter:
+            self._offload = HostOffload(self.trainer.adapter, mode, timeout=TIMEOUT)
+        return self._offload.offload().as_dict()
+
+    def reload(self) -> dict:
+        """Before the update: the parked state back into the trainer's own buffers, bit for bit."""
+        if self._offload is None or not self._offload.parked:
+            return {"bytes_moved": 0, "bytes_released": 0, "seconds": 0.0}
+        out = self._offload.reload().as_dict()
+        self._note_memory()
+        return out
+
+    def _on_gpu(self) -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def _note_memory(self) -> None:
+        if not self._on_gpu():
+            from rlhf_switch.engines.offload import live_state_bytes
+
+            self._cpu_peak = max(self._cpu_peak, live_state_bytes(self.trainer.adapter))
+
+    def memory_mark(self) -> dict:
+        """The peak memory of the phase that ends now, and a new phase begins."""
+        if self._on_gpu():
+            peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            return {"bytes": peak, "measure": "torch.cuda.max_memory_allocated"}
+        from rlhf_switch.engines.offload import live_state_bytes
+
+        self._note_memory()
+        peak, self._cpu_peak = self._cpu_peak, live_state_bytes(self.trainer.adapter)
+        return {"bytes": peak, "measure": "bytes of the trainer's live state buffers (CPU)"}
 
     # --- phases ------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,

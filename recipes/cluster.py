@@ -376,6 +376,30 @@ class Cluster:
                              + [r.channel_stats.remote() for r in self.replicas], timeout=120)
         return {"trainers": stats[:self.world], "replicas": stats[self.world:]}
 
+    # --- memory at the phase boundary ----------------------------------------------------------------
+    def offload(self) -> dict:
+        """The trainers' state ``train.offload`` names into host memory (after a sync)."""
+        return self._boundary("offload")
+
+    def reload(self) -> dict:
+        """The parked state back into the trainers' buffers (before the update)."""
+        return self._boundary("reload")
+
+    def _boundary(self, method: str) -> dict:
+        if self.cfg.train.offload == "none":  # nothing moves: no call to the workers
+            return {"bytes": 0, "bytes_per_rank": [0] * self.world, "released_bytes": 0, "seconds": 0.0}
+        reports = self.all(method, desc=f"{method} trainer state")
+        return {"bytes": sum(r["bytes_moved"] for r in reports),
+                "bytes_per_rank": [r["bytes_moved"] for r in reports],
+                "released_bytes": sum(r["bytes_released"] for r in reports),
+                "seconds": max(r["seconds"] for r in reports)}
+
+    def memory_mark(self) -> dict:
+        """Every trainer rank's peak memory in the phase that ends now (the largest, and per rank)."""
+        marks = self.all("memory_mark", desc="memory")
+        return {"bytes": max(m["bytes"] for m in marks), "per_rank": [m["bytes"] for m in marks],
+                "measure": marks[0]["measure"]}
+
     # --- generation -------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], seeds: Sequence[int], max_new_tokens: int,
                  temperature: float) -> tuple[list[list[int]], list[list[float]]]:

@@ -34,6 +34,13 @@ def loop_problems(cfg) -> list[str]:
                 problems += training_engine(layout.engine).layout_problems(phase, layout, dims, head=head)
         except EngineError as e:
             problems.append(f"{phase}.engine: {e}")
+    if cfg.train.offload != "none":
+        try:
+            if not training_engine(cfg.train.engine).can_offload:
+                problems.append(f"train.offload: {cfg.train.offload} — engine {cfg.train.engine} cannot park its "
+                                f"state in host memory (engines that can: deepspeed, fsdp2); use offload: none")
+        except EngineError:
+            pass  # reported above
     if cfg.critic is not None and cfg.critic.dp != cfg.train.dp:
         problems.append(f"critic: dp={cfg.critic.dp} must equal train.dp={cfg.train.dp} (the critic and the "
                         f"actor take the same share of each batch)")

@@ -6,8 +6,9 @@
 
 Before iteration 0: the config is checked against the world (one error listing every problem,
 before Ray starts), the warm start is made (SFT on the task, cached) and every engine is built
-from it. Per iteration: switch train -> rollout (VPS move of the weights) -> generate
-``group_size`` samples per prompt -> rewards -> group-normalised advantages -> train (the
+from it. Per iteration: switch train -> rollout (VPS move of the weights; ``train.offload``: the
+trainer's optimizer state into host memory) -> generate ``group_size`` samples per prompt (then
+the parked state comes back) -> rewards -> group-normalised advantages -> train (the
 stale-weights check first: the trainer's log-probs of the generated tokens must equal the
 rollout engine's within ``--stale-tol``, else ``StaleWeightsError``; PPO: the critic's values,
 per-token rewards with the KL penalty, GAE, then policy and critic updates) -> one line and one JSONL /
@@ -161,6 +162,9 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             t_it = time.perf_counter()
             # 1. switch train -> rollout
             sync = ({"seconds": 0.0, "bytes_moved": 0, "bytes_sent": 0} if it in skip_sync_at else cluster.sync())
+            # the trainer's optimizer state (train.offload) leaves its buffers while the rollout runs
+            off = cluster.offload()
+            peak = {"sync": cluster.memory_mark()}
             # before iteration 0, and where the uninterrupted run evaluated before this iteration
             # (a resumed run's records are the uninterrupted run's)
             if it == first and (it == 0 or (every_eval and it % every_eval == 0)):
@@ -177,6 +181,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             fault(crash_at, it, "after generation")
             if it + 1 not in skip_sync_at:  # a sync comes before the rollout engines are used again
                 cluster.stand_by()
+            peak["generate"] = cluster.memory_mark()
+            back = cluster.reload()
             # 3. rewards and advantages
             texts = [tok.decode(r) for r in responses]
             scores = score_samples(reward_fn, [s.prompt for s in samples for _ in range(G)], texts,
@@ -190,6 +196,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             t0 = time.perf_counter()
             stats = cluster.all("train_on", batch, desc="train")
             train_s = time.perf_counter() - t0
+            peak["train"] = cluster.memory_mark()
             stale = max(s["stale_logprob_diff"] for s in stats)
             rec = {
                 "iteration": it,
@@ -204,9 +211,17 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 "gen_seconds": gen_s,
                 "gen_tokens_per_s": n_tokens / gen_s if gen_s > 0 else float("nan"),
                 "switch_train_to_rollout_s": sync["seconds"],
-                # the trainer keeps its state in place while the rollout runs (CPU: no device
-                # memory to give back), so nothing moves on the way back
-                "switch_rollout_to_train_s": 0.0,
+                # the weights stay where they are in the trainer; the parked state (train.offload)
+                # comes back (0 with offload: none)
+                "switch_rollout_to_train_s": back["seconds"],
+                # train.offload: bytes and seconds of each move (per rank: the rank's own state)
+                "offload_bytes": off["bytes"], "offload_bytes_per_rank": off["bytes_per_rank"],
+                "offload_released_bytes": off["released_bytes"], "offload_seconds": off["seconds"],
+                "reload_bytes": back["bytes"], "reload_bytes_per_rank": back["bytes_per_rank"],
+                "reload_seconds": back["seconds"],
+                # per phase, the largest over the trainer ranks (peak_device_measure says of what)
+                **{f"peak_device_bytes_{p}": m["bytes"] for p, m in peak.items()},
+                "peak_device_measure": peak["train"]["measure"],
                 "bytes_moved": sync["bytes_moved"],
                 "bytes_sent": sync["bytes_sent"],
                 "switch_breakdown": sync.get("breakdown", {}),
@@ -223,7 +238,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                                       "response_texts": texts})
             say(f"[{name}] it {it}: reward {rec['reward_mean']:.3f}  kl {rec['kl']:.2e}  loss {rec['policy_loss']:+.4f}  "
                 f"gen {rec['gen_tokens_per_s']:.0f} tok/s  switch {sync['seconds'] * 1e3:.0f} ms "
-                f"({sync['bytes_moved'] / 1024:.0f} KiB) / back 0 ms  stale Δlogp {stale:.1e}  "
+                f"({sync['bytes_moved'] / 1024:.0f} KiB) / back {back['seconds'] * 1e3:.0f} ms  stale Δlogp {stale:.1e}  "
                 f"[{rec['iteration_seconds']:.1f} s]")
             if not rec["stale_check_passed"]:
                 raise StaleWeightsError(

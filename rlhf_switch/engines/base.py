@@ -81,6 +81,9 @@ class TrainingEngine(ABC):
     dp: int = 1                # data-parallel size; each DP rank takes a contiguous share of a batch
     dp_rank: int = 0
     dp_group: Any = None       # the DP process group (None: DP 1, or the whole world)
+    # whether ``train.offload`` may park its state in host memory between phases
+    # (``engines/offload.py``): engines whose adapter it is tested with say so
+    can_offload: bool = False
     # the compute dtypes it runs beside a float32 master copy (rlhf_switch.device); asked before
     # anything starts (recipes.common.device_problems)
     compute_dtypes: ClassVar[tuple[str, ...]] = ("float32",)

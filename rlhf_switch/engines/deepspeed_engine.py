@@ -12,6 +12,7 @@ from .base import LossFn, ModuleEngine, TrainingContext
 
 
 class DeepSpeedEngine(ModuleEngine):
+    can_offload = True  # ZeRO-1/2/3: tests/test_offload.py
     # bf16: DeepSpeed's bit16 weights compute, its fp32 master copy and moments stay apart
     compute_dtypes = ("float32", "bfloat16")
 

@@ -332,6 +332,13 @@ class ZeroAdapter:
             if not weights_written:
                 o.update_lp_params()  # fp32 partition -> bit16 partition -> all-gather the flat buffer
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The flat gradient partitions the optimizer keeps allocated between steps (ZeRO-3's
+        ``grad_partitions_flat_buffer``, ZeRO-2's ``grads_in_partition``): an offload releases
+        them (the next backward overwrites their values)."""
+        names = ("grad_partitions_flat_buffer",) if self.stage == 3 else ("grads_in_partition",)
+        return [t for t in (getattr(self.opt, n, None) for n in names) if t is not None]
+
     def scalars(self) -> dict[str, Any]:
         base = self.opt.optimizer
         steps = {float(st["step"]) for st in base.state.values() if "step" in st}

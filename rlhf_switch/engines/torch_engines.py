@@ -42,6 +42,8 @@ class FSDP2Engine(_TorchTrainerEngine):
 
     compute_dtypes = ("float32", "bfloat16")
 
+    can_offload = True  # tests/test_offload.py
+
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         return _fixed(phase, layout, "fsdp2", tp=1, pp=1, zero_stage=0)

@@ -5,7 +5,7 @@ One YAML file per run (see ``configs/``)::
     world_size: 2                  # devices every phase is colocated on (logical ones on CPU)
     device: auto                   # auto | cpu | cuda (rlhf_switch.device: backend, dtypes)
     model: {hf_config: {...}}      # a tiny LlamaConfig as a dict, or {path: dir with config.json}
-    train:     {engine: deepspeed, zero_stage: 3, dp: 2}
+    train:     {engine: deepspeed, zero_stage: 3, dp: 2}   # offload: none | optimizer | all
     rollout:   {engine: vllm, tp: 2}
     reference: {engine: deepspeed, zero_stage: 3, dp: 2}
     critic:    {...}               # PPO only
@@ -84,6 +84,15 @@ class TrainLayout(PhaseLayout):
     """A phase that runs forward (and backward) in a training engine: train, reference, critic."""
 
     engine: EngineName
+
+
+class TrainerLayout(TrainLayout):
+    """The ``train`` block: the policy's training engine, and what of its state leaves the device
+    while the rollout engine generates (``engines/offload.py``): ``none``; ``optimizer`` — the
+    Adam moments and the fp32 master where the engine keeps one apart from its weights, into host
+    memory after the weight sync and back before the update; ``all`` — its weights too."""
+
+    offload: Literal["none", "optimizer", "all"] = "none"
 
 
 class RolloutLayout(PhaseLayout):
@@ -286,7 +295,7 @@ class RunConfig(Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     model: ModelConfig
-    train: TrainLayout
+    train: TrainerLayout
     rollout: RolloutLayout
     reference: TrainLayout | None = None
     critic: TrainLayout | None = None
