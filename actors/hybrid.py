@@ -96,6 +96,12 @@ class HybridWorker:
         self._store, host, port = open_store(TIMEOUT.total_seconds())
         return host, port
 
+    def node(self) -> dict:
+        """The Ray node this rank runs on (``engines.channel.node_of_this_process``)."""
+        from rlhf_switch.engines.channel import node_of_this_process
+
+        return node_of_this_process()
+
     def init_world(self, host: str, port: int, rank: int, world: int, device: DeviceSpec = CPU) -> dict:
         """Join the workers' world; ``device``: the run's (``rlhf_switch.device``), whose backend
         the world's groups use (nccl: every tensor a collective carries is on this actor's GPU)."""

@@ -42,6 +42,13 @@ class RolloutReplica:
         return {"replica": ctx.replica, "pid": os.getpid(), "seconds": time.perf_counter() - t0,
                 "name": self.engine.name}
 
+    def node(self) -> dict:
+        """The Ray node this replica runs on — and so do its engine's workers: vLLM's ``mp``/``uni``
+        workers are this actor's own processes (``engines.channel.node_of_this_process``)."""
+        from rlhf_switch.engines.channel import node_of_this_process
+
+        return node_of_this_process()
+
     def channel_open(self, endpoint) -> dict:
         t0 = time.perf_counter()
         self.engine.channel_open(endpoint)

@@ -3,7 +3,8 @@
 The driver is Ray's single controller. ``Cluster`` owns the actors: one ``HybridWorker`` per
 logical device (training engine, reference, and for ``rollout.engine: torch`` the rollout engine)
 and, for a rollout engine of placement ``replica`` (vLLM), one ``RolloutReplica`` per replica, colocated on the same
-placement-group bundles. ``Cluster.open_channel`` forms the run's weight channel once; ``Cluster.sync``
+placement-group bundles (packed on few nodes or spread over many by the config's ``placement``;
+rank -> bundle by ``rank_bundles``, which keeps a replica's TP ranks on one node). ``Cluster.open_channel`` forms the run's weight channel once; ``Cluster.sync``
 is the weight switch train -> rollout through it.
 """
 from __future__ import annotations
@@ -171,6 +172,34 @@ def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900) -> l
     return ray.get(refs)
 
 
+# config ``placement`` -> the placement group's strategy (SPREAD is Ray's best-effort spread: on one
+# node every bundle still fits)
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
+
+
+class PlacementError(RuntimeError):
+    """The placement group's bundles landed where a rollout replica cannot run."""
+
+
+def rank_bundles(bundle_nodes: Sequence[str], group: int = 1) -> list[int]:
+    """Rank -> placement-group bundle: the bundles grouped by node (nodes in the order of their
+    first bundle, bundles in index order within a node), so every ``group`` consecutive ranks — a
+    rollout replica's TP devices, whose workers run inside one actor — share a node. On one node,
+    and whenever Ray packed the bundles in order, this is the identity. ``bundle_nodes[b]``: the
+    node of bundle ``b``. Raises ``PlacementError`` when a group would span nodes."""
+    nodes = list(dict.fromkeys(bundle_nodes))
+    order = sorted(range(len(bundle_nodes)), key=lambda b: (nodes.index(bundle_nodes[b]), b))
+    for first in range(0, len(order), group):
+        spanned = sorted({bundle_nodes[b] for b in order[first:first + group]}, key=nodes.index)
+        if len(spanned) > 1:
+            counts = {n[:8]: bundle_nodes.count(n) for n in nodes}
+            raise PlacementError(
+                f"ranks {first}..{first + group - 1} (one rollout replica of tp {group}) would span nodes "
+                f"{[n[:8] for n in spanned]}: its workers run inside one actor on one node. Devices per node "
+                f"{counts}: use placement: pack, or nodes whose device counts are multiples of {group}")
+    return order
+
+
 class SyncFailed(RuntimeError):
     """A weight sync that failed, naming the channel member(s) lost — an actor Ray reports dead
     (``ActorDiedError``), else the ranks the surviving members' ``PeerLost`` errors name — as
@@ -200,11 +229,23 @@ class Cluster:
         self.in_world = self.rollout_cls.placement == "worker"
         self.tp, self.n_replicas = cfg.rollout.tp, world // cfg.rollout.tp
         self.resources = res = resources_for(cfg)
-        self.pg = placement_group(list(res.bundles), strategy="PACK")
+        self.pg = placement_group(list(res.bundles), strategy=STRATEGIES[cfg.placement])
         ray.get(self.pg.ready(), timeout=120)  # pg.ready() can pend forever
+        # rank r sits on bundle self.bundles[r]: a colocated replica's tp ranks on one node
+        # (rank_bundles); the bundles after the trainer's (rollout.colocate: false) hold one whole
+        # replica each
+        bundle_nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+        try:
+            self.bundles = rank_bundles([bundle_nodes[b] for b in range(world)],
+                                        1 if self.in_world or not cfg.rollout.colocate else self.tp)
+        except PlacementError:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+            raise
 
         def on(bundle: int):
-            return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+            return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self._bundle_index(bundle))
 
         self.workers = [remote_class(num_cpus=s.num_cpus, num_gpus=s.num_gpus).options(scheduling_strategy=on(s.bundle))
                         .remote() for s in res.workers]
@@ -322,19 +363,37 @@ class Cluster:
                               "cache_reset_s": max((w.get("reset_s", 0.0) for r in receivers for w in r["workers"]),
                                                    default=0.0)}}
 
-    def _node_of_bundle(self, bundle: int) -> str:
+    def _bundle_index(self, bundle: int) -> int:
+        """The placement group's bundle for a ``resources`` bundle: the first ``world`` are the
+        trainer ranks' devices (rank r on ``self.bundles[r]``), any after them a replica's own."""
+        return self.bundles[bundle] if bundle < self.world else bundle
+
+    def _node_of_rank(self, rank: int, bundle: int | None = None) -> str:
+        """The node of rank ``rank``'s bundle (or of ``resources`` bundle ``bundle``): its address
+        and id (nodes may share an address)."""
         try:
-            node_id = self.ray.util.placement_group_table(self.pg)["bundles_to_node_id"][bundle]
-            return next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
+            index = self._bundle_index(rank if bundle is None else bundle)
+            node_id = self.ray.util.placement_group_table(self.pg)["bundles_to_node_id"][index]
+            address = next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
+            return f"{address} {node_id[:8]}"
         except Exception:  # noqa: BLE001 - a name without an address is still a name
             return "?"
 
     def _trainer_name(self, rank: int) -> str:
-        return f"trainer rank {rank} (node {self._node_of_bundle(rank)})"
+        return f"trainer rank {rank} (node {self._node_of_rank(rank)})"
 
     def _replica_name(self, replica: int, worker: int | None = None) -> str:
         who = f"rollout replica {replica}" + ("" if worker is None else f" worker {worker}")
-        return f"{who} (node {self._node_of_bundle(replica * self.tp)})"
+        return f"{who} (node {self._node_of_rank(replica * self.tp, self.resources.replicas[replica].bundle)})"
+
+    def nodes(self) -> dict:
+        """Where the run's actors are, as each actor's process reports it (Ray's node id and
+        address, pid): the trainer ranks in rank order, the rollout replicas (their engines'
+        workers are the replica actors' own processes) in replica order; each rank's bundle."""
+        got = self.ray.get([w.node.remote() for w in self.workers] + [r.node.remote() for r in self.replicas],
+                           timeout=120)
+        return {"placement": self.cfg.placement, "trainers": got[:self.world], "replicas": got[self.world:],
+                "n_nodes": len({g["node_id"] for g in got}), "rank_bundles": list(self.bundles)}
 
     def channel_member(self, rank: int) -> str:
         """Who channel rank ``rank`` is: trainer ranks first, then each replica's workers."""

@@ -276,12 +276,14 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
 
 def channel_summary(cluster) -> dict:
     """How the run's weight channel was used: how often it was opened (once, unless a layout
-    changed), the syncs through it, and the process groups each member process made for it."""
+    changed), the syncs through it, the process groups each member process made for it, and the
+    Ray nodes its members ran on (``Cluster.nodes``)."""
     stats = cluster.channel_stats()
     members = stats["trainers"] + [w for r in stats["replicas"] for w in r["workers"]]
     return {"opened": cluster.channel_opened, "moves": max(m.get("moves", 0) for m in members),
             "groups_per_member": sorted({m.get("groups_created", 0) for m in members}),
-            "members": len(members), "pieces_verified": sum(m.get("pieces_verified", 0) for m in members)}
+            "members": len(members), "pieces_verified": sum(m.get("pieces_verified", 0) for m in members),
+            "nodes": cluster.nodes()}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:

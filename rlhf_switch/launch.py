@@ -82,7 +82,7 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks, resu
     torch.set_num_threads(threads)
     if backend == "nccl":  # one device per rank (NCCL refuses two ranks of a group on one GPU)
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,  # the driver's host (LocalWorld)
                           timeout=timedelta(seconds=timeout_s))
     _RANK_STATE.update(store=store, rank=rank, world_size=world_size, timeout_s=timeout_s, backend=backend)
     _init_group(generation)
@@ -111,6 +111,9 @@ class LocalWorld:
         self.backend = backend  # the default group's: gloo (CPU tensors) or nccl (one GPU per rank)
         self.world_size = world_size
         self.timeout = timeout
+        # loopback on purpose: a LocalWorld's ranks are this driver's own spawned children, on this
+        # host by construction (the test and bench world, not the run loop; the loop's stores are
+        # on the node IP Ray reports, engines/channel.node_address)
         self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                                     wait_for_workers=False, timeout=timedelta(seconds=timeout))
         self._threads = threads_per_rank

@@ -51,17 +51,22 @@ def pytest_addoption(parser):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray session per test module (the loop's actors find the repository on
-    ``PYTHONPATH``; 4 logical CPUs and GPUs)."""
-    import ray
-
+def prepare_ray_env() -> None:
+    """Before a Ray instance starts (its processes inherit the driver's environment): the loop's
+    actors find the repository on ``PYTHONPATH``, vLLM's processes its CPU defaults."""
     from rlhf_switch.compat import set_vllm_env_defaults
 
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in paths if p != REPO])
     set_vllm_env_defaults()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray session per test module (``prepare_ray_env``; 4 logical CPUs and GPUs)."""
+    import ray
+
+    prepare_ray_env()
     ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -48,8 +48,11 @@ GROUPS_CREATED = 0
 
 
 def node_address() -> str:
-    """This process's node address as its peers reach it: Ray's view of the node where Ray runs,
-    else the host name's address (never a loopback address chosen for another host)."""
+    """This process's node address as its peers on other nodes reach it: the node IP Ray reports
+    (``ray.util.get_node_ip_address``, in a Ray actor or driver), else the address the host name
+    resolves to. There is no loopback fallback: a store whose address only this host can reach
+    would let a one-node test pass and strand every rank on another node (issue 13), so an
+    unresolvable host name is an error here, before anyone waits on the store."""
     try:
         import ray
 
@@ -61,8 +64,24 @@ def node_address() -> str:
 
     try:
         return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    except OSError as e:
+        raise RuntimeError(f"cannot tell this node's address (host name {socket.gethostname()!r} does not "
+                           f"resolve: {e}); run under Ray, which reports each node's IP") from None
+
+
+def node_of_this_process() -> dict:
+    """Where this process runs, as Ray reports it: its node's id (``None`` outside Ray), that
+    node's address and the process id — what a run records for each of its actors (two Ray nodes
+    on one machine share an address but not an id)."""
+    node_id = None
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node_id = ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    return {"node_id": node_id, "address": node_address(), "pid": os.getpid()}
 
 
 def open_store(timeout_s: float = 300.0) -> tuple[dist.TCPStore, str, int]:

@@ -291,6 +291,10 @@ class RunConfig(Strict):
     seed: int = 0
     output_dir: str = "runs/default"
     ray_address: str | None = None  # None: an embedded Ray (address="local"), never a stale cluster
+    # how the placement group's bundles (one per logical device) go onto Ray's nodes: pack (fill a
+    # node first; one node when it fits) or spread (across nodes). Either way a rollout replica's
+    # tp devices stay on one node (recipes/cluster.py)
+    placement: Literal["pack", "spread"] = "pack"
     tensorboard: bool = True        # metrics also as TensorBoard events in <output_dir>/tensorboard
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()

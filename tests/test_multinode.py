@@ -1,0 +1,167 @@
+"""More than one node: the loop on a Ray cluster of two nodes (both on this machine).
+
+The module starts its own Ray cluster — a head node and one more node
+(``ray.cluster_utils.Cluster``), each with its own raylet, 4 CPUs and 2 logical GPUs — instead
+of the shared one-node ``ray_session``:
+
+- ``rank_bundles`` (pure): rank -> bundle keeps each rollout replica's TP ranks on one node; no
+  loopback address in the loop's code.
+- ``pack`` keeps a run that fits on one node there; a TP2 replica that ``spread`` would cut
+  across the nodes (grpo_tiny's world 2) is refused before any actor starts.
+- GRPO as ``configs/grpo_tiny.yaml`` — real DeepSpeed ZeRO-3 and real vLLM TP2 — for 2
+  iterations with ``spread`` on 4 logical devices: trainer ranks (DP4) and two vLLM TP2 engines
+  on both nodes (as their own processes report it to Ray), each engine with its two ranks on its
+  node, every store on the node address Ray reports, every sync checked by the stale-weights
+  check, finite metrics. Not grpo_tiny's DP2 + one TP2 engine: that engine's workers are vLLM's
+  ``mp`` processes inside one replica actor, so on one node (vLLM's Ray executor, the only one
+  that places TP workers on several nodes, is refused on CPU — PLATFORM.md); two engines, one
+  per node, need 4 devices.
+
+Both nodes report the same address (one machine): nodes are told apart by Ray's node id.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from recipes.cluster import PlacementError, rank_bundles
+from test_rl_loop import records, small
+
+A, B = "a" * 56, "b" * 56  # two node ids
+
+
+def test_rank_bundles_keeps_each_replica_on_one_node():
+    assert rank_bundles([A, A, A, A], 2) == [0, 1, 2, 3]  # one node: the identity
+    assert rank_bundles([A, A, B, B], 2) == [0, 1, 2, 3]  # packed in order: the identity
+    assert rank_bundles([A, B, A, B], 2) == [0, 2, 1, 3]  # spread round-robin: regrouped by node
+    assert rank_bundles([B, A, A, B], 2) == [0, 3, 1, 2]  # nodes in the order of their first bundle
+    assert rank_bundles([A, B, A, B], 1) == [0, 2, 1, 3]
+    with pytest.raises(PlacementError, match=r"ranks 0\.\.1 .*tp 2.* span nodes"):
+        rank_bundles([A, B], 2)
+    with pytest.raises(PlacementError, match=r"ranks 2\.\.3"):
+        rank_bundles([A, A, A, B], 2)
+
+
+def test_no_loopback_address_in_the_loop():
+    """Every store and group of a run is on the node address Ray reports
+    (``engines.channel.node_address``): no loopback or ``localhost`` literal anywhere in the
+    package, the actors or the recipes — except ``launch.LocalWorld``, whose ranks are the
+    driver's own child processes (the test and bench world, not the loop)."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    found = [f"{path.relative_to(repo)}:{node.lineno}: {node.value!r}"
+             for top in ("rlhf_switch", "actors", "recipes") for path in sorted((repo / top).rglob("*.py"))
+             if path.relative_to(repo).as_posix() != "rlhf_switch/launch.py"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and any(x in node.value for x in ("127.0.0.1", "localhost", "::1"))]
+    assert found == []
+
+
+def test_placement_is_pack_unless_the_config_says_spread(tmp_path):
+    from rlhf_switch.rl.config import ConfigError, load_config
+
+    cfg = small("grpo_tiny.yaml", tmp_path)
+    assert load_config(cfg).placement == "pack"
+    assert load_config({**cfg, "placement": "spread"}).placement == "spread"
+    with pytest.raises(ConfigError, match="placement"):
+        load_config({**cfg, "placement": "scatter"})
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A Ray cluster of two nodes on this machine, its driver connected; shut down at module end."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from conftest import prepare_ray_env
+
+    prepare_ray_env()  # before the raylets start: their workers inherit the environment
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 4, "num_gpus": 2, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=4, num_gpus=2)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        assert len(nodes) == 2
+        yield ray, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def placed(ray, cfg: dict) -> dict:
+    """Where ``Cluster`` puts the actors of ``cfg`` (no engine is built), then frees them."""
+    from recipes.cluster import Cluster
+    from rlhf_switch.rl.config import load_config
+
+    try:
+        cluster = Cluster(load_config(cfg), ray, quiet=True)
+        try:
+            return cluster.nodes()
+        finally:
+            cluster.shutdown(graceful=False)
+    finally:  # also after a refused placement (Cluster removed its group)
+        wait_freed(ray)
+
+
+def wait_freed(ray, timeout_s: float = 60.0) -> None:
+    """Until Ray's resource view has every GPU free again. A removed placement group's resources
+    come back after a moment: a SPREAD group made before then finds one node busy and, being best
+    effort, packs onto the other (seen with ray 2.60)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("GPU", 0) < ray.cluster_resources()["GPU"]:
+        assert time.monotonic() < deadline, "the placement group's resources did not come back"
+        time.sleep(0.2)
+
+
+def node_ids(members: list[dict]) -> list[str]:
+    return [m["node_id"] for m in members]
+
+
+@pytest.mark.slow
+def test_pack_stays_on_one_node_and_spread_never_cuts_a_replica(two_nodes, tmp_path):
+    ray, nodes = two_nodes
+    where = placed(ray, small("grpo_tiny.yaml", tmp_path, placement="pack",
+                              rollout={"engine": "vllm", "tp": 1, "dp": 2}))
+    assert where["n_nodes"] == 1 and where["placement"] == "pack"
+    for m in where["trainers"] + where["replicas"]:  # the address each actor's stores use
+        assert m["address"] == nodes[m["node_id"]]
+    # spread would put grpo_tiny's two devices, one TP2 replica, on the two nodes: refused
+    with pytest.raises(PlacementError, match="tp 2"):
+        placed(ray, small("grpo_tiny.yaml", tmp_path, placement="spread"))
+
+
+@pytest.mark.slow
+def test_grpo_deepspeed_vllm_tp2_spread_over_two_nodes(two_nodes, tmp_path):
+    from recipes.grpo import run
+
+    ray, nodes = two_nodes
+    out = tmp_path / "run"
+    zero3_dp4 = {"engine": "deepspeed", "zero_stage": 3, "tp": 1, "pp": 1, "dp": 4}
+    cfg = small("grpo_tiny.yaml", out, world=4, placement="spread", train=zero3_dp4, reference=zero3_dp4,
+                rollout={"engine": "vllm", "tp": 2, "pp": 1, "dp": 2}, checkpoint={"save_every": 0, "keep": 1})
+    cfg["algorithm"].update(iterations=2, micro_batch_size=2)  # 8 sequences per mini-batch over 4 ranks
+    recs = [r for r in run(cfg, quiet=True) if "reward_mean" in r]
+    assert [r["iteration"] for r in recs] == [0, 1]
+    for rec in recs:
+        # the vLLM engines on both nodes generated with exactly the weights the trainer sent them
+        assert rec["stale_check_passed"] and rec["bytes_moved"] > 0, rec
+        for k in ("reward_mean", "policy_loss", "kl", "grad_norm", "stale_logprob_diff"):
+            assert math.isfinite(rec[k]), (k, rec[k])
+    assert recs[1]["kl"] > 0  # iteration 0's update reached the policy
+    where = next(r["channel"]["nodes"] for r in records(out) if "channel" in r)
+    assert where["placement"] == "spread" and where["n_nodes"] == 2
+    t = node_ids(where["trainers"])
+    assert set(t) == set(nodes), where  # trainer ranks on both nodes
+    assert t[0] == t[1] != t[2] == t[3], where  # each TP2 engine's ranks on one node
+    assert node_ids(where["replicas"]) == [t[0], t[2]], where  # engine r (its workers) with ranks 2r, 2r+1
+    for m in where["trainers"] + where["replicas"]:  # the address each actor's stores used
+        assert m["address"] == nodes[m["node_id"]]
+    print("rank -> bundle:", where["rank_bundles"], "nodes:", [n[:8] for n in t])
