@@ -19,7 +19,8 @@
 
 The weights reach the rollout engine through the run's weight channel (``engines/channel.py``),
 opened once (``channel_open``): every sync is ``sync_send`` — one VPS move from the trainer's
-compute weights (``adapter.weights()``) into the rollout buffers. The trainer keeps its optimizer
+compute weights (``adapter.weights()``) into the rollout buffers (``rollout.handoff: ipc``: into
+shared buckets that this rank hands its colocated vLLM worker by handle). The trainer keeps its optimizer
 state in place unless ``train.offload`` says otherwise (below). ``train_on`` first
 recomputes the log-probs of the generated tokens with the trainer (the *old* log-probs) and
 compares them with what the rollout engine reported — the stale-weights check — then updates.
@@ -275,7 +276,8 @@ class HybridWorker:
                                            store=self._channel_store if self.rank == 0 else None,
                                            timeout_s=endpoint.timeout_s, budget_bytes=endpoint.budget_bytes,
                                            standby_s=endpoint.standby_s, verify=endpoint.verify,
-                                           verify_fraction=endpoint.verify_fraction, backend=endpoint.backend)
+                                           verify_fraction=endpoint.verify_fraction, handoff=endpoint.handoff,
+                                           colocated=endpoint.colocated, backend=endpoint.backend)
             self.channel.set_layouts(endpoint.src, endpoint.dst)
         self._planned = (tuple(self._weights.fragments), dict(self._weights.buffers))
         return self.channel.stats()

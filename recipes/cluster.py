@@ -270,6 +270,7 @@ class Cluster:
         ray.get([w.init_world.remote(host, port, r, world, self.device) for r, w in enumerate(self.workers)],
                 timeout=180)
         self.channel_opened = 0
+        self.handoff = "p2p"  # the weight channel's, once opened (rollout.handoff resolved)
         self._standing_by = None  # the replicas' receives posted ahead of the next sync
 
     def all(self, method: str, *args, desc: str | None = None, **kwargs) -> list:
@@ -304,24 +305,40 @@ class Cluster:
         """Form the weight channel between the trainer's ranks and the rollout workers: one process
         group, both layouts placed on it, handed out once. Called again only when a layout changes
         (it re-plans; the members' groups are made anew only then)."""
-        from rlhf_switch.engines.channel import Endpoint
+        from rlhf_switch.engines.channel import Endpoint, resolve_handoff
         from rlhf_switch.routing.executor import DEFAULT_BUDGET
         from rlhf_switch.vps.placement import place
 
         if self.in_world:  # the rollout engine lives on the trainer's ranks: a group of their world
             self.all("channel_open", desc="open weight channel")
         else:
+            # the handoff first: an impossible ``ipc`` is refused before anything is opened
+            self.handoff, colocated = resolve_handoff(self.cfg.rollout.handoff, self.member_devices(), self.world)
             src = next(x for x in self.all("channel_source", desc="describe weights") if x is not None)
             n, total = self.world, self.world + self.n_replicas * self.tp
             dst = self.rollout_cls.rollout_layout(src.spec, self.tp, self.n_replicas, self.device.compute_dtype)
             host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=60)
             ep = Endpoint(host, port, total, 0, place(src, range(n), total), place(dst, range(n, total), total),
                           budget_bytes or DEFAULT_BUDGET, verify=self.cfg.verify,
-                          verify_fraction=self.cfg.verify_fraction, backend=self.device.backend)
+                          verify_fraction=self.cfg.verify_fraction, handoff=self.handoff, colocated=colocated,
+                          backend=self.device.backend)
             refs = [r.channel_open.remote(ep.at(n + i * self.tp)) for i, r in enumerate(self.replicas)]
             refs += [w.channel_open.remote(ep.at(rank)) for rank, w in enumerate(self.workers)]
             wait_all(self.ray, refs, "open weight channel", self.quiet)
         self.channel_opened += 1
+
+    def member_devices(self) -> list[tuple[str, int]]:
+        """Each channel member's device as ``(node, device)``: trainer rank ``i`` on device ``i``
+        (its bundle's); replica ``r``'s worker ``t`` runs in the replica's actor process tree, on
+        the node of its bundle, on device ``r·tp + t`` — one the trainer ranks share when
+        colocated (``resources``), else one of its own after theirs. The colocated handoff needs
+        both the same."""
+        devices = [(self._node_of_rank(i), i) for i in range(self.world)]
+        for r, slot in enumerate(self.resources.replicas):
+            node = self._node_of_rank(r * self.tp, slot.bundle)
+            first = r * self.tp if self.cfg.rollout.colocate else self.world + r * self.tp
+            devices += [(node, first + t) for t in range(self.tp)]
+        return devices
 
     def stand_by(self) -> None:
         """The rollout replicas post their receive now (call it when a rollout phase is over and
@@ -350,6 +367,9 @@ class Cluster:
         return {"seconds": seconds,
                 "bytes_moved": sum(r["bytes_sent"] + r["bytes_local"] for r in senders),
                 "bytes_sent": sum(r["bytes_sent"] for r in senders),
+                # ipc: bucket handles handed to the workers (one per bucket) — 0 with p2p
+                "handoff": self.handoff,
+                "handles": sum(r.get("handles", 0) for r in senders),
                 # where the time went: every member in the move (the replicas may have been
                 # standing by since before the call), the trainers' agreement and move, their whole
                 # call (describe + check + move), the replicas' RPC to their workers and cache reset
@@ -361,6 +381,9 @@ class Cluster:
                               "replica_rpc_s": max((w.get("rpc_s", 0.0) for r in receivers for w in r["workers"]),
                                                    default=0.0),
                               "cache_reset_s": max((w.get("reset_s", 0.0) for r in receivers for w in r["workers"]),
+                                                   default=0.0),
+                              # the workers' part of the move (ipc: waiting for the handles, the copy)
+                              "worker_move_s": max((w["seconds"] for r in receivers for w in r["workers"]),
                                                    default=0.0)}}
 
     def _bundle_index(self, bundle: int) -> int:

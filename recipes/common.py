@@ -41,6 +41,12 @@ def loop_problems(cfg) -> list[str]:
                                 f"state in host memory (engines that can: deepspeed, fsdp2); use offload: none")
         except EngineError:
             pass  # reported above
+    try:
+        if cfg.rollout.handoff == "ipc" and rollout_engine(cfg.rollout.engine).placement != "replica":
+            problems.append(f"rollout.handoff: ipc hands buckets to rollout workers in processes of their own; "
+                            f"engine {cfg.rollout.engine!r} runs inside the trainer's processes (use p2p or auto)")
+    except EngineError:
+        pass  # reported above
     if cfg.critic is not None and cfg.critic.dp != cfg.train.dp:
         problems.append(f"critic: dp={cfg.critic.dp} must equal train.dp={cfg.train.dp} (the critic and the "
                         f"actor take the same share of each batch)")

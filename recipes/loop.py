@@ -224,6 +224,9 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 "peak_device_measure": peak["train"]["measure"],
                 "bytes_moved": sync["bytes_moved"],
                 "bytes_sent": sync["bytes_sent"],
+                # rollout.handoff ipc: bucket handles handed to the workers (one per bucket)
+                "handoff": sync.get("handoff", "p2p"),
+                "handles": sync.get("handles", 0),
                 "switch_breakdown": sync.get("breakdown", {}),
                 "train_seconds": train_s,
                 "optimizer_steps": stats[0]["steps"],

@@ -337,6 +337,10 @@ CASES = [
     Bad("model-dtype", "model.dtype bfloat16 (the CPU loop trains in fp32)",
         lambda ctx: loop(config(**{"model.dtype": "bfloat16"})),
         "model.dtype: bfloat16 — the CPU loop trains in float32", None),
+    Bad("handoff-ipc-in-process", "rollout.handoff: ipc with the torch rollout engine (in the trainer's processes)",
+        lambda ctx: loop(config(**{"rollout.engine": "torch", "rollout.handoff": "ipc"})),
+        "rollout.handoff: ipc hands buckets to rollout workers in processes of their own; engine 'torch' runs "
+        "inside the trainer's processes (use p2p or auto)", None),
     Bad("device-cuda", "device: cuda where no GPU is visible",
         lambda ctx: devices(config(device="cuda"), cuda_available=False),
         "device: cuda, but no GPU is visible here (torch.cuda.is_available() is False", None),

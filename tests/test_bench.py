@@ -81,3 +81,14 @@ def test_gpu_switch_script_runs_on_cpu(tmp_path):
     for name, rec in cases.items():
         assert rec["exact"] is True, name
         assert rec["bytes"] > 0
+
+
+@pytest.mark.slow
+def test_handoff_bench_processes_lands_the_same_bits(tmp_path):
+    # the plain-process mode (no Ray, no vLLM): p2p and ipc land the same bits, handles = buckets
+    _bench("bench.handoff", "--processes", "1M", "--syncs", "2", "--budget-mib", "1",
+           "--json", str(tmp_path / "handoff.json"))
+    data = json.loads((tmp_path / "handoff.json").read_text())
+    assert data["same_bits"] is True
+    assert data["p2p"]["handles"] == 0 and data["ipc"]["handles"] >= 2
+    assert data["ipc_over_p2p"] > 0

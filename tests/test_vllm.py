@@ -12,7 +12,9 @@ trainer ranks serve the whole module. What is shown:
 (c) rollout TP smaller and larger than the trainer's: Megatron TP4 (fused qkv/gate-up) -> vLLM TP2,
     TP2·DP2 FSDP -> vLLM TP2, FSDP DP4 (TP1) -> vLLM TP2 (in (b));
 (d) refusals: an engine for another vocab/model is refused (named mismatch) before a byte moves;
-    a TP vLLM cannot run is refused before an engine starts.
+    a TP vLLM cannot run is refused before an engine starts;
+(e) the colocated handoff (``handoff="ipc"``): ZeRO-3 DP4 -> vLLM TP2 through shared-memory bucket
+    handles, bit-exact, HF parity, one handle per bucket.
 
 Rank-side jobs are module-level functions of this file (spawned ranks import it: keep its top
 level light — no vllm, no transformers).
@@ -361,6 +363,42 @@ def test_trainer_tp4_and_tp2dp2_into_vllm_tp2(rollout, world, hf_model, spec):
         rollout.load_from(world, src, trainer_buffers, src, state)
         assert_weights_equal(rollout, state)
         assert_matches_hf(rollout, model, PROMPTS[:2], 8)
+
+
+# --- (e) the colocated handoff: shared-memory bucket handles instead of bytes over the group -----------
+
+def test_ipc_handoff_into_real_workers_then_parity_with_hf(rollout, world, hf_model, spec):
+    """ZeRO-3 DP4 trainer -> vLLM TP2 with ``handoff="ipc"``: trainer ranks 0 and 1 share devices
+    with workers 0 and 1; they gather each worker's box over the group into shared-memory buckets
+    (1 MiB each) and hand the worker one handle per bucket; the worker copies out of them into its
+    parameters. Bit-exact, HF parity after it, handles = buckets (not tensors), no byte into a
+    worker over the group; then again with new weights (the same buckets, reused)."""
+    import copy
+
+    from rlhf_switch.vps import zero
+    from rlhf_switch.vps.layouts.buckets import bucket_layout
+    from rlhf_switch.vps.placement import place
+
+    _, base = hf_model
+    model = copy.deepcopy(base)
+    src = zero(spec, 4, stage=3, fields=("param",))
+    budget = 1 << 20
+    buckets = bucket_layout(place(rollout.layout, range(4, 6), 6), {4: 0, 5: 1}, budget)
+    tokens = []
+    for i, rule in enumerate((19, 23)):
+        train(model, steps=6, rule=rule, seed=20 + i)
+        state = state_of(model)
+        report = rollout.load_from(world, src, trainer_buffers, src, state, handoff="ipc", budget_bytes=budget)
+        for t, w in enumerate(report.workers):
+            assert w["handoff"] == "ipc"
+            assert w["handles"] == len(buckets.buffers(t)) < w["tensors"] == len(rollout.layout.buffers(t))
+            assert w["bytes_received"] == 0 and w["messages"] == 0
+            assert w["bytes_local"] == rollout.layout.numel(t) * 4
+        assert [r.handles for r in report.trainer] == [len(buckets.buffers(0)), len(buckets.buffers(1)), 0, 0]
+        assert report.bytes_received == sum(rollout.layout.numel(t) for t in range(2)) * 4
+        assert_weights_equal(rollout, state)
+        tokens.append(assert_matches_hf(rollout, model)[0])
+    assert tokens[0] != tokens[1]
 
 
 # --- (d) another model: refused before any byte moves -----------------------------------------------------

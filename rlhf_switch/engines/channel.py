@@ -22,6 +22,17 @@ the plan digest and the channel's count of moves (``verify_seed``, the same on e
 each move is collective), so successive syncs check different pieces. A corrupted piece raises
 ``VerifyError`` on every member (``routing/verify.py``).
 
+*Handoff* (``handoff``: ``p2p`` | ``ipc``): ``p2p`` moves the bytes over the group, rank to rank.
+``ipc`` (the colocated handoff, for members given as ``colocated`` pairs ``(worker rank, trainer
+rank)`` on one device) runs two steps: the trainer's ranks gather, over the group, each worker's
+fragments into packed buckets held by its colocated trainer rank (``train -> bucket_layout``,
+``vps/layouts/buckets.py``); that rank then hands the worker one handle per bucket through the
+channel's TCPStore (``routing/handoff.py``: CUDA IPC on a GPU, shared memory on CPU), and the
+worker copies out of the buckets into its parameters with the plan's local copies
+(``bucket_layout -> dst``) and says so through the store before the buckets are used again.
+``resolve_handoff`` decides it from where the members sit (``auto``: ``ipc`` when every worker has
+a trainer rank on its device).
+
 What a sync used to do each time — a TCPStore and a gloo group per sync, both layouts pickled
 into every worker, a plan per sync — is done once here; a sync is the move (one 32-byte agreement
 plus the transfers) and the engine's cache reset.
@@ -29,19 +40,24 @@ plus the transfers) and the engine's cache reset.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..routing.comm import GroupComm, as_comm, bare_group, comm_device
-from ..routing.executor import DEFAULT_BUDGET, Deadlines, MoveReport, move
+from ..routing.executor import DEFAULT_BUDGET, Deadlines, MoveError, MoveReport, move
 from ..routing.verify import DEFAULT_FRACTION, check_mode
 from ..vps.layout import Layout, LayoutError
+from ..vps.layouts.buckets import bucket_layout
+from ..vps.spec import itemsize
+
+HANDOFFS = ("auto", "p2p", "ipc")
 
 # process groups made by weight channels in this process: a run makes one per member process
 GROUPS_CREATED = 0
@@ -109,6 +125,8 @@ class Endpoint:
     standby_s: float = 3600.0    # how long a member may stand ready before the others arrive
     verify: str = "off"          # off | sample | full: checksums of the moved pieces (routing/verify.py)
     verify_fraction: float = DEFAULT_FRACTION  # of each pair's pieces, with verify "sample"
+    handoff: str = "p2p"         # p2p | ipc (resolved: see resolve_handoff)
+    colocated: tuple = ()        # ipc: (worker rank, trainer rank) pairs on one device
     backend: str = "gloo"        # the group's: nccl where the weights are CUDA tensors (rlhf_switch.device)
 
     def at(self, first_rank: int) -> "Endpoint":
@@ -129,7 +147,47 @@ class ChannelStats:
     open_s: float = 0.0            # group creation (once)
     plans: int = 0                 # layout pairs set (1 unless re-planned)
     pieces_verified: int = 0       # pieces checked here as their destination, over all moves
+    handoff: str = "p2p"
+    handles_sent: int = 0          # ipc: bucket handles handed to colocated workers, over all moves
+    handles_received: int = 0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class ChannelReport(MoveReport):
+    """A member's part of one move. ``p2p``: the executor's report. ``ipc``: on a trainer rank the
+    gather into the buckets (its bytes) and the handles it handed out; on a worker its copy out of
+    the buckets (``bytes_local``; nothing over the group) and the handles it opened. ``phases``
+    adds ``gather`` (the group move), ``handles`` (waiting for them / for the workers' copies)."""
+
+    handoff: str = "p2p"
+    handles: int = 0   # this move's bucket handles, handed out (trainer) or opened (worker)
+    buckets: int = 0   # buckets behind them
+    tensors: int = 0   # the parameters they fill (a worker's buffers): handles are per bucket, not these
+
+
+def resolve_handoff(option: str, devices: Sequence, senders: int) -> tuple[str, tuple]:
+    """The handoff a channel uses, from where its members sit: ``devices[r]`` is channel rank
+    ``r``'s device (any comparable label that includes the host, e.g. ``(node, device)``); ranks
+    ``0..senders-1`` are the trainer's, the rest the rollout workers. Returns ``(handoff,
+    colocated)`` with ``colocated`` the ``(worker, trainer rank)`` pairs (the lowest trainer rank
+    on the worker's device). ``auto``: ``ipc`` when every worker has one, else ``p2p``; ``ipc``
+    where some worker has none: ``ValueError`` naming them (before anything is opened)."""
+    if option not in HANDOFFS:
+        raise ValueError(f"handoff {option!r}: expected one of {', '.join(HANDOFFS)}")
+    if option == "p2p":
+        return "p2p", ()
+    first: dict = {}
+    for r in range(senders):
+        first.setdefault(devices[r], r)
+    pairs = tuple((w, first[devices[w]]) for w in range(senders, len(devices)) if devices[w] in first)
+    alone = [w for w in range(senders, len(devices)) if devices[w] not in first]
+    if not alone and len(devices) > senders:
+        return "ipc", pairs
+    if option == "auto":
+        return "p2p", ()
+    raise ValueError(f"handoff ipc: channel ranks {alone} (on {[devices[w] for w in alone]}) have no trainer "
+                     f"rank on their device; use handoff p2p or auto")
 
 
 class ChannelEnd:
@@ -138,9 +196,20 @@ class ChannelEnd:
     def __init__(self, group: Any, rank: int, world_size: int, *, store: Any = None,
                  timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET, open_s: float = 0.0,
                  standby_s: float | None = None, deadline: Deadlines | None = None,
-                 verify: str = "off", verify_fraction: float = DEFAULT_FRACTION, backend: str = "gloo"):
+                 verify: str = "off", verify_fraction: float = DEFAULT_FRACTION,
+                 handoff: str = "p2p", colocated: Sequence = (), backend: str = "gloo"):
         check_mode(verify, verify_fraction)
+        if handoff not in ("p2p", "ipc"):
+            raise ValueError(f"a channel's handoff is p2p or ipc (resolve 'auto' first), not {handoff!r}")
+        if handoff == "ipc" and store is None:
+            raise ValueError("handoff ipc needs the channel's store for the handles (a joined channel)")
         self.group, self.rank, self.world_size, self._store = group, rank, world_size, store
+        self.handoff = handoff
+        self.colocated = {int(w): int(t) for w, t in colocated}  # worker rank -> its trainer rank
+        self._handoff_store = dist.PrefixStore("vps-handoff", store) if handoff == "ipc" else None
+        self._gather = self._own = None  # ipc: the bucket layouts (held by trainer ranks / by the workers)
+        self._buckets = None  # ipc, a trainer rank holding buckets: made at the first move, reused
+        self._opened = None  # ipc, a worker: (the handles' bytes, the buckets they map)
         # the move's comm, made once; it knows the channel's store, where a failed move's reports
         # go (``PeerLost`` then names the member that is gone)
         self._comm = (GroupComm(group, comm_device(backend), store=dist.PrefixStore("vps-weight-channel", store))
@@ -156,13 +225,14 @@ class ChannelEnd:
         self._attempts = 0  # moves attempted: the default seed of a sampled verification
         self.src: Layout | None = None
         self.dst: Layout | None = None
-        self._stats = ChannelStats(rank, world_size, GROUPS_CREATED, open_s=open_s)
+        self._stats = ChannelStats(rank, world_size, GROUPS_CREATED, open_s=open_s, handoff=handoff)
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, *, store: Any = None,
              timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET,
              standby_s: float = 3600.0, verify: str = "off",
-             verify_fraction: float = DEFAULT_FRACTION, backend: str = "gloo") -> "ChannelEnd":
+             verify_fraction: float = DEFAULT_FRACTION, handoff: str = "p2p",
+             colocated: Sequence = (), backend: str = "gloo") -> "ChannelEnd":
         """Join the channel's own group (``backend``: gloo, or nccl for CUDA weights; collective
         over its ``world_size`` members) over the TCPStore at ``host:port`` (``store``: the store
         itself, on the member that hosts it).
@@ -179,7 +249,8 @@ class ChannelEnd:
         GROUPS_CREATED += 1
         return cls(group, rank, world_size, store=store, timeout_s=timeout_s, budget_bytes=budget_bytes,
                    open_s=time.perf_counter() - t0, standby_s=max(timeout_s, standby_s),
-                   verify=verify, verify_fraction=verify_fraction, backend=backend)
+                   verify=verify, verify_fraction=verify_fraction, handoff=handoff, colocated=colocated,
+                   backend=backend)
 
     @classmethod
     def over(cls, ranks: list[int] | None = None, *, timeout_s: float = 300.0,
@@ -207,6 +278,15 @@ class ChannelEnd:
         if src.spec.digest != dst.spec.digest:
             raise LayoutError(f"cannot move {src.name} of model {src.spec.name!r} into {dst.name} of "
                               f"model {dst.spec.name!r}: different models; nothing was moved")
+        if self.handoff == "ipc":
+            holding = {r for r in range(dst.world_size) if dst.fragments(r)}
+            missing = sorted(holding - set(self.colocated))
+            if missing:
+                raise LayoutError(f"handoff ipc: destination ranks {missing} of {dst.name} have no colocated "
+                                  f"trainer rank; nothing was moved")
+            self._gather = bucket_layout(dst, self.colocated, self.budget_bytes)
+            self._own = bucket_layout(dst, {w: w for w in self.colocated}, self.budget_bytes)
+            self._buckets = self._opened = None
         self.src, self.dst = src, dst
         self._stats.plans += 1
 
@@ -222,18 +302,115 @@ class ChannelEnd:
         t_enter = time.time()  # wall clock: comparable across the members' processes on one host
         seed = self._attempts if verify_seed is None else verify_seed
         self._attempts += 1  # every move attempted, failed ones too: every member counts alike
+        if self.handoff == "ipc":
+            report = self._move_ipc(src_buffers, dst_buffers, self._attempts - 1, verify=verify or self.verify,
+                                    verify_fraction=self.verify_fraction if verify_fraction is None
+                                    else verify_fraction, verify_seed=seed)
+            report.phases["entered_at"] = t_enter
+            self._count(report)
+            return report
         report = move(self.src, self.dst, src_buffers, dst_buffers, group=self._comm,
                       budget_bytes=self.budget_bytes, timeout=self.timeout, deadline=self.deadline,
                       verify=verify or self.verify,
                       verify_fraction=self.verify_fraction if verify_fraction is None else verify_fraction,
                       verify_seed=seed)
         report.phases["entered_at"] = t_enter
+        self._count(report)
+        return report
+
+    def _count(self, report: MoveReport) -> None:
         s = self._stats
         s.moves += 1
         s.pieces_verified += report.pieces_verified
         s.bytes_sent += report.bytes_sent
         s.bytes_received += report.bytes_received
         s.last_move_s = report.seconds
+        if isinstance(report, ChannelReport) and report.handoff == "ipc":
+            if self.rank in self.colocated:
+                s.handles_received += report.handles
+            else:
+                s.handles_sent += report.handles
+
+    def _wait(self, store, key: str, nbytes: int, peer: int, what: str) -> None:
+        """Wait for ``key`` as long as the move's deadlines allow for ``nbytes``; else ``PeerLost``
+        naming ``peer`` (the member that should have written it)."""
+        from ..routing.executor import PeerLost
+
+        limit = self.deadline.for_bytes(nbytes)
+        try:
+            store.wait([key], timedelta(seconds=limit))
+        except Exception as e:  # noqa: BLE001 - the store's timeout (its type differs across versions)
+            raise PeerLost(f"rank {self.rank}: handoff ipc: lost rank {peer}: no {what} within {limit:.0f} s",
+                           rank=self.rank, lost=[peer], pending=[key], cause=f"{type(e).__name__}: {e}",
+                           reports={}, elapsed_s=limit, deadline_s=limit) from None
+
+    def _move_ipc(self, src_buffers, dst_buffers, seq: int, **verify) -> ChannelReport:
+        """The colocated handoff (module docstring): gather into the buckets over the group, then
+        the handles through the store, the workers' local copies, their word that they are done."""
+        from ..routing import handoff
+
+        t0 = time.perf_counter()
+        mine = sorted(w for w, t in self.colocated.items() if t == self.rank)  # workers whose buckets I hold
+        if mine and self._buckets is None:
+            device = next(iter(src_buffers.values())).device if src_buffers else torch.device("cpu")
+            self._buckets = handoff.allocate(self._gather, self.rank, device)
+        worker = self.rank in self.colocated
+        # a worker whose buffers cannot take its buckets refuses in the gather's agreement: every
+        # member raises there, before a byte moves
+        refuse = handoff.check_destination(self.dst, self.rank, dst_buffers) if worker else None
+        gather = move(self.src, self._gather, src_buffers, self._buckets if mine else {}, group=self._comm,
+                      budget_bytes=self.budget_bytes, timeout=self.timeout, deadline=self.deadline,
+                      refuse=refuse, **verify)
+        t_gather = time.perf_counter()
+        store, report = self._handoff_store, None
+        if mine:  # hand each colocated worker its buckets' handles, then wait for its copy
+            handoff.settle(self._buckets)
+            handles = 0
+            for w in mine:
+                names = list(self._own.buffers(w))  # worker w's buckets, as both bucket layouts name them
+                store.set(f"{seq}/handles/{w}", pickle.dumps(handoff.export({n: self._buckets[n] for n in names})))
+                handles += len(names)
+            failed = {}
+            for w in mine:
+                # the worker's copy of its bytes: the move's deadline for them, then it is lost
+                # ("lost rank N": Cluster names the member)
+                nbytes = sum(b.numel * itemsize(b.dtype) for b in self._own.buffers(w).values())
+                self._wait(store, f"{seq}/done/{w}", nbytes, w, "word that it copied out of the buckets")
+                word = store.get(f"{seq}/done/{w}").decode()
+                if word != "ok":
+                    failed[w] = word
+                for k in (f"{seq}/handles/{w}", f"{seq}/done/{w}"):
+                    store.delete_key(k)
+            if failed:
+                raise MoveError("handoff ipc: " + "; ".join(f"worker rank {w} failed its copy out of the "
+                                                            f"buckets: {e}" for w, e in sorted(failed.items())))
+            report = ChannelReport(**vars(gather), handoff="ipc", handles=handles, buckets=len(self._buckets))
+        elif worker:  # open my buckets' handles, copy out of them into my buffers, say so
+            self._wait(store, f"{seq}/handles/{self.rank}", 0, self.colocated[self.rank], "the handles of its buckets")
+            raw = store.get(f"{seq}/handles/{self.rank}")
+            handles = pickle.loads(raw)
+            t_handles = time.perf_counter()
+            try:
+                # the trainer reuses its buckets, so the same handles come every sync: map them
+                # once (a new set — re-planned, re-allocated — replaces the old mapping)
+                if self._opened is None or self._opened[0] != raw:
+                    self._opened = None
+                    self._opened = (raw, handoff.open_handles(handles))
+                buckets = self._opened[1]
+                local = handoff.copy_local(self._own, self.dst, self.rank, buckets, dst_buffers, self.budget_bytes)
+                handoff.settle(dst_buffers)
+            except BaseException as e:
+                store.set(f"{seq}/done/{self.rank}", f"{type(e).__name__}: {e}"[:2000])
+                raise
+            store.set(f"{seq}/done/{self.rank}", "ok")
+            fields = dict(vars(local), phases={**local.phases, "handles": t_handles - t_gather},
+                          verify=gather.verify, pieces_verified=gather.pieces_verified)
+            report = ChannelReport(**fields, handoff="ipc", handles=len(handles), buckets=len(handles),
+                                   tensors=len(self.dst.buffers(self.rank)))
+        else:  # a trainer rank that only sends into others' buckets
+            report = ChannelReport(**vars(gather), handoff="ipc")
+        report.phases["gather"] = t_gather - t0
+        report.seconds = time.perf_counter() - t0
         return report
 
     def stats(self) -> dict:
@@ -248,7 +425,8 @@ class ChannelEnd:
 
     def close(self) -> None:
         self.group = self._comm = None
-        self._store = None
+        self._store = self._handoff_store = None
+        self._buckets = self._opened = None
         self.src = self.dst = None
 
 

@@ -15,7 +15,9 @@ The move goes through a weight channel (``engines/channel.py``): trainer ranks `
 vLLM workers ``n..n+tp-1`` form one gloo group over a TCPStore, both layouts placed on it
 (``place``); every worker keeps its end (``channel_open``, once) and each sync is one
 ``channel_receive`` — the workers' part of the move, straight into their parameters — while the
-trainer ranks send. Then the prefix cache is reset: KV computed with old weights must not be
+trainer ranks send (``handoff="ipc"``: the trainer rank on a worker's device gathers the worker's
+fragments into shared buckets and hands it one handle per bucket; the worker copies them into its
+parameters — ``engines/channel.py``). Then the prefix cache is reset: KV computed with old weights must not be
 reused. ``load_from`` does the same for the ranks of a ``LocalWorld``, with a one-shot channel. Where the platform has sleep mode (GPU), the engine sleeps (level 2: weights and KV
 freed), wakes its weights, receives, then wakes its KV cache; on CPU sleep mode is refused by vLLM
 and these steps are skipped.
@@ -179,16 +181,18 @@ class VLLMRollout:
     # --- the move -------------------------------------------------------------------------------------
     def load_from(self, world, src_layout: Layout, make_buffers: Callable[..., dict], *args,
                   budget_bytes: int = DEFAULT_BUDGET, timeout_s: float = 300.0, verify: str = "off",
-                  **kwargs) -> LoadReport:
+                  handoff: str = "p2p", **kwargs) -> LoadReport:
         """Move the weights ``src_layout`` describes, held by ``world``'s ranks (rank ``r``'s buffers
         are ``make_buffers(*args, **kwargs)`` run on rank ``r``), into this engine's workers: a
         one-shot weight channel (``engines/channel.py``) between the world's ranks and the workers —
         a loop keeps one channel open instead (``channel_open`` once, ``channel_receive`` per sync).
         ``verify`` (``off``/``sample``/``full``): check the move's bytes in the workers
-        (``routing/verify.py``)."""
+        (``routing/verify.py``). ``handoff`` (``p2p``/``ipc``/``auto``, ``engines.channel.resolve_handoff``):
+        here the world's rank ``t`` and worker ``t`` count as sharing device ``t`` (one host), so
+        ``ipc`` hands worker ``t`` its weights as shared buckets of rank ``t``."""
         import time
 
-        from .channel import Endpoint, open_store
+        from .channel import Endpoint, open_store, resolve_handoff
 
         n = world.world_size
         if src_layout.world_size != n:
@@ -198,11 +202,12 @@ class VLLMRollout:
                               f"({src_layout.spec.digest}) into the vLLM engine for {self.spec.name!r} "
                               f"({self.spec.digest}): different models; nothing was moved")
         total = n + self.tp
+        mode, colocated = resolve_handoff(handoff, list(range(n)) + list(range(self.tp)), n)
         t0 = time.perf_counter()
         store, host, port = open_store(timeout_s)
         endpoint = Endpoint(host, port, total, n, place(src_layout, range(n), total),
                             place(self.layout, range(n, total), total), budget_bytes, timeout_s,
-                            verify=verify)
+                            verify=verify, handoff=mode, colocated=colocated)
         box: dict[str, Any] = {}
 
         def workers():
@@ -237,7 +242,7 @@ class VLLMRollout:
         e = endpoint
         return self._rpc("vps_channel_open", e.host, e.port, e.first_rank, e.world_size, pickle.dumps(e.src),
                          pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, e.standby_s, e.verify, e.verify_fraction,
-                         e.backend, timeout=e.timeout_s + 60)
+                         e.handoff, [list(p) for p in e.colocated], e.backend, timeout=e.timeout_s + 60)
 
     def channel_receive(self, timeout_s: float | None = None, verify: str | None = None) -> list[dict]:
         """The workers' part of one sync (the trainer ranks send meanwhile); sleep/wake around it
@@ -342,7 +347,7 @@ def _send(endpoint, make_buffers: Callable[..., dict], args: tuple, kwargs: dict
     e = endpoint
     channel = ChannelEnd.join(e.host, e.port, dist.get_rank(), e.world_size, timeout_s=e.timeout_s,
                               budget_bytes=e.budget_bytes, verify=e.verify, verify_fraction=e.verify_fraction,
-                              backend=e.backend)
+                              handoff=e.handoff, colocated=e.colocated, backend=e.backend)
     channel.set_layouts(e.src, e.dst)
     try:
         return channel.move(buffers, {})

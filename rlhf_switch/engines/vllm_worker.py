@@ -12,7 +12,7 @@ It is deliberately thin:
   byte moves;
 - ``vps_channel_open`` / ``vps_channel_receive``: join the run's weight channel (``engines/channel.py``:
   a gloo group with the trainer ranks, both layouts) once, then receive this worker's fragments in
-  place at every sync;
+  place at every sync (handoff ``ipc``: copied out of its colocated trainer rank's shared buckets);
 - ``vps_read``: the parameters as safetensors bytes (tests read the engine's weights back with it:
   raw tensors do not survive ``collective_rpc`` through vLLM's engine-core process).
 
@@ -132,10 +132,13 @@ class VpsWorkerExtension:
     @_answer
     def vps_channel_open(self, host: str, port: int, first_rank: int, world_size: int, src_layout: bytes,
                          dst_layout: bytes, timeout_s: float, budget_bytes: int, standby_s: float = 3600.0,
-                         verify: str = "off", verify_fraction: float = 0.1, backend: str = "gloo") -> dict:
+                         verify: str = "off", verify_fraction: float = 0.1, handoff: str = "p2p",
+                         colocated: list | None = None, backend: str = "gloo") -> dict:
         """Join the run's weight channel as rank ``first_rank + tp_rank`` and keep it (and both
-        layouts) for every later ``vps_channel_receive``; ``backend``: the channel's (nccl where
-        the parameters are CUDA tensors)."""
+        layouts) for every later ``vps_channel_receive``. ``handoff`` ``ipc``: this worker's
+        weights arrive as handles to buckets of its colocated trainer rank (``colocated``:
+        ``[worker rank, trainer rank]`` pairs), through the channel's store; ``backend``: the
+        channel's group's (nccl where the parameters are CUDA tensors)."""
         from .channel import ChannelEnd
 
         tp_rank, _ = _tp_rank_and_size()
@@ -144,7 +147,8 @@ class VpsWorkerExtension:
             old.close()
         self._vps_channel = ChannelEnd.join(host, port, first_rank + tp_rank, world_size,
                                             timeout_s=timeout_s, budget_bytes=budget_bytes, standby_s=standby_s,
-                                            verify=verify, verify_fraction=verify_fraction, backend=backend)
+                                            verify=verify, verify_fraction=verify_fraction, handoff=handoff,
+                                            colocated=[tuple(p) for p in colocated or ()], backend=backend)
         self._vps_channel.set_layouts(pickle.loads(src_layout), pickle.loads(dst_layout))
         return self._vps_channel.stats()
 

@@ -97,6 +97,11 @@ class TrainerLayout(TrainLayout):
 
 class RolloutLayout(PhaseLayout):
     engine: EngineName
+    # how the weight channel hands the trainer's weights to the rollout workers
+    # (engines/channel.py): p2p = over the channel's group; ipc = the colocated handoff (a
+    # trainer rank on each worker's device hands it shared buckets by handle: CUDA IPC / shared
+    # memory); auto = ipc where every worker has a trainer rank on its device, else p2p
+    handoff: Literal["auto", "p2p", "ipc"] = "p2p"
     # the rollout engine shares its devices with the trainer (one placement-group bundle per
     # device, both actors on it); false: its own devices (engines of placement "replica" only)
     colocate: bool = True

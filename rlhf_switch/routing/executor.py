@@ -159,7 +159,7 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
          budget_bytes: int = DEFAULT_BUDGET, ranks_per_node: int | None = None,
          timeout: timedelta = DEFAULT_TIMEOUT, deadline: Deadlines | None = None,
          dry_run: bool = False, verify: str = "off", verify_fraction: float = DEFAULT_FRACTION,
-         verify_seed: int = 0) -> MoveReport | Schedule:
+         verify_seed: int = 0, refuse: str | None = None) -> MoveReport | Schedule:
     """Move everything ``dst`` wants from ``src``'s buffers into ``dst``'s buffers on this rank.
 
     ``group`` is the default world, a registered group, a bare ``ProcessGroup`` (one formed
@@ -174,6 +174,9 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     source, is checked on the bytes that landed) or ``"sample"`` (a ``verify_fraction`` of each
     pair's pieces, chosen from the plan digest and ``verify_seed``, the same on every rank); see
     ``routing/verify.py``. A mismatch raises ``VerifyError`` on every rank.
+    ``refuse``: this rank's own reason not to go ahead (what it does next with the moved bytes
+    cannot work — e.g. a colocated worker's buffers do not fit the handoff): every rank then
+    raises ``MoveError`` in the agreement, before a byte moves.
     """
     check_mode(verify, verify_fraction)
     t_start = time.perf_counter()
@@ -188,6 +191,8 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
         schedule = prepare(src, dst, rank, src_buffers, dst_buffers, budget_bytes, ranks_per_node)
     except (LayoutError, ValueError, KeyError) as e:
         error = f"{type(e).__name__}: {e}"
+    if refuse and error is None:
+        error = refuse
     if dry_run:
         if error:
             raise MoveError(error)
