@@ -2,17 +2,20 @@
 
     rlhf-switch train CONFIG [--iterations N] [--output-dir DIR] [--resume [DIR]] [--stale-tol T]
                              [--quiet] [--verbose]
+    rlhf-switch tune CONFIG [--world-size N] [--device-memory GiB] [--top K] [--out FILE]
+                            [--calibrate] [--profile FILE]
 
 ``train`` runs the recipe the config's ``algorithm.name`` names (``recipes.grpo`` or
 ``recipes.ppo``) with the same options as ``python -m recipes.<name>``; ``rlhf-switch train
---help`` describes them. ``rlhf-switch`` alone prints the usage and exits 2.
+--help`` describes them. ``tune`` ranks the config's per-phase layouts by modelled iteration time
+(``recipes.tune``). ``rlhf-switch`` alone prints the usage and exits 2.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-COMMANDS = ("train",)
+COMMANDS = ("train", "tune")
 DESCRIPTION = "RLHF (GRPO/PPO) over Ray with per-phase layouts switched through the Virtual Parameter Space."
 TRAIN_DESCRIPTION = """\
 Run GRPO or PPO as the config's algorithm.name says (the same as python -m recipes.grpo|ppo).
@@ -26,6 +29,7 @@ Run GRPO or PPO as the config's algorithm.name says (the same as python -m recip
 
 def parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser and its ``train`` sub-parser."""
+    from recipes import tune as tune_recipe
     from recipes.loop import add_arguments
 
     ap = argparse.ArgumentParser(prog="rlhf-switch", description=DESCRIPTION)
@@ -33,6 +37,10 @@ def parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     train = sub.add_parser("train", help="run GRPO or PPO from a config (rlhf-switch train --help)",
                            description=TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(train)
+    tune = sub.add_parser("tune", help="rank per-phase layouts by modelled iteration time (rlhf-switch tune --help)",
+                          description=tune_recipe.TUNE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune_recipe.add_arguments(tune)
+    ap.commands = {"train": train, "tune": tune}  # each command's own usage, for the one-word errors
     return ap, train
 
 
@@ -41,15 +49,15 @@ def main(argv=None) -> int:
     ap, train = parser()
     if not argv:
         ap.print_usage(sys.stderr)
-        print("rlhf-switch: give a command (known: train); rlhf-switch --help for more", file=sys.stderr)
+        print("rlhf-switch: give a command (known: train, tune); rlhf-switch --help for more", file=sys.stderr)
         return 2
     if not argv[0].startswith("-") and argv[0] not in COMMANDS:
         ap.print_usage(sys.stderr)
         print(f"rlhf-switch: unknown command {argv[0]!r} (known: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    if argv == ["train"]:
-        train.print_usage(sys.stderr)
-        print("rlhf-switch train: give a config file, e.g. configs/grpo_tiny.yaml (rlhf-switch train --help)",
+    if argv in (["train"], ["tune"]):
+        ap.commands[argv[0]].print_usage(sys.stderr)
+        print(f"rlhf-switch {argv[0]}: give a config file, e.g. configs/grpo_tiny.yaml (rlhf-switch {argv[0]} --help)",
               file=sys.stderr)
         return 2
     try:
@@ -59,6 +67,10 @@ def main(argv=None) -> int:
     if a.command is None:
         ap.print_usage(sys.stderr)
         return 2
+    if a.command == "tune":
+        from recipes.tune import main_args
+
+        return main_args(a)
     from rlhf_switch.rl.config import ConfigError, load_config
 
     try:

@@ -229,6 +229,9 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 "handles": sync.get("handles", 0),
                 "switch_breakdown": sync.get("breakdown", {}),
                 "train_seconds": train_s,
+                # inside train: old/reference log-probs (and PPO values) vs the update, slowest worker
+                "logprob_seconds": max(s["logprob_seconds"] for s in stats),
+                "update_seconds": max(s["update_seconds"] for s in stats),
                 "optimizer_steps": stats[0]["steps"],
                 **({k: stats[0][k] for k in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean") if k in stats[0]}),
                 "iteration_seconds": time.perf_counter() - t_it,

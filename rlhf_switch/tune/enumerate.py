@@ -1,0 +1,111 @@
+"""The legal per-phase layouts of a run: what ``rlhf-switch train`` would accept, phase by phase.
+
+A layout is legal for a phase when the config's own rules accept it (``rl.config``: it covers the
+world, TP divides heads, KV heads and MLP width, PP has a layer per stage, DP divides the batch)
+and the phase's engine runs it (the engine registry's ``layout_problems``: DeepSpeed is ZeRO 1–3
+DP only, ``torch_pp`` has ``dp`` 1, the critic needs an engine with a value head, …). Nothing here
+is a second copy of those rules: every candidate is asked of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Iterable, Sequence
+
+from ..engines.base import (EngineError, rollout_engine, rollout_engine_names, training_engine,
+                            training_engine_names)
+from ..rl import config as rlconfig
+from ..rl.config import PhaseLayout, RolloutLayout, RunConfig, TrainerLayout, TrainLayout
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One layout per phase of a run (``reference``/``critic`` None when the run has none)."""
+
+    train: TrainerLayout
+    rollout: RolloutLayout
+    reference: TrainLayout | None = None
+    critic: TrainLayout | None = None
+
+    def phases(self) -> dict[str, PhaseLayout]:
+        return {p: getattr(self, p) for p in rlconfig.PHASES if getattr(self, p) is not None}
+
+    def apply(self, cfg: RunConfig) -> RunConfig:
+        """``cfg`` with these layouts (and ``world_size`` theirs)."""
+        return cfg.model_copy(update={"world_size": self.train.size, **self.phases()})
+
+
+def describe(layout: PhaseLayout) -> str:
+    """``deepspeed ZeRO3·DP2``, ``torch_tp TP2·DP2``, ``vllm TP2×2`` (rollout: TP × replicas)."""
+    if isinstance(layout, RolloutLayout):
+        return f"{layout.engine} TP{layout.tp}×{layout.dp}"
+    parts = [f"{n}{v}" for n, v in (("TP", layout.tp), ("PP", layout.pp), ("DP", layout.dp)) if v > 1] or ["DP1"]
+    zero = f"ZeRO{layout.zero_stage}·" if layout.zero_stage else ""
+    return f"{layout.engine} {zero}{'·'.join(parts)}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _engine_problems(phase: str, layout: PhaseLayout, dims) -> list[str]:
+    try:
+        if phase == "rollout":
+            return rollout_engine(layout.engine).layout_problems(phase, layout, dims)
+        head = "value" if phase == "critic" else "lm"
+        return training_engine(layout.engine).layout_problems(phase, layout, dims, head=head)
+    except EngineError as e:
+        return [f"{phase}.engine: {e}"]
+
+
+def phase_problems(phase: str, layout: PhaseLayout, world: int, dims) -> list[str]:
+    """Why ``layout`` cannot run ``phase`` on ``world`` devices for the model ``dims``."""
+    problems = rlconfig._layout_problems(phase, layout, world)
+    if dims is not None:
+        problems += rlconfig._model_split_problems(phase, layout, dims)
+    return problems + _engine_problems(phase, layout, dims)
+
+
+def phase_layouts(phase: str, world: int, dims, engines: Iterable[str]) -> list[PhaseLayout]:
+    """Every legal layout of ``phase`` on ``world`` devices with one of ``engines``."""
+    # the train block has fields of its own (offload); the candidates keep their defaults
+    cls = {"rollout": RolloutLayout, "train": TrainerLayout}.get(phase, TrainLayout)
+    found = []
+    for engine in engines:
+        for tp, pp in product(divisors(world), divisors(world)):
+            if world % (tp * pp):
+                continue
+            for zero in (1, 2, 3) if engine == "deepspeed" else (0,):
+                layout = cls(engine=engine, zero_stage=zero, tp=tp, pp=pp, dp=world // (tp * pp))
+                if not phase_problems(phase, layout, world, dims):
+                    found.append(layout)
+    return found
+
+
+def combination_problems(cfg: RunConfig, combo: Combination) -> list[str]:
+    """The rules that tie phases and the batch together (``rl.config._batch_problems``, the
+    loop's critic/actor DP rule)."""
+    problems = rlconfig._batch_problems(combo.apply(cfg))
+    if combo.critic is not None and combo.critic.dp != combo.train.dp:
+        problems.append(f"critic: dp={combo.critic.dp} must equal train.dp={combo.train.dp}")
+    return problems
+
+
+def enumerate_combinations(cfg: RunConfig, world: int | None = None,
+                           train_engines: Sequence[str] | None = None,
+                           rollout_engines: Sequence[str] | None = None) -> dict[str, list]:
+    """``{"train": [...], "rollout": [...], "reference": [...], "critic": [...]}``: each phase's
+    legal layouts on ``world`` (default: the config's) with the registered engines (or those
+    given); phases the run does not have are empty lists."""
+    world = world or cfg.world_size
+    dims = rlconfig.model_dims(cfg.model)
+    train_engines = list(train_engines or training_engine_names())
+    rollout_engines = list(rollout_engines or rollout_engine_names())
+    out = {"train": phase_layouts("train", world, dims, train_engines),
+           "rollout": phase_layouts("rollout", world, dims, rollout_engines),
+           "reference": phase_layouts("reference", world, dims, train_engines) if cfg.reference is not None else [],
+           "critic": phase_layouts("critic", world, dims, train_engines) if cfg.critic is not None else []}
+    # a layout whose batch split fails for every partner is dropped here already
+    out["rollout"] = [r for r in out["rollout"] if cfg.algorithm.prompts_per_iteration % r.dp == 0
+                      and cfg.eval.num_prompts % r.dp == 0]
+    return out
