@@ -119,7 +119,7 @@ class Critic:
         # global weight and token count; and the same number of micro-batches everywhere (sharded
         # engines gather inside each forward: unequal counts would hang, so refuse on every rank)
         totals = torch.stack([weight(mask), mask.sum()]).double()
-        counts = torch.tensor([n_chunks, -n_chunks], dtype=torch.int64)
+        counts = torch.tensor([n_chunks, -n_chunks], dtype=torch.int64, device=mask.device)
         if self.dp > 1:
             dist.all_reduce(totals, group=self.dp_group)
             dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
@@ -139,7 +139,7 @@ class Critic:
 
         step = self.engine.train_step(ids, micro, loss_fn)
         stats = torch.tensor([sum(s["loss_sum"] for s in step["stats"]), sum(s["clip_sum"] for s in step["stats"])],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=mask.device)
         if self.dp > 1:
             dist.all_reduce(stats, group=self.dp_group)
         self.steps += 1

@@ -43,6 +43,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from rlhf_switch.device import CPU, DeviceSpec
 from rlhf_switch.rl.algorithms import aggregate, kl_penalty, masked_mean, policy_loss
 from rlhf_switch.rl.config import RunConfig, load_config
 
@@ -76,6 +77,16 @@ class HybridWorker:
         self.channel = None
         self._offload = None
         self._cpu_peak = 0  # CPU: the most bytes the trainer's state buffers held since the last mark
+        self.device = CPU
+
+    def devices_seen(self) -> dict:
+        """What this actor sees on its bundle: a GPU or not (``device: auto`` is resolved from
+        it, once, by the driver) and the GPU ids Ray assigned it."""
+        import ray
+
+        from rlhf_switch.device import cuda_available
+
+        return {"cuda": cuda_available(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     # --- the world ---------------------------------------------------------------------------------
     def open_store(self) -> tuple[str, int]:
@@ -92,18 +103,21 @@ class HybridWorker:
 
         return node_of_this_process()
 
-    def init_world(self, host: str, port: int, rank: int, world: int) -> dict:
+    def init_world(self, host: str, port: int, rank: int, world: int, device: DeviceSpec = CPU) -> dict:
+        """Join the workers' world; ``device``: the run's (``rlhf_switch.device``), whose backend
+        the world's groups use (nccl: every tensor a collective carries is on this actor's GPU)."""
         torch.set_num_threads(1)
         store = self._store or dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT)
         self._store = store
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+        self.device = device
+        dist.init_process_group(device.backend, store=store, rank=rank, world_size=world, timeout=TIMEOUT)
         self.rank, self.world = rank, world
         return {"rank": rank, "pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
-    def init_world_at(self, address: tuple[str, int], rank: int, world: int) -> dict:
+    def init_world_at(self, address: tuple[str, int], rank: int, world: int, device: DeviceSpec = CPU) -> dict:
         """``init_world`` with rank 0's ``open_store`` answer as one argument: the driver can pass
         that call's object ref on without waiting for it (the elastic background build)."""
-        return self.init_world(address[0], address[1], rank, world)
+        return self.init_world(address[0], address[1], rank, world, device)
 
     # --- engines -----------------------------------------------------------------------------------
     def _training_context(self, cfg: RunConfig):
@@ -111,18 +125,17 @@ class HybridWorker:
         from rlhf_switch.engines.optim import AdamWConfig
 
         alg = cfg.algorithm
-        if cfg.model.dtype != "float32":
-            raise NotImplementedError("float32 only on CPU")
         optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
         return TrainingContext(hf_config_of(cfg), cfg.seed, tuple(range(self.world)), optim,
-                               micro_batch=alg.micro_batch_size, timeout=TIMEOUT)
+                               micro_batch=alg.micro_batch_size, timeout=TIMEOUT, device=self.device)
 
     def build_empty(self, config: dict | RunConfig, init_dir: str | None = None) -> dict:
         """The trainer of ``config`` on this rank with no state of its own worth keeping (its seeded
         weights, Adam state created at zero): the destination of an elastic resize, which
         overwrites all of it. ``init_dir`` (the run's warm start): the reference and a rollout
         engine of placement ``worker`` are built from it too (the reference is the warm start; the
-        rollout engine gets the trainer's weights at the next sync). Never a critic."""
+        rollout engine gets the trainer's weights at the next sync). Never a critic. The device
+        is the one the world was joined with."""
         from rlhf_switch.engines.base import training_engine
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
@@ -140,10 +153,12 @@ class HybridWorker:
         self.train_steps = 0
         return {"rank": self.rank, "trainer": self.trainer.name, "seconds": time.perf_counter() - t0}
 
-    def build(self, config: dict | RunConfig, init_dir: str, resume_dir: str | None = None) -> dict:
+    def build(self, config: dict | RunConfig, init_dir: str, resume_dir: str | None = None,
+              device: DeviceSpec | None = None) -> dict:
         """Build the engines of ``config`` on this rank. The trainer starts from the weights in
         ``init_dir`` (fresh optimizer, step 0) or, when ``resume_dir`` is given, from that
-        checkpoint's weights, Adam moments, step and LR schedule; the reference is ``init_dir``."""
+        checkpoint's weights, Adam moments, step and LR schedule; the reference is ``init_dir``.
+        ``device``: the run's (default: the one the world was joined with)."""
         from dataclasses import replace
 
         from actors.critic import Critic
@@ -151,6 +166,7 @@ class HybridWorker:
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
         self.cfg, alg = cfg, cfg.algorithm
+        self.device = device or self.device  # what the engines run on (the recipe checked them)
         hf = hf_config_of(cfg)
         ctx = self._training_context(cfg)
         optim = ctx.optim
@@ -207,7 +223,8 @@ class HybridWorker:
                 if tp > 1 else [None] * self.replicas
             self.rollout = self.rollout_cls.build(RolloutContext(
                 hf, self.spec, init_dir, tp, self.replicas, self.replica, cfg.seed,
-                int(hf.get("max_position_embeddings", 2048)), tp_rank=self.tp_rank, group=groups[self.replica]))
+                int(hf.get("max_position_embeddings", 2048)), tp_rank=self.tp_rank, group=groups[self.replica],
+                device=self.device))
 
     def _load_weights(self, path: str, engine) -> None:
         """The weights of the checkpoint at ``path`` into ``engine`` (a VPS move from rank 0's
@@ -219,7 +236,8 @@ class HybridWorker:
         from rlhf_switch.routing import move
 
         spec = engine.spec
-        holder = FullState.load_dir(path, spec, weights_only=True).weights() if self.rank == 0 else None
+        holder = (FullState.load_dir(path, spec, weights_only=True).to(self.device.torch_device()).weights()
+                  if self.rank == 0 else None)
         mine = engine.adapter.weights()
         (src, dst), _ = gather_layouts([(spec, holder) if holder else None, (spec, mine)],
                                        ["warm start", f"reference:{engine.name}"])
@@ -237,7 +255,8 @@ class HybridWorker:
         adapter = adapter or self.trainer.adapter
         holder = None
         if self.rank == 0:
-            holder = FullState.load_dir(path, adapter.spec, weights_only=weights_only)
+            # on the run's device: the world's group (nccl on CUDA) carries it to the other ranks
+            holder = FullState.load_dir(path, adapter.spec, weights_only=weights_only).to(self.device.torch_device())
             if weights_only:
                 holder.load_scalars(adapter.scalars())
         report = switch_training(holder, adapter, timeout=TIMEOUT)
@@ -255,11 +274,12 @@ class HybridWorker:
         t0 = time.perf_counter()
         sent = 0
         # the actor's directory first: the critic's goes inside it
-        parts = [(self.trainer.adapter, Path(path), hf_config_of(self.cfg), self.cfg.model.dtype)]
+        parts = [(self.trainer.adapter, Path(path), hf_config_of(self.cfg), self.device.compute_dtype)]
         if self.critic is not None:
             parts.append((self.critic.adapter, Path(path) / "critic", None, "float32"))
         for adapter, where, hf, dtype in parts:
-            holder = FullState(adapter.spec, name=f"checkpoint {where}") if self.rank == 0 else None
+            holder = (FullState(adapter.spec, name=f"checkpoint {where}").to(self.device.torch_device())
+                      if self.rank == 0 else None)
             report = switch_training(adapter, holder, timeout=TIMEOUT)
             sent += report.move.bytes_sent
             if holder is not None:
@@ -329,7 +349,8 @@ class HybridWorker:
             self.channel = ChannelEnd.over(timeout_s=300.0, verify=cfg.verify if cfg else "off",
                                            verify_fraction=cfg.verify_fraction if cfg else 0.1)
             src = self._gather_weights_layout()
-            self.channel.set_layouts(src, self.rollout_cls.rollout_layout(src.spec, self.tp, self.replicas))
+            self.channel.set_layouts(src, self.rollout_cls.rollout_layout(src.spec, self.tp, self.replicas,
+                                                                          self.device.compute_dtype))
         else:
             self._weights = self.trainer.adapter.weights()
             self.channel = ChannelEnd.join(endpoint.host, endpoint.port, endpoint.first_rank, endpoint.world_size,
@@ -337,7 +358,7 @@ class HybridWorker:
                                            timeout_s=endpoint.timeout_s, budget_bytes=endpoint.budget_bytes,
                                            standby_s=endpoint.standby_s, verify=endpoint.verify,
                                            verify_fraction=endpoint.verify_fraction, handoff=endpoint.handoff,
-                                           colocated=endpoint.colocated)
+                                           colocated=endpoint.colocated, backend=endpoint.backend)
             self.channel.set_layouts(endpoint.src, endpoint.dst)
         self._planned = (tuple(self._weights.fragments), dict(self._weights.buffers))
         return self.channel.stats()
@@ -457,7 +478,8 @@ class HybridWorker:
         per = B // dp
         lo, hi = trainer.dp_rank * per, (trainer.dp_rank + 1) * per
         prompts, responses = batch["prompts"][lo:hi], batch["responses"][lo:hi]
-        ids, _, mask = _pad_batch(prompts, responses, self.pad_id)
+        dev = self.device.torch_device()  # the batch goes where the engines compute (a no-op on CPU)
+        ids, _, mask = (t.to(dev) for t in _pad_batch(prompts, responses, self.pad_id))
         ppo = "scores" in batch
         if ppo and self.critic is None:
             raise ValueError("a PPO batch (scores) for a worker without a critic")
@@ -479,14 +501,14 @@ class HybridWorker:
             from rlhf_switch.rl.algorithms import ppo_batch
 
             values = self.critic.values(ids) * mask
-            scores = torch.tensor(batch["scores"][lo:hi], dtype=torch.float32)
+            scores = torch.tensor(batch["scores"][lo:hi], dtype=torch.float32, device=dev)
             pb = ppo_batch(old_lp, ref_lp if self.reference is not None else None, values, scores, mask,
                            kl_coef=alg.kl_coef, kl_estimator=alg.kl_estimator, gamma=alg.gamma, lam=alg.lam,
                            whiten=alg.whiten_advantages, group=self.critic.dp_group)
             adv, returns = pb["advantages"], pb["returns"]
             ppo_stats = {"value_mean": float(masked_mean(values, mask)), "return_mean": float(masked_mean(returns, mask))}
         else:
-            adv = torch.tensor(batch["advantages"][lo:hi], dtype=torch.float32)[:, None] * mask
+            adv = torch.tensor(batch["advantages"][lo:hi], dtype=torch.float32, device=dev)[:, None] * mask
         logprob_seconds = time.perf_counter() - t0
 
         # the update

@@ -21,10 +21,16 @@ from typing import Sequence
 
 
 class RolloutReplica:
-    def start(self, engine: str, ctx) -> dict:
+    def start(self, engine: str, ctx, gpu_ids: Sequence[str] | None = None) -> dict:
         """Build the rollout engine ``engine`` (a registered name or ``module:Class``) for ``ctx``
-        (an ``engines.base.RolloutContext``)."""
+        (an ``engines.base.RolloutContext``). ``gpu_ids``: on CUDA, the devices its workers use
+        (colocated: the whole devices of the trainer ranks it shares, ``cluster.resources``) —
+        a Ray actor holds a share of one bundle's GPU only, so they are handed to it here, before
+        the engine starts its worker processes."""
         from rlhf_switch.engines.base import rollout_engine
+
+        if ctx.device.is_cuda and gpu_ids:  # not run here: no GPU in CI
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
 
         t0 = time.perf_counter()
         cls = rollout_engine(engine)

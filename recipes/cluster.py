@@ -12,15 +12,78 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 REPO = str(Path(__file__).resolve().parents[1])
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where one actor goes: a placement-group bundle and what it takes of it."""
+
+    bundle: int
+    num_cpus: float
+    num_gpus: float
+
+
+@dataclass(frozen=True)
+class Resources:
+    """The placement group of a run and every actor's slot in it (``resources``)."""
+
+    bundles: tuple[dict, ...]
+    workers: tuple[Slot, ...]                    # one hybrid worker per trainer rank
+    replicas: tuple[Slot, ...]                   # one actor per rollout replica (placement "replica")
+    replica_devices: tuple[tuple[int, ...], ...]  # colocated: the bundles whose devices replica r's workers use
+
+    @property
+    def devices(self) -> int:
+        return int(sum(b.get("GPU", 0) for b in self.bundles))
+
+    @property
+    def cpus(self) -> float:
+        return float(sum(b.get("CPU", 0) for b in self.bundles))
+
+
+def resources(world: int, tp: int, replica_placement: bool, colocate: bool = True) -> Resources:
+    """The bundles and actor slots of a run of ``world`` trainer devices whose rollout engine runs
+    replicas of TP ``tp`` (``replica_placement``: in actors of their own, vLLM; else inside the
+    hybrid workers). Pure.
+
+    Colocated (the default): one bundle per device; its hybrid worker and (placement replica) the
+    replica that starts on it take half each, and replica ``r``'s TP workers use the ``tp`` whole
+    devices of bundles ``r·tp .. r·tp+tp-1`` (a Ray actor holds a share of ONE bundle, so those
+    devices are handed to it, ``replica_devices``). Not colocated: the trainer's devices, then one
+    bundle of ``tp`` devices per replica, all its own."""
+    device = {"CPU": 1, "GPU": 1}
+    workers = tuple(Slot(i, 0.5, 0.5 if colocate else 1.0) for i in range(world))
+    if not replica_placement:
+        return Resources((device,) * world, workers, (), ())
+    n = world // tp
+    if colocate:
+        replicas = tuple(Slot(r * tp, 0.4, 0.5) for r in range(n))
+        return Resources((device,) * world, workers, replicas,
+                         tuple(tuple(range(r * tp, (r + 1) * tp)) for r in range(n)))
+    replicas = tuple(Slot(world + r, 1, tp) for r in range(n))
+    return Resources((device,) * world + ({"CPU": 1, "GPU": tp},) * n, workers, replicas, ())
+
+
+def resources_for(cfg) -> Resources:
+    """``resources`` of a run config."""
+    from rlhf_switch.engines.base import rollout_engine
+
+    return resources(cfg.world_size, cfg.rollout.tp, rollout_engine(cfg.rollout.engine).placement == "replica",
+                     cfg.rollout.colocate)
+
+
 def start_ray(cfg, world: int, verbose: bool = False):
     """Ray for this run: the session already running in this process (tests share one per
     module), the cluster at ``ray_address``, or an embedded one. Returns (ray, owned).
+
+    The embedded instance has the CPUs the run's bundles need (``resources_for``) and, on a run
+    that resolves to ``cpu`` here, as many logical GPUs (Ray then only counts them: nothing
+    computes on them); on ``cuda`` Ray counts this machine's real GPUs itself.
 
     vLLM's log level (``VLLM_LOGGING_LEVEL``, read when vLLM is imported in each of its processes)
     is WARNING unless ``verbose`` (INFO) or set by the user: set here, in the driver's environment,
@@ -43,8 +106,14 @@ def start_ray(cfg, world: int, verbose: bool = False):
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, log_to_driver=True)
     else:  # never join a stale cluster on the machine
+        from rlhf_switch.device import cuda_available, resolve_device
+
+        res = resources_for(cfg)
+        logical = resolve_device(cfg.device, cuda_available(), cfg.model.dtype).kind == "cpu"
         with quiet_default_token_auth_notice():
-            ray.init(address="local", num_cpus=world, num_gpus=world, log_to_driver=True, include_dashboard=False)
+            ray.init(address="local", num_cpus=max(world, int(res.cpus)),
+                     num_gpus=max(world, res.devices) if logical else None,
+                     log_to_driver=True, include_dashboard=False)
     return ray, True
 
 
@@ -153,6 +222,7 @@ class Cluster:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from actors.hybrid import hf_config_of, remote_class
+        from recipes.common import world_device
         from rlhf_switch.engines.base import rollout_engine
 
         self.cfg, self.quiet, self.ray = cfg, quiet, ray
@@ -162,41 +232,57 @@ class Cluster:
         self.rollout_cls = rollout_engine(cfg.rollout.engine)
         self.in_world = self.rollout_cls.placement == "worker"
         self.tp, self.n_replicas = cfg.rollout.tp, world // cfg.rollout.tp
+        self.resources = res = resources_for(cfg)
         self.owns_devices = devices is None
         if devices is None:
-            strategy = STRATEGIES[cfg.placement]
-            self.pg = placement_group([{"CPU": 1, "GPU": 1}] * world, strategy=strategy)
+            self.pg = placement_group(list(res.bundles), strategy=STRATEGIES[cfg.placement])
             ray.get(self.pg.ready(), timeout=120)  # pg.ready() can pend forever
-            # rank r sits on bundle self.bundles[r]: a replica's tp ranks on one node (rank_bundles)
+            # rank r sits on bundle self.bundles[r]: a colocated replica's tp ranks on one node
+            # (rank_bundles); the bundles after the trainer's (rollout.colocate: false) hold one whole
+            # replica each
             bundle_nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
             try:
-                bundles = rank_bundles([bundle_nodes[b] for b in range(world)], 1 if self.in_world else self.tp)
+                self.bundles = rank_bundles([bundle_nodes[b] for b in range(world)],
+                                            1 if self.in_world or not cfg.rollout.colocate else self.tp)
             except PlacementError:
                 from ray.util.placement_group import remove_placement_group
 
                 remove_placement_group(self.pg)
                 raise
-            devices = [(self.pg, b) for b in bundles]
-        elif len(devices) != world:
-            raise ValueError(f"{len(devices)} devices for a world of {world}")
-        self.devices = list(devices)  # rank r: (placement group, bundle index)
-        self.bundles = [index for _, index in self.devices]
+            self.devices = [(self.pg, b) for b in self.bundles]  # rank r: (placement group, bundle)
+        else:  # the elastic device manager's: one per trainer rank, nothing else placed
+            if len(devices) != world or len(res.bundles) != world:
+                raise ValueError(f"{len(devices)} caller-owned devices for a world of {world} whose run needs "
+                                 f"{len(res.bundles)} bundles")
+            self.pg, self.devices = None, list(devices)
+            self.bundles = [index for _, index in self.devices]
 
-        def on(rank: int):
-            pg, index = self.devices[rank]
+        def on(bundle: int):
+            pg, index = self._slot(bundle)
             return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
 
-        # colocation: the hybrid worker and (placement "replica") a rollout replica share each device
-        cls = remote_class(num_cpus=0.5, num_gpus=0.5)
-        self.workers = [cls.options(scheduling_strategy=on(i)).remote() for i in range(world)]
+        self.workers = [remote_class(num_cpus=s.num_cpus, num_gpus=s.num_gpus).options(scheduling_strategy=on(s.bundle))
+                        .remote() for s in res.workers]
+        # the run's device, backend and dtypes: resolved once, from what the actors on their
+        # bundles see (cuda only if every one sees a GPU)
+        seen = ray.get([w.devices_seen.remote() for w in self.workers], timeout=180)
+        try:
+            self.device = world_device(cfg, all(s["cuda"] for s in seen))
+        except Exception:  # a ConfigError: nothing of this run may stay behind on a joined cluster
+            self.shutdown(graceful=False)
+            raise
+        self._replica_gpus: list[list[str]] = []
         if not self.in_world:
             from actors.rollout_replica import remote_class as replica_class
 
-            rcls = replica_class(num_cpus=0.4, num_gpus=0.5)
-            self.replicas = [rcls.options(scheduling_strategy=on(r * self.tp)).remote() for r in range(self.n_replicas)]
+            self.replicas = [replica_class(num_cpus=s.num_cpus, num_gpus=s.num_gpus)
+                             .options(scheduling_strategy=on(s.bundle)).remote() for s in res.replicas]
+            # colocated: replica r's workers use the (whole) devices of the trainer ranks it shares
+            self._replica_gpus = [[g for b in bundles for g in seen[b]["gpu_ids"]] for bundles in res.replica_devices]
         # rank 0 hosts the world's store on its own node's address: nothing assumes one host
         host, port = ray.get(self.workers[0].open_store.remote(), timeout=180)
-        ray.get([w.init_world.remote(host, port, r, world) for r, w in enumerate(self.workers)], timeout=180)
+        ray.get([w.init_world.remote(host, port, r, world, self.device) for r, w in enumerate(self.workers)],
+                timeout=180)
         self.channel_opened = 0
         self.handoff = "p2p"  # the weight channel's, once opened (rollout.handoff resolved)
         self._standing_by = None  # the replicas' receives posted ahead of the next sync
@@ -214,11 +300,15 @@ class Cluster:
         hf = self.hf
         spec = model_spec(hf)
         max_len = int(hf.get("max_position_embeddings", 2048))
+        gpus = self._replica_gpus or [None] * len(self.replicas)
         starts = [r.start.remote(self.cfg.rollout.engine,
-                                 RolloutContext(hf, spec, str(init_dir), self.tp, self.n_replicas, i, self.cfg.seed, max_len))
+                                 RolloutContext(hf, spec, str(init_dir), self.tp, self.n_replicas, i, self.cfg.seed, max_len,
+                                                device=self.device,
+                                                memory_utilization=self.cfg.rollout.memory_utilization),
+                                 gpus[i])
                   for i, r in enumerate(self.replicas)]
         built = self.all("build", self.cfg.model_dump(), str(init_dir), str(resume_dir) if resume_dir else None,
-                         desc="build engines")
+                         self.device, desc="build engines")
         if starts:
             wait_all(self.ray, starts, "start rollout replicas", self.quiet)
         self.open_channel()
@@ -233,6 +323,7 @@ class Cluster:
             raise NotImplementedError("an elastic resize with rollout replicas in their own actors (vLLM)")
         self.cfg, self.workers, self.world, self.devices = cfg, list(workers), cfg.world_size, list(devices)
         self.bundles = [index for _, index in self.devices]
+        self.resources = resources_for(cfg)
         self.tp, self.n_replicas = cfg.rollout.tp, cfg.world_size // cfg.rollout.tp
         self.open_channel()
 
@@ -252,24 +343,28 @@ class Cluster:
             self.handoff, colocated = resolve_handoff(self.cfg.rollout.handoff, self.member_devices(), self.world)
             src = next(x for x in self.all("channel_source", desc="describe weights") if x is not None)
             n, total = self.world, self.world + self.n_replicas * self.tp
-            dst = self.rollout_cls.rollout_layout(src.spec, self.tp, self.n_replicas)
+            dst = self.rollout_cls.rollout_layout(src.spec, self.tp, self.n_replicas, self.device.compute_dtype)
             host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=60)
             ep = Endpoint(host, port, total, 0, place(src, range(n), total), place(dst, range(n, total), total),
                           budget_bytes or DEFAULT_BUDGET, verify=self.cfg.verify,
-                          verify_fraction=self.cfg.verify_fraction, handoff=self.handoff, colocated=colocated)
+                          verify_fraction=self.cfg.verify_fraction, handoff=self.handoff, colocated=colocated,
+                          backend=self.device.backend)
             refs = [r.channel_open.remote(ep.at(n + i * self.tp)) for i, r in enumerate(self.replicas)]
             refs += [w.channel_open.remote(ep.at(rank)) for rank, w in enumerate(self.workers)]
             wait_all(self.ray, refs, "open weight channel", self.quiet)
         self.channel_opened += 1
 
     def member_devices(self) -> list[tuple[str, int]]:
-        """Each channel member's device as ``(node, bundle)``: trainer rank ``i`` on bundle ``i``;
-        replica ``r``'s worker ``t`` runs in the replica's actor process tree (on the node of its
-        bundle ``r·tp``) on device ``r·tp + t`` — the colocated handoff needs both the same."""
-        devices = [(self._node_of_bundle(i), i) for i in range(self.world)]
-        for r in range(self.n_replicas):
-            node = self._node_of_bundle(r * self.tp)
-            devices += [(node, r * self.tp + t) for t in range(self.tp)]
+        """Each channel member's device as ``(node, device)``: trainer rank ``i`` on device ``i``
+        (its bundle's); replica ``r``'s worker ``t`` runs in the replica's actor process tree, on
+        the node of its bundle, on device ``r·tp + t`` — one the trainer ranks share when
+        colocated (``resources``), else one of its own after theirs. The colocated handoff needs
+        both the same."""
+        devices = [(self._node_of_rank(i), i) for i in range(self.world)]
+        for r, slot in enumerate(self.resources.replicas):
+            node = self._node_of_rank(r * self.tp, slot.bundle)
+            first = r * self.tp if self.cfg.rollout.colocate else self.world + r * self.tp
+            devices += [(node, first + t) for t in range(self.tp)]
         return devices
 
     def stand_by(self) -> None:
@@ -318,10 +413,16 @@ class Cluster:
                               "worker_move_s": max((w["seconds"] for r in receivers for w in r["workers"]),
                                                    default=0.0)}}
 
-    def _node_of_rank(self, rank: int) -> str:
-        """The node of rank ``rank``'s bundle: its address and id (nodes may share an address)."""
+    def _slot(self, bundle: int) -> tuple:
+        """(placement group, bundle index) of a ``resources`` bundle: the first ``world`` are the
+        trainer ranks' devices (rank r on ``self.devices[r]``), any after them a replica's own."""
+        return self.devices[bundle] if bundle < self.world else (self.pg, bundle)
+
+    def _node_of_rank(self, rank: int, bundle: int | None = None) -> str:
+        """The node of rank ``rank``'s bundle (or of ``resources`` bundle ``bundle``): its address
+        and id (nodes may share an address)."""
         try:
-            pg, index = self.devices[rank]
+            pg, index = self._slot(rank if bundle is None else bundle)
             node_id = self.ray.util.placement_group_table(pg)["bundles_to_node_id"][index]
             address = next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
             return f"{address} {node_id[:8]}"
@@ -333,7 +434,7 @@ class Cluster:
 
     def _replica_name(self, replica: int, worker: int | None = None) -> str:
         who = f"rollout replica {replica}" + ("" if worker is None else f" worker {worker}")
-        return f"{who} (node {self._node_of_rank(replica * self.tp)})"
+        return f"{who} (node {self._node_of_rank(replica * self.tp, self.resources.replicas[replica].bundle)})"
 
     def nodes(self) -> dict:
         """Where the run's actors are, as each actor's process reports it (Ray's node id and

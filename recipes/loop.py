@@ -310,7 +310,7 @@ def _start_resize(ray, cluster, cfg, entry, devices, init_dir: Path, it: int):
     new = cfg.at_iteration(entry.iteration)
     plan = ResizePlan(tuple(range(cluster.world)), tuple(range(new.world_size)))
     pending = start_world(ray, remote_class(num_cpus=0.5, num_gpus=0.5), new.model_dump(), devices, plan,
-                          init_dir=str(init_dir))
+                          init_dir=str(init_dir), device=cluster.device)
     pending.started_at, pending.config = it, new
     return pending
 

@@ -49,8 +49,11 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
 
 # === DeepSpeed (0.19.8) ================================================================================
 
-def import_deepspeed():
-    """Import DeepSpeed with the CPU accelerator unless a GPU is there.
+def import_deepspeed(kind: str | None = None):
+    """Import DeepSpeed with the accelerator of the run's device ``kind`` (``rlhf_switch.device``:
+    ``cpu`` or ``cuda``; None: the CPU one unless a GPU is there). A run on ``cpu`` on a machine
+    with GPUs must not let DeepSpeed pick CUDA: its tensors would go to the GPU and gloo would
+    carry them.
 
     Why: DeepSpeed picks its accelerator when it is first imported/used and caches it; without a GPU
     and without ``DS_ACCELERATOR=cpu`` its auto-detection may pick another backend (or fail) on a
@@ -59,8 +62,9 @@ def import_deepspeed():
     nothing; ``setdefault`` keeps a user's own choice.
     Still needed? Unset ``DS_ACCELERATOR`` on a CUDA-less machine and check
     ``get_accelerator().device_name() == "cpu"``."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if kind is None:
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    os.environ.setdefault("DS_ACCELERATOR", kind)
     import deepspeed
 
     return deepspeed

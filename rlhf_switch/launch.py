@@ -1,4 +1,4 @@
-"""A gloo world of N local processes that stays up and runs many jobs.
+"""A world of N local processes (gloo; ``backend="nccl"``: one GPU per rank) that stays up and runs many jobs.
 
 Starting ranks costs seconds (spawn, import torch, join the world); moves cost milliseconds. So
 a ``LocalWorld`` starts its ranks once and then runs any number of jobs — module-level
@@ -61,7 +61,7 @@ _RANK_STATE: dict = {}  # inside a rank process: what re-forming its default gro
 
 def _init_group(generation: int) -> None:
     st = _RANK_STATE
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"world-gen{generation}", st["store"]),
+    dist.init_process_group(st["backend"], store=dist.PrefixStore(f"world-gen{generation}", st["store"]),
                             rank=st["rank"], world_size=st["world_size"], timeout=timedelta(seconds=st["timeout_s"]))
 
 
@@ -77,12 +77,14 @@ def _reform(generation: int) -> str:
 
 
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks, results, threads: int,
-            generation: int = 0):
+            generation: int = 0, backend: str = "gloo"):
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
+    if backend == "nccl":  # one device per rank (NCCL refuses two ranks of a group on one GPU)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,  # the driver's host (LocalWorld)
                           timeout=timedelta(seconds=timeout_s))
-    _RANK_STATE.update(store=store, rank=rank, world_size=world_size, timeout_s=timeout_s)
+    _RANK_STATE.update(store=store, rank=rank, world_size=world_size, timeout_s=timeout_s, backend=backend)
     _init_group(generation)
     results.put((rank, True, pickle.dumps("ready")))
     while True:
@@ -103,8 +105,10 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks, resu
 class LocalWorld:
     FAILURE_GRACE = 20.0  # seconds the other ranks get to finish after one rank's job failed
 
-    def __init__(self, world_size: int, timeout: float = 120.0, threads_per_rank: int = 1):
+    def __init__(self, world_size: int, timeout: float = 120.0, threads_per_rank: int = 1,
+                 backend: str = "gloo"):
         self._broken: str | None = None
+        self.backend = backend  # the default group's: gloo (CPU tensors) or nccl (one GPU per rank)
         self.world_size = world_size
         self.timeout = timeout
         # loopback on purpose: a LocalWorld's ranks are this driver's own spawned children, on this
@@ -123,7 +127,7 @@ class LocalWorld:
     def _spawn(self, rank: int):
         p = self._ctx.Process(target=_worker, daemon=True,
                               args=(rank, self.world_size, self._store.port, self.timeout, self._tasks[rank],
-                                    self._results, self._threads, self._generation))
+                                    self._results, self._threads, self._generation, self.backend))
         p.start()
         return p
 

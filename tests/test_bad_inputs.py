@@ -84,6 +84,14 @@ def loop(cfg: dict) -> list[str]:
     return loop_problems(load_config(cfg))
 
 
+def devices(cfg: dict, cuda_available: bool) -> list[str]:
+    """The device checks before Ray, where the actors would (not) see a GPU."""
+    from recipes.common import device_problems
+    from rlhf_switch.rl.config import load_config
+
+    return device_problems(load_config(cfg), cuda_available)
+
+
 def load(cfg: dict) -> None:
     from rlhf_switch.rl.config import load_config
 
@@ -333,6 +341,9 @@ CASES = [
         lambda ctx: loop(config(**{"rollout.engine": "torch", "rollout.handoff": "ipc"})),
         "rollout.handoff: ipc hands buckets to rollout workers in processes of their own; engine 'torch' runs "
         "inside the trainer's processes (use p2p or auto)", None),
+    Bad("device-cuda", "device: cuda where no GPU is visible",
+        lambda ctx: devices(config(device="cuda"), cuda_available=False),
+        "device: cuda, but no GPU is visible here (torch.cuda.is_available() is False", None),
     Bad("unknown-field", "a misspelt field (algorithm.group_sise)",
         lambda ctx: load(config(**{"algorithm.group_sise": 4})),
         "algorithm.group_sise: unknown field in algorithm; did you mean 'group_size'?"),

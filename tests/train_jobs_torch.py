@@ -198,3 +198,23 @@ def refusals(cfg: dict) -> list[str]:
     t = torch.ones(1)
     dist.all_reduce(t)
     return errors + [f"world ok: {int(t)}"]
+
+
+def fsdp2_mixed_precision(cfg: dict) -> dict:
+    """FSDP2 with a bf16-compute / fp32-master ``DeviceSpec`` on CPU: what the layers compute in,
+    what the optimizer steps and the adapter describes, and that a step changes the master."""
+    from rlhf_switch.device import DeviceSpec
+
+    spec = DeviceSpec("cpu", "gloo", "bfloat16", "float32")
+    t = torch_train.build_fsdp2(cfg, 0, list(range(dist.get_world_size())), device=spec)
+    seen = {}
+    up = t.module.model.layers[0].mlp.up_proj
+    up.register_forward_hook(lambda m, args, out: seen.update(input=str(args[0].dtype), weight=str(m.weight.dtype)))
+    before = {n: p.to_local().clone() for n, p in t.module.named_parameters()}
+    ids = torch.randint(3, int(cfg["vocab_size"]), (2 * dist.get_world_size(), 8), generator=torch.Generator().manual_seed(1))
+    loss = t.train_step(ids)
+    return {"compute": seen, "loss": loss,
+            "params": sorted({str(p.dtype) for p in t.module.parameters()}),
+            "weights": sorted({b.dtype for b in t.adapter.weights().buffers.values()}),
+            "moved": all(not torch.equal(before[n], p.to_local()) for n, p in t.module.named_parameters()
+                         if p.to_local().numel())}

@@ -90,7 +90,7 @@ class PendingWorld:
     (Ray runs each actor's calls in order), none of which waits on the driver."""
 
     def __init__(self, ray, actor_cls, config: Mapping, devices: Devices, plan: ResizePlan,
-                 timeout_s: float = 600.0, init_dir: str | None = None):
+                 timeout_s: float = 600.0, init_dir: str | None = None, device=None):
         self.ray, self.devices, self.plan, self.timeout_s = ray, devices, plan, timeout_s
         self.t0 = time.perf_counter()
         # the devices the new world adds: reserved now, waited for behind the build
@@ -100,7 +100,8 @@ class PendingWorld:
         # rank 0 hosts the new world's store on its own node; the ref goes on unresolved
         address = self.workers[0].open_store.remote()
         n = plan.new_world
-        inits = [w.init_world_at.remote(address, r, n) for r, w in enumerate(self.workers)]
+        inits = [w.init_world_at.remote(address, r, n, *([device] if device is not None else []))
+                 for r, w in enumerate(self.workers)]
         self._builds = [w.build_empty.remote(dict(config), init_dir) for w in self.workers]
         self._refs = self._device_refs + inits + self._builds
         self.built_s: float | None = None
@@ -175,12 +176,13 @@ class PendingWorld:
 
 
 def start_world(ray, actor_cls, config: Mapping, devices: Devices, plan: ResizePlan,
-                timeout_s: float = 600.0, init_dir: str | None = None) -> PendingWorld:
+                timeout_s: float = 600.0, init_dir: str | None = None, device=None) -> PendingWorld:
     """Start building the trainer world of ``config`` (its ``world_size`` and ``train`` layout) on
     ``plan.new_devices`` in the background; returns at once. ``init_dir``: the run's warm start,
-    from which the new world's reference and in-actor rollout engine are built too."""
+    from which the new world's reference and in-actor rollout engine are built too. ``device``:
+    the run's (``rlhf_switch.device.DeviceSpec``; default the actors' own default, CPU)."""
     world = int(config.get("world_size", 0))
     if world != plan.new_world:
         raise ResizeError(f"the new config's world_size {world} is not the {plan.new_world} devices "
                           f"{list(plan.new_devices)} of the plan")
-    return PendingWorld(ray, actor_cls, config, devices, plan, timeout_s, init_dir)
+    return PendingWorld(ray, actor_cls, config, devices, plan, timeout_s, init_dir, device)

@@ -34,6 +34,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
+from ..device import CPU, DeviceSpec
 from ..vps.layout import Layout
 from ..vps.spec import ModelSpec
 from .optim import AdamWConfig
@@ -62,6 +63,7 @@ class TrainingContext:
     head: str = "lm"                  # "lm" (causal LM) or "value" (scalar value head: the critic)
     init_from: str | None = None      # head "value": an actor checkpoint whose trunk the critic starts from
     timeout: timedelta = timedelta(seconds=120)
+    device: DeviceSpec = CPU          # the run's device, backend and dtypes (rlhf_switch.device)
 
     @property
     def context(self) -> int:
@@ -82,6 +84,9 @@ class TrainingEngine(ABC):
     # whether ``train.offload`` may park its state in host memory between phases
     # (``engines/offload.py``): engines whose adapter it is tested with say so
     can_offload: bool = False
+    # the compute dtypes it runs beside a float32 master copy (rlhf_switch.device); asked before
+    # anything starts (recipes.common.device_problems)
+    compute_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
 
     @classmethod
     def layout_problems(cls, phase: str, layout: Any, dims: Any, head: str = "lm") -> list[str]:
@@ -176,6 +181,8 @@ class RolloutContext:
     tp_rank: int = 0                  # placement "worker": this rank's place in its replica
     group: Any = None                 # placement "worker": the replica's TP group (None at TP 1)
     options: Mapping[str, Any] = field(default_factory=dict)
+    device: DeviceSpec = CPU          # the run's device, backend and dtypes (rlhf_switch.device)
+    memory_utilization: float = 0.5   # its share of each device's memory (vLLM's gpu_memory_utilization)
 
 
 class RolloutEngine(ABC):
@@ -183,6 +190,7 @@ class RolloutEngine(ABC):
 
     placement: ClassVar[str] = "worker"
     name: str = "rollout"
+    compute_dtypes: ClassVar[tuple[str, ...]] = ("float32",)  # as TrainingEngine.compute_dtypes
 
     @classmethod
     def layout_problems(cls, phase: str, layout: Any, dims: Any) -> list[str]:

@@ -50,7 +50,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..routing.comm import GroupComm, as_comm
+from ..routing.comm import GroupComm, as_comm, bare_group, comm_device
 from ..routing.executor import DEFAULT_BUDGET, Deadlines, MoveError, MoveReport, move
 from ..routing.verify import DEFAULT_FRACTION, check_mode
 from ..vps.layout import Layout, LayoutError
@@ -127,6 +127,7 @@ class Endpoint:
     verify_fraction: float = DEFAULT_FRACTION  # of each pair's pieces, with verify "sample"
     handoff: str = "p2p"         # p2p | ipc (resolved: see resolve_handoff)
     colocated: tuple = ()        # ipc: (worker rank, trainer rank) pairs on one device
+    backend: str = "gloo"        # the group's: nccl where the weights are CUDA tensors (rlhf_switch.device)
 
     def at(self, first_rank: int) -> "Endpoint":
         from dataclasses import replace
@@ -196,7 +197,7 @@ class ChannelEnd:
                  timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET, open_s: float = 0.0,
                  standby_s: float | None = None, deadline: Deadlines | None = None,
                  verify: str = "off", verify_fraction: float = DEFAULT_FRACTION,
-                 handoff: str = "p2p", colocated: Sequence = ()):
+                 handoff: str = "p2p", colocated: Sequence = (), backend: str = "gloo"):
         check_mode(verify, verify_fraction)
         if handoff not in ("p2p", "ipc"):
             raise ValueError(f"a channel's handoff is p2p or ipc (resolve 'auto' first), not {handoff!r}")
@@ -211,7 +212,7 @@ class ChannelEnd:
         self._opened = None  # ipc, a worker: (the handles' bytes, the buckets they map)
         # the move's comm, made once; it knows the channel's store, where a failed move's reports
         # go (``PeerLost`` then names the member that is gone)
-        self._comm = (GroupComm(group, store=dist.PrefixStore("vps-weight-channel", store))
+        self._comm = (GroupComm(group, comm_device(backend), store=dist.PrefixStore("vps-weight-channel", store))
                       if store is not None else as_comm(group))
         self.timeout = timedelta(seconds=timeout_s)
         # each wait of a move: 10 s + 1 s per 50 MB in flight, at most ``timeout_s``; the first
@@ -231,9 +232,10 @@ class ChannelEnd:
              timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET,
              standby_s: float = 3600.0, verify: str = "off",
              verify_fraction: float = DEFAULT_FRACTION, handoff: str = "p2p",
-             colocated: Sequence = ()) -> "ChannelEnd":
-        """Join the channel's own gloo group (collective over its ``world_size`` members) over
-        the TCPStore at ``host:port`` (``store``: the store itself, on the member that hosts it).
+             colocated: Sequence = (), backend: str = "gloo") -> "ChannelEnd":
+        """Join the channel's own group (``backend``: gloo, or nccl for CUDA weights; collective
+        over its ``world_size`` members) over the TCPStore at ``host:port`` (``store``: the store
+        itself, on the member that hosts it).
         The group's collectives wait up to ``standby_s``: a rollout engine stands ready in its
         receive (the move's first collective) while the trainer is still training; the move's
         transfers wait up to ``timeout_s``."""
@@ -242,12 +244,13 @@ class ChannelEnd:
         timeout = timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("vps-weight-channel", store), rank, world_size,
-                                      timedelta(seconds=max(timeout_s, standby_s)))
+        group = bare_group(backend, dist.PrefixStore("vps-weight-channel", store), rank, world_size,
+                           timedelta(seconds=max(timeout_s, standby_s)))
         GROUPS_CREATED += 1
         return cls(group, rank, world_size, store=store, timeout_s=timeout_s, budget_bytes=budget_bytes,
                    open_s=time.perf_counter() - t0, standby_s=max(timeout_s, standby_s),
-                   verify=verify, verify_fraction=verify_fraction, handoff=handoff, colocated=colocated)
+                   verify=verify, verify_fraction=verify_fraction, handoff=handoff, colocated=colocated,
+                   backend=backend)
 
     @classmethod
     def over(cls, ranks: list[int] | None = None, *, timeout_s: float = 300.0,

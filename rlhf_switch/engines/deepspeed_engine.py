@@ -13,6 +13,8 @@ from .base import LossFn, ModuleEngine, TrainingContext
 
 class DeepSpeedEngine(ModuleEngine):
     can_offload = True  # ZeRO-1/2/3: tests/test_offload.py
+    # bf16: DeepSpeed's bit16 weights compute, its fp32 master copy and moments stay apart
+    compute_dtypes = ("float32", "bfloat16")
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
@@ -35,7 +37,8 @@ class DeepSpeedEngine(ModuleEngine):
         on = dist.get_rank() in ranks
         module = build_model(ctx.hf_config, ctx.seed, ctx.head, ctx.init_from) if on else torch.nn.Linear(1, 1)
         spec = model_spec(module.config, ctx.head) if on else None
-        z = build_zero_trainer(module, spec, int(layout.zero_stage), ctx.micro_batch, ranks, optim=ctx.optim)
+        z = build_zero_trainer(module, spec, int(layout.zero_stage), ctx.micro_batch, ranks, optim=ctx.optim,
+                               dtype=ctx.device.compute_dtype, device=ctx.device)
         if z is None:
             return None
         self = cls()

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
+from ..device import CPU, DeviceSpec
 from ..families import stacked_experts
 from ..vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, ModelSpec, StateKey
 from .optim import AdamWConfig, load_schedule
@@ -43,18 +44,21 @@ from .train_state import LocalState
 ADAM_MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 
 
-def import_deepspeed():
-    """DeepSpeed for this machine (the CPU accelerator unless a GPU is there): ``compat.import_deepspeed``."""
-    return compat.import_deepspeed()
+def import_deepspeed(device: DeviceSpec = CPU):
+    """DeepSpeed with the accelerator of ``device`` (``compat.import_deepspeed``)."""
+    return compat.import_deepspeed(device.kind)
 
 
-def _join_deepspeed_comm(deepspeed) -> None:
+def _join_deepspeed_comm(deepspeed, device: DeviceSpec = CPU) -> None:
     """Let DeepSpeed use the process group that already exists (any launcher, not only its own):
-    it reads the rank variables its launcher would have set."""
+    it reads the rank variables its launcher would have set. ``LOCAL_RANK`` is the device index
+    DeepSpeed puts this rank on (``cuda:LOCAL_RANK``): on CUDA the process's own current device —
+    a Ray actor sees only its bundle's GPU, as ``cuda:0``, whatever its rank — on CPU the rank."""
     if not dist.is_initialized():
         raise RuntimeError("initialise torch.distributed before building a DeepSpeed engine")
+    local = torch.cuda.current_device() if device.is_cuda else dist.get_rank()
     for var, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size()),
-                       ("LOCAL_RANK", int(os.environ.get("LOCAL_RANK", dist.get_rank())))):
+                       ("LOCAL_RANK", int(os.environ.get("LOCAL_RANK", local)))):
         os.environ.setdefault(var, str(value))
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
 
@@ -145,19 +149,22 @@ class ZeroTrainer:
 def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec | None, stage: int, micro_batch: int,
                        ranks: Sequence[int] | None = None, optim: AdamWConfig = AdamWConfig(),
                        dtype: str = "float32", persistence_threshold: int = 0,
-                       extra_config: Mapping[str, Any] | None = None) -> ZeroTrainer | None:
+                       extra_config: Mapping[str, Any] | None = None,
+                       device: DeviceSpec = CPU) -> ZeroTrainer | None:
     """``model`` under ZeRO ``stage`` with DP over ``ranks`` (default: the world). Every world
     rank calls this; ranks outside ``ranks`` get ``None``. ``persistence_threshold``: ZeRO-3 keeps
     parameters smaller than this whole on every rank (DeepSpeed's default is 1e5).
     ``spec=None``: a model the VPS has no description of (the critic's value model): no adapter.
-    ``extra_config``: more DeepSpeed config keys (e.g. ``{"checkpoint": {"load_universal": True}}``)."""
+    ``extra_config``: more DeepSpeed config keys (e.g. ``{"checkpoint": {"load_universal": True}}``).
+    ``device``: the run's (``rlhf_switch.device``): DeepSpeed's accelerator and the device it puts
+    the model on; ``dtype`` is the compute dtype (bf16: bit16 weights beside the fp32 master)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"DeepSpeed on this machine trains in float32 or bfloat16, not {dtype}")
-    deepspeed = import_deepspeed()
+    deepspeed = import_deepspeed(device)
     with compat.deepspeed_shm_op_build_skipped():  # DeepSpeed's comm backend is created here
-        _join_deepspeed_comm(deepspeed)
+        _join_deepspeed_comm(deepspeed, device)
     ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
     dp_group, mpu = _groups_for(ranks)
     if dist.get_rank() not in ranks:

@@ -56,6 +56,14 @@ class FullState:
                         for f in MOMENTS}
         self._scalars = dict(scalars) if scalars is not None else None
 
+    def to(self, device: torch.device | str) -> "FullState":
+        """Its tensors on ``device`` (in place; returns self): where the group that moves them
+        carries tensors — the run's device under NCCL (a no-op on CPU). Saving writes from host
+        copies either way."""
+        self.master = {n: t.to(device) for n, t in self.master.items()}
+        self.moments = {f: {n: t.to(device) for n, t in ts.items()} for f, ts in self.moments.items()}
+        return self
+
     # --- TrainAdapter -----------------------------------------------------------------------------
     def _describe(self, field: str, tensors: Mapping[str, torch.Tensor]) -> LocalState:
         out = LocalState()
@@ -102,11 +110,11 @@ class FullState:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         model_dtype = TORCH_DTYPES[dtype]
-        save_file({n: t.to(model_dtype).contiguous() for n, t in self.master.items()},
+        save_file({n: t.to("cpu", model_dtype).contiguous() for n, t in self.master.items()},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        opt = {f"{f}/{n}": t for f in MOMENTS for n, t in self.moments[f].items()}
+        opt = {f"{f}/{n}": t.cpu() for f in MOMENTS for n, t in self.moments[f].items()}
         if model_dtype != torch.float32:
-            opt.update({f"master/{n}": t for n, t in self.master.items()})
+            opt.update({f"master/{n}": t.cpu() for n, t in self.master.items()})
         (tmp / "optimizer").mkdir()
         save_file(opt, str(tmp / OPTIMIZER))
         torch.save({"scalars": self._scalars, "extra": dict(extra or {}), "spec_digest": self.spec.digest},

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..device import CPU, DeviceSpec
 from ..models import model_spec
 from ..vps.layouts.pipeline import stage_bounds
 from .dtensor_adapter import TorchTrainAdapter
@@ -105,7 +106,8 @@ class _Stage:
 
 
 def _stage(hf_config: Any, seed: int, ranks: Sequence[int], tp: int, stage_layers: tuple[int, ...] | None,
-           timeout: timedelta, engine_group: bool = False) -> tuple[_Stage | None, dist.ProcessGroup | None]:
+           timeout: timedelta, engine_group: bool = False,
+           device: DeviceSpec = CPU) -> tuple[_Stage | None, dist.ProcessGroup | None]:
     """Check the layout, create the groups (collective over the WORLD: every world rank creates
     every group, in the same order: [the engine's group,] the pipelines (one per TP rank), then
     the stages' TP groups) and build this rank's stage; (None, None) on ranks outside ``ranks``."""
@@ -128,10 +130,10 @@ def _stage(hf_config: Any, seed: int, ranks: Sequence[int], tp: int, stage_layer
         return None, None
     s, t = divmod(list(ranks).index(dist.get_rank()), tp)
     hf = hf_model(hf_config, seed)
-    module = LlamaStage(hf, *bounds[s], first=s == 0, last=s == pp - 1)
+    module = LlamaStage(hf, *bounds[s], first=s == 0, last=s == pp - 1).to(device.torch_device())
     del hf
     if tp > 1:
-        _tensor_parallel(module, DeviceMesh.from_group(tp_group, "cpu", mesh_dim_names=("tp",)))
+        _tensor_parallel(module, DeviceMesh.from_group(tp_group, device.kind, mesh_dim_names=("tp",)))
     return _Stage(module, name, s, pp, t, group, int(grid[pp - 1, t])), engine
 
 
@@ -346,10 +348,12 @@ class PipelineTrainer:
 def build_pipeline_trainer(hf_config: Any, seed: int, ranks: Sequence[int], *, tp: int = 1,
                            optim: AdamWConfig = AdamWConfig(), timeout: timedelta = DEFAULT_TIMEOUT,
                            seq_len: int, micro: int | None = None,
-                           stage_layers: tuple[int, ...] | None = None) -> PipelineTrainer | None:
-    """A ``PipelineTrainer`` over ``ranks`` (PP = len(ranks) // tp). Collective over the WORLD
-    (every world rank calls it: ``new_group`` is collective); None on ranks outside ``ranks``."""
-    me, engine = _stage(hf_config, seed, ranks, tp, stage_layers, timeout, engine_group=True)
+                           stage_layers: tuple[int, ...] | None = None,
+                           device: DeviceSpec = CPU) -> PipelineTrainer | None:
+    """A ``PipelineTrainer`` over ``ranks`` (PP = len(ranks) // tp) on ``device`` (the run's,
+    ``rlhf_switch.device``). Collective over the WORLD (every world rank calls it: ``new_group``
+    is collective); None on ranks outside ``ranks``."""
+    me, engine = _stage(hf_config, seed, ranks, tp, stage_layers, timeout, engine_group=True, device=device)
     if me is None:
         return None
     src = int(list(ranks)[(me.pp - 1) * tp])  # the last stage's first TP rank

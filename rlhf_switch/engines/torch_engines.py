@@ -37,7 +37,10 @@ class _TorchTrainerEngine(ModuleEngine):
 class FSDP2Engine(_TorchTrainerEngine):
     """torch FSDP2 (``fully_shard`` per decoder layer and the root) over all its ranks: DP only.
     Every family: a qwen3_moe layer's stacked experts are sharded on the expert dim, each rank
-    holding whole experts, which the adapter describes per expert."""
+    holding whole experts, which the adapter describes per expert. bf16 compute: FSDP2's mixed
+    precision over fp32 sharded parameters (the master the optimizer steps)."""
+
+    compute_dtypes = ("float32", "bfloat16")
 
     can_offload = True  # tests/test_offload.py
 
@@ -52,7 +55,8 @@ class FSDP2Engine(_TorchTrainerEngine):
         value = {} if ctx.head == "lm" else dict(  # the causal LM is build_fsdp2's own default
             model_fn=lambda cfg, seed: build_model(cfg, seed, ctx.head, ctx.init_from),
             spec=model_spec(ctx.hf_config, ctx.head))
-        t = build_fsdp2(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout, **value)
+        t = build_fsdp2(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout,
+                        device=ctx.device, **value)
         return None if t is None else cls(t, ctx)
 
 
@@ -76,9 +80,10 @@ class TorchTPEngine(_TorchTrainerEngine):
         from .torch_train import build_tp, build_tp_dp
 
         if layout.dp > 1:
-            t = build_tp_dp(ctx.hf_config, ctx.seed, ctx.ranks, tp=layout.tp, optim=ctx.optim, timeout=ctx.timeout)
+            t = build_tp_dp(ctx.hf_config, ctx.seed, ctx.ranks, tp=layout.tp, optim=ctx.optim, timeout=ctx.timeout,
+                            device=ctx.device)
         else:
-            t = build_tp(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout)
+            t = build_tp(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout, device=ctx.device)
         return None if t is None else cls(t, ctx)
 
 
@@ -105,7 +110,8 @@ class TorchPPEngine(TrainingEngine):
         from .pipeline import build_pipeline_trainer
 
         t = build_pipeline_trainer(ctx.hf_config, ctx.seed, ctx.ranks, tp=layout.tp, optim=ctx.optim,
-                                   timeout=ctx.timeout, seq_len=ctx.context, micro=ctx.micro_batch)
+                                   timeout=ctx.timeout, seq_len=ctx.context, micro=ctx.micro_batch,
+                                   device=ctx.device)
         if t is None:
             return None
         self = cls()

@@ -304,7 +304,7 @@ class TorchRolloutEngine(RolloutEngine):
     def build(cls, ctx: RolloutContext) -> "TorchRolloutEngine":
         self = cls()
         self.engine = TorchRollout.from_hf_config(ctx.spec, dict(ctx.hf_config), tp=ctx.tp, tp_rank=ctx.tp_rank,
-                                                  group=ctx.group)
+                                                  group=ctx.group, device=ctx.device.torch_device())
         self.name = f"TorchRollout TP{ctx.tp}"
         return self
 

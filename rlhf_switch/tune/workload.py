@@ -32,7 +32,7 @@ class Workload:
     def from_config(cls, cfg: RunConfig, hf_config: dict | None = None) -> "Workload":
         algo = cfg.algorithm
         hf = dict(hf_config) if hf_config is not None else _hf_config(cfg)
-        return cls(hf_config=hf, dtype=cfg.model.dtype, rollout_batch=algo.rollout_batch_size,
+        return cls(hf_config=hf, dtype=compute_dtype_of(cfg), rollout_batch=algo.rollout_batch_size,
                    mini_batch=algo.train_batch_size, micro_batch=algo.micro_batch_size, epochs=algo.epochs,
                    prompt_tokens=_prompt_tokens(cfg), new_tokens=algo.max_new_tokens,
                    has_reference=cfg.reference is not None, has_critic=cfg.critic is not None)
@@ -99,8 +99,17 @@ def _hf_config(cfg: RunConfig) -> dict:
         import json
         from pathlib import Path
         hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
-    hf.setdefault("torch_dtype", cfg.model.dtype)
+    hf.setdefault("torch_dtype", compute_dtype_of(cfg))
     return hf
+
+
+def compute_dtype_of(cfg: RunConfig) -> str:
+    """The compute dtype the run would have: ``model.dtype``, else its device's default
+    (``rlhf_switch.device``: bf16 on ``device: cuda``; ``auto`` is modelled as the CPU default,
+    float32 — set ``model.dtype`` or ``device: cuda`` to model bf16)."""
+    from ..device import DEFAULT_COMPUTE_DTYPE
+
+    return cfg.model.dtype or DEFAULT_COMPUTE_DTYPE["cuda" if cfg.device == "cuda" else "cpu"]
 
 
 def _prompt_tokens(cfg: RunConfig) -> int:
