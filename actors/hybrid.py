@@ -114,7 +114,45 @@ class HybridWorker:
         self.rank, self.world = rank, world
         return {"rank": rank, "pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
+    def init_world_at(self, address: tuple[str, int], rank: int, world: int, device: DeviceSpec = CPU) -> dict:
+        """``init_world`` with rank 0's ``open_store`` answer as one argument: the driver can pass
+        that call's object ref on without waiting for it (the elastic background build)."""
+        return self.init_world(address[0], address[1], rank, world, device)
+
     # --- engines -----------------------------------------------------------------------------------
+    def _training_context(self, cfg: RunConfig):
+        from rlhf_switch.engines.base import TrainingContext
+        from rlhf_switch.engines.optim import AdamWConfig
+
+        alg = cfg.algorithm
+        optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
+        return TrainingContext(hf_config_of(cfg), cfg.seed, tuple(range(self.world)), optim,
+                               micro_batch=alg.micro_batch_size, timeout=TIMEOUT, device=self.device)
+
+    def build_empty(self, config: dict | RunConfig, init_dir: str | None = None) -> dict:
+        """The trainer of ``config`` on this rank with no state of its own worth keeping (its seeded
+        weights, Adam state created at zero): the destination of an elastic resize, which
+        overwrites all of it. ``init_dir`` (the run's warm start): the reference and a rollout
+        engine of placement ``worker`` are built from it too (the reference is the warm start; the
+        rollout engine gets the trainer's weights at the next sync). Never a critic. The device
+        is the one the world was joined with."""
+        from rlhf_switch.engines.base import training_engine
+
+        cfg = config if isinstance(config, RunConfig) else load_config(config)
+        self.cfg = cfg
+        t0 = time.perf_counter()
+        self.trainer = training_engine(cfg.train.engine).build(cfg.train, self._training_context(cfg))
+        self.trainer.adapter.prepare_state()  # done here, in the background, not in the stop-the-world
+        self.spec = self.trainer.spec
+        self.reference = self.critic = self.rollout = None
+        if init_dir is not None:
+            self._build_reference(cfg, self._training_context(cfg), init_dir)
+            self._build_rollout(cfg, init_dir)
+        hf = hf_config_of(cfg)
+        self.pad_id, self.eos_id = int(hf.get("pad_token_id") or 0), hf.get("eos_token_id")
+        self.train_steps = 0
+        return {"rank": self.rank, "trainer": self.trainer.name, "seconds": time.perf_counter() - t0}
+
     def build(self, config: dict | RunConfig, init_dir: str, resume_dir: str | None = None,
               device: DeviceSpec | None = None) -> dict:
         """Build the engines of ``config`` on this rank. The trainer starts from the weights in
@@ -124,28 +162,21 @@ class HybridWorker:
         from dataclasses import replace
 
         from actors.critic import Critic
-        from rlhf_switch.engines.base import RolloutContext, TrainingContext, rollout_engine, training_engine
-        from rlhf_switch.engines.optim import AdamWConfig
+        from rlhf_switch.engines.base import training_engine
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
         self.cfg, alg = cfg, cfg.algorithm
-        self.device = device = device or self.device  # what the engines run on (the recipe checked them)
+        self.device = device or self.device  # what the engines run on (the recipe checked them)
         hf = hf_config_of(cfg)
-        optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
-        ctx = TrainingContext(hf, cfg.seed, tuple(range(self.world)), optim, micro_batch=alg.micro_batch_size,
-                              timeout=TIMEOUT, device=device)
+        ctx = self._training_context(cfg)
+        optim = ctx.optim
         self.trainer = training_engine(cfg.train.engine).build(cfg.train, ctx)
         self.spec = self.trainer.spec
         # the starting state, through the VPS from rank 0's copy of the checkpoint
         t0 = time.perf_counter()
         start = self._load_state(resume_dir or init_dir, weights_only=resume_dir is None)
         load_s = time.perf_counter() - t0
-        # the reference: the warm-start weights, frozen, in its own engine and layout
-        self.reference = None
-        if cfg.reference:
-            self.reference = training_engine(cfg.reference.engine).build(cfg.reference, ctx)
-            self._load_weights(init_dir, self.reference)
-            self.reference.freeze()
+        self._build_reference(cfg, ctx, init_dir)
         # PPO: the critic, its trunk from the warm start, its own engine and layout
         self.critic = None
         if cfg.critic is not None:
@@ -155,8 +186,34 @@ class HybridWorker:
             self.critic = Critic(engine, micro_batch=alg.micro_batch_size)
             if resume_dir is not None:  # its weights, moments, step and LR schedule
                 self._load_state(str(Path(resume_dir) / "critic"), weights_only=False, adapter=self.critic.adapter)
-        # rollout (placement "worker": here; placement "replica": separate actors)
-        tp = cfg.rollout.tp
+        self._build_rollout(cfg, init_dir)
+        tp = self.tp
+        self.pad_id = int(hf.get("pad_token_id") or 0)
+        self.eos_id = hf.get("eos_token_id")
+        self.train_steps = int(start.get("step", 0))
+        rollout = (f"{self.rollout.name}×{self.replicas}" if self.rollout is not None
+                   else f"{cfg.rollout.engine} TP{tp}×{self.replicas} (separate actors)")
+        return {"rank": self.rank, "trainer": self.trainer.name, "rollout": rollout, "params": self.spec.numel,
+                "reference": self.reference.name if self.reference is not None else None,
+                "critic": self.critic.name if self.critic is not None else None,
+                "start": start, "load_seconds": load_s}
+
+    def _build_reference(self, cfg: RunConfig, ctx, init_dir: str) -> None:
+        """The reference: the warm-start weights, frozen, in its own engine and layout."""
+        from rlhf_switch.engines.base import training_engine
+
+        self.reference = None
+        if cfg.reference:
+            self.reference = training_engine(cfg.reference.engine).build(cfg.reference, ctx)
+            self._load_weights(init_dir, self.reference)
+            self.reference.freeze()
+
+    def _build_rollout(self, cfg: RunConfig, init_dir: str) -> None:
+        """The rollout engine of placement ``worker`` on this rank (placement ``replica``: separate
+        actors, nothing here), starting from ``init_dir``; the weight channel brings it up to date."""
+        from rlhf_switch.engines.base import RolloutContext, rollout_engine
+
+        hf, tp = hf_config_of(cfg), cfg.rollout.tp
         self.tp, self.replicas = tp, self.world // tp
         self.replica, self.tp_rank = self.rank // tp, self.rank % tp
         self.rollout_cls = rollout_engine(cfg.rollout.engine)
@@ -167,16 +224,7 @@ class HybridWorker:
             self.rollout = self.rollout_cls.build(RolloutContext(
                 hf, self.spec, init_dir, tp, self.replicas, self.replica, cfg.seed,
                 int(hf.get("max_position_embeddings", 2048)), tp_rank=self.tp_rank, group=groups[self.replica],
-                device=device))
-        self.pad_id = int(hf.get("pad_token_id") or 0)
-        self.eos_id = hf.get("eos_token_id")
-        self.train_steps = int(start.get("step", 0))
-        rollout = (f"{self.rollout.name}×{self.replicas}" if self.rollout is not None
-                   else f"{cfg.rollout.engine} TP{tp}×{self.replicas} (separate actors)")
-        return {"rank": self.rank, "trainer": self.trainer.name, "rollout": rollout, "params": self.spec.numel,
-                "reference": self.reference.name if self.reference is not None else None,
-                "critic": self.critic.name if self.critic is not None else None,
-                "start": start, "load_seconds": load_s}
+                device=self.device))
 
     def _load_weights(self, path: str, engine) -> None:
         """The weights of the checkpoint at ``path`` into ``engine`` (a VPS move from rank 0's
@@ -239,6 +287,39 @@ class HybridWorker:
                 holder.save_dir(where, hf, dtype, extra, tokenizer_from=tokenizer_dir_of(self.cfg) if hf else None)
         dist.barrier()
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": sent}
+
+    def gathered_state(self) -> dict | None:
+        """The trainer's whole state gathered on rank 0 (fp32 master, Adam moments, step, LR
+        schedule, RNG) through the VPS; rank 0 returns it, the others None (collective)."""
+        from rlhf_switch.engines.full_state import FullState
+        from rlhf_switch.engines.train_switch import switch_training
+
+        holder = FullState(self.spec, name="gathered state") if self.rank == 0 else None
+        switch_training(self.trainer.adapter, holder, timeout=TIMEOUT)
+        if holder is None:
+            return None
+        return {"master": holder.master, "moments": holder.moments, "scalars": holder.scalars()}
+
+    # --- elastic resize: this rank's part of the move between the old and the new world ------------
+    def resize_store(self) -> tuple[str, int]:
+        """Old rank 0 only: the union group's TCPStore on a free port of this node."""
+        from rlhf_switch.engines.channel import open_store
+
+        self._resize_store, host, port = open_store(300.0)
+        return host, port
+
+    def resize_move(self, endpoint) -> dict:
+        """Join the union of the old and new trainer ranks and move the training state across
+        (``rlhf_switch.elastic.member``): an old rank sends, a new rank receives; on the new side
+        the trainer's step counter follows the moved state."""
+        from rlhf_switch.elastic.member import move_over_union
+
+        host_store = getattr(self, "_resize_store", None) if endpoint.rank == 0 else None
+        out = move_over_union(self.trainer.adapter, endpoint, store=host_store)
+        self._resize_store = None
+        if endpoint.side == "new":
+            self.train_steps = out["step"]
+        return out
 
     # --- the weight channel ------------------------------------------------------------------------
     def channel_source(self):

@@ -111,7 +111,8 @@ def start_ray(cfg, world: int, verbose: bool = False):
         res = resources_for(cfg)
         logical = resolve_device(cfg.device, cuda_available(), cfg.model.dtype).kind == "cpu"
         with quiet_default_token_auth_notice():
-            ray.init(address="local", num_cpus=max(world, int(res.cpus)), num_gpus=res.devices if logical else None,
+            ray.init(address="local", num_cpus=max(world, int(res.cpus)),
+                     num_gpus=max(world, res.devices) if logical else None,
                      log_to_driver=True, include_dashboard=False)
     return ray, True
 
@@ -213,7 +214,10 @@ class SyncFailed(RuntimeError):
 class Cluster:
     """The actors of one run and the phases that involve all of them."""
 
-    def __init__(self, cfg, ray, quiet: bool = False):
+    def __init__(self, cfg, ray, quiet: bool = False, devices: Sequence | None = None):
+        """``devices``: one (placement group, bundle index) per rank, owned by the caller (the
+        elastic device manager, whose devices outlive a world); by default the cluster makes and
+        owns a placement group of ``world_size`` devices."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -229,23 +233,33 @@ class Cluster:
         self.in_world = self.rollout_cls.placement == "worker"
         self.tp, self.n_replicas = cfg.rollout.tp, world // cfg.rollout.tp
         self.resources = res = resources_for(cfg)
-        self.pg = placement_group(list(res.bundles), strategy=STRATEGIES[cfg.placement])
-        ray.get(self.pg.ready(), timeout=120)  # pg.ready() can pend forever
-        # rank r sits on bundle self.bundles[r]: a colocated replica's tp ranks on one node
-        # (rank_bundles); the bundles after the trainer's (rollout.colocate: false) hold one whole
-        # replica each
-        bundle_nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
-        try:
-            self.bundles = rank_bundles([bundle_nodes[b] for b in range(world)],
-                                        1 if self.in_world or not cfg.rollout.colocate else self.tp)
-        except PlacementError:
-            from ray.util.placement_group import remove_placement_group
+        self.owns_devices = devices is None
+        if devices is None:
+            self.pg = placement_group(list(res.bundles), strategy=STRATEGIES[cfg.placement])
+            ray.get(self.pg.ready(), timeout=120)  # pg.ready() can pend forever
+            # rank r sits on bundle self.bundles[r]: a colocated replica's tp ranks on one node
+            # (rank_bundles); the bundles after the trainer's (rollout.colocate: false) hold one whole
+            # replica each
+            bundle_nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+            try:
+                self.bundles = rank_bundles([bundle_nodes[b] for b in range(world)],
+                                            1 if self.in_world or not cfg.rollout.colocate else self.tp)
+            except PlacementError:
+                from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.pg)
-            raise
+                remove_placement_group(self.pg)
+                raise
+            self.devices = [(self.pg, b) for b in self.bundles]  # rank r: (placement group, bundle)
+        else:  # the elastic device manager's: one per trainer rank, nothing else placed
+            if len(devices) != world or len(res.bundles) != world:
+                raise ValueError(f"{len(devices)} caller-owned devices for a world of {world} whose run needs "
+                                 f"{len(res.bundles)} bundles")
+            self.pg, self.devices = None, list(devices)
+            self.bundles = [index for _, index in self.devices]
 
         def on(bundle: int):
-            return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self._bundle_index(bundle))
+            pg, index = self._slot(bundle)
+            return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
 
         self.workers = [remote_class(num_cpus=s.num_cpus, num_gpus=s.num_gpus).options(scheduling_strategy=on(s.bundle))
                         .remote() for s in res.workers]
@@ -299,6 +313,19 @@ class Cluster:
             wait_all(self.ray, starts, "start rollout replicas", self.quiet)
         self.open_channel()
         return built[0]
+
+    def adopt(self, cfg, workers: list, devices: Sequence) -> None:
+        """After an elastic resize (``rlhf_switch.elastic.manager``): the new world's actors —
+        trainer, reference and in-actor rollout engine built by ``build_empty(config, init_dir)``,
+        the training state moved in — become this cluster's; the weight channel is re-formed over
+        them and the next ``sync`` brings their rollout engines up to date."""
+        if self.replicas:
+            raise NotImplementedError("an elastic resize with rollout replicas in their own actors (vLLM)")
+        self.cfg, self.workers, self.world, self.devices = cfg, list(workers), cfg.world_size, list(devices)
+        self.bundles = [index for _, index in self.devices]
+        self.resources = resources_for(cfg)
+        self.tp, self.n_replicas = cfg.rollout.tp, cfg.world_size // cfg.rollout.tp
+        self.open_channel()
 
     # --- the weight channel train -> rollout -------------------------------------------------------
     def open_channel(self, budget_bytes: int | None = None) -> None:
@@ -386,17 +413,17 @@ class Cluster:
                               "worker_move_s": max((w["seconds"] for r in receivers for w in r["workers"]),
                                                    default=0.0)}}
 
-    def _bundle_index(self, bundle: int) -> int:
-        """The placement group's bundle for a ``resources`` bundle: the first ``world`` are the
-        trainer ranks' devices (rank r on ``self.bundles[r]``), any after them a replica's own."""
-        return self.bundles[bundle] if bundle < self.world else bundle
+    def _slot(self, bundle: int) -> tuple:
+        """(placement group, bundle index) of a ``resources`` bundle: the first ``world`` are the
+        trainer ranks' devices (rank r on ``self.devices[r]``), any after them a replica's own."""
+        return self.devices[bundle] if bundle < self.world else (self.pg, bundle)
 
     def _node_of_rank(self, rank: int, bundle: int | None = None) -> str:
         """The node of rank ``rank``'s bundle (or of ``resources`` bundle ``bundle``): its address
         and id (nodes may share an address)."""
         try:
-            index = self._bundle_index(rank if bundle is None else bundle)
-            node_id = self.ray.util.placement_group_table(self.pg)["bundles_to_node_id"][index]
+            pg, index = self._slot(rank if bundle is None else bundle)
+            node_id = self.ray.util.placement_group_table(pg)["bundles_to_node_id"][index]
             address = next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
             return f"{address} {node_id[:8]}"
         except Exception:  # noqa: BLE001 - a name without an address is still a name
@@ -522,4 +549,5 @@ class Cluster:
         for a in self.replicas + self.workers:
             ray.kill(a)
         self.replicas, self.workers = [], []
-        remove_placement_group(self.pg)
+        if self.owns_devices:
+            remove_placement_group(self.pg)

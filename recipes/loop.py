@@ -133,11 +133,20 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     init_dir = warm_start(cfg, out_dir / "init", quiet)
     say(f"[{name}] warm start: {init_dir} ({time.perf_counter() - t_start:.1f} s)")
     log = MetricsLog(out_dir, cfg.tensorboard, resume_from=first if resume_dir is not None else None)
-    ray, owns_ray = start_ray(cfg, cfg.world_size, verbose=verbose)
-    cluster, ok = None, False
+    # elastic.schedule: the world in force at the first iteration, the resizes after it
+    schedule = [e for e in (cfg.elastic.schedule if cfg.elastic else []) if first < e.iteration <= last]
+    now = cfg.at_iteration(first)
+    most = max([now.world_size] + [e.world_size for e in schedule])
+    ray, owns_ray = start_ray(cfg, most, verbose=verbose)
+    cluster, ok, devices, pending = None, False, None, None
     records: list[dict] = []
     try:
-        cluster = Cluster(cfg, ray, quiet)
+        if cfg.elastic and cfg.elastic.schedule:
+            from rlhf_switch.elastic.manager import Devices
+
+            devices = Devices(ray)
+            devices.acquire(range(now.world_size))
+        cluster = Cluster(now, ray, quiet, devices=devices.slots(range(now.world_size)) if devices else None)
         built = cluster.build(init_dir, resume_dir)
         if resume_dir is not None and int(built["start"].get("iteration", -1)) != first - 1:
             raise RuntimeError(f"{resume_dir}: the engines loaded iteration {built['start'].get('iteration')}, "
@@ -159,6 +168,13 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             say(f"[{name}] held-out greedy reward {when} iteration {it}: {r:.3f} ({len(evaluate.prompts)} prompts)")
 
         for it in range(first, last + 1):
+            if schedule and schedule[0].iteration == it:  # the resize due now: stop-the-world
+                rec = _commit_resize(cluster, pending, schedule.pop(0), cfg, devices, it, say, name)
+                pending = None
+                records.append(rec)
+                log.write(rec, it)
+            if schedule and pending is None and schedule[0].iteration - 1 <= it:
+                pending = _start_resize(ray, cluster, cfg, schedule[0], devices, init_dir, it)
             t_it = time.perf_counter()
             # 1. switch train -> rollout
             sync = ({"seconds": 0.0, "bytes_moved": 0, "bytes_sent": 0} if it in skip_sync_at else cluster.sync())
@@ -270,14 +286,61 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
         ok = True
     finally:
         log.close()
+        if pending is not None:
+            pending.abandon()
         if cluster is not None:
             cluster.shutdown(graceful=ok)
+        if devices is not None:
+            devices.release_all()
         if owns_ray:
             ray.shutdown()
     png = plot_run(log.records(), out_dir / f"{name}.png", f"{name.upper()} {cfg.task.name if cfg.task else 'data'}: {cfg.train.engine} → {cfg.rollout.engine}")
     say(f"[{name}] {len([r for r in records if 'reward_mean' in r])} iterations in {time.perf_counter() - t_start:.1f} s; "
         f"metrics: {log.path}" + (f"; plot: {png}" if png else ""))
     return records
+
+
+def _start_resize(ray, cluster, cfg, entry, devices, init_dir: Path, it: int):
+    """Start building the world of ``entry`` in the background (its actors on devices
+    ``0..world_size-1``) while iteration ``it`` runs on the current world."""
+    from actors.hybrid import remote_class
+    from rlhf_switch.elastic import ResizePlan
+    from rlhf_switch.elastic.manager import start_world
+
+    new = cfg.at_iteration(entry.iteration)
+    plan = ResizePlan(tuple(range(cluster.world)), tuple(range(new.world_size)))
+    pending = start_world(ray, remote_class(num_cpus=0.5, num_gpus=0.5), new.model_dump(), devices, plan,
+                          init_dir=str(init_dir), device=cluster.device)
+    pending.started_at, pending.config = it, new
+    return pending
+
+
+def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: str) -> dict:
+    """The stop-the-world before iteration ``it``: wait for the background build if it is not
+    done, move the state over the union of old and new ranks, adopt the new world. A build that
+    failed is abandoned with one message and the run goes on in the current world."""
+    from rlhf_switch.elastic import ResizeError
+
+    old = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
+    t0 = time.perf_counter()
+    try:
+        pending.wait()
+        waited = time.perf_counter() - t0
+        result = pending.commit(cluster.workers)
+    except ResizeError as e:
+        say(f"[{name}] resize before iteration {it} abandoned: {e}")
+        return {"iteration": it, "resize": {"kind": "planned", "abandoned": str(e)}}
+    cluster.adopt(pending.config, result.workers, devices.slots(result.plan.new_devices))
+    new = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
+    event = {"kind": "planned", "old": old, "new": new, "iterations_during_build": it - pending.started_at,
+             "background_s": result.background_s, "waited_for_build_s": waited,
+             "stop_the_world_s": result.stop_the_world_s, "release_s": result.release_s,
+             "bytes_moved": result.bytes_moved}
+    say(f"[{name}] resized before iteration {it}: {old} -> {new}; built in the background in "
+        f"{result.background_s:.1f} s ({event['iterations_during_build']} iteration(s) meanwhile, "
+        f"{waited:.1f} s waited), stop-the-world {result.stop_the_world_s:.2f} s, {result.bytes_moved} B moved")
+    return {"iteration": it, "resize": event, "resize_stop_the_world_s": result.stop_the_world_s,
+            "resize_background_s": result.background_s}
 
 
 def channel_summary(cluster) -> dict:

@@ -41,6 +41,7 @@ def test_compat_imports_no_third_party_engine_at_module_level():
 LAYERS = {"device": set(), "vps": set(), "routing": {"vps"}, "families": {"vps"}, "models": {"vps", "families"},
           "testing": {"vps", "families", "models", "rl"}, "rl": {"vps", "families", "models"},
           "engines": {"vps", "routing", "families", "models", "rl", "compat", "launch", "device"},
+          "elastic": {"vps", "routing", "families", "models", "rl", "compat", "launch", "engines", "device"},
           # the cost model asks the engine registry which layouts each engine runs (no process group)
           "tune": {"vps", "families", "models", "rl", "engines", "device"}}
 

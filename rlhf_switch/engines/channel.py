@@ -268,6 +268,13 @@ class ChannelEnd:
         return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout_s, budget_bytes=budget_bytes,
                    open_s=time.perf_counter() - t0, verify=verify, verify_fraction=verify_fraction)
 
+    @property
+    def comm(self):
+        """The channel's group as the executor's comm (with its store for failure reports): a
+        collective of the members that is not a weight sync — the elastic resize moves a whole
+        training state over a channel joined by the old and new trainer ranks."""
+        return self._comm
+
     def set_layouts(self, src: Layout, dst: Layout) -> None:
         """The source and destination layouts, placed on the channel's ranks (the same on every
         member). The first move plans them; the executor keeps the schedule."""

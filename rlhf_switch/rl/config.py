@@ -289,6 +289,22 @@ class EvalConfig(Strict):
     num_prompts: int = Field(64, ge=1)
 
 
+class ElasticEntry(Strict):
+    """One planned resize (``elastic.schedule``): from iteration ``iteration`` on, the run uses
+    ``world_size`` devices and these layouts (the phase blocks' form); the new world is built in
+    the background during the iteration before it (recipes/loop.py)."""
+
+    iteration: int = Field(ge=1)
+    world_size: int = Field(ge=1)
+    train: TrainerLayout
+    rollout: RolloutLayout
+    reference: TrainLayout | None = None
+
+
+class ElasticConfig(Strict):
+    schedule: list[ElasticEntry] = []
+
+
 class RunConfig(Strict):
     world_size: int = Field(ge=1)
     # where every engine computes (rlhf_switch.device): auto = cuda when the actors see a GPU
@@ -316,6 +332,17 @@ class RunConfig(Strict):
     # each rank pair's pieces, a different draw every sync) or full; a corrupted piece fails the sync
     verify: Literal["off", "sample", "full"] = "off"
     verify_fraction: float = Field(0.1, gt=0, le=1)
+    elastic: ElasticConfig | None = None  # planned resizes of the run's world (rlhf_switch/elastic)
+
+    def at_iteration(self, iteration: int) -> "RunConfig":
+        """The config in force at ``iteration``: the last ``elastic.schedule`` entry at or before
+        it applied (world size and layouts), else this one. Its own schedule is dropped."""
+        entries = [e for e in (self.elastic.schedule if self.elastic else []) if e.iteration <= iteration]
+        update: dict[str, Any] = {"elastic": None}
+        if entries:
+            e = entries[-1]
+            update.update(world_size=e.world_size, train=e.train, rollout=e.rollout, reference=e.reference)
+        return self.model_copy(update=update)
 
     @model_validator(mode="after")
     def _phases_for_algorithm(self) -> "RunConfig":
@@ -329,6 +356,26 @@ class RunConfig(Strict):
         if self.algorithm.kl_coef > 0 and self.reference is None:
             problems.append(f"reference: algorithm.kl_coef={self.algorithm.kl_coef} needs a reference "
                             f"block (or set kl_coef: 0)")
+        for i, e in enumerate(self.elastic.schedule if self.elastic else []):
+            where = f"elastic.schedule[{i}]"
+            if i and e.iteration <= self.elastic.schedule[i - 1].iteration:
+                problems.append(f"{where}.iteration: {e.iteration} — entries go in increasing iteration order")
+            if self.critic is not None:
+                problems.append(f"{where}: a resize moves the trainer and the reference; the critic (PPO) "
+                                f"is not resized yet")
+            if (e.reference is None) != (self.reference is None):
+                problems.append(f"{where}.reference: give a reference block exactly when the run has one")
+            if not e.rollout.colocate:
+                problems.append(f"{where}.rollout.colocate: false — a resize needs colocated devices")
+            if e.rollout.engine != "torch":
+                problems.append(f"{where}.rollout.engine: {e.rollout.engine} — only the torch rollout engine "
+                                f"(in the trainer's actors) is resized yet")
+        if self.elastic and self.elastic.schedule and not self.rollout.colocate:
+            problems.append("rollout.colocate: false — elastic.schedule needs colocated devices (an old and a "
+                            "new trainer actor share each kept device during a resize)")
+        if self.elastic and self.elastic.schedule and self.rollout.engine != "torch":
+            problems.append(f"rollout.engine: {self.rollout.engine} — elastic.schedule resizes only the torch "
+                            f"rollout engine (in the trainer's actors) yet")
         if problems:
             # one line per problem: _format_errors splits them back into separate entries
             raise ValueError("\n".join(problems))
@@ -694,6 +741,12 @@ def fit_problems(cfg: RunConfig, load_reward: bool = True) -> list[str]:
         if dims is not None:
             problems += _model_split_problems(phase, layout, dims)
     problems += _batch_problems(cfg)
+    for i, e in enumerate(cfg.elastic.schedule if cfg.elastic else []):  # each world the run will use
+        then = cfg.at_iteration(e.iteration)
+        for phase, layout in then.phases().items():
+            problems += [f"elastic.schedule[{i}]: {p}" for p in _layout_problems(phase, layout, then.world_size)
+                         + (_model_split_problems(phase, layout, dims) if dims is not None else [])]
+        problems += [f"elastic.schedule[{i}]: {p}" for p in _batch_problems(then)]
     if cfg.task is not None:
         problems += _task_problems(cfg, dims)
     else:
