@@ -22,8 +22,13 @@
    direct message was posted at once under its own tag and the staged ones after: the two ends
    of a message staged on one side only were posted at different places — fine on gloo, a
    mis-match on NCCL — and that was no faster: ``tests/test_posting_order.py``, README);
-4. local copies (source view → destination view, no staging), while messages are in flight
-   (at the first wait for pool space, or after the last batch is posted);
+   The program runs compiled (``Schedule.program``, built once with the cached schedule): per
+   message its buffer range or its staging block and copies, per piece two ``as_strided`` views
+   and one ``copy_`` — no planning arithmetic in the timed move;
+4. local copies (source view → destination view, strided or not, never through staging; dims
+   merged where both views are one run, copies that continue each other per buffer pair merged
+   into one), while messages are in flight (at the first wait for pool space, or after the last
+   batch is posted) — they touch no byte a message reads or writes;
 5. wait for everything, unpacking the staged receives;
 6. with ``verify`` ``"full"`` or ``"sample"``: checksums of the moved pieces, computed at their
    sources and checked on the bytes that landed (``routing/verify.py``); a corrupted piece raises
