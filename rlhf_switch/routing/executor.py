@@ -497,6 +497,13 @@ class _Outstanding:
         self.bytes -= nbytes
 
 
+def _copy_local(schedule: Schedule, src_buffers, dst_buffers, bound: _Bound | None = None) -> None:
+    """Every same-rank copy of ``schedule``, view to view (step 4; the colocated handoff's path too)."""
+    bound = bound or _Bound(src_buffers, dst_buffers, None)
+    for c in schedule.local_runs:
+        bound.copy(c)
+
+
 def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffers, comm: Comm,
          deadline: Deadlines) -> MoveReport:
     """Steps 3–5 of the module docstring: ``batches`` posted in order, each as one batch; staged
@@ -520,8 +527,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
         if not local_done:
             local_done = True
             tl = time.perf_counter()
-            for c in schedule.local_runs:
-                bound.copy(c)
+            _copy_local(schedule, src_buffers, dst_buffers, bound)
             t_local = time.perf_counter() - tl
 
     peak = alive_bytes = messages = 0
