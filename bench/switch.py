@@ -3,6 +3,7 @@
     python -m bench.switch --quick          # 10M,100M params, fp32 (~20 min on a busy 2-core box)
     python -m bench.switch                  # 10M,100M,300M params, fp32 and bf16 (hours there)
     python -m bench.switch --sizes 10M --dtypes bf16 --cases a,d --methods vps,dcp_shm --repeats 7
+    python -m bench.switch --quick --methods vps,raw_p2p --paired --repeats 15   # a busy machine
 
 Four gloo ranks (one thread each) on this machine run four transitions of a Llama-shaped model
 built from a config (``llama_spec``; no HF model is instantiated: every global tensor is a cheap
@@ -278,10 +279,12 @@ def _rss_growth(base: int | None) -> int | None:
     return None if base is None or r is None else max(0, r[1] - base)
 
 
-def _rank_method(method: str, repeats: int, root: str | None = None) -> dict:
+def _rank_method(method: str, repeats: int, root: str | None = None, paired: bool = False) -> dict:
     """One method on this rank: prepare, one verified run, then ``repeats`` timed runs. Besides
     the times, it measures the resident-set high-water mark above the resident set at the start
-    (prepared buffers, staging, DCP's transient copies, heap growth), the verification excluded."""
+    (prepared buffers, staging, DCP's transient copies, heap growth), the verification excluded.
+    ``paired`` (VPS only): after each timed VPS repeat, one raw p2p exchange + local copies on the
+    same buffers (untimed for the VPS row), so the two are compared under the same load."""
     prep = {"vps": _vps_prepare, "full_gather": baselines.full_gather_prepare, "raw_p2p": baselines.raw_prepare}
     run = {"vps": _vps_run, "full_gather": baselines.full_gather_run, "raw_p2p": baselines.raw_run,
            "dcp_disk": baselines.dcp_run, "dcp_shm": baselines.dcp_run}[method]
@@ -316,6 +319,10 @@ def _rank_method(method: str, repeats: int, root: str | None = None) -> dict:
         out["local_bytes"] = ctx["local_bytes"]
         ctx["copy_local"] = True  # timed repeats: exchange, then the local copies
 
+    raw = None
+    if paired and method == "vps":  # after the check: the raw receives are carved from the destination
+        raw = dict(baselines.raw_prepare(_S), copy_local=True)
+        out["paired_raw"] = []
     times, extras = [], []
     for _ in range(repeats):
         dist.barrier()
@@ -323,6 +330,10 @@ def _rank_method(method: str, repeats: int, root: str | None = None) -> dict:
         r = run(ctx)
         times.append(r["exchange_s"] if method == "raw_p2p" else time.perf_counter() - t0)
         dist.barrier()
+        if raw is not None:
+            x = baselines.raw_run(raw)
+            out["paired_raw"].append((x["exchange_s"], x["with_local_s"]))
+            dist.barrier()
         if method.startswith("dcp"):
             baselines.dcp_cleanup(ctx)
         if method == "vps":
@@ -494,7 +505,7 @@ def _bench_one(world, size, dtype, case, methods, budget, args, roots, results: 
                 print(f"{tag} {LABELS[m]}: skipped ({why})", flush=True)
                 continue
         print(f"{tag} {LABELS[m]}: running 1 + {args.repeats}…", flush=True)
-        res = world.run(_rank_method, m, args.repeats, root, timeout=args.timeout)
+        res = world.run(_rank_method, m, args.repeats, root, paired=args.paired, timeout=args.timeout)
         med, walls = _median_of_max([r["times"] for r in res])
         rec = {"median_s": med, "walls_s": walls, "first_s": max(r["first_s"] for r in res),
                "prepare_s": max(r["prepare_s"] for r in res), "exact": all(r["exact"] for r in res),
@@ -511,6 +522,13 @@ def _bench_one(world, size, dtype, case, methods, budget, args, roots, results: 
             rec["planned_peak_extra_bytes"] = max(r["planned_peak_staging_bytes"] for r in reps)
             rec["messages"] = sum(r["messages"] for r in reps)
             rec["budget_bytes"] = budget
+            if args.paired:  # raw p2p (+ local copies) right after each VPS repeat, same buffers
+                rec["paired_raw_median_s"], _ = _median_of_max([[x[0] for x in r["paired_raw"]] for r in res])
+                rec["paired_raw_local_median_s"], _ = _median_of_max([[x[1] for x in r["paired_raw"]] for r in res])
+                vps_walls = rec["walls_s"]
+                raw_walls = [max(x[1] for x in xs) for xs in zip(*[r["paired_raw"] for r in res])]
+                rec["paired_fraction_of_raw_local"] = statistics.median(
+                    rl / v for rl, v in zip(raw_walls, vps_walls))
             rec["move_internal_median_s"] = statistics.median(
                 max(ex[i]["seconds"] for ex in (r["extras"] for r in res)) for i in range(args.repeats))
         elif m == "full_gather":
@@ -629,6 +647,11 @@ def format_table(data: dict) -> str:
                          f"{rec['eff_GBps']:>9.3f} {(f'{100 * frac:.0f}%' if frac else 'n/a'):>6} "
                          f"{(_fmt_mb(wire) if wire is not None else 'n/a'):>9} {peak_s:>20} {rss_s:>8}  "
                          f"{'yes' if rec['exact'] else 'NO':>5}")
+            if m == "vps" and "paired_raw_local_median_s" in rec:
+                lines.append(f"{'':>17}  {'  paired floor':<16}{rec['paired_raw_local_median_s']:>9.3f} "
+                             f"(raw p2p {rec['paired_raw_median_s']:.3f} + local copies, run after each VPS "
+                             f"repeat): VPS at {100 * rec['paired_fraction_of_raw_local']:.0f} % of it "
+                             f"(median of per-repeat ratios)")
             if m == "raw_p2p" and "with_local_median_s" in rec:
                 wl = rec["with_local_median_s"]
                 vps = e["methods"]["vps"]["median_s"]  # VPS always runs first
@@ -707,6 +730,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-mib", type=float, default=64.0, help="VPS staging budget per rank")
     ap.add_argument("--quick", action="store_true", help="10M,100M, fp32 only")
+    ap.add_argument("--paired", action="store_true",
+                    help="after each timed VPS repeat, run raw p2p + local copies on the same buffers "
+                         "(the VPS-to-floor ratio under the same load: for a busy machine; the VPS's "
+                         "RSS figure then includes the raw exchange's buffers)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rank job / collective")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the table and PNG of a saved run")

@@ -146,3 +146,107 @@ def test_repeated_prepare_reuses_the_schedule(layouts4):
     assert prepare(src, dst, 1, allocate(src, 1), allocate(dst, 1), 8192) is not a  # budget is in the key
     with pytest.raises(ValueError, match="missing"):  # the buffers are still checked every time
         prepare(src, dst, 1, {}, allocate(dst, 1), 4096)
+
+
+def _elements(shape, offset, strides):
+    """The element offsets a strided view covers, in row-major order of its index."""
+    import torch
+    idx = torch.tensor([offset], dtype=torch.int64)
+    for n, s in zip(shape, strides):
+        idx = (idx.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s).reshape(-1)
+    return idx
+
+
+def _mapping(copies, src_key, dst_key):
+    """Per (source side, destination side): the sorted (source element, destination element)
+    pairs the copies move, one int64 each."""
+    import torch
+    out = {}
+    for c in copies:
+        a = _elements(c.shape, c.src_offset, c.src_strides)
+        b = _elements(c.shape, c.dst_offset, c.dst_strides)
+        out.setdefault((src_key(c), dst_key(c)), []).append(a * (1 << 31) + b)
+    return {k: torch.cat(v).sort().values.tolist() for k, v in out.items()}
+
+
+@pytest.mark.parametrize("pair", [("fsdp", "tp4"), ("zero3", "tp4"), ("tp4", "fsdp"), ("tp2xdp2", "zero3"),
+                                  ("zero1-flat", "tp2xdp2"), ("tp4", "tp2xdp2")])
+def test_local_copies_go_view_to_view_and_merge(layouts4, pair):
+    """Same-rank pieces — strided ones (row-parallel splits) included — are copied straight from
+    the source view to the destination view, never through staging; copies that continue each
+    other on both sides are merged; the copies move exactly the elements the plan's local
+    transfers do, element for element."""
+    from rlhf_switch.routing.schedule import Copy, coalesce, contiguous
+    src, dst = layouts4[pair[0]], layouts4[pair[1]]
+    strided = merged = 0
+    for r in range(4):
+        plan = plan_rank(src, dst, r)
+        sched = build_schedule(plan, 1000)
+        runs = sched.local_runs
+        assert all(c.src_buffer is not None and c.dst_buffer is not None for c in runs)  # no staging side
+        want = [Copy(t.src_buffer, t.src_offset, t.src_strides, t.dst_buffer, t.dst_offset, t.dst_strides,
+                     t.box.shape, t.dtype) for t in plan.local]
+        side = (lambda c: c.src_buffer), (lambda c: c.dst_buffer)
+        assert _mapping(runs, *side) == _mapping(want, *side)
+        strided += sum(not contiguous(t.box.shape, t.src_strides) or not contiguous(t.box.shape, t.dst_strides)
+                       for t in plan.local)
+        merged += len(plan.local) - len(runs)
+        for c in runs:  # fewest dimensions: no size-1 dims, no two dims that are one run on both sides
+            assert coalesce(c.shape, (c.src_strides, c.dst_strides)) == (c.shape, [c.src_strides, c.dst_strides])
+    assert strided, f"{pair}: no strided same-rank piece"
+    if pair in (("zero3", "tp4"), ("tp2xdp2", "zero3")):
+        assert merged, f"{pair}: no copies merged"
+
+
+def test_coalesce_merges_only_dims_that_are_one_run_on_every_side():
+    from rlhf_switch.routing.schedule import coalesce
+    # dims 0-1 are one run in both views, dims 1-2 only in the first
+    assert coalesce((2, 3, 4), [(12, 4, 1), (24, 8, 1)]) == ((6, 4), [(4, 1), (8, 1)])
+    assert coalesce((2, 1, 4), [(4, 99, 1), (4, 7, 1)]) == ((8,), [(1,), (1,)])  # size-1 dims dropped
+    assert coalesce((1, 1), [(5, 1), (3, 1)]) == ((1,), [(1,), (1,)])
+    assert coalesce((3, 2), [(1, 3), (2, 1)]) == ((3, 2), [(1, 3), (2, 1)])  # a transpose stays
+
+
+@pytest.mark.parametrize("pair", [("zero3", "tp4"), ("fsdp", "tp2xpp2"), ("zero1-flat", "tp2xdp2"),
+                                  ("tp2xdp2", "pp2"), ("fsdp", "tp4")])
+def test_compiled_program_is_the_schedule(layouts4, pair):
+    """The executor's compiled program posts exactly ``Schedule.batches`` (peer, direction, bytes,
+    in order); a direct message is the chunk's one buffer range; a staged one's copies move
+    exactly its pieces' elements to/from their offsets in the step's pool block, inside the pool."""
+    from rlhf_switch.routing.schedule import Copy
+    from rlhf_switch.vps.space import row_major_strides
+    from rlhf_switch.vps.spec import itemsize
+    src, dst = layouts4[pair[0]], layouts4[pair[1]]
+    side = (lambda c: c.src_buffer), (lambda c: c.dst_buffer)
+    for budget in ((64, 1 << 20) if pair == ("fsdp", "tp4") else (1000, 1 << 20)):
+        for r in range(4):
+            sched = build_schedule(plan_rank(src, dst, r), budget)
+            prog = sched.program
+            assert prog.pool_bytes == sched.peak_staging_bytes <= budget
+            assert [pb.retire for pb in prog.batches] == [b.retire for b in sched.batches]
+            for pb, b in zip(prog.batches, sched.batches):
+                assert len(pb.ops) == len(b.messages)
+                for op, m in zip(pb.ops, b.messages):
+                    ex = sched.exchanges[m.exchange]
+                    chunk = ex.steps[m.step][0 if m.send else 1]
+                    assert (op.send, op.peer, op.nbytes, op.chunk) == (m.send, ex.peer, chunk.nbytes, chunk)
+                    staged = chunk.stage_send if m.send else chunk.stage_recv
+                    assert (op.buffer is None) == staged
+                    if not staged:
+                        p = chunk.pieces[0]
+                        off = p.src_view()[0] if m.send else p.dst_view()[0]
+                        assert (op.offset, op.numel * itemsize(p.transfer.dtype)) == (off, chunk.nbytes)
+                        continue
+                    offset, size = prog.steps[op.step]
+                    assert offset <= op.offset and op.offset + op.nbytes <= offset + size <= prog.pool_bytes
+                    want = []
+                    for p, o in zip(chunk.pieces, chunk.offsets):
+                        t, shape = p.transfer, p.box.shape
+                        at, rm = (op.offset + o) // itemsize(t.dtype), row_major_strides(shape)
+                        if m.send:
+                            off, strides = p.src_view()
+                            want.append(Copy(t.src_buffer, off, strides, None, at, rm, shape, t.dtype))
+                        else:
+                            off, strides = p.dst_view()
+                            want.append(Copy(None, at, rm, t.dst_buffer, off, strides, shape, t.dtype))
+                    assert _mapping(op.copies, *side) == _mapping(want, *side)

@@ -22,8 +22,13 @@
    direct message was posted at once under its own tag and the staged ones after: the two ends
    of a message staged on one side only were posted at different places — fine on gloo, a
    mis-match on NCCL — and that was no faster: ``tests/test_posting_order.py``, README);
-4. local copies (source view → destination view, no staging), while messages are in flight
-   (at the first wait for pool space, or after the last batch is posted);
+   The program runs compiled (``Schedule.program``, built once with the cached schedule): per
+   message its buffer range or its staging block and copies, per piece two ``as_strided`` views
+   and one ``copy_`` — no planning arithmetic in the timed move;
+4. local copies (source view → destination view, strided or not, never through staging; dims
+   merged where both views are one run, copies that continue each other per buffer pair merged
+   into one), while messages are in flight (at the first wait for pool space, or after the last
+   batch is posted) — they touch no byte a message reads or writes;
 5. wait for everything, unpacking the staged receives;
 6. with ``verify`` ``"full"`` or ``"sample"``: checksums of the moved pieces, computed at their
    sources and checked on the bytes that landed (``routing/verify.py``); a corrupted piece raises
@@ -51,7 +56,7 @@ from ..vps.layout import Layout, LayoutError
 from ..vps.materialize import torch_dtype
 from ..vps.planner import RankPlan, check_pair, plan_rank
 from .comm import P2P, Comm, as_comm
-from .schedule import Batch, Chunk, Schedule, build_schedule
+from .schedule import Batch, Schedule, build_schedule
 from .verify import DEFAULT_FRACTION, VerifyError, check_mode, verify_move  # noqa: F401 - re-exported
 
 DEFAULT_BUDGET = 64 << 20
@@ -244,7 +249,7 @@ def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budge
     if schedule is None:
         src_dtypes = {n: b.dtype for n, b in src.buffers(rank).items()}
         schedule = build_schedule(plan, budget_bytes, src_dtypes)
-        schedule.staged, schedule.batches, schedule.message_digests  # once, here, not in the timed move
+        schedule.staged, schedule.batches, schedule.message_digests, schedule.program  # once, here, not in the timed move
         _SCHEDULES[key] = schedule
         while len(_SCHEDULES) > _SCHEDULE_CACHE:
             _SCHEDULES.popitem(last=False)
@@ -379,42 +384,51 @@ def _view(buffers, name: str, offset: int, shape, strides) -> torch.Tensor:
     return torch.as_strided(buf, shape, strides, buf.storage_offset() + offset)
 
 
-def _flat(buffers, name: str, offset: int, nbytes: int) -> torch.Tensor:
-    buf = buffers[name]
-    n = nbytes // buf.element_size()
-    return buf.view(-1)[offset:offset + n].view(torch.uint8)
-
-
-def _pack(chunk: Chunk, src_buffers, out: torch.Tensor) -> None:
-    for p, o in zip(chunk.pieces, chunk.offsets):
-        off, strides = p.src_view()
-        src = _view(src_buffers, p.transfer.src_buffer, off, p.box.shape, strides)
-        out[o:o + p.nbytes].view(torch_dtype(p.transfer.dtype)).view(p.box.shape).copy_(src)
-
-
 # test-only (tests/verify_jobs.py): called with (chunk, staging bytes) after a staged receive
 # landed and before it is unpacked — a test sets it to corrupt bytes in flight. Never set otherwise.
 STAGED_RECEIVE_HOOK = None
 
 
-def _unpack(chunk: Chunk, buf: torch.Tensor, dst_buffers) -> None:
-    STAGED_RECEIVE_HOOK is not None and STAGED_RECEIVE_HOOK(chunk, buf)  # test-only: see above
-    for p, o in zip(chunk.pieces, chunk.offsets):
-        off, strides = p.dst_view()
-        _view(dst_buffers, p.transfer.dst_buffer, off, p.box.shape, strides).copy_(
-            buf[o:o + p.nbytes].view(torch_dtype(p.transfer.dtype)).view(p.box.shape))
+class _Bound:
+    """This move's buffers and staging pool, for the compiled program's copies: one
+    ``as_strided`` view per side of a copy, nothing else per piece."""
 
+    __slots__ = ("src", "dst", "pool", "typed")
 
-def _copy_local(schedule: Schedule, src_buffers, dst_buffers) -> None:
-    for run in schedule.local_runs:
-        t = run.transfer
-        if run.flat:
-            sb, db = src_buffers[t.src_buffer], dst_buffers[t.dst_buffer]
-            db.view(-1)[t.dst_offset:t.dst_offset + run.numel].copy_(
-                sb.view(-1)[t.src_offset:t.src_offset + run.numel])
-        else:
-            _view(dst_buffers, t.dst_buffer, t.dst_offset, t.box.shape, t.dst_strides).copy_(
-                _view(src_buffers, t.src_buffer, t.src_offset, t.box.shape, t.src_strides))
+    def __init__(self, src_buffers, dst_buffers, pool):
+        self.src = {n: (t, t.storage_offset()) for n, t in src_buffers.items()}
+        self.dst = {n: (t, t.storage_offset()) for n, t in dst_buffers.items()}
+        self.pool = pool
+        self.typed: dict[str, torch.Tensor] = {}
+
+    def _side(self, side, name, offset, strides, shape, dtype):
+        if name is None:  # the staging pool, viewed as the transfer's dtype
+            t = self.typed.get(dtype)
+            if t is None:
+                t = self.typed[dtype] = self.pool.view(torch_dtype(dtype))
+            return torch.as_strided(t, shape, strides, offset)
+        buf, base = side[name]
+        return torch.as_strided(buf, shape, strides, base + offset)
+
+    def copy(self, c) -> None:
+        self._side(self.dst, c.dst_buffer, c.dst_offset, c.dst_strides, c.shape, c.dtype).copy_(
+            self._side(self.src, c.src_buffer, c.src_offset, c.src_strides, c.shape, c.dtype))
+
+    def message(self, op) -> torch.Tensor:
+        """The tensor ``op`` is sent from / received into (packed first when it is a staged send)."""
+        if op.buffer is not None:
+            buf, base = (self.src if op.send else self.dst)[op.buffer]
+            return torch.as_strided(buf, (op.numel,), (1,), base + op.offset)
+        if op.send:
+            for c in op.copies:
+                self.copy(c)
+        return self.pool[op.offset:op.offset + op.nbytes]
+
+    def unpack(self, op) -> None:
+        STAGED_RECEIVE_HOOK is not None and STAGED_RECEIVE_HOOK(  # test-only: see above
+            op.chunk, self.pool[op.offset:op.offset + op.nbytes])
+        for c in op.copies:
+            self.copy(c)
 
 
 MESSAGE_TAG = 1 << 20  # every message: one tag, so gloo matches by posting order, as NCCL does
@@ -450,57 +464,66 @@ class _Outstanding:
 
     def __init__(self, comm: Comm, deadline: Deadlines):
         self.comm, self.deadline = comm, deadline
-        self.works: dict[int, tuple[object, str, int, int]] = {}  # token -> (work, what, bytes, peer)
+        self.works: dict[int, tuple[object, bool, int, int]] = {}  # token -> (work, send?, bytes, peer)
         self.bytes = 0
         self.posted = 0  # tokens handed out (on NCCL the messages of a batch share one work)
 
-    def pending(self) -> list[str]:
-        return [d for _, d, _, _ in self.works.values()]
-
     @staticmethod
-    def _what(op: P2P) -> str:
-        nbytes = op.tensor.numel() * op.tensor.element_size()
-        return f"{'send' if op.send else 'recv'} {nbytes} B {'to' if op.send else 'from'} rank {op.peer} (tag {op.tag})"
+    def _what(send: bool, nbytes: int, peer: int) -> str:
+        return f"{'send' if send else 'recv'} {nbytes} B {'to' if send else 'from'} rank {peer} (tag {MESSAGE_TAG})"
 
-    def post_batch(self, ops: list[P2P]) -> list[int]:
-        """Post ``ops`` in this order as one batch; a token per op, to ``wait`` for."""
+    def pending(self) -> list[str]:  # only on failure: the descriptions are made here, not per message
+        return [self._what(s, n, p) for _, s, n, p in self.works.values()]
+
+    def post_batch(self, ops: list[P2P], sizes: list[int]) -> range:
+        """Post ``ops`` (of ``sizes`` bytes) in this order as one batch; tokens to ``wait`` for."""
         if POST_HOOK is not None:  # test-only: see POST_HOOK
-            for op in ops:
-                POST_HOOK(op.peer, op.send, op.tensor.numel() * op.tensor.element_size())
-        what = self._what(ops[0]) + (f" and {len(ops) - 1} more in its batch" if len(ops) > 1 else "")
-        works = _waiting(lambda _: self.comm.batch(ops), 0.0, what, ops[0].peer, self.pending)
-        tokens = []
-        for op, work in zip(ops, works):
-            nbytes = op.tensor.numel() * op.tensor.element_size()
+            for op, n in zip(ops, sizes):
+                POST_HOOK(op.peer, op.send, n)
+        try:
+            works = self.comm.batch(ops)
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError, with its text
+            what = self._what(ops[0].send, sizes[0], ops[0].peer) + (
+                f" and {len(ops) - 1} more in its batch" if len(ops) > 1 else "")
+            raise _WaitFailed(what, ops[0].peer, f"{type(e).__name__}: {e}", 0.0,
+                              [what] + self.pending()) from None
+        first = self.posted + 1
+        for op, n, work in zip(ops, sizes, works):
             self.posted += 1
-            self.works[self.posted] = (work, self._what(op), nbytes, op.peer)
-            self.bytes += nbytes
-            tokens.append(self.posted)
-        return tokens
+            self.works[self.posted] = (work, op.send, n, op.peer)
+            self.bytes += n
+        return range(first, self.posted + 1)
 
     def wait(self, token: int) -> None:
-        work, what, nbytes, peer = self.works[token]
-        _waiting(work.wait, self.deadline.for_bytes(self.bytes), what, peer, self.pending)
+        work, send, nbytes, peer = self.works[token]
+        _waiting(work.wait, self.deadline.for_bytes(self.bytes), self._what(send, nbytes, peer), peer,
+                 self.pending)
         del self.works[token]
         self.bytes -= nbytes
+
+
+def _copy_local(schedule: Schedule, src_buffers, dst_buffers, bound: _Bound | None = None) -> None:
+    """Every same-rank copy of ``schedule``, view to view (step 4; the colocated handoff's path too)."""
+    bound = bound or _Bound(src_buffers, dst_buffers, None)
+    for c in schedule.local_runs:
+        bound.copy(c)
 
 
 def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffers, comm: Comm,
          deadline: Deadlines) -> MoveReport:
     """Steps 3–5 of the module docstring: ``batches`` posted in order, each as one batch; staged
-    steps packed into / unpacked from the pool at ``Schedule.staged``'s offsets."""
+    steps packed into / unpacked from the pool at ``Schedule.staged``'s offsets. Runs the
+    compiled program (``Schedule.compile_program``): per piece only its two views and a copy."""
     plan = schedule.plan
+    prog = schedule.program if batches is schedule.batches else schedule.compile_program(batches)
     out = _Outstanding(comm, deadline)
     t0 = time.perf_counter()
-    exchanges = schedule.exchanges
-    program, planned_peak = schedule.staged
-    staged_at = {(st.exchange, st.step): st for st in program}
     pool = None
-    if program:
-        send, recv = exchanges[program[0].exchange].steps[program[0].step]
-        device = (dst_buffers[recv.pieces[0].transfer.dst_buffer].device if program[0].recv_bytes
-                  else src_buffers[send.pieces[0].transfer.src_buffer].device)
-        pool = torch.empty(planned_peak, dtype=torch.uint8, device=device)  # NCCL needs it on the GPU
+    if prog.pool_on is not None:
+        side, name = prog.pool_on
+        device = (dst_buffers if side == "dst" else src_buffers)[name].device
+        pool = torch.empty(prog.pool_bytes, dtype=torch.uint8, device=device)  # NCCL needs it on the GPU
+    bound = _Bound(src_buffers, dst_buffers, pool)
     t_local = 0.0
     local_done = False
 
@@ -509,56 +532,49 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
         if not local_done:
             local_done = True
             tl = time.perf_counter()
-            _copy_local(schedule, src_buffers, dst_buffers)
+            _copy_local(schedule, src_buffers, dst_buffers, bound)
             t_local = time.perf_counter() - tl
 
     peak = alive_bytes = messages = 0
-    inflight: deque = deque()  # staged steps in flight, oldest first: [tokens, recv chunk, recv buffer, size]
+    budget = schedule.budget_bytes
+    inflight: deque = deque()  # staged steps in flight, oldest first: [tokens, staged recv op, size]
     direct: list[int] = []  # tokens of the messages that use no staging
 
     def retire():
         nonlocal alive_bytes
-        tokens, recv, buf, size = inflight.popleft()
+        tokens, recv, size = inflight.popleft()
         for tok in tokens:
             out.wait(tok)
         if recv is not None:
-            _unpack(recv, buf, dst_buffers)
+            bound.unpack(recv)
         alive_bytes -= size
 
-    for batch in batches:
+    for batch in prog.batches:
         if batch.retire:
             copy_local()  # where the program first blocks: the batches posted so far travel meanwhile
         for _ in range(batch.retire):
             retire()
-        ops, owners, steps = [], [], {}
-        for m in batch.messages:
-            ex = exchanges[m.exchange]
-            send, recv = ex.steps[m.step]
-            st = staged_at.get((m.exchange, m.step))
-            rec = steps.get((m.exchange, m.step))
-            if st is not None and rec is None:  # the step's block of the pool: [recv chunk | send chunk]
-                rbuf = pool[st.offset:st.offset + recv.nbytes] if st.recv_bytes else None
-                rec = steps[m.exchange, m.step] = [[], recv if st.recv_bytes else None, rbuf, st.recv_bytes + st.send_bytes]
-                inflight.append(rec)
-                alive_bytes += rec[3]
-                peak = max(peak, st.offset + rec[3])
-                if alive_bytes > schedule.budget_bytes:  # a broken promise is a bug, never a silent one
-                    raise AssertionError(f"staging holds {alive_bytes} B over the {schedule.budget_bytes} B budget")
-            if m.send and send.stage_send:
-                tensor = pool[st.offset + st.recv_bytes:st.offset + st.recv_bytes + send.nbytes]
-                _pack(send, src_buffers, tensor)
-            elif m.send:
-                p = send.pieces[0]
-                tensor = _flat(src_buffers, p.transfer.src_buffer, p.src_view()[0], send.nbytes)
-            elif recv.stage_recv:
-                tensor = rec[2]
+        records = {}
+        for si in batch.new_steps:  # the step's block of the pool: [recv chunk | send chunk]
+            offset, size = prog.steps[si]
+            records[si] = rec = [[], None, size]
+            inflight.append(rec)
+            alive_bytes += size
+            peak = max(peak, offset + size)
+            if alive_bytes > budget:  # a broken promise is a bug, never a silent one
+                raise AssertionError(f"staging holds {alive_bytes} B over the {budget} B budget")
+        ops, sizes, owners = [], [], []
+        for op in batch.ops:
+            ops.append(P2P(op.send, bound.message(op), op.peer, MESSAGE_TAG))
+            sizes.append(op.nbytes)
+            if op.buffer is None:
+                rec = records[op.step]
+                owners.append(rec[0])
+                if not op.send:
+                    rec[1] = op
             else:
-                p = recv.pieces[0]
-                tensor = _flat(dst_buffers, p.transfer.dst_buffer, p.dst_view()[0], recv.nbytes)
-            staged = send.stage_send if m.send else recv.stage_recv
-            ops.append(P2P(m.send, tensor, ex.peer, MESSAGE_TAG))
-            owners.append(rec[0] if staged else direct)
-        for tok, owner in zip(out.post_batch(ops), owners):
+                owners.append(direct)
+        for tok, owner in zip(out.post_batch(ops, sizes), owners):
             owner.append(tok)
         messages += len(ops)
     t_posted = time.perf_counter()
@@ -569,10 +585,10 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
     for tok in direct:
         out.wait(tok)
     t_end = time.perf_counter()
-    if peak > schedule.budget_bytes:
-        raise AssertionError(f"staging peaked at {peak} B over the {schedule.budget_bytes} B budget")
-    return MoveReport(plan.rank, plan.transition, plan.bytes_sent, plan.bytes_received, plan.bytes_local,
-                      plan.min_bytes_received, messages, peak, planned_peak, schedule.budget_bytes, t_end - t0,
+    if peak > budget:
+        raise AssertionError(f"staging peaked at {peak} B over the {budget} B budget")
+    return MoveReport(plan.rank, plan.transition, prog.bytes_sent, prog.bytes_received, prog.bytes_local,
+                      plan.min_bytes_received, messages, peak, prog.pool_bytes, budget, t_end - t0,
                       phases=dict(post=t_posted - t0 - local_while_posting, local=t_local,
                                   wait=t_end - t_posted - (t_local - local_while_posting)))
 

@@ -104,6 +104,55 @@ class Batch(NamedTuple):
     messages: tuple[Message, ...]
 
 
+class Copy(NamedTuple):
+    """One strided copy between a buffer view and another view: ``shape`` elements from
+    ``src_buffer`` (element ``src_offset``, ``src_strides``) to ``dst_buffer`` (likewise). In a
+    staged message one side is the staging pool (buffer ``None``, viewed as ``dtype``); a local
+    copy has both sides in buffers. Dimensions that are one run on both sides are merged, and so
+    are copies that continue each other (``merge_copies``)."""
+
+    src_buffer: str | None
+    src_offset: int
+    src_strides: tuple[int, ...]
+    dst_buffer: str | None
+    dst_offset: int
+    dst_strides: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str  # what the staging side is viewed as (the transfer's dtype)
+
+
+class Op(NamedTuple):
+    """One message of a compiled posting program."""
+
+    send: bool
+    peer: int
+    nbytes: int
+    buffer: str | None  # direct: the buffer it is sent from / received into; None: staged
+    offset: int  # direct: element offset in ``buffer``; staged: byte offset in the pool
+    numel: int  # direct: elements of ``buffer`` (the message is one flat range of it)
+    copies: tuple[Copy, ...]  # staged: packed before the send / unpacked after the receive
+    step: int  # the staged step (index into ``Schedule.staged[0]``) it belongs to; -1: none
+    chunk: "Chunk"  # what it carries (for tests' hooks and error messages)
+
+
+class ProgramBatch(NamedTuple):
+    retire: int  # oldest staged steps to finish first (``Batch.retire``)
+    ops: tuple[Op, ...]
+    new_steps: tuple[int, ...]  # staged steps whose pool blocks this batch starts using
+
+
+class Program(NamedTuple):
+    """``Schedule.batches`` compiled for the executor (``Schedule.compile_program``)."""
+
+    batches: tuple[ProgramBatch, ...]
+    steps: tuple[tuple[int, int], ...]  # per staged step: (pool offset, bytes)
+    pool_bytes: int
+    pool_on: tuple[str, str] | None  # ("src" | "dst", buffer) whose device the pool lives on
+    bytes_sent: int
+    bytes_received: int
+    bytes_local: int
+
+
 @dataclass(frozen=True)
 class Schedule:
     plan: RankPlan
@@ -209,6 +258,50 @@ class Schedule:
         # CPython's hash of ints and tuples of them is the same in every process
         return {p: hash(tuple(seq)) & ((1 << 56) - 1) for p, seq in per_peer.items()}
 
+    @functools.cached_property
+    def program(self) -> "Program":
+        """``compile_program(self.batches)``, computed once."""
+        return self.compile_program(self.batches)
+
+    def compile_program(self, batches: Sequence[Batch]) -> "Program":
+        """``batches`` as the executor runs them: every message resolved to the buffer range it
+        is sent from / received into, or to its staging block and the copies that pack / unpack
+        it — plain integers, so a move does no planning arithmetic per piece (at 10M params the
+        per-piece Python of the old executor was a third of a move's time on this box)."""
+        staged, _ = self.staged
+        step_of = {(st.exchange, st.step): i for i, st in enumerate(staged)}
+        out = []
+        for b in batches:
+            ops, new_steps, seen = [], [], set()
+            for m in b.messages:
+                ex = self.exchanges[m.exchange]
+                send, recv = ex.steps[m.step]
+                chunk = send if m.send else recv
+                si = step_of.get((m.exchange, m.step), -1)
+                if si >= 0 and si not in seen:  # both messages of a step are in one batch
+                    seen.add(si)
+                    new_steps.append(si)
+                if (chunk.stage_send if m.send else chunk.stage_recv):
+                    st = staged[si]
+                    base = st.offset + (st.recv_bytes if m.send else 0)
+                    ops.append(Op(m.send, ex.peer, chunk.nbytes, None, base, 0,
+                                  _stage_copies(chunk, base, m.send), si, chunk))
+                else:
+                    p = chunk.pieces[0]
+                    t = p.transfer
+                    buffer, off = (t.src_buffer, p.src_view()[0]) if m.send else (t.dst_buffer, p.dst_view()[0])
+                    ops.append(Op(m.send, ex.peer, chunk.nbytes, buffer, off, chunk.nbytes // itemsize(t.dtype),
+                                  (), -1, chunk))
+            out.append(ProgramBatch(b.retire, tuple(ops), tuple(new_steps)))
+        pool_on = None
+        if staged:
+            send, recv = self.exchanges[staged[0].exchange].steps[staged[0].step]
+            pool_on = (("dst", recv.pieces[0].transfer.dst_buffer) if staged[0].recv_bytes
+                       else ("src", send.pieces[0].transfer.src_buffer))
+        plan = self.plan
+        return Program(tuple(out), tuple((st.offset, st.recv_bytes + st.send_bytes) for st in staged),
+                       self.staged[1], pool_on, plan.bytes_sent, plan.bytes_received, plan.bytes_local)
+
     @property
     def peak_staging_bytes(self) -> int:
         return self.staged[1]
@@ -265,7 +358,10 @@ def build_schedule(plan: RankPlan, budget_bytes: int, src_dtypes: dict[str, str]
     return Schedule(plan, budget_bytes, tuple(exchanges), _local_runs(plan.local), biggest_item)
 
 
-MERGE_BYTES = 128 << 10  # staging copies worth one message less (see _joins)
+# staging copies worth one message less (see _joins). Re-measured for issue 18 (4 gloo ranks, 2
+# cores, README): merging 16 pieces per peer into one packed+unpacked message saves 51 µs per
+# message at 16 KiB pieces, 22 µs at 64 KiB, and loses from 256 KiB up — this is the break-even
+MERGE_BYTES = 128 << 10
 
 
 class _Run:
@@ -406,30 +502,77 @@ def _down(n: int, a: int) -> int:
     return n // a * a
 
 
-class LocalRun(NamedTuple):
-    """A same-rank copy: one transfer, or several adjacent on both sides merged into one range."""
-
-    transfer: Transfer  # the first one (buffers, views); numel covers the whole run when merged
-    numel: int
-    flat: bool  # merged: copy ``numel`` elements as flat ranges
-
-
-def _local_runs(local: Sequence[Transfer]) -> tuple[LocalRun, ...]:
-    out: list[LocalRun] = []
-    end = None
+def _local_runs(local: Sequence[Transfer]) -> tuple[Copy, ...]:
+    """The same-rank copies: each transfer straight from its source view to its destination
+    view (strided or not: never through staging), grouped per (source buffer, destination
+    buffer) pair and merged where one continues another on both sides (``merge_copies``)."""
+    groups: dict[tuple[str, str], list[Copy]] = {}
     for t in local:
-        if contiguous(t.box.shape, t.src_strides) and contiguous(t.box.shape, t.dst_strides):
-            n = t.box.numel
-            if end is not None and end == (t.src_buffer, t.src_offset, t.dst_buffer, t.dst_offset):
-                prev = out[-1]
-                out[-1] = LocalRun(prev.transfer, prev.numel + n, True)
-            else:
-                out.append(LocalRun(t, n, True))
-            end = (t.src_buffer, t.src_offset + n, t.dst_buffer, t.dst_offset + n)
-        else:
-            out.append(LocalRun(t, t.box.numel, False))
-            end = None
+        shape, (ss, ds) = coalesce(t.box.shape, (t.src_strides, t.dst_strides))
+        groups.setdefault((t.src_buffer, t.dst_buffer), []).append(
+            Copy(t.src_buffer, t.src_offset, ss, t.dst_buffer, t.dst_offset, ds, shape, t.dtype))
+    out: list[Copy] = []
+    for copies in groups.values():
+        copies.sort(key=lambda c: (c.src_offset, c.dst_offset))
+        out += merge_copies(copies)
     return tuple(out)
+
+
+def _stage_copies(chunk: Chunk, base: int, send: bool) -> tuple[Copy, ...]:
+    """A staged message's pack (``send``: buffer views -> staging) or unpack copies; the
+    staging side at byte ``base`` + the piece's offset, viewed as the transfer's dtype."""
+    out = []
+    for p, o in zip(chunk.pieces, chunk.offsets):
+        t = p.transfer
+        per = itemsize(t.dtype)
+        assert (base + o) % per == 0, "staging offsets are aligned to the largest item size"
+        stage = (base + o) // per
+        if send:
+            off, strides = p.src_view()
+            shape, (bs, ss) = coalesce(p.box.shape, (strides, row_major_strides(p.box.shape)))
+            out.append(Copy(t.src_buffer, off, bs, None, stage, ss, shape, t.dtype))
+        else:
+            off, strides = p.dst_view()
+            shape, (ss, bs) = coalesce(p.box.shape, (row_major_strides(p.box.shape), strides))
+            out.append(Copy(None, stage, ss, t.dst_buffer, off, bs, shape, t.dtype))
+    return tuple(merge_copies(out))
+
+
+def coalesce(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """``shape`` with its size-1 dimensions dropped and neighbouring dimensions merged where
+    they are one run in every one of the views ``strides`` — the fewest dimensions that describe
+    the same elements, so a copy walks long inner runs (a row-major block becomes one flat run)."""
+    dims = [(n, [s[i] for s in strides]) for i, n in enumerate(shape) if n != 1]
+    if not dims:
+        return (1,), [(1,) for _ in strides]
+    merged = [[dims[0][0], dims[0][1]]]
+    for n, st in dims[1:]:
+        last = merged[-1]
+        if all(a == b * n for a, b in zip(last[1], st)):
+            last[0], last[1] = last[0] * n, st
+        else:
+            merged.append([n, st])
+    return tuple(n for n, _ in merged), [tuple(st[k] for _, st in merged) for k in range(len(strides))]
+
+
+def merge_copies(copies: Sequence[Copy]) -> list[Copy]:
+    """Consecutive copies merged where the next continues the previous along its first dimension
+    on both sides (same buffers, same inner shape and strides): flat runs that meet, or blocks of
+    rows that follow each other in both views, become one copy."""
+    out: list[Copy] = []
+    for c in copies:
+        if out:
+            a = out[-1]
+            n = a.shape[0]
+            if (a.src_buffer == c.src_buffer and a.dst_buffer == c.dst_buffer and a.dtype == c.dtype
+                    and a.shape[1:] == c.shape[1:] and a.src_strides == c.src_strides
+                    and a.dst_strides == c.dst_strides
+                    and c.src_offset == a.src_offset + n * a.src_strides[0]
+                    and c.dst_offset == a.dst_offset + n * a.dst_strides[0]):
+                out[-1] = a._replace(shape=(n + c.shape[0],) + a.shape[1:])
+                continue
+        out.append(c)
+    return out
 
 
 def split_box(box: Box, max_numel: int) -> list[Box]:
