@@ -13,18 +13,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from test_loop_inputs import config as shipped
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def config(name: str = "grpo_tiny.yaml", **changes) -> dict:
-    cfg = yaml.safe_load((REPO / "configs" / name).read_text())
-    for path, value in changes.items():
-        node = cfg
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
+    """A shipped config (the DeepSpeed + vLLM one by default) with ``changes`` applied."""
+    return shipped(name, **changes)
 
 
 @pytest.fixture(scope="module")
