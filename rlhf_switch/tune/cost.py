@@ -21,7 +21,10 @@ profile. Named ``cost`` (not ``time``) so it never shadows the standard library.
   the rollout engine's (placed on separate ranks when the engine runs its own workers, as the
   weight channel places them): per rank, over its peers (one per round), the larger of sent and
   received bytes over that link with one message per staging chunk, plus local copies; the
-  slowest rank.
+  slowest rank of a sample (the layouts stay lazy: ``vps.placement.place_lazy``, so a 235B move
+  on 1024 ranks plans in seconds and a few GB, as ``bench/plan_scale.py`` does); plus the
+  profile's fixed cost per sync of the rollout engine (``switch_fixed_s``: Ray calls, the
+  engine's RPC and prefix-cache reset).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from ..engines.base import rollout_engine
 from ..rl.config import PhaseLayout
 from ..vps import ParallelConfig, build_layout, plan_rank
 from ..vps.layout import Layout
-from ..vps.placement import place
+from ..vps.placement import place_lazy
 from .enumerate import Combination
 from .memory import STAGING_BYTES, MemoryEstimate, _shards
 from .profile import Link, MachineProfile
@@ -184,7 +187,8 @@ def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollou
     src = train_layout(w, train)
     dst = cls.rollout_layout(w.spec, rollout.tp, rollout.dp, w.dtype)
     if cls.placement == "replica":  # the engine's workers are other processes on the same devices
-        src, dst, world, per_node = place(src, range(n), 2 * n), place(dst, range(n, 2 * n), 2 * n), 2 * n, None
+        # lazily: one rank's plan builds only the rank classes it meets (a 235B move on 1024 ranks)
+        src, dst, world, per_node = place_lazy(src, range(n), 2 * n), place_lazy(dst, range(n, 2 * n), 2 * n), 2 * n, None
     else:
         world, per_node = n, profile.devices_per_node
     device = (lambda r: r % n)
@@ -220,7 +224,8 @@ def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollou
     plan_rank.cache_clear()  # the plans are summarised above; at 235B × 1024 ranks each is large
     # every rank agrees on the plan's digest before a byte moves (one small gather)
     agree = ring_seconds(ring_link(profile, world, 1), 32 * world, world, "all_gather")
-    return SwitchCost(worst.seconds + agree, most, worst.messages, worst.ranks_planned)
+    fixed = profile.switch_fixed_s.get(rollout.engine, 0.0)  # Ray calls, the engine's RPC, cache reset
+    return SwitchCost(worst.seconds + agree + fixed, most, worst.messages, worst.ranks_planned)
 
 
 # ----------------------------------------------------------------------------- one iteration
