@@ -42,6 +42,10 @@ from .profile import Link, MachineProfile
 from .workload import Workload
 
 SAMPLED_RANKS = 4  # above 2× this many ranks of the move, the switch is planned for a sample of ranks
+# A DP-sharded trainer (ZeRO-3, FSDP2) holds a slice of every tensor on every rank: one rank's plan
+# asks every rank class for its slice (dp × tensors fragments: 37 M for a 235B MoE on 1024 ranks,
+# GBs). Above this many, the switch of such a pair is the closed form of that plan (``_sharded_switch``).
+PLANNED_SHARD_FRAGMENTS = 2_000_000
 
 
 def ring_link(profile: MachineProfile, size: int, stride: int, kind: str = "collective") -> Link:
@@ -184,6 +188,9 @@ class SwitchCost:
 def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollout: PhaseLayout) -> SwitchCost:
     n = train.size
     cls = rollout_engine(rollout.engine)
+    if (cls.placement == "replica" and _dp_sharded(train) and train.tp == train.pp == 1
+            and train.dp * len(w.spec.tensors) > PLANNED_SHARD_FRAGMENTS):
+        return _sharded_switch(w, profile, train, rollout)
     src = train_layout(w, train)
     dst = cls.rollout_layout(w.spec, rollout.tp, rollout.dp, w.dtype)
     if cls.placement == "replica":  # the engine's workers are other processes on the same devices
@@ -226,6 +233,28 @@ def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollou
     agree = ring_seconds(ring_link(profile, world, 1), 32 * world, world, "all_gather")
     fixed = profile.switch_fixed_s.get(rollout.engine, 0.0)  # Ray calls, the engine's RPC, cache reset
     return SwitchCost(worst.seconds + agree + fixed, most, worst.messages, worst.ranks_planned)
+
+
+def _dp_sharded(layout: PhaseLayout) -> bool:
+    return (layout.engine == "deepspeed" and layout.zero_stage == 3) or \
+        (layout.engine in ("fsdp2", "torch_tp") and layout.dp > 1)
+
+
+def _sharded_switch(w: Workload, profile: MachineProfile, train: PhaseLayout, rollout: PhaseLayout) -> SwitchCost:
+    """The plan of a DP-sharded trainer (``n`` ranks, no TP/PP) into rollout workers on the same
+    ``n`` devices, in closed form: every trainer rank holds 1/n of every tensor, which each rollout
+    worker needs 1/tp of, so each trainer rank sends every worker (and each worker receives from
+    every trainer rank) ``bytes / n / tp`` — n peers a side, one on its own device, the rest of its
+    node intra-node, the others across nodes. Tested against the planner on small worlds."""
+    n, tp = train.size, rollout.tp
+    per_peer = w.params() * w.bytes_per_param / n / tp
+    chunks = max(1, math.ceil(per_peer / (STAGING_BYTES // 2)))
+    node = min(n, profile.devices_per_node)
+    seconds = (profile.same_device.seconds(per_peer, chunks) + (node - 1) * profile.p2p_intra.seconds(per_peer, chunks)
+               + (n - node) * profile.p2p_inter.seconds(per_peer, chunks))
+    agree = ring_seconds(ring_link(profile, 2 * n, 1), 32 * 2 * n, 2 * n, "all_gather")
+    fixed = profile.switch_fixed_s.get(rollout.engine, 0.0)
+    return SwitchCost(seconds + agree + fixed, int(per_peer * n), n * chunks, 0)
 
 
 # ----------------------------------------------------------------------------- one iteration
