@@ -327,7 +327,10 @@ def switch_fixed_seconds(run_dir: str | Path, profile: MachineProfile) -> tuple[
     syncs = [r["switch_train_to_rollout_s"] for r in recs if "switch_train_to_rollout_s" in r and r.get("iteration", 0) >= 1]
     if not syncs:
         raise ValueError(f"{d / 'metrics.jsonl'}: no switch_train_to_rollout_s after iteration 0")
-    modelled = switch_cost(Workload.from_config(cfg), profile, cfg.train, cfg.rollout).seconds
+    import dataclasses
+
+    bytes_only = dataclasses.replace(profile, switch_fixed_s={})  # the fixed cost is what is sought
+    modelled = switch_cost(Workload.from_config(cfg), bytes_only, cfg.train, cfg.rollout).seconds
     return cfg.rollout.engine, max(0.0, statistics.median(syncs) - modelled)
 
 

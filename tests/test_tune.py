@@ -332,3 +332,20 @@ def test_a_sharded_trainers_switch_in_closed_form_is_the_planned_one(grpo, train
     planned, closed = cost.switch_cost(w, p, t, r), cost._sharded_switch(w, p, t, r)
     assert closed.seconds == pytest.approx(planned.seconds, rel=0.03)
     assert closed.messages == planned.messages
+
+
+def test_the_switch_fixed_cost_is_a_runs_median_sync_less_its_modelled_bytes(tmp_path, cpu):
+    from recipes.tune_calibrate import switch_fixed_seconds
+    from rlhf_switch.rl.config import load_config
+    from rlhf_switch.tune import Workload
+    from rlhf_switch.tune.cost import switch_cost
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config()))
+    syncs = {0: 5.0, 1: 0.020, 2: 0.012, 3: 0.016}  # iteration 0 (the warm-up) is left out
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        f'{{"iteration": {i}, "switch_train_to_rollout_s": {s}}}\n' for i, s in syncs.items()) + '{"eval": 1}\n')
+    cfg = load_config(config())
+    bare = dataclasses.replace(cpu, switch_fixed_s={})
+    engine, fixed = switch_fixed_seconds(tmp_path, dataclasses.replace(cpu, switch_fixed_s={"vllm": 9.0}))
+    assert engine == cfg.rollout.engine
+    assert fixed == pytest.approx(0.016 - switch_cost(Workload.from_config(cfg), bare, cfg.train, cfg.rollout).seconds)
