@@ -31,6 +31,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--calibrate", action="store_true",
                     help="measure this machine first (matmul, memory, gloo p2p and collectives on 2 local processes, "
                          "decode steps of the config's model; ~1-3 min) and rank with that profile")
+    ap.add_argument("--switch-run", action="append", default=[], metavar="DIR",
+                    help="with --calibrate: a finished rlhf-switch train output directory (config.yaml, "
+                         "metrics.jsonl) whose switch timings give its rollout engine's fixed cost per sync; "
+                         "repeat for each rollout engine")
     return ap
 
 
@@ -66,7 +70,7 @@ def main_args(a: argparse.Namespace) -> int:
             from recipes.tune_calibrate import calibrate
             from rlhf_switch.tune.workload import Workload
 
-            profile = calibrate(Workload.from_config(cfg).hf_config)
+            profile = calibrate(Workload.from_config(cfg), switch_runs=tuple(a.switch_run))
             where = save_profile(profile, a.profile or "machine_profile.json")
             print(f"profile written: {where}")
         else:

@@ -6,8 +6,10 @@
 - an optimizer step's fixed cost per tensor: AdamW (``foreach=False``, as the engines run it) and
   gradient clipping over the model's tensors;
 - each training engine's own fixed costs: a micro-run of the real engine (DeepSpeed ZeRO-1/2/3,
-  FSDP2, torch TP, torch PP) over 2 local processes, one forward and one optimizer step, less
-  what the terms above model for them;
+  FSDP2, torch TP, torch PP) over 2 local processes with the config's shapes, as the loop runs
+  it — a forward over the rollout batch's rows in micro-batches (the log-prob pass) and one
+  optimizer step over a mini-batch in micro-batches — less what the terms above model for them;
+- the switch's fixed cost per sync (``--switch-run DIR``: from a finished run's own metrics);
 - gloo on 2 local processes (``rlhf_switch.launch.LocalWorld``): point-to-point ping-pong and
   all-gather / all-reduce, each at 4 KiB (latency) and 16 MiB (bandwidth);
 - decode steps of the config's model, sampled with per-sequence seeds as the loop samples, at
@@ -145,9 +147,10 @@ ENGINE_LAYOUTS = (dict(engine="deepspeed", zero_stage=1, dp=2), dict(engine="dee
                   dict(engine="torch_tp", tp=2), dict(engine="torch_pp", pp=2))
 
 
-def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int) -> dict:
-    """On every rank: build each engine over the 2 ranks, time one forward of ``micro`` rows and
-    one optimizer step on them (rank 0's medians)."""
+def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int, rows: int, step_rows: int) -> dict:
+    """On every rank: build each engine over the 2 ranks and time, as the loop runs them, one
+    forward of ``rows`` rows (in micro-batches of ``micro``: the log-prob pass) and one optimizer
+    step over ``step_rows`` rows (its micro-batches: one mini-batch) — rank 0's least of 3."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -158,11 +161,15 @@ def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int) -> di
 
     torch.set_num_threads(1)
     ranks = tuple(range(dist.get_world_size()))
-    ids = torch.randint(3, 40, (micro, seq), generator=torch.Generator().manual_seed(0))
     out = {}
     for d in layouts:
         layout = TrainLayout(**d)
-        ctx = TrainingContext(hf_config, 0, ranks, AdamWConfig(max_grad_norm=1.0), micro_batch=micro,
+        # the rank's share: DP splits the rows; TP and PP ranks see all of them
+        share = lambda n: max(1, n // layout.dp)  # noqa: E731
+        ids = torch.randint(3, 40, (share(rows), seq), generator=torch.Generator().manual_seed(0))
+        step_ids = ids[:share(step_rows)]
+        m = min(micro, step_ids.shape[0])
+        ctx = TrainingContext(hf_config, 0, ranks, AdamWConfig(max_grad_norm=1.0), micro_batch=m,
                               seq_len=seq, timeout=timedelta(seconds=300))
         eng = training_engine(layout.engine).build(layout, ctx)
 
@@ -172,37 +179,53 @@ def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int) -> di
 
         def step():
             dist.barrier()
-            eng.train_step(ids, micro, lambda o, s: (o.float().mean(), {}))
+            eng.train_step(step_ids, m, lambda o, s: (o.float().mean(), {}))
 
-        out[json.dumps(d, sort_keys=True)] = {"forward": _best(forward, 5), "step": _best(step, 5)}
+        out[json.dumps(d, sort_keys=True)] = {"forward": _best(forward, 3), "step": _best(step, 3)}
         eng = None  # noqa: F841  (freed before the next engine is built)
     return out
 
 
-def engine_costs(hf_config: dict, profile: MachineProfile, micro: int = 8, seq: int = 16) -> tuple[dict, dict]:
-    """Per engine: measured forward and step less what the profile's other terms model for them."""
+def engine_fixed_costs(w, profile: MachineProfile, layout, forward_s: float, step_s: float) -> tuple[float, float]:
+    """(per micro-batch forward, per optimizer step) fixed seconds of an engine on 2 ranks: what
+    the profile's other terms leave unexplained of the measured forward over the workload's
+    log-prob rows and of one step over a mini-batch, charged as the cost model charges these two
+    terms (per micro-batch, forward and backward alike, inside a pipeline's bubble; per step). The
+    model is linear in each term: its slope is read off the model itself."""
     import dataclasses
 
+    from rlhf_switch.tune.cost import engine_key, engine_pass
+
+    key = engine_key(layout)
+    bare = dataclasses.replace(profile, compute_slots=None, engine_forward_s={}, engine_step_s={})
+
+    def modelled(fwd: float, step: float, train: bool) -> float:
+        p = dataclasses.replace(bare, engine_forward_s={key: fwd}, engine_step_s={key: step})
+        rows = w.mini_batch if train else w.rollout_batch
+        return engine_pass(w, p, layout, 2, rows, train=train, steps=1).total
+
+    f0 = modelled(0.0, 0.0, False)
+    fwd = max(0.0, (forward_s - f0) / (modelled(1.0, 0.0, False) - f0))
+    s0 = modelled(fwd, 0.0, True)
+    return fwd, max(0.0, (step_s - s0) / (modelled(fwd, 1.0, True) - s0))
+
+
+def engine_costs(w, profile: MachineProfile) -> tuple[dict, dict]:
+    """Per engine: the fixed costs of ``engine_fixed_costs`` from a micro-run with ``w``'s shapes
+    (its micro-batch, mini-batch and rollout batch, prompt + new tokens)."""
     from rlhf_switch.launch import LocalWorld
     from rlhf_switch.rl.config import TrainLayout
-    from rlhf_switch.tune.cost import engine_key, engine_pass
-    from rlhf_switch.tune.workload import Workload
+    from rlhf_switch.tune.cost import engine_key
 
     with LocalWorld(2, timeout=900) as world:
-        measured = world.run(engine_job, hf_config, [dict(d) for d in ENGINE_LAYOUTS], micro, seq)[0]
+        measured = world.run(engine_job, w.hf_config, [dict(d) for d in ENGINE_LAYOUTS], w.micro_batch, w.seq,
+                             w.rollout_batch, w.mini_batch)[0]
     fwd, step = {}, {}
     for d in ENGINE_LAYOUTS:
         layout = TrainLayout(**d)
         m = measured[json.dumps(d, sort_keys=True)]
-        w = Workload(hf_config=hf_config, dtype="float32", rollout_batch=micro * layout.dp, mini_batch=micro * layout.dp,
-                     micro_batch=micro, epochs=1, prompt_tokens=seq, new_tokens=0, has_reference=False,
-                     has_critic=False)
-        bare = dataclasses.replace(profile, compute_slots=None)  # one engine at a time: no sharing
-        f_model = engine_pass(w, bare, layout, 2, micro * layout.dp, train=False).total
-        fwd[engine_key(layout)] = max(0.0, m["forward"] - f_model)
-        s_model = engine_pass(w, dataclasses.replace(bare, engine_forward_s=dict(fwd)), layout, 2,
-                              micro * layout.dp, train=True, steps=1).total
-        step[engine_key(layout)] = max(0.0, m["step"] - s_model)
+        key = engine_key(layout)
+        fwd[key], step[key] = engine_fixed_costs(w, profile, layout, m["forward"], m["step"])
     return fwd, step
 
 
@@ -287,8 +310,35 @@ def _vllm_child(model_dir: str, prompt: int, new: int) -> dict[int, float]:
 
 # --- the profile -----------------------------------------------------------------------------------
 
-def calibrate(hf_config: dict, with_vllm: bool = True, log=print) -> MachineProfile:
-    """Measure this machine with the config's model; one thread per process, as the loop's workers run."""
+def switch_fixed_seconds(run_dir: str | Path, profile: MachineProfile) -> tuple[str, float]:
+    """(rollout engine, seconds) of a switch's fixed cost per sync — Ray calls to every member, the
+    rollout engine's RPC and prefix-cache reset — from a finished ``rlhf-switch train`` run: the
+    median of its ``switch_train_to_rollout_s`` (iteration 0, the warm-up, left out) less what
+    the profile models for its bytes."""
+    import statistics
+
+    from rlhf_switch.rl.config import load_config
+    from rlhf_switch.tune.cost import switch_cost
+    from rlhf_switch.tune.workload import Workload
+
+    d = Path(run_dir)
+    cfg = load_config(d / "config.yaml")
+    recs = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    syncs = [r["switch_train_to_rollout_s"] for r in recs if "switch_train_to_rollout_s" in r and r.get("iteration", 0) >= 1]
+    if not syncs:
+        raise ValueError(f"{d / 'metrics.jsonl'}: no switch_train_to_rollout_s after iteration 0")
+    import dataclasses
+
+    bytes_only = dataclasses.replace(profile, switch_fixed_s={})  # the fixed cost is what is sought
+    modelled = switch_cost(Workload.from_config(cfg), bytes_only, cfg.train, cfg.rollout).seconds
+    return cfg.rollout.engine, max(0.0, statistics.median(syncs) - modelled)
+
+
+def calibrate(w, with_vllm: bool = True, log=print, switch_runs: tuple = ()) -> MachineProfile:
+    """Measure this machine with the workload's model and shapes (a ``Workload``); one thread per
+    process, as the loop's workers run. ``switch_runs``: finished run directories whose switch
+    timings give each rollout engine's fixed cost per sync (``switch_fixed_seconds``)."""
+    hf_config = w.hf_config
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -329,9 +379,14 @@ def calibrate(hf_config: dict, with_vllm: bool = True, log=print) -> MachineProf
             name="partial", origin="", matmul_flops={"float32": f32}, memory_bandwidth=mem, device_memory=1e12,
             devices_per_node=1 << 16, p2p_intra=p2p, p2p_inter=p2p, collective_intra=collective,
             collective_inter=collective, same_device=p2p, layer_overhead_s=overhead, optimizer_tensor_s=opt_tensor)
-        engine_fwd, engine_step = engine_costs(hf_config, partial)
+        engine_fwd, engine_step = engine_costs(w, partial)
         log("training engines, fixed ms per forward / per optimizer step: " + ", ".join(
             f"{k} {engine_fwd[k] * 1e3:.1f} / {engine_step[k] * 1e3:.1f}" for k in engine_fwd))
+        switch_fixed = {}
+        for run in switch_runs:
+            engine, fixed_s = switch_fixed_seconds(run, partial)
+            switch_fixed[engine] = fixed_s
+            log(f"switch fixed cost per sync ({engine} rollout, from {run}): {fixed_s * 1e3:.1f} ms")
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         return MachineProfile(
             name="cpu_local",
@@ -343,7 +398,7 @@ def calibrate(hf_config: dict, with_vllm: bool = True, log=print) -> MachineProf
             same_device=p2p, compute_slots=cores, layer_overhead_s=overhead, decode_step_overhead_s=decode,
             decode_sequence_s=decode_seq,
             optimizer_tensor_s=opt_tensor, engine_forward_s=engine_fwd, engine_step_s=engine_step,
-            sources={"all": "measured (the least of 3-9 repeats), one thread per process, gloo over loopback"})
+            switch_fixed_s=switch_fixed, sources={"all": "measured (the least of 3-9 repeats), one thread per process, gloo over loopback"})
     finally:
         torch.set_num_threads(threads)
 

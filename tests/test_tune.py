@@ -252,3 +252,100 @@ def test_cli_a_rollout_batch_too_large_for_the_device(tmp_path, capsys):
     assert main(["tune", str(tmp_path / "missing.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
     assert main(["tune"]) == 2 and "give a config file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tp,replicas,cfg", [(1, 2, dict(dp=2, dp_shard="zero3")), (2, 2, dict(tp=2, dp=2)),
+                                             (4, 1, dict(pp=2, dp=2, dp_shard="fsdp"))])
+def test_lazily_placed_layouts_are_the_placed_ones(grpo, tp, replicas, cfg):
+    """``place_lazy`` (what tune plans with, so a 235B move on 1024 ranks stays lazy) is ``place``:
+    the same digest, the same fragments and buffers on every rank, the same plan of every rank."""
+    from rlhf_switch.vps import ParallelConfig, build_layout, plan_rank
+    from rlhf_switch.vps.layouts.vllm import vllm_layout
+    from rlhf_switch.vps.placement import place, place_lazy
+
+    spec = grpo[1].spec
+    train, gen = build_layout(spec, ParallelConfig(**cfg)), vllm_layout(spec, tp, replicas)
+    n, m = train.world_size, gen.world_size
+    pairs = [(place(train, range(n), n + m), place_lazy(train, range(n), n + m)),
+             (place(gen, range(n, n + m), n + m), place_lazy(gen, range(n, n + m), n + m))]
+    for eager, lazy in pairs:
+        assert lazy.digest == eager.digest
+        for r in range(n + m):
+            assert lazy.fragments(r) == eager.fragments(r) and dict(lazy.buffers(r)) == dict(eager.buffers(r))
+    (src, lsrc), (dst, ldst) = pairs
+    for r in range(n + m):
+        a, b = plan_rank(src, dst, r), plan_rank(lsrc, ldst, r)
+        assert (a.local, a.sends, a.recvs) == (b.local, b.sends, b.recvs)
+
+
+def test_the_switch_adds_the_profiles_fixed_cost_per_sync(grpo, cpu):
+    from rlhf_switch.rl.config import RolloutLayout, TrainLayout
+    from rlhf_switch.tune.cost import switch_cost
+
+    _, w = grpo
+    z1, vllm = TrainLayout(engine="deepspeed", zero_stage=1, dp=2), RolloutLayout(engine="vllm", tp=1, dp=2)
+    bare = dataclasses.replace(cpu, switch_fixed_s={})
+    fixed = dataclasses.replace(cpu, switch_fixed_s={"vllm": 0.25, "torch": 0.5})
+    assert switch_cost(w, fixed, z1, vllm).seconds == pytest.approx(switch_cost(w, bare, z1, vllm).seconds + 0.25)
+
+
+def test_engine_fixed_costs_are_what_the_model_leaves_of_a_loop_shaped_micro_run(grpo, cpu):
+    """The calibration charges what the model does not explain of a forward over the log-prob
+    pass's micro-batches per micro-batch, and of one step over a mini-batch per step: fed back,
+    the model reproduces both measurements."""
+    import math
+
+    from recipes.tune_calibrate import engine_fixed_costs
+    from rlhf_switch.rl.config import TrainLayout
+    from rlhf_switch.tune.cost import engine_key, engine_pass
+
+    _, w = grpo
+    for layout in (TrainLayout(engine="fsdp2", dp=2), TrainLayout(engine="torch_pp", pp=2),
+                   TrainLayout(engine="deepspeed", zero_stage=3, dp=2)):
+        bare = dataclasses.replace(cpu, compute_slots=None, engine_forward_s={}, engine_step_s={})
+        fwd_model = engine_pass(w, bare, layout, 2, w.rollout_batch, train=False).total
+        forward_s, step_s = fwd_model + 0.4, 3.0
+        fwd, step = engine_fixed_costs(w, bare, layout, forward_s, step_s)
+        micro = max(1, min(w.micro_batch, w.mini_batch // layout.dp))
+        n_micro = math.ceil(w.rollout_batch / layout.dp / micro)
+        if layout.pp == 1:  # spread over the micro-batches (a pipeline's bubble scales it too)
+            assert fwd == pytest.approx(0.4 / n_micro)
+        fitted = dataclasses.replace(bare, engine_forward_s={engine_key(layout): fwd},
+                                     engine_step_s={engine_key(layout): step})
+        assert engine_pass(w, fitted, layout, 2, w.rollout_batch, train=False).total == pytest.approx(forward_s)
+        assert engine_pass(w, fitted, layout, 2, w.mini_batch, train=True, steps=1).total == pytest.approx(step_s)
+
+
+@pytest.mark.parametrize("train,tp,replicas", [(dict(engine="fsdp2", dp=4), 2, 2),
+                                               (dict(engine="deepspeed", zero_stage=3, dp=4), 1, 4),
+                                               (dict(engine="fsdp2", dp=8), 4, 2)])
+def test_a_sharded_trainers_switch_in_closed_form_is_the_planned_one(grpo, train, tp, replicas):
+    """Above ``PLANNED_SHARD_FRAGMENTS`` a ZeRO-3 / FSDP2 trainer's switch is a closed form (a 235B
+    MoE on 1024 ranks would build every rank's slice of every tensor); on worlds small enough to
+    plan, it is the planner's time within 3 % (shards of uneven rows differ by a row)."""
+    from rlhf_switch.rl.config import RolloutLayout, TrainLayout
+    from rlhf_switch.tune import cost, load_profile
+
+    _, w = grpo
+    p = dataclasses.replace(load_profile("h100_ib"), devices_per_node=2)  # intra- and inter-node peers
+    t, r = TrainLayout(**train), RolloutLayout(engine="vllm", tp=tp, dp=replicas)
+    planned, closed = cost.switch_cost(w, p, t, r), cost._sharded_switch(w, p, t, r)
+    assert closed.seconds == pytest.approx(planned.seconds, rel=0.03)
+    assert closed.messages == planned.messages
+
+
+def test_the_switch_fixed_cost_is_a_runs_median_sync_less_its_modelled_bytes(tmp_path, cpu):
+    from recipes.tune_calibrate import switch_fixed_seconds
+    from rlhf_switch.rl.config import load_config
+    from rlhf_switch.tune import Workload
+    from rlhf_switch.tune.cost import switch_cost
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config()))
+    syncs = {0: 5.0, 1: 0.020, 2: 0.012, 3: 0.016}  # iteration 0 (the warm-up) is left out
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        f'{{"iteration": {i}, "switch_train_to_rollout_s": {s}}}\n' for i, s in syncs.items()) + '{"eval": 1}\n')
+    cfg = load_config(config())
+    bare = dataclasses.replace(cpu, switch_fixed_s={})
+    engine, fixed = switch_fixed_seconds(tmp_path, dataclasses.replace(cpu, switch_fixed_s={"vllm": 9.0}))
+    assert engine == cfg.rollout.engine
+    assert fixed == pytest.approx(0.016 - switch_cost(Workload.from_config(cfg), bare, cfg.train, cfg.rollout).seconds)

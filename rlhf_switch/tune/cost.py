@@ -21,7 +21,10 @@ profile. Named ``cost`` (not ``time``) so it never shadows the standard library.
   the rollout engine's (placed on separate ranks when the engine runs its own workers, as the
   weight channel places them): per rank, over its peers (one per round), the larger of sent and
   received bytes over that link with one message per staging chunk, plus local copies; the
-  slowest rank.
+  slowest rank of a sample (the layouts stay lazy: ``vps.placement.place_lazy``, so a 235B move
+  on 1024 ranks plans in seconds and a few GB, as ``bench/plan_scale.py`` does); plus the
+  profile's fixed cost per sync of the rollout engine (``switch_fixed_s``: Ray calls, the
+  engine's RPC and prefix-cache reset).
 """
 from __future__ import annotations
 
@@ -32,13 +35,17 @@ from ..engines.base import rollout_engine
 from ..rl.config import PhaseLayout
 from ..vps import ParallelConfig, build_layout, plan_rank
 from ..vps.layout import Layout
-from ..vps.placement import place
+from ..vps.placement import place_lazy
 from .enumerate import Combination
 from .memory import STAGING_BYTES, MemoryEstimate, _shards
 from .profile import Link, MachineProfile
 from .workload import Workload
 
 SAMPLED_RANKS = 4  # above 2× this many ranks of the move, the switch is planned for a sample of ranks
+# A DP-sharded trainer (ZeRO-3, FSDP2) holds a slice of every tensor on every rank: one rank's plan
+# asks every rank class for its slice (dp × tensors fragments: 37 M for a 235B MoE on 1024 ranks,
+# GBs). Above this many, the switch of such a pair is the closed form of that plan (``_sharded_switch``).
+PLANNED_SHARD_FRAGMENTS = 2_000_000
 
 
 def ring_link(profile: MachineProfile, size: int, stride: int, kind: str = "collective") -> Link:
@@ -181,10 +188,14 @@ class SwitchCost:
 def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollout: PhaseLayout) -> SwitchCost:
     n = train.size
     cls = rollout_engine(rollout.engine)
+    if (cls.placement == "replica" and _dp_sharded(train) and train.tp == train.pp == 1
+            and train.dp * len(w.spec.tensors) > PLANNED_SHARD_FRAGMENTS):
+        return _sharded_switch(w, profile, train, rollout)
     src = train_layout(w, train)
     dst = cls.rollout_layout(w.spec, rollout.tp, rollout.dp, w.dtype)
     if cls.placement == "replica":  # the engine's workers are other processes on the same devices
-        src, dst, world, per_node = place(src, range(n), 2 * n), place(dst, range(n, 2 * n), 2 * n), 2 * n, None
+        # lazily: one rank's plan builds only the rank classes it meets (a 235B move on 1024 ranks)
+        src, dst, world, per_node = place_lazy(src, range(n), 2 * n), place_lazy(dst, range(n, 2 * n), 2 * n), 2 * n, None
     else:
         world, per_node = n, profile.devices_per_node
     device = (lambda r: r % n)
@@ -220,7 +231,30 @@ def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollou
     plan_rank.cache_clear()  # the plans are summarised above; at 235B × 1024 ranks each is large
     # every rank agrees on the plan's digest before a byte moves (one small gather)
     agree = ring_seconds(ring_link(profile, world, 1), 32 * world, world, "all_gather")
-    return SwitchCost(worst.seconds + agree, most, worst.messages, worst.ranks_planned)
+    fixed = profile.switch_fixed_s.get(rollout.engine, 0.0)  # Ray calls, the engine's RPC, cache reset
+    return SwitchCost(worst.seconds + agree + fixed, most, worst.messages, worst.ranks_planned)
+
+
+def _dp_sharded(layout: PhaseLayout) -> bool:
+    return (layout.engine == "deepspeed" and layout.zero_stage == 3) or \
+        (layout.engine in ("fsdp2", "torch_tp") and layout.dp > 1)
+
+
+def _sharded_switch(w: Workload, profile: MachineProfile, train: PhaseLayout, rollout: PhaseLayout) -> SwitchCost:
+    """The plan of a DP-sharded trainer (``n`` ranks, no TP/PP) into rollout workers on the same
+    ``n`` devices, in closed form: every trainer rank holds 1/n of every tensor, which each rollout
+    worker needs 1/tp of, so each trainer rank sends every worker (and each worker receives from
+    every trainer rank) ``bytes / n / tp`` — n peers a side, one on its own device, the rest of its
+    node intra-node, the others across nodes. Tested against the planner on small worlds."""
+    n, tp = train.size, rollout.tp
+    per_peer = w.params() * w.bytes_per_param / n / tp
+    chunks = max(1, math.ceil(per_peer / (STAGING_BYTES // 2)))
+    node = min(n, profile.devices_per_node)
+    seconds = (profile.same_device.seconds(per_peer, chunks) + (node - 1) * profile.p2p_intra.seconds(per_peer, chunks)
+               + (n - node) * profile.p2p_inter.seconds(per_peer, chunks))
+    agree = ring_seconds(ring_link(profile, 2 * n, 1), 32 * 2 * n, 2 * n, "all_gather")
+    fixed = profile.switch_fixed_s.get(rollout.engine, 0.0)
+    return SwitchCost(seconds + agree + fixed, int(per_peer * n), n * chunks, 0)
 
 
 # ----------------------------------------------------------------------------- one iteration
