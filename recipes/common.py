@@ -17,7 +17,7 @@ def loop_problems(cfg) -> list[str]:
     """What the config asks for that this loop cannot run, checked before anything starts: each
     phase's engine is resolved through the registry (a registered name or ``module:Class``) and
     asked whether it runs that phase's layout."""
-    from rlhf_switch.engines.base import EngineError, rollout_engine, training_engine
+    from rlhf_switch.engines.base import EngineError, phase_engine_problems, rollout_engine, training_engine
     from rlhf_switch.rl.config import ConfigError, model_dims
 
     try:
@@ -26,14 +26,7 @@ def loop_problems(cfg) -> list[str]:
         dims = None  # check_fits reports it
     problems = []
     for phase, layout in cfg.phases().items():
-        try:
-            if phase == "rollout":
-                problems += rollout_engine(layout.engine).layout_problems(phase, layout, dims)
-            else:
-                head = "value" if phase == "critic" else "lm"
-                problems += training_engine(layout.engine).layout_problems(phase, layout, dims, head=head)
-        except EngineError as e:
-            problems.append(f"{phase}.engine: {e}")
+        problems += phase_engine_problems(phase, layout, dims)
     if cfg.train.offload != "none":
         try:
             if not training_engine(cfg.train.engine).can_offload:

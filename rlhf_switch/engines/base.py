@@ -320,3 +320,16 @@ def training_engine(name: str) -> type[TrainingEngine]:
 def rollout_engine(name: str) -> type[RolloutEngine]:
     """The rollout-engine class a config's ``engine:`` names (registered name or ``module:Class``)."""
     return _resolve(name, _ROLLOUT, RolloutEngine, "rollout")
+
+
+def phase_engine_problems(phase: str, layout, dims) -> list[str]:
+    """Why ``phase``'s engine (resolved through the registry) cannot run ``layout`` for the model
+    ``dims``: the engine's own ``layout_problems``, or the name it could not resolve. The one check
+    the loop's pre-start checks and ``tune``'s enumeration both ask."""
+    try:
+        if phase == "rollout":
+            return rollout_engine(layout.engine).layout_problems(phase, layout, dims)
+        head = "value" if phase == "critic" else "lm"
+        return training_engine(layout.engine).layout_problems(phase, layout, dims, head=head)
+    except EngineError as e:
+        return [f"{phase}.engine: {e}"]

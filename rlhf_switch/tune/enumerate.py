@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Iterable, Sequence
 
-from ..engines.base import (EngineError, rollout_engine, rollout_engine_names, training_engine,
-                            training_engine_names)
+from ..engines.base import phase_engine_problems, rollout_engine_names, training_engine_names
 from ..rl import config as rlconfig
 from ..rl.config import PhaseLayout, RolloutLayout, RunConfig, TrainerLayout, TrainLayout
 
@@ -48,22 +47,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _engine_problems(phase: str, layout: PhaseLayout, dims) -> list[str]:
-    try:
-        if phase == "rollout":
-            return rollout_engine(layout.engine).layout_problems(phase, layout, dims)
-        head = "value" if phase == "critic" else "lm"
-        return training_engine(layout.engine).layout_problems(phase, layout, dims, head=head)
-    except EngineError as e:
-        return [f"{phase}.engine: {e}"]
-
-
 def phase_problems(phase: str, layout: PhaseLayout, world: int, dims) -> list[str]:
     """Why ``layout`` cannot run ``phase`` on ``world`` devices for the model ``dims``."""
     problems = rlconfig._layout_problems(phase, layout, world)
     if dims is not None:
         problems += rlconfig._model_split_problems(phase, layout, dims)
-    return problems + _engine_problems(phase, layout, dims)
+    return problems + phase_engine_problems(phase, layout, dims)
 
 
 def phase_layouts(phase: str, world: int, dims, engines: Iterable[str]) -> list[PhaseLayout]:
