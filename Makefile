@@ -34,11 +34,13 @@ bench: venv
 	$(PY) -m bench.plan_scale
 	$(PY) -m bench.train_switch
 	$(PY) -m bench.switch --quick --cases a,b,c,d $(BENCH_ARGS)
+	$(PY) -m bench.elastic
 
 bench-full: venv
 	$(PY) -m bench.plan_scale
 	$(PY) -m bench.train_switch
 	$(PY) -m bench.switch $(BENCH_ARGS)
+	$(PY) -m bench.elastic
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

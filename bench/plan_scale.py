@@ -50,8 +50,12 @@ CASES = [
 ]
 
 
-def modelled_seconds(plan) -> float:
-    """Sum over this rank's peers (one per round) of max(sent, received) / link bandwidth."""
+def modelled_seconds(plan, device=None) -> float:
+    """Sum over this rank's peers (one per round) of max(sent, received) / link bandwidth.
+    ``device``: the GPU of a rank when ranks share GPUs (the union world of an elastic resize,
+    where an old and a new rank sit on one GPU; default: rank ``r`` on GPU ``r``); a peer on the
+    same GPU is counted at NVLink bandwidth (an upper bound for an on-device copy)."""
+    device = device or (lambda r: r)
     per_peer: dict[int, list[int]] = {}
     for t in plan.sends:
         per_peer.setdefault(t.dst, [0, 0])[0] += t.nbytes
@@ -59,7 +63,7 @@ def modelled_seconds(plan) -> float:
         per_peer.setdefault(t.src, [0, 0])[1] += t.nbytes
     total = 0.0
     for peer, (sent, recv) in per_peer.items():
-        same_node = peer // GPUS_PER_NODE == plan.rank // GPUS_PER_NODE
+        same_node = device(peer) // GPUS_PER_NODE == device(plan.rank) // GPUS_PER_NODE
         total += max(sent, recv) / ((NVLINK_GBPS if same_node else IB_GBPS_PER_GPU) * 1e9)
     return total
 

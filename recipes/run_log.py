@@ -83,9 +83,75 @@ def truncate_records(path: Path, before: int) -> int:
     return dropped
 
 
+EVENT_KEYS = ("resize", "recovery", "event")  # the record keys an elastic event is written under
+EVENT_NAMES = {"planned": "planned resize", "node_lost": "node lost", "node_added": "node added",
+               "trainer_lost": "trainer lost", "api": "resize by request"}
+
+
+def _layout_label(text) -> str:
+    """``world 4, train {'engine': 'deepspeed', 'zero_stage': 3, 'dp': 4}`` (what the loop writes)
+    as ``4× deepspeed z3 DP4``; any other text as it is (cut at 40 characters)."""
+    import ast
+    import re
+
+    m = re.fullmatch(r"world (\d+), train (\{.*\})", str(text))
+    if m:
+        try:
+            train = ast.literal_eval(m.group(2))
+        except (ValueError, SyntaxError):
+            train = None
+        if isinstance(train, dict):
+            parts = [str(train.get("engine", "?"))]
+            if train.get("zero_stage") is not None:
+                parts.append(f"z{train['zero_stage']}")
+            parts += [f"{k.upper()}{train[k]}" for k in ("tp", "pp", "dp") if int(train.get(k, 1) or 1) > 1]
+            return f"{m.group(1)}× " + " ".join(parts)
+    return str(text)[:40]
+
+
+def run_events(records: list[dict]) -> list[dict]:
+    """The elastic events of a run log (a planned resize, a node lost or added, a trainer lost
+    and recovered — whatever record holds a dict under ``resize``, ``recovery`` or ``event``), in
+    iteration order: iteration (the event happened before it), kind, old → new layout, the
+    stop-the-world seconds and whether it was abandoned, plus the label the PNG shows."""
+    out = []
+    for r in records:
+        for key in EVENT_KEYS:
+            e = r.get(key)
+            if not isinstance(e, dict) or "iteration" not in r:
+                continue
+            kind = str(e.get("kind", key))
+            ev = {"iteration": int(r["iteration"]), "kind": kind, "old": e.get("old"), "new": e.get("new"),
+                  "stop_the_world_s": e.get("stop_the_world_s"), "abandoned": e.get("abandoned")}
+            label = EVENT_NAMES.get(kind, kind.replace("_", " "))
+            if ev["abandoned"]:
+                label += " (abandoned)"
+            elif ev["old"] is not None or ev["new"] is not None:
+                label += f"\n{_layout_label(ev['old'])} → {_layout_label(ev['new'])}"
+            if isinstance(ev["stop_the_world_s"], (int, float)):
+                label += f"\nstop-the-world {ev['stop_the_world_s']:.2f} s"
+            ev["label"] = label
+            out.append(ev)
+    return sorted(out, key=lambda ev: ev["iteration"])
+
+
+def _mark_events(axes, events: list[dict]) -> None:
+    """A vertical line at the boundary before each event's iteration, on every panel; the label
+    on the first (staggered so that close events stay readable)."""
+    for i, ev in enumerate(events):
+        x = ev["iteration"] - 0.5
+        color = "tab:red" if ev["kind"] in ("node_lost", "trainer_lost") else "tab:purple"
+        for ax in axes:
+            ax.axvline(x, color=color, ls="--", lw=1.2, alpha=0.8)
+        axes[0].annotate(ev["label"], xy=(x, 1 - 0.17 * (i % 4)), xycoords=("data", "axes fraction"),
+                         xytext=(3, -3), textcoords="offset points", va="top", fontsize=6.5, color=color,
+                         zorder=10, bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": color, "alpha": 0.9})
+
+
 def plot_run(records: list[dict], path: Path, title: str) -> Path | None:
     """reward (train samples and held-out) per iteration, and each iteration's time split into
-    switch / generate / train."""
+    switch / generate / train; the run's elastic events (``run_events``) marked on the iteration
+    axis of both, and listed in the PNG's ``Description`` text (what a test can read back)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -102,7 +168,7 @@ def plot_run(records: list[dict], path: Path, title: str) -> Path | None:
         a.plot([r["iteration"] for r in evals], [r["heldout_reward"] for r in evals], "o-", label="held-out greedy reward")
     a.set_xlabel("iteration")
     a.set_ylabel("reward")
-    a.legend()
+    a.legend(loc="lower right")
     a.grid(alpha=0.3)
     x = [r["iteration"] for r in its]
     bottom = [0.0] * len(its)
@@ -115,8 +181,11 @@ def plot_run(records: list[dict], path: Path, title: str) -> Path | None:
     b.set_ylabel("seconds")
     b.legend()
     b.set_title("time per iteration")
+    events = run_events(records)
+    _mark_events((a, b), events)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    described = "; ".join(f"iteration {ev['iteration']}: " + ev["label"].replace("\n", ", ") for ev in events)
+    fig.savefig(path, dpi=110, metadata={"Description": f"events: {described or 'none'}"})
     plt.close(fig)
     return path

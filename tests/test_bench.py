@@ -92,3 +92,22 @@ def test_handoff_bench_processes_lands_the_same_bits(tmp_path):
     assert data["same_bits"] is True
     assert data["p2p"]["handles"] == 0 and data["ipc"]["handles"] >= 2
     assert data["ipc_over_p2p"] > 0
+
+
+@pytest.mark.slow
+def test_elastic_bench_resize_and_restart_both_exact(tmp_path):
+    # the 1M model, DP4 -> DP2 only, the modelled cases at 64 ranks: both destinations bit-exact
+    _bench("bench.elastic", "--sizes", "1M", "--no-back", "--model-ranks", "64", "--out", str(tmp_path),
+           "--ckpt-dir", str(tmp_path))
+    data = json.loads((tmp_path / "elastic.json").read_text())
+    (row,) = data["rows"]
+    assert (row["old_world"], row["new_world"]) == (4, 2)
+    assert row["resize_exact"] is True and row["restart_exact"] is True
+    assert row["tensors_compared"] > 4 * 9  # master and two moments of every tensor, the scalars
+    assert row["bytes_moved"] > 0 and row["checkpoint_bytes"] > 0
+    assert row["stop_the_world_s"] > 0 and row["restart_s"] > 0
+    modelled = data["modelled"]
+    assert {r["model"] for r in modelled} == {"70B", "235B"} and all(r["old_ranks"] == 64 or r["new_ranks"] == 64
+                                                                   for r in modelled)
+    assert all(r["modelled_s"] > 0 and r["rank_bytes"] > 0 for r in modelled)
+    assert "modelled" in (tmp_path / "elastic.md").read_text()

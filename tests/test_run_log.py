@@ -1,0 +1,60 @@
+"""The run's PNG marks the elastic events of its metrics log (``recipes.run_log``): a planned
+resize, a lost trainer recovered, a resize abandoned — each a vertical line on the iteration axis
+with its old → new layout and stop-the-world seconds, listed in the PNG's ``Description`` text."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _iteration(it: int) -> dict:
+    return {"iteration": it, "reward_mean": 0.1 * it, "switch_train_to_rollout_s": 0.1, "gen_seconds": 1.0,
+            "train_seconds": 0.5}
+
+
+def _log(out: Path, events: bool) -> list[dict]:
+    """A run log written by ``MetricsLog`` as the loop writes it (the resize record is the one
+    ``recipes.loop._commit_resize`` writes)."""
+    from recipes.run_log import MetricsLog
+
+    log = MetricsLog(out, tensorboard=False)
+    for it in range(6):
+        if events and it == 2:
+            log.write({"iteration": 2, "resize": {
+                "kind": "planned", "old": "world 4, train {'engine': 'deepspeed', 'zero_stage': 3, 'dp': 4}",
+                "new": "world 2, train {'engine': 'deepspeed', 'zero_stage': 3, 'dp': 2}",
+                "background_s": 12.0, "stop_the_world_s": 0.25, "bytes_moved": 5_000_000},
+                "resize_stop_the_world_s": 0.25}, it)
+        if events and it == 4:
+            log.write({"iteration": 4, "recovery": {"kind": "trainer_lost", "old": "world 2", "new": "world 2",
+                                                    "stop_the_world_s": 1.5}}, it)
+            log.write({"iteration": 4, "resize": {"kind": "planned", "abandoned": "a new actor died"}}, it)
+        log.write(_iteration(it), it)
+    log.write({"iteration": 6, "heldout_reward": 0.2, "eval": "after"}, 6)
+    log.close()
+    return log.records()
+
+
+def test_the_png_marks_every_elastic_event(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from recipes.run_log import plot_run, run_events
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    records = _log(tmp_path / "a", events=True)
+    events = run_events(records)
+    assert [(e["iteration"], e["kind"]) for e in events] == [(2, "planned"), (4, "trainer_lost"), (4, "planned")]
+    assert events[0]["label"] == "planned resize\n4× deepspeed z3 DP4 → 2× deepspeed z3 DP2\nstop-the-world 0.25 s"
+    assert events[1]["label"].startswith("trainer lost\nworld 2 → world 2")
+    assert events[2]["label"] == "planned resize (abandoned)"
+
+    png = plot_run(records, tmp_path / "a" / "run.png", "GRPO")
+    described = Image.open(png).text["Description"]
+    assert described.startswith("events: iteration 2: planned resize, 4× deepspeed z3 DP4 → 2× deepspeed z3 DP2, "
+                                "stop-the-world 0.25 s; iteration 4: trainer lost"), described
+    # the same run without the events: no markers, a different picture
+    plain = plot_run(_log(tmp_path / "b", events=False), tmp_path / "b" / "run.png", "GRPO")
+    assert Image.open(plain).text["Description"] == "events: none"
+    a, b = (np.asarray(Image.open(p).convert("RGB")) for p in (png, plain))
+    assert a.shape == b.shape and (a != b).any()
