@@ -141,7 +141,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     cluster, ok, devices, pending = None, False, None, None
     records: list[dict] = []
     try:
-        if cfg.elastic and cfg.elastic.schedule:
+        # the device manager: for a schedule, and for resize requests (any elastic block, torch rollout)
+        if cfg.elastic is not None and (cfg.elastic.schedule or cfg.rollout.engine == "torch"):
             from rlhf_switch.elastic.manager import Devices
 
             devices = Devices(ray)
@@ -167,12 +168,19 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             records.append(rec)
             say(f"[{name}] held-out greedy reward {when} iteration {it}: {r:.3f} ({len(evaluate.prompts)} prompts)")
 
+        requested: dict[int, dict] = {}  # iteration -> the resize request that scheduled it
         for it in range(first, last + 1):
             if schedule and schedule[0].iteration == it:  # the resize due now: stop-the-world
-                rec = _commit_resize(cluster, pending, schedule.pop(0), cfg, devices, it, say, name)
+                rec = _commit_resize(cluster, pending, schedule.pop(0), cfg, devices, it, say, name,
+                                     request=requested.pop(it, None), out_dir=out_dir)
                 pending = None
                 records.append(rec)
                 log.write(rec, it)
+            if cfg.elastic is not None:  # a resize request from outside the config (elastic.requests)
+                cfg, note = _take_request(out_dir, cfg, schedule, requested, ray, devices, it, last, say, name)
+                if note is not None:
+                    records.append(note)
+                    log.write(note, it)
             if schedule and pending is None and schedule[0].iteration - 1 <= it:
                 pending = _start_resize(ray, cluster, cfg, schedule[0], devices, init_dir, it)
             t_it = time.perf_counter()
@@ -315,11 +323,45 @@ def _start_resize(ray, cluster, cfg, entry, devices, init_dir: Path, it: int):
     return pending
 
 
-def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: str) -> dict:
+def _take_request(out_dir: Path, cfg, schedule: list, requested: dict, ray, devices, it: int, last: int,
+                  say, name: str):
+    """At the boundary before iteration ``it``: a pending resize request (``elastic.requests``)
+    is checked as an ``elastic.schedule`` entry at ``it + 1`` and, if it passes, becomes one (its
+    world is built during ``it`` and committed before ``it + 1``, as a planned resize). Returns
+    the config in force (with the entry) and, for a refused request, the record saying why — the
+    run trains on."""
+    from rlhf_switch.elastic import requests
+    from rlhf_switch.rl.config import ConfigError
+
+    req = requests.take_request(out_dir)
+    if req is None:
+        return cfg, None
+    held = None
+    if devices is not None:
+        res = ray.cluster_resources()
+        held = int(min(res.get("GPU", 0), res.get("CPU", 0)))
+    try:
+        new, entry = requests.checked_request(cfg, req, it + 1, last, held)
+    except ConfigError as e:
+        requests.answer(out_dir, req, "refused", str(e), problems=e.problems, iteration=it)
+        say(f"[{name}] {e}")
+        return cfg, {"iteration": it, "event": {"kind": "request_refused", "request": req, "problems": e.problems}}
+    schedule.append(entry)
+    schedule.sort(key=lambda e: e.iteration)
+    requested[entry.iteration] = req
+    requests.answer(out_dir, req, "accepted", f"resize to {entry.world_size} devices before iteration "
+                    f"{entry.iteration}; the new world is built during iteration {it}", iteration=entry.iteration)
+    say(f"[{name}] resize request {req.get('id')} accepted: {entry.world_size} devices before iteration {entry.iteration}")
+    return new, None
+
+
+def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: str, request=None,
+                   out_dir: Path | None = None) -> dict:
     """The stop-the-world before iteration ``it``: wait for the background build if it is not
     done, move the state over the union of old and new ranks, adopt the new world. A build that
-    failed is abandoned with one message and the run goes on in the current world."""
-    from rlhf_switch.elastic import ResizeError
+    failed is abandoned with one message and the run goes on in the current world. ``request``:
+    the resize request (``_take_request``) this entry came from, answered here."""
+    from rlhf_switch.elastic import ResizeError, requests
 
     old = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
     t0 = time.perf_counter()
@@ -329,13 +371,18 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
         result = pending.commit(cluster.workers)
     except ResizeError as e:
         say(f"[{name}] resize before iteration {it} abandoned: {e}")
-        return {"iteration": it, "resize": {"kind": "planned", "abandoned": str(e)}}
+        if request is not None:
+            requests.answer(out_dir, request, "abandoned", str(e), iteration=it)
+        return {"iteration": it, "resize": {"kind": "requested" if request else "planned", "abandoned": str(e)}}
     cluster.adopt(pending.config, result.workers, devices.slots(result.plan.new_devices))
     new = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
-    event = {"kind": "planned", "old": old, "new": new, "iterations_during_build": it - pending.started_at,
+    event = {"kind": "requested" if request else "planned", "old": old, "new": new, "iterations_during_build": it - pending.started_at,
              "background_s": result.background_s, "waited_for_build_s": waited,
              "stop_the_world_s": result.stop_the_world_s, "release_s": result.release_s,
              "bytes_moved": result.bytes_moved}
+    if request is not None:
+        requests.answer(out_dir, request, "done", f"resized before iteration {it}: {old} -> {new}", iteration=it,
+                        event=event)
     say(f"[{name}] resized before iteration {it}: {old} -> {new}; built in the background in "
         f"{result.background_s:.1f} s ({event['iterations_during_build']} iteration(s) meanwhile, "
         f"{waited:.1f} s waited), stop-the-world {result.stop_the_world_s:.2f} s, {result.bytes_moved} B moved")

@@ -85,7 +85,8 @@ def truncate_records(path: Path, before: int) -> int:
 
 EVENT_KEYS = ("resize", "recovery", "event")  # the record keys an elastic event is written under
 EVENT_NAMES = {"planned": "planned resize", "node_lost": "node lost", "node_added": "node added",
-               "trainer_lost": "trainer lost", "api": "resize by request"}
+               "trainer_lost": "trainer lost", "requested": "requested resize",
+               "request_refused": "resize request refused"}
 
 
 def _layout_label(text) -> str:

@@ -249,3 +249,83 @@ def test_a_bad_elastic_schedule_is_one_config_error(tmp_path):
     with pytest.raises(ConfigError) as e:  # a layout that does not fit the entry's own world
         check_fits(load_config({**cfg, "elastic": {"schedule": [{**entry, "world_size": 3}]}}))
     assert any(p.startswith("elastic.schedule[0]:") for p in e.value.problems), e.value.problems
+
+
+def test_a_resize_requested_by_api_call_takes_the_schedule_path(ray_session, tmp_path):
+    """``rlhf_switch.elastic.requests``: a running GRPO loop (ZeRO-3 DP4, torch rollout, an empty
+    ``elastic`` block) is asked from another thread for a world it cannot run — refused with the
+    config's own message, the run trains on — then for DP2: taken at the next iteration boundary,
+    built during that iteration and committed before the next, as an ``elastic.schedule`` entry."""
+    import threading
+
+    from PIL import Image
+
+    from recipes.grpo import run
+    from rlhf_switch.elastic import ResizeError
+    from rlhf_switch.elastic.requests import request_resize, wait_answer
+
+    out = tmp_path / "api"
+    cfg = _config(out, 4)
+    cfg["algorithm"].update(iterations=3, prompts_per_iteration=4, micro_batch_size=2)  # fits DP4 and DP2
+    cfg["eval"] = {"num_prompts": 2}
+    cfg["elastic"] = {}
+    dp2 = _config(tmp_path / "unused", 2)
+    with pytest.raises(ResizeError, match="no such directory"):
+        request_resize(out, world_size=2, train=dp2["train"], rollout=dp2["rollout"])
+    out.mkdir(parents=True)
+    bad = request_resize(out, world_size=3, train=dp2["train"], rollout=dp2["rollout"])  # DP2 on 3 devices
+    with pytest.raises(ResizeError, match="still waiting"):
+        request_resize(out, world_size=2, train=dp2["train"], rollout=dp2["rollout"])
+    answers: list[dict] = []
+
+    def client():  # another caller of the running loop
+        answers.append(wait_answer(out, bad))
+        good = request_resize(out, world_size=2, train=dp2["train"], rollout=dp2["rollout"])
+        answers.append(wait_answer(out, good))
+        answers.append(wait_answer(out, good, statuses=("done", "abandoned")))
+
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    recs = run(cfg, quiet=True)
+    t.join(timeout=60)
+    refused, accepted, done = answers
+    assert refused["status"] == "refused" and refused["iteration"] == 0
+    assert any("elastic.schedule[0]" in p and "3" in p for p in refused["problems"]), refused
+    assert (accepted["status"], accepted["iteration"], done["status"], done["iteration"]) == ("accepted", 2, "done", 2)
+    (note,) = [r for r in recs if "event" in r]
+    assert note["iteration"] == 0 and note["event"]["kind"] == "request_refused"
+    (resize,) = [r["resize"] for r in recs if "resize" in r]
+    assert resize["kind"] == "requested" and "abandoned" not in resize, resize
+    assert resize["iterations_during_build"] == 1 and resize["bytes_moved"] > 0
+    assert "world 2" in resize["new"] and done["event"]["new"] == resize["new"]
+    steps = [r for r in recs if "reward_mean" in r]
+    assert [r["iteration"] for r in steps] == [0, 1, 2] and all(r["stale_check_passed"] for r in steps)
+    described = Image.open(out / "grpo.png").text["Description"]
+    assert "iteration 0: resize request refused" in described and "iteration 2: requested resize" in described
+
+
+def test_a_bad_resize_request_is_one_config_error(tmp_path):
+    """A resize request is checked as the schedule entry it would become (the config's own
+    validators and fit checks) plus what only the running loop knows; every problem at once."""
+    from rlhf_switch.elastic.requests import checked_request
+    from rlhf_switch.rl.config import ConfigError, load_config
+
+    cfg = _config(tmp_path, 4)
+    cfg["algorithm"].update(iterations=3, prompts_per_iteration=4, micro_batch_size=2)
+    cfg = load_config({**cfg, "elastic": {}})
+    dp2 = _config(tmp_path, 2)
+    good = {"id": "x", "world_size": 2, "train": dp2["train"], "rollout": dp2["rollout"]}
+    new, entry = checked_request(cfg, good, 1, 2, 4)
+    assert (entry.iteration, new.at_iteration(0).world_size, new.at_iteration(1).world_size) == (1, 4, 2)
+    for request, it, held, expected in (
+            ({**good, "world_size": 3}, 1, 4, ["elastic.schedule[0]: train: tp·pp·dp = 1·1·2 = 2, but world_size = 3"]),
+            ({**good, "rollout": {"engine": "vllm", "tp": 1, "dp": 2}, "foo": 1}, 1, 4,
+             ["resize request: unknown keys ['foo']", "elastic.schedule[0].rollout.engine: vllm"]),
+            (good, 3, 4, ["resize request: the run ends at iteration 2"]),
+            (good, 1, None, ["resize request: this run has no elastic device manager"]),
+            (good, 1, 1, ["resize request: world_size 2 — Ray holds 1 devices"]),
+            ({"id": None, "unreadable": "JSONDecodeError"}, 1, 4, ["resize request: unreadable (JSONDecodeError)"])):
+        with pytest.raises(ConfigError, match="resize request refused") as e:
+            checked_request(cfg, request, it, 2, held)
+        for want in expected:
+            assert any(p.startswith(want) for p in e.value.problems), (want, e.value.problems)
