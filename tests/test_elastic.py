@@ -267,7 +267,6 @@ def test_a_resize_requested_by_api_call_takes_the_schedule_path(ray_session, tmp
     out = tmp_path / "api"
     cfg = _config(out, 4)
     cfg["algorithm"].update(iterations=3, prompts_per_iteration=4, micro_batch_size=2)  # fits DP4 and DP2
-    cfg["eval"] = {"num_prompts": 2}
     cfg["elastic"] = {}
     dp2 = _config(tmp_path / "unused", 2)
     with pytest.raises(ResizeError, match="no such directory"):
