@@ -29,7 +29,7 @@ run: venv
 demo: venv
 	$(PY) -m recipes.switch_demo
 
-# the README's tables (~20 min on 2 cores); bench-full adds the 300M model and bf16 (much longer)
+# the README's tables (~30 min on 2 cores); bench-full adds the 300M model and bf16 (much longer)
 bench: venv
 	$(PY) -m bench.plan_scale
 	$(PY) -m bench.train_switch
