@@ -46,6 +46,29 @@ class Resources:
         return float(sum(b.get("CPU", 0) for b in self.bundles))
 
 
+# what a rollout replica started while the old replicas still run takes of its first device's bundle
+# (CPU, GPU): that bundle's trainer rank (0.5, 0.5) and old replica (0.4, 0.5) leave (0.1, 0) free
+TRANSITION_SLOT = (0.1, 0.0)
+
+
+@dataclass
+class IncomingReplicas:
+    """Rollout replicas of a new layout, starting in the background (``Cluster.start_replicas``)."""
+
+    cfg: object            # the run config whose rollout layout they make
+    actors: list
+    starts: list           # their engines' start refs
+    devices: list          # per replica, the GPU ids handed to it
+    t0: float              # perf_counter at the start
+    owner: object = None   # the Cluster that started them
+
+    def ready(self, ray) -> bool:
+        return not ray.wait(self.starts, num_returns=len(self.starts), timeout=0)[1]
+
+    def abandon(self) -> None:
+        self.owner.abandon_replicas()
+
+
 def resources(world: int, tp: int, replica_placement: bool, colocate: bool = True) -> Resources:
     """The bundles and actor slots of a run of ``world`` trainer devices whose rollout engine runs
     replicas of TP ``tp`` (``replica_placement``: in actors of their own, vLLM; else inside the
@@ -229,6 +252,7 @@ class Cluster:
         self.hf = hf_config_of(cfg)
         self.world = world = cfg.world_size
         self.workers, self.replicas = [], []
+        self._incoming = None  # new rollout replicas starting in the background (start_replicas)
         self.rollout_cls = rollout_engine(cfg.rollout.engine)
         self.in_world = self.rollout_cls.placement == "worker"
         self.tp, self.n_replicas = cfg.rollout.tp, world // cfg.rollout.tp
@@ -272,13 +296,14 @@ class Cluster:
             self.shutdown(graceful=False)
             raise
         self._replica_gpus: list[list[str]] = []
+        self._gpus_seen = [s["gpu_ids"] for s in seen]  # per trainer rank: replicas started later use them
         if not self.in_world:
             from actors.rollout_replica import remote_class as replica_class
 
             self.replicas = [replica_class(num_cpus=s.num_cpus, num_gpus=s.num_gpus)
                              .options(scheduling_strategy=on(s.bundle)).remote() for s in res.replicas]
             # colocated: replica r's workers use the (whole) devices of the trainer ranks it shares
-            self._replica_gpus = [[g for b in bundles for g in seen[b]["gpu_ids"]] for bundles in res.replica_devices]
+            self._replica_gpus = self._gpus_of(res)
         # rank 0 hosts the world's store on its own node's address: nothing assumes one host
         host, port = ray.get(self.workers[0].open_store.remote(), timeout=180)
         ray.get([w.init_world.remote(host, port, r, world, self.device) for r, w in enumerate(self.workers)],
@@ -294,18 +319,8 @@ class Cluster:
     def build(self, init_dir: Path, resume_dir: Path | None) -> dict:
         """Build every engine (rollout replicas start from ``init_dir`` while the trainers
         build), then open the weight channel between them — once for the whole run."""
-        from rlhf_switch.engines.base import RolloutContext
-        from rlhf_switch.models import model_spec
-
-        hf = self.hf
-        spec = model_spec(hf)
-        max_len = int(hf.get("max_position_embeddings", 2048))
         gpus = self._replica_gpus or [None] * len(self.replicas)
-        starts = [r.start.remote(self.cfg.rollout.engine,
-                                 RolloutContext(hf, spec, str(init_dir), self.tp, self.n_replicas, i, self.cfg.seed, max_len,
-                                                device=self.device,
-                                                memory_utilization=self.cfg.rollout.memory_utilization),
-                                 gpus[i])
+        starts = [r.start.remote(self.cfg.rollout.engine, self._replica_context(self.cfg, init_dir, i), gpus[i])
                   for i, r in enumerate(self.replicas)]
         built = self.all("build", self.cfg.model_dump(), str(init_dir), str(resume_dir) if resume_dir else None,
                          self.device, desc="build engines")
@@ -313,6 +328,122 @@ class Cluster:
             wait_all(self.ray, starts, "start rollout replicas", self.quiet)
         self.open_channel()
         return built[0]
+
+    def _replica_context(self, cfg, init_dir, replica: int):
+        """The ``RolloutContext`` replica ``replica`` of ``cfg``'s rollout layout starts from."""
+        from rlhf_switch.engines.base import RolloutContext
+        from rlhf_switch.models import model_spec
+
+        tp = cfg.rollout.tp
+        return RolloutContext(self.hf, model_spec(self.hf), str(init_dir), tp, cfg.world_size // tp, replica,
+                              cfg.seed, int(self.hf.get("max_position_embeddings", 2048)), device=self.device,
+                              memory_utilization=cfg.rollout.memory_utilization)
+
+    def _gpus_of(self, res: Resources) -> list[list[str]]:
+        """Colocated: the GPU ids replica r's workers use — the whole devices of the trainer ranks
+        it shares (``res.replica_devices``)."""
+        return [[g for b in bundles for g in self._gpus_seen[b]] for bundles in res.replica_devices]
+
+    # --- the rollout layout of a running world (elastic, vLLM replicas) -----------------------------
+    def start_replicas(self, cfg, init_dir: Path) -> "IncomingReplicas":
+        """Start the rollout replicas of ``cfg``'s rollout layout (vLLM: its TP × replicas, on the
+        same trainer world) in the background; returns at once — the current replicas keep
+        syncing and generating meanwhile. Each new replica starts on its first device's bundle
+        beside the trainer rank and the replica already there: during the transition it takes a
+        CPU share of ``TRANSITION_SLOT`` and no GPU share of Ray's (its devices are handed to it by
+        id, as a colocated replica's other devices always are), so nothing waits for the old
+        replicas to leave. ``swap_replicas`` finishes it at an iteration boundary."""
+        from actors.rollout_replica import remote_class as replica_class
+
+        if self.in_world or self._incoming is not None:
+            raise ValueError("start_replicas: " + ("the rollout engine lives in the trainer's actors" if self.in_world
+                                                   else "new replicas are already starting"))
+        if cfg.world_size != self.world or cfg.rollout.engine != self.cfg.rollout.engine or not cfg.rollout.colocate:
+            raise ValueError("start_replicas: only the rollout layout of the same colocated world and engine changes")
+        res = resources_for(cfg)
+        cpus, gpus = TRANSITION_SLOT
+        actors = [replica_class(num_cpus=cpus, num_gpus=gpus).options(
+            scheduling_strategy=self._on(s.bundle)).remote() for s in res.replicas]
+        devices = self._gpus_of(res)
+        starts = [a.start.remote(cfg.rollout.engine, self._replica_context(cfg, init_dir, i), devices[i])
+                  for i, a in enumerate(actors)]
+        self._incoming = IncomingReplicas(cfg, actors, starts, devices, time.perf_counter(), self)
+        return self._incoming
+
+    def swap_replicas(self, timeout_s: float = 600.0) -> dict:
+        """The stop-the-world of a rollout layout change (``start_replicas``): wait for what is left
+        of the new replicas' start, re-form the weight channel over the trainer ranks and the new
+        replicas (the channel's own join and plan), fill them with one sync before they take any
+        work, then shut down the replicas that leave. A new replica that failed to start, or a
+        channel that fails to form or fill: the new replicas are killed, the channel is formed
+        again over the old ones (they still hold the trainer's last weights) and ``ValueError``
+        says why — the run goes on in the old layout. Returns the resize's figures."""
+        if self._incoming is None:
+            raise ValueError("swap_replicas: no new replicas are starting")
+        if self._standing_by is not None:  # they wait in the old channel for a move that will not come
+            raise ValueError("swap_replicas: the old replicas stand by for a sync; sync before the swap")
+        incoming, self._incoming = self._incoming, None
+        t0 = time.perf_counter()
+        old = (self.cfg, self.replicas, self._replica_gpus, self.tp, self.n_replicas, self.resources)
+        try:
+            wait_all(self.ray, incoming.starts, "start new rollout replicas", self.quiet,
+                     timeout=max(1.0, timeout_s - (t0 - incoming.t0)))
+            background_s = time.perf_counter() - incoming.t0
+            t1 = time.perf_counter()
+            self.cfg, self.replicas, self._replica_gpus = incoming.cfg, list(incoming.actors), incoming.devices
+            self.tp, self.n_replicas = incoming.cfg.rollout.tp, incoming.cfg.world_size // incoming.cfg.rollout.tp
+            self.resources = resources_for(incoming.cfg)
+            self.open_channel()
+            fill = self.sync()
+        except Exception as e:  # noqa: BLE001 - back to the old replicas, then one message
+            for a in incoming.actors:
+                self.ray.kill(a)
+            (self.cfg, self.replicas, self._replica_gpus, self.tp, self.n_replicas, self.resources) = old
+            self.open_channel()
+            raise ValueError(f"the new rollout replicas were not taken ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); killed, the old replicas generate on") from e
+        stop_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        self._stop_replicas(old[1])
+        return {"background_s": background_s, "waited_for_build_s": t1 - t0, "stop_the_world_s": stop_s,
+                "release_s": time.perf_counter() - t2, "bytes_moved": fill["bytes_moved"],
+                "fill_sync_s": fill["seconds"], "old_replicas": len(old[1]), "new_replicas": len(self.replicas),
+                "old_replicas_gone": self._gone(old[1])}
+
+    def abandon_replicas(self) -> None:
+        """Drop new replicas still starting (the run ends, or their resize was abandoned)."""
+        incoming, self._incoming = self._incoming, None
+        if incoming is not None:
+            self._stop_replicas(incoming.actors)
+
+    def _stop_replicas(self, actors: Sequence) -> None:
+        """Shut the engines of ``actors`` down (their worker processes too), then free the actors."""
+        try:
+            self.ray.get([a.shutdown.remote() for a in actors], timeout=60)
+        except Exception:  # noqa: BLE001 - best effort: the actors are killed next
+            pass
+        for a in actors:
+            self.ray.kill(a)
+
+    def _gone(self, actors: Sequence) -> int:
+        """How many of ``actors`` Ray reports dead (a call to each fails with ``RayActorError``)."""
+        from ray.exceptions import RayActorError
+
+        gone = 0
+        for a in actors:
+            try:
+                self.ray.get(a.node.remote(), timeout=30)
+            except RayActorError:
+                gone += 1
+            except Exception:  # noqa: BLE001 - no answer: not known to be gone
+                pass
+        return gone
+
+    def _on(self, bundle: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg, index = self._slot(bundle)
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
 
     def adopt(self, cfg, workers: list, devices: Sequence) -> None:
         """After an elastic resize (``rlhf_switch.elastic.manager``): the new world's actors —
@@ -373,7 +504,7 @@ class Cluster:
         while the trainer trains — they are idle then anyway — so the next ``sync`` starts with
         only the trainer's ranks to reach (a receive posted ahead, as with NCCL). Ray runs a
         replica's calls in order, so nothing else reaches a replica before that sync."""
-        if self.replicas and self._standing_by is None:
+        if self.replicas and self._standing_by is None and self._incoming is None:
             self._standing_by = [r.channel_receive.remote() for r in self.replicas]
 
     def sync(self) -> dict:
@@ -539,6 +670,7 @@ class Cluster:
         from ray.util.placement_group import remove_placement_group
 
         ray = self.ray
+        self.abandon_replicas()
         if graceful:
             try:
                 if self.replicas:

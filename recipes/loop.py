@@ -142,7 +142,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     records: list[dict] = []
     try:
         # the device manager: for a schedule, and for resize requests (any elastic block, torch rollout)
-        if cfg.elastic is not None and (cfg.elastic.schedule or cfg.rollout.engine == "torch"):
+        if cfg.elastic is not None and (cfg.elastic.schedule or cfg.rollout.engine == "torch"
+                                        or (cfg.rollout.engine == "vllm" and cfg.rollout.colocate)):
             from rlhf_switch.elastic.manager import Devices
 
             devices = Devices(ray)
@@ -316,6 +317,8 @@ def _start_resize(ray, cluster, cfg, entry, devices, init_dir: Path, it: int):
     from rlhf_switch.elastic.manager import start_world
 
     new = cfg.at_iteration(entry.iteration)
+    if not cluster.in_world:  # vLLM replicas: only their layout changes (the config's validators)
+        return _start_rollout_resize(cluster, new, init_dir, it)
     plan = ResizePlan(tuple(range(cluster.world)), tuple(range(new.world_size)))
     pending = start_world(ray, remote_class(num_cpus=0.5, num_gpus=0.5), new.model_dump(), devices, plan,
                           init_dir=str(init_dir), device=cluster.device)
@@ -363,6 +366,8 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
     the resize request (``_take_request``) this entry came from, answered here."""
     from rlhf_switch.elastic import ResizeError, requests
 
+    if not cluster.in_world:
+        return _commit_rollout_resize(cluster, pending, it, say, name, request, out_dir)
     old = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
     t0 = time.perf_counter()
     try:
@@ -388,6 +393,48 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
         f"{waited:.1f} s waited), stop-the-world {result.stop_the_world_s:.2f} s, {result.bytes_moved} B moved")
     return {"iteration": it, "resize": event, "resize_stop_the_world_s": result.stop_the_world_s,
             "resize_background_s": result.background_s}
+
+
+def _rollout_layout(cfg) -> str:
+    r = cfg.rollout
+    return f"{r.engine} TP{r.tp}×{cfg.world_size // r.tp}"
+
+
+def _start_rollout_resize(cluster, new, init_dir: Path, it: int):
+    """Start the rollout replicas of ``new`` (vLLM: its TP × replicas on the same trainer world) in
+    the background while iteration ``it`` runs on the current ones (``Cluster.start_replicas``)."""
+    pending = cluster.start_replicas(new, init_dir)
+    pending.started_at, pending.config = it, new
+    return pending
+
+
+def _commit_rollout_resize(cluster, pending, it: int, say, name: str, request, out_dir: Path | None) -> dict:
+    """Before iteration ``it``: the new replicas take over (``Cluster.swap_replicas``: the weight
+    channel re-formed over the trainer ranks and them, one sync fills them, the old ones shut
+    down). New replicas that cannot be taken: abandoned with one message, the old ones generate on."""
+    from rlhf_switch.elastic import requests
+
+    kind = "requested" if request else "planned"
+    old = _rollout_layout(cluster.cfg)
+    try:
+        swap = cluster.swap_replicas()
+    except ValueError as e:
+        say(f"[{name}] rollout resize before iteration {it} abandoned: {e}")
+        if request is not None:
+            requests.answer(out_dir, request, "abandoned", str(e), iteration=it)
+        return {"iteration": it, "resize": {"kind": kind, "abandoned": str(e)}}
+    new = _rollout_layout(cluster.cfg)
+    event = {"kind": kind, "part": "rollout", "old": old, "new": new,
+             "iterations_during_build": it - pending.started_at, **swap}
+    if request is not None:
+        requests.answer(out_dir, request, "done", f"rollout resized before iteration {it}: {old} -> {new}",
+                        iteration=it, event=event)
+    say(f"[{name}] rollout resized before iteration {it}: {old} -> {new}; new replicas started in the background "
+        f"in {swap['background_s']:.1f} s ({event['iterations_during_build']} iteration(s) meanwhile, "
+        f"{swap['waited_for_build_s']:.1f} s waited), stop-the-world {swap['stop_the_world_s']:.2f} s, "
+        f"{swap['bytes_moved']} B moved")
+    return {"iteration": it, "resize": event, "resize_stop_the_world_s": swap["stop_the_world_s"],
+            "resize_background_s": swap["background_s"]}
 
 
 def channel_summary(cluster) -> dict:

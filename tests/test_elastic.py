@@ -245,7 +245,7 @@ def test_a_bad_elastic_schedule_is_one_config_error(tmp_path):
         load_config({**cfg, "elastic": {"schedule": [entry, {**entry, "iteration": 1},
                                                      {**entry, "iteration": 3, "rollout": {"engine": "vllm", "tp": 1, "dp": 2}}]}})
     text = str(e.value) + " ".join(e.value.problems)
-    assert "increasing iteration order" in text and "only the torch rollout engine" in text
+    assert "increasing iteration order" in text and "a resize does not change the engine" in text
     with pytest.raises(ConfigError) as e:  # a layout that does not fit the entry's own world
         check_fits(load_config({**cfg, "elastic": {"schedule": [{**entry, "world_size": 3}]}}))
     assert any(p.startswith("elastic.schedule[0]:") for p in e.value.problems), e.value.problems
@@ -301,6 +301,35 @@ def test_a_resize_requested_by_api_call_takes_the_schedule_path(ray_session, tmp
     assert [r["iteration"] for r in steps] == [0, 1, 2] and all(r["stale_check_passed"] for r in steps)
     described = Image.open(out / "grpo.png").text["Description"]
     assert "iteration 0: resize request refused" in described and "iteration 2: requested resize" in described
+
+
+def test_an_elastic_schedule_with_vllm_changes_only_the_rollout_layout(tmp_path):
+    """With vLLM replicas an entry may change their layout (TP × replicas) on the same trainer
+    world; one that also changes the trainer world, or the engine, is refused before Ray; the
+    device count is checked as for every entry (a replica of TP t takes t devices of the world)."""
+    from rlhf_switch.rl.config import ConfigError, check_fits, load_config
+
+    cfg = {**_config(tmp_path, 2), "rollout": {"engine": "vllm", "tp": 1, "dp": 2}}
+    tp2 = {"iteration": 2, "world_size": 2, "train": cfg["train"], "rollout": {"engine": "vllm", "tp": 2, "dp": 1}}
+    ok = load_config({**cfg, "elastic": {"schedule": [tp2, {**tp2, "iteration": 3, "rollout": cfg["rollout"]}]}})
+    check_fits(ok)
+    assert [(ok.at_iteration(i).rollout.tp, ok.at_iteration(i).rollout.dp) for i in (1, 2, 3)] == [(1, 2), (2, 1), (1, 2)]
+    dp4 = _config(tmp_path, 4)
+    for entry, want in (
+            ({**tp2, "world_size": 4, "train": dp4["train"], "rollout": {"engine": "vllm", "tp": 2, "dp": 2}},
+             "elastic.schedule[0]: with vLLM rollout replicas a resize changes only the rollout layout"),
+            ({**tp2, "train": {"engine": "fsdp2", "dp": 2}},
+             "elastic.schedule[0]: with vLLM rollout replicas a resize changes only the rollout layout"),
+            ({**tp2, "rollout": {"engine": "torch", "tp": 1, "dp": 2}},
+             "elastic.schedule[0].rollout.engine: torch — the run's rollout engine is vllm")):
+        with pytest.raises(ConfigError) as e:
+            load_config({**cfg, "elastic": {"schedule": [entry]}})
+        assert any(p.startswith(want) for p in e.value.problems), (want, e.value.problems)
+    with pytest.raises(ConfigError) as e:  # 4 devices of TP1 replicas on a world of 2
+        check_fits(load_config({**cfg, "elastic": {"schedule": [{**tp2, "rollout": {"engine": "vllm", "tp": 1,
+                                                                                       "dp": 4}}]}}))
+    assert any(p.startswith("elastic.schedule[0]: rollout: tp·pp·dp = 1·1·4 = 4, but world_size = 2")
+               for p in e.value.problems), e.value.problems
 
 
 def test_a_bad_resize_request_is_one_config_error(tmp_path):

@@ -118,7 +118,7 @@ def checked_request(cfg, request: Mapping, iteration: int, last: int, devices_he
         problems.append(f"{where}: unknown keys {unknown} (give {', '.join(ENTRY_KEYS)})")
     if devices_held is None:
         problems.append(f"{where}: this run has no elastic device manager (give the config an elastic block, "
-                        f"with the torch rollout engine colocated)")
+                        f"with the torch rollout engine or vLLM replicas, colocated)")
     if iteration > last:
         problems.append(f"{where}: the run ends at iteration {last}; there is no next iteration to resize before")
     schedule = [e.model_dump() for e in (cfg.elastic.schedule if cfg.elastic else [])]

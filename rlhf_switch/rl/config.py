@@ -301,6 +301,11 @@ class ElasticEntry(Strict):
     reference: TrainLayout | None = None
 
 
+# the rollout engines an elastic.schedule entry may name: torch resizes with the trainer world (it
+# lives in the trainer's actors); vLLM changes its replicas' layout on the same trainer world
+ELASTIC_ROLLOUT = ("torch", "vllm")
+
+
 class ElasticConfig(Strict):
     schedule: list[ElasticEntry] = []
 
@@ -356,6 +361,7 @@ class RunConfig(Strict):
         if self.algorithm.kl_coef > 0 and self.reference is None:
             problems.append(f"reference: algorithm.kl_coef={self.algorithm.kl_coef} needs a reference "
                             f"block (or set kl_coef: 0)")
+        before = self  # the world in force before each entry
         for i, e in enumerate(self.elastic.schedule if self.elastic else []):
             where = f"elastic.schedule[{i}]"
             if i and e.iteration <= self.elastic.schedule[i - 1].iteration:
@@ -367,15 +373,24 @@ class RunConfig(Strict):
                 problems.append(f"{where}.reference: give a reference block exactly when the run has one")
             if not e.rollout.colocate:
                 problems.append(f"{where}.rollout.colocate: false — a resize needs colocated devices")
-            if e.rollout.engine != "torch":
+            if e.rollout.engine not in ELASTIC_ROLLOUT:
                 problems.append(f"{where}.rollout.engine: {e.rollout.engine} — only the torch rollout engine "
-                                f"(in the trainer's actors) is resized yet")
+                                f"(in the trainer's actors) and vLLM replicas are resized yet")
+            elif e.rollout.engine != before.rollout.engine:
+                problems.append(f"{where}.rollout.engine: {e.rollout.engine} — the run's rollout engine is "
+                                f"{before.rollout.engine}; a resize does not change the engine")
+            elif e.rollout.engine == "vllm" and (e.world_size, e.train, e.reference) != (
+                    before.world_size, before.train, before.reference):
+                problems.append(f"{where}: with vLLM rollout replicas a resize changes only the rollout layout "
+                                f"(TP × replicas); the trainer world stays ({before.world_size} devices, its train "
+                                f"and reference layouts) — resizing it beside vLLM replicas is not built yet")
+            before = e
         if self.elastic and self.elastic.schedule and not self.rollout.colocate:
             problems.append("rollout.colocate: false — elastic.schedule needs colocated devices (an old and a "
                             "new trainer actor share each kept device during a resize)")
-        if self.elastic and self.elastic.schedule and self.rollout.engine != "torch":
+        if self.elastic and self.elastic.schedule and self.rollout.engine not in ELASTIC_ROLLOUT:
             problems.append(f"rollout.engine: {self.rollout.engine} — elastic.schedule resizes only the torch "
-                            f"rollout engine (in the trainer's actors) yet")
+                            f"rollout engine (in the trainer's actors) and vLLM replicas yet")
         if problems:
             # one line per problem: _format_errors splits them back into separate entries
             raise ValueError("\n".join(problems))
