@@ -367,6 +367,12 @@ class Cluster:
         devices = self._gpus_of(res)
         starts = [a.start.remote(cfg.rollout.engine, self._replica_context(cfg, init_dir, i), devices[i])
                   for i, a in enumerate(actors)]
+        # and one short generation each (after the start: Ray runs an actor's calls in order): an
+        # engine's first generation is far slower than the next (vLLM's warm-up, ~45 s on the loaded
+        # CPU box) — paid here in the background, not in the first iteration after the swap. Its
+        # tokens are dropped; the fill's receive resets the prefix cache
+        eos = self.hf.get("eos_token_id")
+        starts += [a.generate.remote([[int(self.hf.get("bos_token_id") or 1)]], 2, 1.0, [0], eos) for a in actors]
         self._incoming = IncomingReplicas(cfg, actors, starts, devices, time.perf_counter(), self)
         return self._incoming
 
@@ -396,8 +402,7 @@ class Cluster:
             self.open_channel()
             fill = self.sync()
         except Exception as e:  # noqa: BLE001 - back to the old replicas, then one message
-            for a in incoming.actors:
-                self.ray.kill(a)
+            self._stop_replicas(incoming.actors)
             (self.cfg, self.replicas, self._replica_gpus, self.tp, self.n_replicas, self.resources) = old
             self.open_channel()
             raise ValueError(f"the new rollout replicas were not taken ({type(e).__name__}: "

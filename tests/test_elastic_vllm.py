@@ -49,6 +49,7 @@ def _minimum(spec, tp: int, replicas: int) -> int:
 def test_grpo_vllm_replicas_change_layout_in_a_running_loop(ray_session, tmp_path):
     from recipes.grpo import run
     from rlhf_switch.models import model_spec
+    from test_rl_loop import records
 
     cfg = _config(tmp_path / "run")
     recs = run(cfg, quiet=True)
@@ -69,7 +70,7 @@ def test_grpo_vllm_replicas_change_layout_in_a_running_loop(ray_session, tmp_pat
     assert steps[0]["bytes_moved"] == _minimum(spec, 1, 2) == 2 * spec.numel * 4  # into TP1×2
     assert resize["bytes_moved"] == _minimum(spec, 2, 1) == steps[2]["bytes_moved"]  # the fill, then into TP2×1
     assert spec.numel * 4 < _minimum(spec, 2, 1) < 2 * spec.numel * 4
-    (summary,) = [r["channel"] for r in recs if "channel" in r]
+    (summary,) = [r["channel"] for r in records(tmp_path / "run") if "channel" in r]
     assert summary["opened"] == 2 and summary["members"] == 2 + 2  # 2 trainer ranks + 1 replica of TP2
     assert len(summary["nodes"]["replicas"]) == 1
     assert (tmp_path / "run" / "final").is_dir()
@@ -78,3 +79,36 @@ def test_grpo_vllm_replicas_change_layout_in_a_running_loop(ray_session, tmp_pat
           f"waited at the boundary), stop-the-world {resize['stop_the_world_s']:.2f} s (fill sync "
           f"{resize['fill_sync_s']:.2f} s, {resize['bytes_moved']} B), old replicas shut down in "
           f"{resize['release_s']:.2f} s")
+
+
+def test_a_new_replica_lost_while_starting_leaves_the_old_ones_generating(ray_session, tmp_path):
+    """``Cluster.start_replicas`` / ``swap_replicas`` on their own: a new replica killed while its
+    engine starts — the swap says so in one ``ValueError``, the new replicas are gone, the channel
+    is formed again over the old replicas, and they go on: synced, they generate with exactly the
+    trainer's weights (the stale-weights check of a training step passes)."""
+    import torch
+
+    from recipes.cluster import Cluster
+    from recipes.common import warm_start
+    from rlhf_switch.rl.config import load_config
+
+    cfg = load_config(_config(tmp_path / "run"))
+    cluster = Cluster(cfg.at_iteration(0), ray_session, quiet=True)
+    try:
+        init = warm_start(cluster.cfg, tmp_path / "init", True)
+        cluster.build(init, None)
+        old = list(cluster.replicas)
+        incoming = cluster.start_replicas(cfg.at_iteration(2), init)
+        ray_session.kill(incoming.actors[0])
+        with pytest.raises(ValueError, match="new rollout replicas were not taken.*old replicas generate on"):
+            cluster.swap_replicas()
+        assert cluster.replicas == old and (cluster.tp, cluster.n_replicas) == (1, 2)
+        assert cluster._gone(incoming.actors) == 1  # TP2×1: the one new replica
+        cluster.sync()
+        prompts = [[1, 5 + i, 7] for i in range(8)]
+        responses, lps = cluster.generate(prompts, list(range(8)), 4, 1.0)
+        stats = cluster.all("train_on", {"prompts": prompts, "responses": responses, "rollout_logprobs": lps,
+                                         "advantages": torch.linspace(-1, 1, 8).tolist()})
+        assert max(s["stale_logprob_diff"] for s in stats) < 1e-4
+    finally:
+        cluster.shutdown()
