@@ -330,6 +330,16 @@ def test_an_elastic_schedule_with_vllm_changes_only_the_rollout_layout(tmp_path)
                                                                                        "dp": 4}}]}}))
     assert any(p.startswith("elastic.schedule[0]: rollout: tp·pp·dp = 1·1·4 = 4, but world_size = 2")
                for p in e.value.problems), e.value.problems
+    # a resize request is the same entry: the vLLM layout alone is accepted, the trainer's refused
+    from rlhf_switch.elastic.requests import checked_request
+
+    run = load_config({**cfg, "elastic": {}})
+    new, entry = checked_request(run, {"id": "a", **{k: tp2[k] for k in ("world_size", "train", "rollout")}}, 1, 2, 2)
+    assert (entry.iteration, new.at_iteration(1).rollout.tp, new.at_iteration(1).train == run.train) == (1, 2, True)
+    with pytest.raises(ConfigError) as e:
+        checked_request(run, {"id": "b", "world_size": 2, "train": {"engine": "fsdp2", "dp": 2},
+                              "rollout": tp2["rollout"]}, 1, 2, 2)
+    assert any("changes only the rollout layout" in p for p in e.value.problems), e.value.problems
 
 
 def test_a_bad_resize_request_is_one_config_error(tmp_path):
