@@ -5,7 +5,9 @@ logical device (training engine, reference, and for ``rollout.engine: torch`` th
 and, for a rollout engine of placement ``replica`` (vLLM), one ``RolloutReplica`` per replica, colocated on the same
 placement-group bundles (packed on few nodes or spread over many by the config's ``placement``;
 rank -> bundle by ``rank_bundles``, which keeps a replica's TP ranks on one node). ``Cluster.open_channel`` forms the run's weight channel once; ``Cluster.sync``
-is the weight switch train -> rollout through it.
+is the weight switch train -> rollout through it. ``Cluster.start_replicas`` / ``swap_replicas``
+change the replicas' layout (TP × replicas) of a running world: the new ones start in the
+background, then the channel is formed again over them and one sync fills them (elastic).
 """
 from __future__ import annotations
 
