@@ -171,7 +171,6 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
 
         it, refreshed_at = first, None  # refreshed_at: the iteration of the last host copy (redundancy)
         while it <= last:
-            failed_at = time.perf_counter()
             try:
                 if schedule and schedule[0].iteration == it:  # the resize due now: stop-the-world
                     rec = _commit_resize(cluster, pending, schedule.pop(0), cfg, devices, it, say, name)
@@ -292,7 +291,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 if redundancy != "host":
                     raise
                 cluster, it, rec = _recover_trainer(e, ray, cluster, devices, init_dir, refreshed_at, out_dir,
-                                                    iterations, quiet, say, name, failed_at)
+                                                    iterations, quiet, say, name, time.perf_counter())
                 # the iterations from the restored one on are run again: their records go
                 records[:] = [r for r in records if r.get("iteration", -1) < it or "reward_mean" not in r]
                 records.append(rec)

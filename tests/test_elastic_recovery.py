@@ -157,7 +157,9 @@ def test_grpo_with_host_redundancy_survives_a_killed_trainer_without_a_checkpoin
     state of iteration 1's refresh from rank 0's host copy into a new DP2 world (a replacement
     actor) and runs iteration 1 again: the state at the re-run's train phase equals the state at
     the first attempt's bit for bit, no checkpoint exists or is read, and the run — rewards,
-    losses, the final weights and Adam moments — equals the uninterrupted run bit for bit."""
+    losses, the final weights and Adam moments — equals the uninterrupted run bit for bit. Both
+    ranks killed (no copy survives) in a run that saves checkpoints: the loop falls back to the
+    newest checkpoint, says so, and ends with the same weights too."""
     import os
     import signal
     import threading
@@ -197,13 +199,32 @@ def test_grpo_with_host_redundancy_survives_a_killed_trainer_without_a_checkpoin
     for a, b in zip(steps, theirs):
         assert (a["reward_mean"], a["policy_loss"], a["grad_norm"]) == (b["reward_mean"], b["policy_loss"], b["grad_norm"])
         assert a["redundancy_bytes"] > 0
+
+    # both ranks lost in iteration 2 (rank 0's copy was on rank 1 and the other way round): the
+    # newest checkpoint (iteration 1's), said so, and iteration 2 again — the same run too
+    both = config(tmp_path / "both")
+    both["checkpoint"] = {"save_every": 1, "keep": 2}
+
+    def kill_both(it, phase, cluster):
+        if it == 2 and "both" not in seen:
+            seen["both"] = ray.get([w.pid.remote() for w in cluster.workers], timeout=60)
+            for pid in seen["both"]:
+                threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
+
+    fell = run(both, quiet=True, phase_hook=kill_both)
+    (back,) = [r["recovery"] for r in fell if "recovery" in r]
+    assert back["lost_ranks"] == [0, 1] and back["fell_back_to"].endswith("step_2")
+    assert [r["iteration"] for r in fell if "reward_mean" in r] == [0, 1, 2]
     spec = model_spec(config(tmp_path)["model"]["hf_config"])
-    a, b = (FullState.load_dir(p / "final", spec) for p in (tmp_path / "killed", tmp_path / "whole"))
-    assert all(torch.equal(a.master[n], b.master[n]) for n in a.master)
-    assert all(torch.equal(a.moments[f][n], b.moments[f][n]) for f in a.moments for n in a.moments[f])
+    a, b, c = (FullState.load_dir(p / "final", spec) for p in (tmp_path / "killed", tmp_path / "whole",
+                                                               tmp_path / "both"))
+    for x in (a, c):
+        assert all(torch.equal(x.master[n], b.master[n]) for n in b.master)
+        assert all(torch.equal(x.moments[f][n], b.moments[f][n]) for f in b.moments for n in b.moments[f])
     print(f"\nloop: refresh {max(r['redundancy_seconds'] for r in steps):.3f} s, {steps[0]['redundancy_bytes']} B "
           f"per iteration; recovery {event['seconds']:.1f} s (build {event['build_s']:.1f} s, move "
-          f"{event['move_s']:.2f} s), {event['bytes_moved']} B")
+          f"{event['move_s']:.2f} s), {event['bytes_moved']} B; both ranks lost: back on the checkpoint in "
+          f"{back['seconds']:.1f} s")
 
 
 def test_host_redundancy_is_refused_where_it_cannot_run(tmp_path):
