@@ -341,12 +341,6 @@ class HybridWorker:
             self._host_copy = HostCopy(self.trainer.adapter, shift, timeout=TIMEOUT)
         return self._host_copy.refresh(extra)
 
-    def host_copy_state(self) -> dict:
-        """This rank's host copy, gathered as plain tensors (a test's check of the restore)."""
-        c = self._host_copy
-        return {"rank": c.rank, "fragments": c.layouts[1].fragments(c.rank), "host": dict(c.host),
-                "scalars": c.scalars, "extra": c.extra}
-
     # --- the weight channel ------------------------------------------------------------------------
     def channel_source(self):
         """The trainer's compute weights as one global Layout (collective; rank 0 returns it,
