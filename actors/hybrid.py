@@ -308,18 +308,38 @@ class HybridWorker:
         self._resize_store, host, port = open_store(300.0)
         return host, port
 
-    def resize_move(self, endpoint) -> dict:
+    def resize_move(self, endpoint, source: str = "engine") -> dict:
         """Join the union of the old and new trainer ranks and move the training state across
         (``rlhf_switch.elastic.member``): an old rank sends, a new rank receives; on the new side
-        the trainer's step counter follows the moved state."""
+        the trainer's step counter follows the moved state. ``source`` (old side): ``engine``,
+        the trainer's own state, or ``host_copy``, the copy of the last ``redundancy_refresh``
+        (a surviving rank after a trainer was lost: its own engine is mid-step)."""
         from rlhf_switch.elastic.member import move_over_union
 
         host_store = getattr(self, "_resize_store", None) if endpoint.rank == 0 else None
-        out = move_over_union(self.trainer.adapter, endpoint, store=host_store)
+        adapter = self._host_copy.source() if source == "host_copy" and endpoint.side == "old" \
+            else self.trainer.adapter
+        out = move_over_union(adapter, endpoint, store=host_store)
         self._resize_store = None
         if endpoint.side == "new":
             self.train_steps = out["step"]
         return out
+
+    # --- elastic.redundancy: host — the state kept by a buddy, for a lost trainer -------------------
+    def pid(self) -> int:
+        """This actor's process id (a liveness probe; the test that kills one finds it here)."""
+        return os.getpid()
+
+    def redundancy_refresh(self, shift: int = 1, extra: dict | None = None) -> dict:
+        """The trainer's state as of now into the host copy (``rlhf_switch.elastic.redundancy``):
+        this rank's share and its buddy's, step, LR schedule and RNG, and ``extra`` (the data
+        position); collective over the trainer's world. Call it before ``offload``."""
+        from rlhf_switch.elastic.redundancy import HostCopy
+
+        copy_ = getattr(self, "_host_copy", None)
+        if copy_ is None or copy_.adapter is not self.trainer.adapter or copy_.shift != shift:
+            self._host_copy = HostCopy(self.trainer.adapter, shift, timeout=TIMEOUT)
+        return self._host_copy.refresh(extra)
 
     # --- the weight channel ------------------------------------------------------------------------
     def channel_source(self):

@@ -303,6 +303,10 @@ class ElasticEntry(Strict):
 
 class ElasticConfig(Strict):
     schedule: list[ElasticEntry] = []
+    # host: every trainer rank's state also kept in host memory by a buddy rank (another node's
+    # where placement allows), refreshed at each train -> rollout boundary; a lost trainer is
+    # restored from those copies without a checkpoint (rlhf_switch/elastic/recovery.py)
+    redundancy: Literal["none", "host"] = "none"
 
 
 class RunConfig(Strict):
@@ -376,6 +380,17 @@ class RunConfig(Strict):
         if self.elastic and self.elastic.schedule and self.rollout.engine != "torch":
             problems.append(f"rollout.engine: {self.rollout.engine} — elastic.schedule resizes only the torch "
                             f"rollout engine (in the trainer's actors) yet")
+        if self.elastic and self.elastic.redundancy == "host":
+            why = "elastic.redundancy: host"
+            if self.world_size < 2:
+                problems.append(f"{why} needs world_size >= 2 (a rank's copy is kept by another rank)")
+            if self.critic is not None:
+                problems.append(f"{why}: the critic (PPO) is not kept in host memory yet; GRPO only")
+            if self.rollout.engine != "torch" or not self.rollout.colocate:
+                problems.append(f"{why}: only the torch rollout engine, colocated (in the trainer's actors), "
+                                f"is rebuilt after a lost trainer yet")
+            if self.elastic.schedule:
+                problems.append(f"{why} with elastic.schedule: not supported together yet")
         if problems:
             # one line per problem: _format_errors splits them back into separate entries
             raise ValueError("\n".join(problems))
