@@ -127,7 +127,8 @@ class HybridWorker:
         alg = cfg.algorithm
         optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
         return TrainingContext(hf_config_of(cfg), cfg.seed, tuple(range(self.world)), optim,
-                               micro_batch=alg.micro_batch_size, timeout=TIMEOUT, device=self.device)
+                               micro_batch=alg.micro_batch_size, outputs_batch=alg.logprob_micro_batch_size,
+                               timeout=TIMEOUT, device=self.device)
 
     def build_empty(self, config: dict | RunConfig, init_dir: str | None = None) -> dict:
         """The trainer of ``config`` on this rank with no state of its own worth keeping (its seeded
