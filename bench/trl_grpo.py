@@ -141,7 +141,8 @@ def run(config: str, init: str, iterations: int | None = None, threads: int = 1,
     res = {"iterations": n_it, "iteration_seconds": per_it,
            "median_iteration_s": statistics.median(per_it[2:] if len(per_it) > 2 else per_it),
            "reward_mean": [sum(rewards[i * P * G:(i + 1) * P * G]) / (P * G) for i in range(n_it)],
-           "heldout_exact_match": ev["accuracy"], "heldout_n": ev["n"], "threads": torch.get_num_threads()}
+           "heldout_exact_match": ev["accuracy"], "heldout_n": ev["n"], "threads": torch.get_num_threads(),
+           "trl_version": __import__("trl").__version__}
     log(f"[trl] {n_it} iterations, median {res['median_iteration_s']:.3f} s/iteration "
         f"(iterations 2..), held-out exact match {res['heldout_exact_match']:.3f} ({ev['n']} prompts)")
     return res
