@@ -53,7 +53,7 @@ class TorchTrainer:
             raise NotImplementedError(f"{name}: gradient clipping is not supported on pipeline stages")
         self._max_grad_norm = optim.max_grad_norm
         # the recipe every engine shares, so a switch between engines continues the same update
-        self.optimizer = optim.make(module.parameters())
+        self.optimizer = optim.make(module.parameters(), on_local_shards=True)
         self.scheduler = optim.scheduler(self.optimizer)
         # spec None: a model the VPS has no description of (the critic's value model) — no adapter
         self.adapter = (TorchTrainAdapter(spec, name, module, self.optimizer, self.scheduler)
