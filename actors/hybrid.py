@@ -127,7 +127,8 @@ class HybridWorker:
         alg = cfg.algorithm
         optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
         return TrainingContext(hf_config_of(cfg), cfg.seed, tuple(range(self.world)), optim,
-                               micro_batch=alg.micro_batch_size, timeout=TIMEOUT, device=self.device)
+                               micro_batch=alg.micro_batch_size, outputs_batch=alg.logprob_micro_batch_size,
+                               timeout=TIMEOUT, device=self.device)
 
     def build_empty(self, config: dict | RunConfig, init_dir: str | None = None) -> dict:
         """The trainer of ``config`` on this rank with no state of its own worth keeping (its seeded
@@ -536,17 +537,19 @@ class HybridWorker:
         stats: dict[str, list[float]] = {"policy_loss": [], "kl": [], "clipfrac": [], "grad_norm": [],
                                          "vf_loss": [], "vf_clipfrac": []}
         kl_in_loss = alg.kl_coef > 0 and self.reference is not None and not ppo  # PPO: KL is in the reward
+        # each micro-batch's loss weighted by its share of the whole mini-batch across the DP ranks
+        # (tokens for token-mean, sequences otherwise), times DP because the engines average
+        # gradients over DP: the step is the one-process full-batch step even when ranks and
+        # micro-batches hold different numbers of tokens. Every mini-batch's total in one
+        # all-reduce (counts: exact in float64 in any order), not one per optimizer step
+        starts = range(0, per, local_mini)
+        totals = torch.stack([_weight(mask[s:s + local_mini], alg.loss_aggregation).double() for s in starts])
+        if dp > 1:
+            dist.all_reduce(totals, group=trainer.dp_group)
         for _ in range(alg.epochs):
-            for start in range(0, per, local_mini):
+            for start, total in zip(starts, totals.tolist()):
                 m = slice(start, start + local_mini)
-                # each micro-batch's loss weighted by its share of the whole mini-batch across the
-                # DP ranks (tokens for token-mean, sequences otherwise), times DP because the
-                # engines average gradients over DP: the step is the one-process full-batch step
-                # even when ranks and micro-batches hold different numbers of tokens
-                total = _weight(mask[m], alg.loss_aggregation).double()
-                if dp > 1:
-                    dist.all_reduce(total, group=trainer.dp_group)
-                scale = dp / max(float(total), 1.0)
+                scale = dp / max(total, 1.0)
 
                 def loss_fn(lp, s, m=m, scale=scale):
                     rows = slice(m.start + s.start, m.start + s.stop)

@@ -198,7 +198,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                     refreshed_at = it
                 # the trainer's optimizer state (train.offload) leaves its buffers while the rollout runs
                 off = cluster.offload()
-                peak = {"sync": cluster.memory_mark()}
+                peak = {"sync": cluster.memory_mark(wait=False)}  # read with the record (no round trip here)
                 # before iteration 0, and where the uninterrupted run evaluated before this iteration
                 # (a resumed run's records are the uninterrupted run's)
                 if it == first and (it == 0 or (every_eval and it % every_eval == 0)):
@@ -215,7 +215,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 fault(crash_at, it, "after generation")
                 if it + 1 not in skip_sync_at:  # a sync comes before the rollout engines are used again
                     cluster.stand_by()
-                peak["generate"] = cluster.memory_mark()
+                peak["generate"] = cluster.memory_mark(wait=False)
                 back = cluster.reload()
                 # 3. rewards and advantages
                 texts = [tok.decode(r) for r in responses]
@@ -232,7 +232,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 t0 = time.perf_counter()
                 stats = cluster.all("train_on", batch, desc="train")
                 train_s = time.perf_counter() - t0
-                peak["train"] = cluster.memory_mark()
+                peak["train"] = cluster.memory_mark(wait=False)
+                peak = {p: read() for p, read in peak.items()}
                 stale = max(s["stale_logprob_diff"] for s in stats)
                 rec = {
                     "iteration": it,

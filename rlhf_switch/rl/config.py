@@ -207,13 +207,18 @@ class AlgorithmBase(Strict):
     """What GRPO and PPO share. Per iteration: ``prompts_per_iteration`` prompts, ``group_size``
     samples each (the rollout batch), then ``epochs`` passes over it in optimizer steps of
     ``mini_batch_size`` sequences (default: the whole rollout batch, one step), each split over
-    the train DP ranks and run ``micro_batch_size`` sequences per forward. ``iterations`` is the
+    the train DP ranks and run ``micro_batch_size`` sequences per forward. The passes without
+    gradients before the update (the old and the reference log-probs, PPO's values) run
+    ``logprob_micro_batch_size`` sequences per forward (default: ``micro_batch_size``; they hold no
+    activations for a backward, so a larger batch costs little memory and saves per-forward work —
+    each of DeepSpeed ZeRO-3's forwards gathers every layer). ``iterations`` is the
     run's total (iterations 0 .. iterations-1), which a resumed run finishes."""
 
     iterations: int = Field(20, ge=1)
     prompts_per_iteration: int = Field(8, ge=1)
     mini_batch_size: int | None = Field(None, ge=1)
     micro_batch_size: int = Field(1, ge=1)
+    logprob_micro_batch_size: int | None = Field(None, ge=1)
     epochs: int = Field(1, ge=1)
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
