@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from rlhf_switch.device import CPU, DeviceSpec
 from rlhf_switch.rl.algorithms import aggregate, kl_penalty, masked_mean, policy_loss
-from rlhf_switch.rl.config import RunConfig, load_config
+from rlhf_switch.rl.config import RunConfig, load_config, longest_sequence_tokens
 
 TIMEOUT = timedelta(seconds=120)
 
@@ -126,9 +126,12 @@ class HybridWorker:
 
         alg = cfg.algorithm
         optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
-        return TrainingContext(hf_config_of(cfg), cfg.seed, tuple(range(self.world)), optim,
-                               micro_batch=alg.micro_batch_size, outputs_batch=alg.logprob_micro_batch_size,
-                               timeout=TIMEOUT, device=self.device)
+        hf = hf_config_of(cfg)
+        # the pipeline engine pads every batch to this length: the run's longest sequence, not the context
+        seq_len = longest_sequence_tokens(cfg, int(hf.get("max_position_embeddings", 2048)))
+        return TrainingContext(hf, cfg.seed, tuple(range(self.world)), optim, micro_batch=alg.micro_batch_size,
+                               outputs_batch=alg.logprob_micro_batch_size, seq_len=seq_len, timeout=TIMEOUT,
+                               device=self.device)
 
     def build_empty(self, config: dict | RunConfig, init_dir: str | None = None) -> dict:
         """The trainer of ``config`` on this rank with no state of its own worth keeping (its seeded

@@ -669,6 +669,20 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def longest_sequence_tokens(cfg: RunConfig, max_context: int) -> int:
+    """The longest prompt + response a run's trainer is handed: the task's longest prompt (the
+    data's prompt limit) plus ``max_new_tokens``, never more than the context. An engine with
+    static shapes (the pipeline's buffers) is built for this length, not for the whole context."""
+    new = cfg.algorithm.max_new_tokens
+    if cfg.task is not None:
+        prompt = longest_prompt_tokens(build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len), CharTokenizer())
+    else:
+        from .data import prompt_token_limit
+
+        prompt = prompt_token_limit(cfg.data, new, max_context)
+    return min(max_context, prompt + new)
+
+
 def _task_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
     tokenizer = CharTokenizer()
