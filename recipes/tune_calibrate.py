@@ -148,7 +148,8 @@ ENGINE_LAYOUTS = (dict(engine="deepspeed", zero_stage=1, dp=2), dict(engine="dee
                   dict(engine="torch_tp", tp=2), dict(engine="torch_pp", pp=2))
 
 
-def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int, rows: int, step_rows: int) -> dict:
+def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int, rows: int, step_rows: int,
+               logprob_micro: int | None = None) -> dict:
     """On every rank: build each engine over the 2 ranks and time, as the loop runs them, one
     forward of ``rows`` rows (in micro-batches of ``micro``: the log-prob pass) and one optimizer
     step over ``step_rows`` rows (its micro-batches: one mini-batch) — rank 0's median of 3."""
@@ -171,7 +172,7 @@ def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int, rows:
         step_ids = ids[:share(step_rows)]
         m = min(micro, step_ids.shape[0])
         ctx = TrainingContext(hf_config, 0, ranks, AdamWConfig(max_grad_norm=1.0), micro_batch=m,
-                              seq_len=seq, timeout=timedelta(seconds=300))
+                              outputs_batch=logprob_micro, seq_len=seq, timeout=timedelta(seconds=300))
         eng = training_engine(layout.engine).build(layout, ctx)
 
         def forward():
@@ -220,7 +221,7 @@ def engine_costs(w, profile: MachineProfile) -> tuple[dict, dict]:
 
     with LocalWorld(2, timeout=900) as world:
         measured = world.run(engine_job, w.hf_config, [dict(d) for d in ENGINE_LAYOUTS], w.micro_batch, w.seq,
-                             w.rollout_batch, w.mini_batch)[0]
+                             w.rollout_batch, w.mini_batch, w.logprob_micro_batch)[0]
     fwd, step = {}, {}
     for d in ENGINE_LAYOUTS:
         layout = TrainLayout(**d)

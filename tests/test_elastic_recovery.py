@@ -73,8 +73,10 @@ def test_both_owner_and_holder_lost_is_refused_before_anything_moves():
 # --- over Ray: real actors, real DeepSpeed ZeRO-3, a real kill -9 ----------------------------------
 
 def _kill_during(ray, workers, victim: int, step: int, after_s: float = 0.5) -> list:
-    """Start training step ``step`` on every rank, kill -9 rank ``victim``'s process while it
-    runs; returns how each rank's call ended (an exception or its result)."""
+    """Start training step ``step`` on every other rank (they wait for ``victim`` in the step's
+    first collective), kill -9 rank ``victim``'s process, then ask it for the step too; returns
+    how each rank's call ended (an exception or its result). The others are always mid-step when
+    the kill comes: a timer after starting the victim's step too could fire after a fast step."""
     import os
     import signal
     import time
@@ -82,9 +84,11 @@ def _kill_during(ray, workers, victim: int, step: int, after_s: float = 0.5) -> 
     from test_elastic import _batch
 
     pids = ray.get([w.pid.remote() for w in workers], timeout=120)
-    refs = [w.train_on.remote(_batch(step)) for w in workers]
+    refs = {r: w.train_on.remote(_batch(step)) for r, w in enumerate(workers) if r != victim}
     time.sleep(after_s)
     os.kill(pids[victim], signal.SIGKILL)
+    refs[victim] = workers[victim].train_on.remote(_batch(step))
+    refs = [refs[r] for r in range(len(workers))]
     ends = []
     for ref in refs:
         try:
@@ -162,7 +166,6 @@ def test_grpo_with_host_redundancy_survives_a_killed_trainer_without_a_checkpoin
     newest checkpoint, says so, and ends with the same weights too."""
     import os
     import signal
-    import threading
 
     from test_elastic import _config, _differences, _gathered
 
@@ -184,8 +187,9 @@ def test_grpo_with_host_redundancy_survives_a_killed_trainer_without_a_checkpoin
             return
         seen.setdefault("states", []).append(_gathered(ray, cluster.workers))
         if len(seen["states"]) == 1:
-            pid = ray.get(cluster.workers[1].pid.remote(), timeout=60)
-            threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
+            # killed as the train phase starts, before the train call reaches it: the iteration is
+            # half done (synced, copied, generated) whatever the machine's speed
+            os.kill(ray.get(cluster.workers[1].pid.remote(), timeout=60), signal.SIGKILL)
 
     mine = run(config(tmp_path / "killed"), quiet=True, phase_hook=kill_in_train)
     (event,) = [r["recovery"] for r in mine if "recovery" in r]
@@ -209,7 +213,7 @@ def test_grpo_with_host_redundancy_survives_a_killed_trainer_without_a_checkpoin
         if it == 2 and "both" not in seen:
             seen["both"] = ray.get([w.pid.remote() for w in cluster.workers], timeout=60)
             for pid in seen["both"]:
-                threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
+                os.kill(pid, signal.SIGKILL)
 
     fell = run(both, quiet=True, phase_hook=kill_both)
     (back,) = [r["recovery"] for r in fell if "recovery" in r]

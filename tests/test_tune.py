@@ -312,8 +312,9 @@ def test_engine_fixed_costs_are_what_the_model_leaves_of_a_loop_shaped_micro_run
         fwd_model = engine_pass(w, bare, layout, 2, w.rollout_batch, train=False).total
         forward_s, step_s = fwd_model + 0.4, 3.0
         fwd, step = engine_fixed_costs(w, bare, layout, forward_s, step_s)
-        micro = max(1, min(w.micro_batch, w.mini_batch // layout.dp))
-        n_micro = math.ceil(w.rollout_batch / layout.dp / micro)
+        per_rank = w.rollout_batch / layout.dp  # the log-prob pass: logprob_micro_batch_size rows per forward
+        micro = max(1, min(w.logprob_micro_batch or w.micro_batch, math.ceil(per_rank)))
+        n_micro = math.ceil(per_rank / micro)
         if layout.pp == 1:  # spread over the micro-batches (a pipeline's bubble scales it too)
             assert fwd == pytest.approx(0.4 / n_micro)
         fitted = dataclasses.replace(bare, engine_forward_s={engine_key(layout): fwd},

@@ -3,7 +3,7 @@ TP×FSDP2), pipeline stages (and TP×PP). Each is a thin shell over a builder of
 ``pipeline``: the builder applies the parallelism, the shell says which layouts it runs."""
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -30,6 +30,9 @@ class _TorchTrainerEngine(ModuleEngine):
         self.spec, self.adapter = trainer.spec, trainer.adapter
         self.dp, self.dp_rank, self.dp_group = trainer.dp, trainer.dp_rank, trainer.dp_group
         self.head, self.micro_batch, self.outputs_batch = ctx.head, ctx.micro_batch, ctx.outputs_batch
+        # gathered once per call only where the whole model is small: a large one keeps FSDP2's
+        # per-layer gathers (holding it unsharded is what sharding it avoids)
+        self.gather_once = gathers_once(self.spec.numel * torch.finfo(ctx.device.torch_dtype()).bits // 8)
 
     def _optimizer_step(self) -> float:
         # the optimizer (and clipping) reads the sharded parameters, which FSDP2 registers on the
@@ -44,14 +47,25 @@ class _TorchTrainerEngine(ModuleEngine):
     # gathered once and kept until the call ends: the same gathered values, the same forwards,
     # the same per-micro-batch gradient reduce-scatters — the numbers are bit for bit unchanged;
     # the memory is that of one whole unsharded model for the call's duration.
+    # Only for a model of at most ``GATHER_ONCE_BYTES`` unsharded (``gathers_once``).
     @torch.no_grad()
     def outputs(self, ids: torch.Tensor) -> torch.Tensor:
-        with gathered_once(self.module):
+        with gathered_once(self.module) if self.gather_once else nullcontext():
             return super().outputs(ids)
 
     def train_step(self, ids: torch.Tensor, micro: int, loss_fn) -> dict:
-        with gathered_once(self.module):
+        with gathered_once(self.module) if self.gather_once else nullcontext():
             return super().train_step(ids, micro, loss_fn)
+
+
+# the largest whole model (compute-dtype bytes) an FSDP2 engine keeps gathered for a whole call
+GATHER_ONCE_BYTES = 1 << 30
+
+
+def gathers_once(model_bytes: float) -> bool:
+    """Whether an FSDP2 engine of a model of ``model_bytes`` gathers each unit once per call
+    (``gathered_once``) rather than per layer per micro-batch: the tune cost model asks the same."""
+    return model_bytes <= GATHER_ONCE_BYTES
 
 
 def _fsdp_units(module: torch.nn.Module) -> list:

@@ -35,6 +35,7 @@ from ..engines.base import rollout_engine
 from ..rl.config import PhaseLayout
 from ..vps import ParallelConfig, build_layout, plan_rank
 from ..vps.layout import Layout
+from ..engines.torch_engines import gathers_once
 from ..vps.placement import place_lazy
 from .enumerate import Combination
 from .memory import STAGING_BYTES, MemoryEstimate, _shards
@@ -86,6 +87,8 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     per_rank = sequences / dp
     micro = max(1, min(w.micro_batch, w.mini_batch // dp))
+    if not train and pp == 1 and w.logprob_micro_batch:  # (a pipeline's buffers are sized for micro_batch)
+        micro = max(1, min(w.logprob_micro_batch, math.ceil(per_rank)))
     n_micro = math.ceil(per_rank / micro)
     slow = profile.slowdown(world)
     mult = 3 if train else 1
@@ -110,6 +113,8 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
     if dp > 1 and sharded:
         msgs = len(w.spec.tensors) if layout.engine == "deepspeed" else layers + 1
         gathers = n_micro * (2 if train else 1)
+        if layout.engine != "deepspeed" and gathers_once(params * b):  # FSDP2: once per call
+            gathers = steps if train else 1
         comm += _gather_cost(dp_link, weights, dp, gathers, msgs)
         if train:
             comm += _gather_cost(dp_link, weights, dp, n_micro, msgs)  # reduce-scatter of the gradients
