@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: venv test run demo bench bench-full clean
+.PHONY: venv test run demo bench bench-full bench-trl clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,5 +42,13 @@ bench-full: venv
 	$(PY) -m bench.switch $(BENCH_ARGS)
 	$(PY) -m bench.elastic
 
+# the loop against TRL's GRPOTrainer on the same job (bench/loop_vs_trl.py; needs runs/grpo_tiny/init:
+# make run first). TRL goes into .trl/, beside the venv, with --no-deps: everything else it needs
+# (transformers, datasets, torch) is the venv's, and torch stays the pinned CPU build
+TRL_PKGS = 'trl==1.16.0' 'accelerate==1.15.0'
+bench-trl: venv
+	test -d .trl/trl || $(PY) -m pip install --no-deps --target .trl $(TRL_PKGS)
+	$(PY) -m bench.loop_vs_trl $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .trl .pytest_cache .hypothesis

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from rlhf_switch.device import CPU, DeviceSpec
 from rlhf_switch.rl.algorithms import aggregate, kl_penalty, masked_mean, policy_loss
-from rlhf_switch.rl.config import RunConfig, load_config
+from rlhf_switch.rl.config import RunConfig, load_config, longest_sequence_tokens
 
 TIMEOUT = timedelta(seconds=120)
 
@@ -126,8 +126,12 @@ class HybridWorker:
 
         alg = cfg.algorithm
         optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
-        return TrainingContext(hf_config_of(cfg), cfg.seed, tuple(range(self.world)), optim,
-                               micro_batch=alg.micro_batch_size, timeout=TIMEOUT, device=self.device)
+        hf = hf_config_of(cfg)
+        # the pipeline engine pads every batch to this length: the run's longest sequence, not the context
+        seq_len = longest_sequence_tokens(cfg, int(hf.get("max_position_embeddings", 2048)))
+        return TrainingContext(hf, cfg.seed, tuple(range(self.world)), optim, micro_batch=alg.micro_batch_size,
+                               outputs_batch=alg.logprob_micro_batch_size, seq_len=seq_len, timeout=TIMEOUT,
+                               device=self.device)
 
     def build_empty(self, config: dict | RunConfig, init_dir: str | None = None) -> dict:
         """The trainer of ``config`` on this rank with no state of its own worth keeping (its seeded
@@ -308,18 +312,38 @@ class HybridWorker:
         self._resize_store, host, port = open_store(300.0)
         return host, port
 
-    def resize_move(self, endpoint) -> dict:
+    def resize_move(self, endpoint, source: str = "engine") -> dict:
         """Join the union of the old and new trainer ranks and move the training state across
         (``rlhf_switch.elastic.member``): an old rank sends, a new rank receives; on the new side
-        the trainer's step counter follows the moved state."""
+        the trainer's step counter follows the moved state. ``source`` (old side): ``engine``,
+        the trainer's own state, or ``host_copy``, the copy of the last ``redundancy_refresh``
+        (a surviving rank after a trainer was lost: its own engine is mid-step)."""
         from rlhf_switch.elastic.member import move_over_union
 
         host_store = getattr(self, "_resize_store", None) if endpoint.rank == 0 else None
-        out = move_over_union(self.trainer.adapter, endpoint, store=host_store)
+        adapter = self._host_copy.source() if source == "host_copy" and endpoint.side == "old" \
+            else self.trainer.adapter
+        out = move_over_union(adapter, endpoint, store=host_store)
         self._resize_store = None
         if endpoint.side == "new":
             self.train_steps = out["step"]
         return out
+
+    # --- elastic.redundancy: host — the state kept by a buddy, for a lost trainer -------------------
+    def pid(self) -> int:
+        """This actor's process id (a liveness probe; the test that kills one finds it here)."""
+        return os.getpid()
+
+    def redundancy_refresh(self, shift: int = 1, extra: dict | None = None) -> dict:
+        """The trainer's state as of now into the host copy (``rlhf_switch.elastic.redundancy``):
+        this rank's share and its buddy's, step, LR schedule and RNG, and ``extra`` (the data
+        position); collective over the trainer's world. Call it before ``offload``."""
+        from rlhf_switch.elastic.redundancy import HostCopy
+
+        copy_ = getattr(self, "_host_copy", None)
+        if copy_ is None or copy_.adapter is not self.trainer.adapter or copy_.shift != shift:
+            self._host_copy = HostCopy(self.trainer.adapter, shift, timeout=TIMEOUT)
+        return self._host_copy.refresh(extra)
 
     # --- the weight channel ------------------------------------------------------------------------
     def channel_source(self):
@@ -516,17 +540,19 @@ class HybridWorker:
         stats: dict[str, list[float]] = {"policy_loss": [], "kl": [], "clipfrac": [], "grad_norm": [],
                                          "vf_loss": [], "vf_clipfrac": []}
         kl_in_loss = alg.kl_coef > 0 and self.reference is not None and not ppo  # PPO: KL is in the reward
+        # each micro-batch's loss weighted by its share of the whole mini-batch across the DP ranks
+        # (tokens for token-mean, sequences otherwise), times DP because the engines average
+        # gradients over DP: the step is the one-process full-batch step even when ranks and
+        # micro-batches hold different numbers of tokens. Every mini-batch's total in one
+        # all-reduce (counts: exact in float64 in any order), not one per optimizer step
+        starts = range(0, per, local_mini)
+        totals = torch.stack([_weight(mask[s:s + local_mini], alg.loss_aggregation).double() for s in starts])
+        if dp > 1:
+            dist.all_reduce(totals, group=trainer.dp_group)
         for _ in range(alg.epochs):
-            for start in range(0, per, local_mini):
+            for start, total in zip(starts, totals.tolist()):
                 m = slice(start, start + local_mini)
-                # each micro-batch's loss weighted by its share of the whole mini-batch across the
-                # DP ranks (tokens for token-mean, sequences otherwise), times DP because the
-                # engines average gradients over DP: the step is the one-process full-batch step
-                # even when ranks and micro-batches hold different numbers of tokens
-                total = _weight(mask[m], alg.loss_aggregation).double()
-                if dp > 1:
-                    dist.all_reduce(total, group=trainer.dp_group)
-                scale = dp / max(float(total), 1.0)
+                scale = dp / max(total, 1.0)
 
                 def loss_fn(lp, s, m=m, scale=scale):
                     rows = slice(m.start + s.start, m.start + s.stop)

@@ -6,8 +6,8 @@
 
 Each case is ``configs/grpo_tiny.yaml`` (or ``ppo_tiny.yaml``) with other per-phase layouts, run
 for ``--iterations`` iterations without SFT, a small held-out eval and no intermediate checkpoints;
-the first iteration (warm-up: first compiles, first allocations) is left out and the others are
-averaged. The loop's own metrics (``<output_dir>/metrics.jsonl``: ``switch_train_to_rollout_s``,
+the first iteration (warm-up: first compiles, first allocations) is left out and the median of
+the others taken. The loop's own metrics (``<output_dir>/metrics.jsonl``: ``switch_train_to_rollout_s``,
 ``gen_seconds``, ``logprob_seconds``, ``update_seconds``, ``iteration_seconds``) are the measured
 figures. The machine is shared: the 1-minute load average before and after each run goes beside it.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -41,8 +42,10 @@ CASES = {
     "ds_z3_vllm_tp2":        ("grpo_tiny", 2, _ds(3, 2), _t("vllm", tp=2), _ds(3, 2), None),
     "ds_z1_vllm_tp1x2":      ("grpo_tiny", 2, _ds(1, 2), _t("vllm", dp=2), _ds(1, 2), None),
     "ds_z2_torch_tp2":       ("grpo_tiny", 2, _ds(2, 2), _t("torch", tp=2), _ds(2, 2), None),
-    # what `rlhf-switch tune configs/grpo_tiny.yaml` recommends with the calibrated CPU profile
+    # what `rlhf-switch tune configs/grpo_tiny.yaml` recommended with the first calibrated CPU profile
     "ds_z2_vllm_tp1x2":      ("grpo_tiny", 2, _ds(2, 2), _t("vllm", dp=2), _ds(2, 2), None),
+    # ... and with the 2026-12-01 23:13 one
+    "ds_z1_torch_tp1x2":     ("grpo_tiny", 2, _ds(1, 2), _t("torch", dp=2), _ds(1, 2), None),
     "fsdp2_torch_tp1x2":     ("grpo_tiny", 2, _t("fsdp2", dp=2), _t("torch", dp=2), _t("fsdp2", dp=2), None),
     "torch_tp2_torch_tp2":   ("grpo_tiny", 2, _t("torch_tp", tp=2), _t("torch", tp=2), _t("torch_tp", tp=2), None),
     "torch_pp2_torch_tp1x2": ("grpo_tiny", 2, _t("torch_pp", pp=2), _t("torch", dp=2), _t("torch_pp", pp=2), None),
@@ -95,7 +98,7 @@ def measure(name: str, iterations: int, out_root: Path) -> dict:
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     its = [r for r in recs if "reward_mean" in r and r["iteration"] >= 1]
     for k in PHASE_KEYS:
-        row[k] = sum(r[k] for r in its) / len(its)
+        row[k] = statistics.median(r[k] for r in its)
         row[k + "_all"] = [r[k] for r in its]
     row["bytes_moved"] = its[0]["bytes_moved"]
     return row

@@ -465,6 +465,27 @@ class Cluster:
         self.tp, self.n_replicas = cfg.rollout.tp, cfg.world_size // cfg.rollout.tp
         self.open_channel()
 
+    # --- elastic.redundancy: host ---------------------------------------------------------------------
+    @property
+    def buddy_shift(self) -> int:
+        """Which rank keeps rank r's host copy: ``(r + shift) % world``, another node's where the
+        ranks' nodes allow (``vps.layouts.buddy.buddy_shift``); per world."""
+        from rlhf_switch.vps.layouts.buddy import buddy_shift
+
+        key = tuple(map(id, self.workers))
+        if getattr(self, "_buddy", (None,))[0] != key:
+            self._buddy = (key, buddy_shift([self._node_of_rank(r) for r in range(self.world)]))
+        return self._buddy[1]
+
+    def refresh_host_copy(self, extra: dict) -> dict:
+        """Every trainer rank's state as of now into the host copies (one VPS move into the buddy
+        layout; ``extra``, the data position, kept beside): bytes copied, from the buddies, held."""
+        reports = self.all("redundancy_refresh", self.buddy_shift, extra, desc="host copy")
+        return {"bytes": sum(r["bytes_local"] + r["bytes_received"] for r in reports),
+                "bytes_received": sum(r["bytes_received"] for r in reports),
+                "held_bytes": sum(r["bytes_held"] for r in reports),
+                "seconds": max(r["seconds"] for r in reports)}
+
     # --- the weight channel train -> rollout -------------------------------------------------------
     def open_channel(self, budget_bytes: int | None = None) -> None:
         """Form the weight channel between the trainer's ranks and the rollout workers: one process
@@ -641,11 +662,18 @@ class Cluster:
                 "released_bytes": sum(r["bytes_released"] for r in reports),
                 "seconds": max(r["seconds"] for r in reports)}
 
-    def memory_mark(self) -> dict:
-        """Every trainer rank's peak memory in the phase that ends now (the largest, and per rank)."""
-        marks = self.all("memory_mark", desc="memory")
-        return {"bytes": max(m["bytes"] for m in marks), "per_rank": [m["bytes"] for m in marks],
-                "measure": marks[0]["measure"]}
+    def memory_mark(self, wait: bool = True):
+        """Every trainer rank's peak memory in the phase that ends now (the largest, and per rank).
+        ``wait=False``: the marks are requested now and read later — a function that returns the
+        same dict. A worker runs its calls in order, so the mark still closes the phase where it
+        was asked for; the driver just does not wait a Ray round trip for it (three per iteration)."""
+        refs = [w.memory_mark.remote() for w in self.workers]
+
+        def read() -> dict:
+            marks = self.ray.get(refs, timeout=900)
+            return {"bytes": max(m["bytes"] for m in marks), "per_rank": [m["bytes"] for m in marks],
+                    "measure": marks[0]["measure"]}
+        return read() if wait else read
 
     # --- generation -------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], seeds: Sequence[int], max_new_tokens: int,

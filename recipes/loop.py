@@ -78,7 +78,7 @@ def prepare(config_source, iterations=None, output_dir=None):
 def run(config_source, iterations: int | None = None, output_dir: str | None = None,
         stale_tol: float = 1e-4, quiet: bool = False, resume: str | bool | None = None,
         skip_sync_at: tuple[int, ...] = (), crash_at: tuple[int, ...] = (), algorithm: str | None = None,
-        verbose: bool = False) -> list[dict]:
+        verbose: bool = False, phase_hook=None) -> list[dict]:
     """Run the loop; returns this call's per-iteration records (also in
     ``<output_dir>/metrics.jsonl``). ``iterations`` is the run's total (default: the config's),
     also when resuming: ``resume`` (True: the newest checkpoint of this run, or a directory)
@@ -86,7 +86,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     ``[]`` at once (module docstring). ``verbose``: vLLM's INFO logs too. Fault injection for
     tests: ``skip_sync_at`` — iterations that generate WITHOUT syncing the weights first (the
     stale-weights check must catch it); ``crash_at`` — iterations that crash after generating (the
-    last checkpoint must survive)."""
+    last checkpoint must survive); ``phase_hook(iteration, phase, cluster)`` — called as the train
+    phase starts (a test kills a trainer there)."""
     import torch
 
     from rlhf_switch.rl.algorithms import grpo_advantages
@@ -135,15 +136,18 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     log = MetricsLog(out_dir, cfg.tensorboard, resume_from=first if resume_dir is not None else None)
     # elastic.schedule: the world in force at the first iteration, the resizes after it
     schedule = [e for e in (cfg.elastic.schedule if cfg.elastic else []) if first < e.iteration <= last]
+    redundancy = cfg.elastic.redundancy if cfg.elastic else "none"
     now = cfg.at_iteration(first)
     most = max([now.world_size] + [e.world_size for e in schedule])
     ray, owns_ray = start_ray(cfg, most, verbose=verbose)
     cluster, ok, devices, pending = None, False, None, None
     records: list[dict] = []
     try:
-        # the device manager: for a schedule, and for resize requests (any elastic block, torch rollout)
+        # the device manager: for a schedule, for resize requests (any elastic block, torch rollout
+        # or vLLM replicas colocated) and for a lost trainer's replacement (redundancy)
         if cfg.elastic is not None and (cfg.elastic.schedule or cfg.rollout.engine == "torch"
-                                        or (cfg.rollout.engine == "vllm" and cfg.rollout.colocate)):
+                                        or (cfg.rollout.engine == "vllm" and cfg.rollout.colocate)
+                                        or redundancy == "host"):
             from rlhf_switch.elastic.manager import Devices
 
             devices = Devices(ray)
@@ -170,119 +174,142 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             say(f"[{name}] held-out greedy reward {when} iteration {it}: {r:.3f} ({len(evaluate.prompts)} prompts)")
 
         requested: dict[int, dict] = {}  # iteration -> the resize request that scheduled it
-        for it in range(first, last + 1):
-            if schedule and schedule[0].iteration == it:  # the resize due now: stop-the-world
-                rec = _commit_resize(cluster, pending, schedule.pop(0), cfg, devices, it, say, name,
-                                     request=requested.pop(it, None), out_dir=out_dir)
-                pending = None
+        it, refreshed_at = first, None  # refreshed_at: the iteration of the last host copy (redundancy)
+        while it <= last:
+            try:
+                if schedule and schedule[0].iteration == it:  # the resize due now: stop-the-world
+                    rec = _commit_resize(cluster, pending, schedule.pop(0), cfg, devices, it, say, name,
+                                         request=requested.pop(it, None), out_dir=out_dir)
+                    pending = None
+                    records.append(rec)
+                    log.write(rec, it)
+                if cfg.elastic is not None:  # a resize request from outside the config (elastic.requests)
+                    cfg, note = _take_request(out_dir, cfg, schedule, requested, ray, devices, it, last, say, name)
+                    if note is not None:
+                        records.append(note)
+                        log.write(note, it)
+                if schedule and pending is None and schedule[0].iteration - 1 <= it:
+                    pending = _start_resize(ray, cluster, cfg, schedule[0], devices, init_dir, it)
+                t_it = time.perf_counter()
+                # 1. switch train -> rollout
+                sync = ({"seconds": 0.0, "bytes_moved": 0, "bytes_sent": 0} if it in skip_sync_at else cluster.sync())
+                # elastic.redundancy: host — the state as of now kept by a buddy (before offload parks it)
+                copied = {"bytes": 0, "seconds": 0.0}
+                if redundancy == "host":
+                    copied = cluster.refresh_host_copy({"iteration": it})
+                    refreshed_at = it
+                # the trainer's optimizer state (train.offload) leaves its buffers while the rollout runs
+                off = cluster.offload()
+                peak = {"sync": cluster.memory_mark(wait=False)}  # read with the record (no round trip here)
+                # before iteration 0, and where the uninterrupted run evaluated before this iteration
+                # (a resumed run's records are the uninterrupted run's)
+                if it == first and (it == 0 or (every_eval and it % every_eval == 0)):
+                    eval_now(it, "before")
+                # 2. generate G samples per prompt
+                samples = draw_prompts(cfg, splits, it)
+                G = alg.group_size
+                prompts = [encode_prompt(tok, s.prompt, alg.max_new_tokens, max_ctx) for s in samples for _ in range(G)]
+                t0 = time.perf_counter()
+                responses, rollout_lps = cluster.generate(prompts, sample_seeds(cfg, it, len(prompts)),
+                                                          alg.max_new_tokens, alg.temperature)
+                gen_s = time.perf_counter() - t0
+                n_tokens = sum(len(r) for r in responses)
+                fault(crash_at, it, "after generation")
+                if it + 1 not in skip_sync_at:  # a sync comes before the rollout engines are used again
+                    cluster.stand_by()
+                peak["generate"] = cluster.memory_mark(wait=False)
+                back = cluster.reload()
+                # 3. rewards and advantages
+                texts = [tok.decode(r) for r in responses]
+                scores = score_samples(reward_fn, [s.prompt for s in samples for _ in range(G)], texts,
+                                       [s.answer for s in samples for _ in range(G)])
+                batch = {"prompts": prompts, "responses": responses, "rollout_logprobs": rollout_lps}
+                if name == "grpo":  # group-normalised, one advantage per sequence
+                    batch["advantages"] = grpo_advantages(torch.tensor(scores), G, alg.norm_adv_by_std, alg.adv_eps).tolist()
+                else:  # PPO: the workers turn scores into per-token rewards and advantages with the critic
+                    batch["scores"] = list(scores)
+                # 4. train (stale-weights check inside, before any update)
+                if phase_hook is not None:  # tests: a fault during the train phase
+                    phase_hook(it, "train", cluster)
+                t0 = time.perf_counter()
+                stats = cluster.all("train_on", batch, desc="train")
+                train_s = time.perf_counter() - t0
+                peak["train"] = cluster.memory_mark(wait=False)
+                peak = {p: read() for p, read in peak.items()}
+                stale = max(s["stale_logprob_diff"] for s in stats)
+                rec = {
+                    "iteration": it,
+                    "reward_mean": sum(scores) / len(scores),
+                    "policy_loss": sum(s["policy_loss"] for s in stats) / len(stats),
+                    "kl": sum(s["kl"] for s in stats) / len(stats),
+                    "clipfrac": sum(s["clipfrac"] for s in stats) / len(stats),
+                    "grad_norm": stats[0]["grad_norm"],
+                    "stale_logprob_diff": stale,
+                    "stale_check_passed": stale <= stale_tol,
+                    "gen_tokens": n_tokens,
+                    "gen_seconds": gen_s,
+                    "gen_tokens_per_s": n_tokens / gen_s if gen_s > 0 else float("nan"),
+                    "switch_train_to_rollout_s": sync["seconds"],
+                    # the weights stay where they are in the trainer; the parked state (train.offload)
+                    # comes back (0 with offload: none)
+                    "switch_rollout_to_train_s": back["seconds"],
+                    # train.offload: bytes and seconds of each move (per rank: the rank's own state)
+                    "offload_bytes": off["bytes"], "offload_bytes_per_rank": off["bytes_per_rank"],
+                    "offload_released_bytes": off["released_bytes"], "offload_seconds": off["seconds"],
+                    "reload_bytes": back["bytes"], "reload_bytes_per_rank": back["bytes_per_rank"],
+                    "reload_seconds": back["seconds"],
+                    # elastic.redundancy: host — the refresh of the buddies' host copies
+                    "redundancy_bytes": copied["bytes"], "redundancy_seconds": copied["seconds"],
+                    # per phase, the largest over the trainer ranks (peak_device_measure says of what)
+                    **{f"peak_device_bytes_{p}": m["bytes"] for p, m in peak.items()},
+                    "peak_device_measure": peak["train"]["measure"],
+                    "bytes_moved": sync["bytes_moved"],
+                    "bytes_sent": sync["bytes_sent"],
+                    # rollout.handoff ipc: bucket handles handed to the workers (one per bucket)
+                    "handoff": sync.get("handoff", "p2p"),
+                    "handles": sync.get("handles", 0),
+                    "switch_breakdown": sync.get("breakdown", {}),
+                    "train_seconds": train_s,
+                    # inside train: old/reference log-probs (and PPO values) vs the update, slowest worker
+                    "logprob_seconds": max(s["logprob_seconds"] for s in stats),
+                    "update_seconds": max(s["update_seconds"] for s in stats),
+                    "optimizer_steps": stats[0]["steps"],
+                    **({k: stats[0][k] for k in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean") if k in stats[0]}),
+                    "iteration_seconds": time.perf_counter() - t_it,
+                    "example": {"prompt": samples[0].prompt, "response": texts[0], "answer": samples[0].answer},
+                }
                 records.append(rec)
                 log.write(rec, it)
-            if cfg.elastic is not None:  # a resize request from outside the config (elastic.requests)
-                cfg, note = _take_request(out_dir, cfg, schedule, requested, ray, devices, it, last, say, name)
-                if note is not None:
-                    records.append(note)
-                    log.write(note, it)
-            if schedule and pending is None and schedule[0].iteration - 1 <= it:
-                pending = _start_resize(ray, cluster, cfg, schedule[0], devices, init_dir, it)
-            t_it = time.perf_counter()
-            # 1. switch train -> rollout
-            sync = ({"seconds": 0.0, "bytes_moved": 0, "bytes_sent": 0} if it in skip_sync_at else cluster.sync())
-            # the trainer's optimizer state (train.offload) leaves its buffers while the rollout runs
-            off = cluster.offload()
-            peak = {"sync": cluster.memory_mark()}
-            # before iteration 0, and where the uninterrupted run evaluated before this iteration
-            # (a resumed run's records are the uninterrupted run's)
-            if it == first and (it == 0 or (every_eval and it % every_eval == 0)):
-                eval_now(it, "before")
-            # 2. generate G samples per prompt
-            samples = draw_prompts(cfg, splits, it)
-            G = alg.group_size
-            prompts = [encode_prompt(tok, s.prompt, alg.max_new_tokens, max_ctx) for s in samples for _ in range(G)]
-            t0 = time.perf_counter()
-            responses, rollout_lps = cluster.generate(prompts, sample_seeds(cfg, it, len(prompts)),
-                                                      alg.max_new_tokens, alg.temperature)
-            gen_s = time.perf_counter() - t0
-            n_tokens = sum(len(r) for r in responses)
-            fault(crash_at, it, "after generation")
-            if it + 1 not in skip_sync_at:  # a sync comes before the rollout engines are used again
-                cluster.stand_by()
-            peak["generate"] = cluster.memory_mark()
-            back = cluster.reload()
-            # 3. rewards and advantages
-            texts = [tok.decode(r) for r in responses]
-            scores = score_samples(reward_fn, [s.prompt for s in samples for _ in range(G)], texts,
-                                   [s.answer for s in samples for _ in range(G)])
-            batch = {"prompts": prompts, "responses": responses, "rollout_logprobs": rollout_lps}
-            if name == "grpo":  # group-normalised, one advantage per sequence
-                batch["advantages"] = grpo_advantages(torch.tensor(scores), G, alg.norm_adv_by_std, alg.adv_eps).tolist()
-            else:  # PPO: the workers turn scores into per-token rewards and advantages with the critic
-                batch["scores"] = list(scores)
-            # 4. train (stale-weights check inside, before any update)
-            t0 = time.perf_counter()
-            stats = cluster.all("train_on", batch, desc="train")
-            train_s = time.perf_counter() - t0
-            peak["train"] = cluster.memory_mark()
-            stale = max(s["stale_logprob_diff"] for s in stats)
-            rec = {
-                "iteration": it,
-                "reward_mean": sum(scores) / len(scores),
-                "policy_loss": sum(s["policy_loss"] for s in stats) / len(stats),
-                "kl": sum(s["kl"] for s in stats) / len(stats),
-                "clipfrac": sum(s["clipfrac"] for s in stats) / len(stats),
-                "grad_norm": stats[0]["grad_norm"],
-                "stale_logprob_diff": stale,
-                "stale_check_passed": stale <= stale_tol,
-                "gen_tokens": n_tokens,
-                "gen_seconds": gen_s,
-                "gen_tokens_per_s": n_tokens / gen_s if gen_s > 0 else float("nan"),
-                "switch_train_to_rollout_s": sync["seconds"],
-                # the weights stay where they are in the trainer; the parked state (train.offload)
-                # comes back (0 with offload: none)
-                "switch_rollout_to_train_s": back["seconds"],
-                # train.offload: bytes and seconds of each move (per rank: the rank's own state)
-                "offload_bytes": off["bytes"], "offload_bytes_per_rank": off["bytes_per_rank"],
-                "offload_released_bytes": off["released_bytes"], "offload_seconds": off["seconds"],
-                "reload_bytes": back["bytes"], "reload_bytes_per_rank": back["bytes_per_rank"],
-                "reload_seconds": back["seconds"],
-                # per phase, the largest over the trainer ranks (peak_device_measure says of what)
-                **{f"peak_device_bytes_{p}": m["bytes"] for p, m in peak.items()},
-                "peak_device_measure": peak["train"]["measure"],
-                "bytes_moved": sync["bytes_moved"],
-                "bytes_sent": sync["bytes_sent"],
-                # rollout.handoff ipc: bucket handles handed to the workers (one per bucket)
-                "handoff": sync.get("handoff", "p2p"),
-                "handles": sync.get("handles", 0),
-                "switch_breakdown": sync.get("breakdown", {}),
-                "train_seconds": train_s,
-                # inside train: old/reference log-probs (and PPO values) vs the update, slowest worker
-                "logprob_seconds": max(s["logprob_seconds"] for s in stats),
-                "update_seconds": max(s["update_seconds"] for s in stats),
-                "optimizer_steps": stats[0]["steps"],
-                **({k: stats[0][k] for k in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean") if k in stats[0]}),
-                "iteration_seconds": time.perf_counter() - t_it,
-                "example": {"prompt": samples[0].prompt, "response": texts[0], "answer": samples[0].answer},
-            }
-            records.append(rec)
-            log.write(rec, it)
-            log.write_rollouts(it, prompts, responses, rollout_lps, scores,
-                               texts={"prompt_texts": [s.prompt for s in samples for _ in range(G)],
-                                      "response_texts": texts})
-            say(f"[{name}] it {it}: reward {rec['reward_mean']:.3f}  kl {rec['kl']:.2e}  loss {rec['policy_loss']:+.4f}  "
-                f"gen {rec['gen_tokens_per_s']:.0f} tok/s  switch {sync['seconds'] * 1e3:.0f} ms "
-                f"({sync['bytes_moved'] / 1024:.0f} KiB) / back {back['seconds'] * 1e3:.0f} ms  stale Δlogp {stale:.1e}  "
-                f"[{rec['iteration_seconds']:.1f} s]")
-            if not rec["stale_check_passed"]:
-                raise StaleWeightsError(
-                    f"iteration {it}: the trainer's log-probs of the generated tokens differ from the rollout "
-                    f"engine's by {stale:.3g} > {stale_tol:g}: the rollout engine ran on stale or wrong weights")
-            every = cfg.checkpoint.save_every
-            if every and (it + 1) % every == 0 and it != last:
-                s = cluster.save(ckpt_root / f"step_{it + 1}", {"iteration": it})
-                prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
-                say(f"[{name}] checkpoint {ckpt_root / f'step_{it + 1}'} ({s:.1f} s)")
-            if every_eval and (it + 1) % every_eval == 0 and it != last:
-                cluster.sync()
-                eval_now(it + 1, "before")
+                log.write_rollouts(it, prompts, responses, rollout_lps, scores,
+                                   texts={"prompt_texts": [s.prompt for s in samples for _ in range(G)],
+                                          "response_texts": texts})
+                say(f"[{name}] it {it}: reward {rec['reward_mean']:.3f}  kl {rec['kl']:.2e}  loss {rec['policy_loss']:+.4f}  "
+                    f"gen {rec['gen_tokens_per_s']:.0f} tok/s  switch {sync['seconds'] * 1e3:.0f} ms "
+                    f"({sync['bytes_moved'] / 1024:.0f} KiB) / back {back['seconds'] * 1e3:.0f} ms  stale Δlogp {stale:.1e}  "
+                    f"[{rec['iteration_seconds']:.1f} s]")
+                if not rec["stale_check_passed"]:
+                    raise StaleWeightsError(
+                        f"iteration {it}: the trainer's log-probs of the generated tokens differ from the rollout "
+                        f"engine's by {stale:.3g} > {stale_tol:g}: the rollout engine ran on stale or wrong weights")
+                every = cfg.checkpoint.save_every
+                if every and (it + 1) % every == 0 and it != last:
+                    s = cluster.save(ckpt_root / f"step_{it + 1}", {"iteration": it})
+                    prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
+                    say(f"[{name}] checkpoint {ckpt_root / f'step_{it + 1}'} ({s:.1f} s)")
+                if every_eval and (it + 1) % every_eval == 0 and it != last:
+                    cluster.sync()
+                    eval_now(it + 1, "before")
+            except Exception as e:  # noqa: BLE001 - a lost trainer is recovered; anything else is raised
+                if redundancy != "host":
+                    raise
+                cluster, it, rec = _recover_trainer(e, ray, cluster, devices, init_dir, refreshed_at, out_dir,
+                                                    iterations, quiet, say, name, time.perf_counter())
+                # the iterations from the restored one on are run again: their records go
+                records[:] = [r for r in records if r.get("iteration", -1) < it or "reward_mean" not in r]
+                records.append(rec)
+                log.write(rec, it)
+                continue
+            it += 1
         # the end: the final policy evaluated and saved
         cluster.sync()
         eval_now(last + 1, "after")
@@ -435,6 +462,60 @@ def _commit_rollout_resize(cluster, pending, it: int, say, name: str, request, o
         f"{swap['bytes_moved']} B moved")
     return {"iteration": it, "resize": event, "resize_stop_the_world_s": swap["stop_the_world_s"],
             "resize_background_s": swap["background_s"]}
+
+
+def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, refreshed_at: int | None,
+                     out_dir: Path, iterations: int, quiet: bool, say, name: str, failed_at: float):
+    """``elastic.redundancy: host``: an iteration failed. When a trainer actor is lost (dead, or no
+    answer within the deadline), restore the state of the last refresh into a new world of the
+    same size from the survivors' host copies (``rlhf_switch.elastic.recovery``) and return
+    ``(cluster, iteration to run again, run-log record)``; both an owner and its copy's holder
+    lost: the newest checkpoint, said in one line. No trainer lost: ``error`` is raised."""
+    from actors.hybrid import remote_class
+    from rlhf_switch.elastic.recovery import StateLost, lost_ranks, recover
+
+    lost = lost_ranks(ray, cluster.workers)
+    if not lost:
+        raise error
+    say(f"[{name}] trainer rank(s) {lost} lost ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+    old = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
+    try:
+        if refreshed_at is None:
+            raise StateLost("the trainer was lost before its state was first copied to the buddies", lost, lost)
+        rec = recover(ray, remote_class(num_cpus=0.5, num_gpus=0.5), cluster.cfg.model_dump(), devices,
+                      range(cluster.world), cluster.workers, lost, shift=cluster.buddy_shift,
+                      init_dir=str(init_dir), device=cluster.device, failed_at=failed_at)
+    except StateLost as e:
+        return _fall_back_to_checkpoint(e, ray, cluster, devices, init_dir, out_dir, iterations, quiet, say, name,
+                                        failed_at)
+    cluster.adopt(cluster.cfg, rec.workers, devices.slots(range(cluster.world)))
+    event = rec.event(old, f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)} "
+                           f"(a replacement for rank(s) {lost})")
+    event["restored_iteration"] = refreshed_at
+    say(f"[{name}] recovered without a checkpoint in {rec.seconds:.1f} s (build {rec.build_s:.1f} s, move "
+        f"{rec.move_s:.2f} s, {rec.bytes_moved} B from the survivors' host copies); iteration {refreshed_at} "
+        f"runs again")
+    return cluster, refreshed_at, {"iteration": refreshed_at, "recovery": event, "recovery_seconds": rec.seconds}
+
+
+def _fall_back_to_checkpoint(lost, ray, cluster, devices, init_dir: Path, out_dir: Path, iterations: int,
+                             quiet: bool, say, name: str, failed_at: float):
+    """The state a lost trainer held is gone from every host copy: a new world of the same size
+    from the newest checkpoint of the run (none: a clear error)."""
+    try:
+        ckpt, at = resolve_resume(True, out_dir, iterations)
+    except FileNotFoundError:
+        raise RuntimeError(f"trainer lost and not recoverable: {lost}; and the run has no checkpoint to fall "
+                           f"back to (checkpoint.save_every)") from lost
+    say(f"[{name}] {lost}: falling back to the newest checkpoint {ckpt} (iteration {at}); iteration {at + 1} "
+        f"runs again")
+    cfg = cluster.cfg
+    cluster.shutdown(graceful=False)
+    cluster = Cluster(cfg, ray, quiet, devices=devices.slots(range(cfg.world_size)))
+    cluster.build(init_dir, ckpt)
+    event = {"kind": "trainer_lost", "lost_ranks": lost.lost, "unrecoverable": lost.unrecoverable,
+             "fell_back_to": str(ckpt), "restored_iteration": at + 1, "seconds": time.perf_counter() - failed_at}
+    return cluster, at + 1, {"iteration": at + 1, "recovery": event, "recovery_seconds": event["seconds"]}
 
 
 def channel_summary(cluster) -> dict:

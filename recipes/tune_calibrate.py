@@ -17,14 +17,16 @@
   child process when vLLM is installed — per step less the modelled bandwidth part = the
   engine's fixed cost per step and per sequence in the batch.
 
-Every figure is the least of a few repeats (a machine shared with other jobs only ever adds time;
-the least is the machine's own cost); the load average at the time is stored in the profile's
+Every figure is the median of a few repeats after a warm-up: the typical cost, which is what a
+run's averaged phases see (the least of the repeats — the machine's best — predicted every phase
+of the validation runs too fast); the load average at the time is stored in the profile's
 ``origin``.
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,27 +41,26 @@ from rlhf_switch.tune.profile import Link, MachineProfile
 SMALL, LARGE = 4 << 10, 16 << 20
 
 
-def _best(fn, repeats: int = 5) -> float:
-    """The least of ``repeats`` timings after a warm-up: the machine's own cost, not its
-    neighbours' (a shared machine only ever adds time)."""
+def _typical(fn, repeats: int = 5) -> float:
+    """The median of ``repeats`` timings after a warm-up."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return statistics.median(times)
 
 
 def matmul_rate(dtype: torch.dtype, n: int = 512) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     reps = 8
-    return 2 * n ** 3 * reps / _best(lambda: [torch.mm(a, b) for _ in range(reps)])
+    return 2 * n ** 3 * reps / _typical(lambda: [torch.mm(a, b) for _ in range(reps)])
 
 
 def memory_bandwidth() -> float:
     x = torch.ones(64 << 20)  # 256 MiB fp32
-    return x.numel() * 4 / _best(lambda: x.sum())
+    return x.numel() * 4 / _typical(lambda: x.sum())
 
 
 def layer_overhead(hf_config: dict, flops: float) -> float:
@@ -70,7 +71,7 @@ def layer_overhead(hf_config: dict, flops: float) -> float:
     model = causal_lm(hf_config, 0)
     ids = torch.randint(3, 40, (1, 8))
     with torch.no_grad():
-        t = _best(lambda: model(input_ids=ids, use_cache=False), 9)
+        t = _typical(lambda: model(input_ids=ids, use_cache=False), 9)
     layers = int(hf_config["num_hidden_layers"])
     w = Workload(hf_config=hf_config, dtype="float32", rollout_batch=1, mini_batch=1, micro_batch=1, epochs=1,
                  prompt_tokens=8, new_tokens=0, has_reference=False, has_critic=False)
@@ -91,7 +92,7 @@ def optimizer_tensor_seconds(hf_config: dict) -> float:
     def step():
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-    return _best(step, 9) / len(params)
+    return _typical(step, 9) / len(params)
 
 
 # --- gloo on 2 processes (jobs run on every rank of a LocalWorld) ---------------------------------
@@ -120,7 +121,7 @@ def comm_job(sizes: list[int], repeats: int = 7) -> dict:
 
         for name, fn in (("p2p", ping), ("all_gather", gather), ("all_reduce", reduce)):
             dist.barrier()
-            t = _best(fn, repeats)
+            t = _typical(fn, repeats)
             out[f"{name}_{size}"] = t / 2 if name == "p2p" else t  # one way of the round trip
     return out
 
@@ -147,10 +148,11 @@ ENGINE_LAYOUTS = (dict(engine="deepspeed", zero_stage=1, dp=2), dict(engine="dee
                   dict(engine="torch_tp", tp=2), dict(engine="torch_pp", pp=2))
 
 
-def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int, rows: int, step_rows: int) -> dict:
+def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int, rows: int, step_rows: int,
+               logprob_micro: int | None = None) -> dict:
     """On every rank: build each engine over the 2 ranks and time, as the loop runs them, one
     forward of ``rows`` rows (in micro-batches of ``micro``: the log-prob pass) and one optimizer
-    step over ``step_rows`` rows (its micro-batches: one mini-batch) — rank 0's least of 3."""
+    step over ``step_rows`` rows (its micro-batches: one mini-batch) — rank 0's median of 3."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -170,7 +172,7 @@ def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int, rows:
         step_ids = ids[:share(step_rows)]
         m = min(micro, step_ids.shape[0])
         ctx = TrainingContext(hf_config, 0, ranks, AdamWConfig(max_grad_norm=1.0), micro_batch=m,
-                              seq_len=seq, timeout=timedelta(seconds=300))
+                              outputs_batch=logprob_micro, seq_len=seq, timeout=timedelta(seconds=300))
         eng = training_engine(layout.engine).build(layout, ctx)
 
         def forward():
@@ -181,7 +183,7 @@ def engine_job(hf_config: dict, layouts: list[dict], micro: int, seq: int, rows:
             dist.barrier()
             eng.train_step(step_ids, m, lambda o, s: (o.float().mean(), {}))
 
-        out[json.dumps(d, sort_keys=True)] = {"forward": _best(forward, 3), "step": _best(step, 3)}
+        out[json.dumps(d, sort_keys=True)] = {"forward": _typical(forward, 3), "step": _typical(step, 3)}
         eng = None  # noqa: F841  (freed before the next engine is built)
     return out
 
@@ -219,7 +221,7 @@ def engine_costs(w, profile: MachineProfile) -> tuple[dict, dict]:
 
     with LocalWorld(2, timeout=900) as world:
         measured = world.run(engine_job, w.hf_config, [dict(d) for d in ENGINE_LAYOUTS], w.micro_batch, w.seq,
-                             w.rollout_batch, w.mini_batch)[0]
+                             w.rollout_batch, w.mini_batch, w.logprob_micro_batch)[0]
     fwd, step = {}, {}
     for d in ENGINE_LAYOUTS:
         layout = TrainLayout(**d)
@@ -236,8 +238,8 @@ DECODE_BATCHES = (8, 64)
 
 def _steps(generate, new: int) -> float:
     """Seconds per decode step: (time of ``new`` tokens − time of 1) / (new − 1)."""
-    t1 = _best(lambda: generate(1), 5)
-    tn = _best(lambda: generate(new), 5)
+    t1 = _typical(lambda: generate(1), 5)
+    tn = _typical(lambda: generate(new), 5)
     return max(0.0, (tn - t1) / (new - 1))
 
 
@@ -310,15 +312,14 @@ def _vllm_child(model_dir: str, prompt: int, new: int) -> dict[int, float]:
 
 # --- the profile -----------------------------------------------------------------------------------
 
-def switch_fixed_seconds(run_dir: str | Path, profile: MachineProfile) -> tuple[str, float]:
-    """(rollout engine, seconds) of a switch's fixed cost per sync — Ray calls to every member, the
-    rollout engine's RPC and prefix-cache reset — from a finished ``rlhf-switch train`` run: the
-    median of its ``switch_train_to_rollout_s`` (iteration 0, the warm-up, left out) less what
-    the profile models for its bytes."""
-    import statistics
+def switch_member_seconds(run_dir: str | Path, profile: MachineProfile) -> tuple[str, float]:
+    """(rollout engine, seconds) of a switch's fixed cost per sync and channel member — a Ray call
+    to every member, the rollout engine's RPC and prefix-cache reset — from a finished
+    ``rlhf-switch train`` run: the median of its ``switch_train_to_rollout_s`` (iteration 0, the
+    warm-up, left out) less what the profile models for its bytes, over the channel's members."""
 
     from rlhf_switch.rl.config import load_config
-    from rlhf_switch.tune.cost import switch_cost
+    from rlhf_switch.tune.cost import channel_members, switch_cost
     from rlhf_switch.tune.workload import Workload
 
     d = Path(run_dir)
@@ -329,15 +330,16 @@ def switch_fixed_seconds(run_dir: str | Path, profile: MachineProfile) -> tuple[
         raise ValueError(f"{d / 'metrics.jsonl'}: no switch_train_to_rollout_s after iteration 0")
     import dataclasses
 
-    bytes_only = dataclasses.replace(profile, switch_fixed_s={})  # the fixed cost is what is sought
+    bytes_only = dataclasses.replace(profile, switch_member_s={})  # the fixed cost is what is sought
     modelled = switch_cost(Workload.from_config(cfg), bytes_only, cfg.train, cfg.rollout).seconds
-    return cfg.rollout.engine, max(0.0, statistics.median(syncs) - modelled)
+    members = channel_members(cfg.train, cfg.rollout)
+    return cfg.rollout.engine, max(0.0, statistics.median(syncs) - modelled) / members
 
 
 def calibrate(w, with_vllm: bool = True, log=print, switch_runs: tuple = ()) -> MachineProfile:
     """Measure this machine with the workload's model and shapes (a ``Workload``); one thread per
     process, as the loop's workers run. ``switch_runs``: finished run directories whose switch
-    timings give each rollout engine's fixed cost per sync (``switch_fixed_seconds``)."""
+    timings give each rollout engine's fixed cost per sync and channel member (``switch_member_seconds``)."""
     hf_config = w.hf_config
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -382,11 +384,11 @@ def calibrate(w, with_vllm: bool = True, log=print, switch_runs: tuple = ()) -> 
         engine_fwd, engine_step = engine_costs(w, partial)
         log("training engines, fixed ms per forward / per optimizer step: " + ", ".join(
             f"{k} {engine_fwd[k] * 1e3:.1f} / {engine_step[k] * 1e3:.1f}" for k in engine_fwd))
-        switch_fixed = {}
+        switch_member = {}
         for run in switch_runs:
-            engine, fixed_s = switch_fixed_seconds(run, partial)
-            switch_fixed[engine] = fixed_s
-            log(f"switch fixed cost per sync ({engine} rollout, from {run}): {fixed_s * 1e3:.1f} ms")
+            engine, member_s = switch_member_seconds(run, partial)
+            switch_member[engine] = member_s
+            log(f"switch fixed cost per sync and channel member ({engine} rollout, from {run}): {member_s * 1e3:.2f} ms")
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         return MachineProfile(
             name="cpu_local",
@@ -398,7 +400,7 @@ def calibrate(w, with_vllm: bool = True, log=print, switch_runs: tuple = ()) -> 
             same_device=p2p, compute_slots=cores, layer_overhead_s=overhead, decode_step_overhead_s=decode,
             decode_sequence_s=decode_seq,
             optimizer_tensor_s=opt_tensor, engine_forward_s=engine_fwd, engine_step_s=engine_step,
-            switch_fixed_s=switch_fixed, sources={"all": "measured (the least of 3-9 repeats), one thread per process, gloo over loopback"})
+            switch_member_s=switch_member, sources={"all": "measured (the median of 3-9 repeats), one thread per process, gloo over loopback"})
     finally:
         torch.set_num_threads(threads)
 

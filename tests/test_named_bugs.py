@@ -207,10 +207,10 @@ BATCH_RULES = {
          "rollout": {"engine": "torch", "dp": 2}},
         "rollout: dp=2 does not divide algorithm.prompts_per_iteration=3 (each replica takes whole groups of prompts)",
         {"algorithm.prompts_per_iteration": 4, "algorithm.mini_batch_size": 32, "rollout": {"engine": "torch", "dp": 2}}),
-    "mini batch": (
-        {"algorithm.mini_batch_size": 48},
+    "mini batch": (  # a micro-batch that divides both sides' per-rank mini batches (24 and 32)
+        {"algorithm.mini_batch_size": 48, "algorithm.micro_batch_size": 8},
         "algorithm.mini_batch_size=48 does not divide the rollout batch prompts_per_iteration·group_size = 128",
-        {"algorithm.mini_batch_size": 64}),
+        {"algorithm.mini_batch_size": 64, "algorithm.micro_batch_size": 8}),
     "eval": (
         {"eval.num_prompts": 199, "rollout": {"engine": "torch", "dp": 2}, "train": TP2},  # train dp 1
         "eval.num_prompts=199 is not divisible by rollout.dp=2",

@@ -278,15 +278,21 @@ def test_lazily_placed_layouts_are_the_placed_ones(grpo, tp, replicas, cfg):
         assert (a.local, a.sends, a.recvs) == (b.local, b.sends, b.recvs)
 
 
-def test_the_switch_adds_the_profiles_fixed_cost_per_sync(grpo, cpu):
+def test_the_switch_adds_the_profiles_fixed_cost_per_channel_member(grpo, cpu):
+    """A sync calls every member of the weight channel: the trainer's ranks, plus vLLM's workers
+    (processes of their own); the torch engine's workers are the trainer's own processes."""
     from rlhf_switch.rl.config import RolloutLayout, TrainLayout
-    from rlhf_switch.tune.cost import switch_cost
+    from rlhf_switch.tune.cost import channel_members, switch_cost
 
     _, w = grpo
     z1, vllm = TrainLayout(engine="deepspeed", zero_stage=1, dp=2), RolloutLayout(engine="vllm", tp=1, dp=2)
-    bare = dataclasses.replace(cpu, switch_fixed_s={})
-    fixed = dataclasses.replace(cpu, switch_fixed_s={"vllm": 0.25, "torch": 0.5})
-    assert switch_cost(w, fixed, z1, vllm).seconds == pytest.approx(switch_cost(w, bare, z1, vllm).seconds + 0.25)
+    torch_tp2 = RolloutLayout(engine="torch", tp=2, dp=1)
+    assert channel_members(z1, vllm) == 4 and channel_members(z1, torch_tp2) == 2
+    bare = dataclasses.replace(cpu, switch_member_s={})
+    fixed = dataclasses.replace(cpu, switch_member_s={"vllm": 0.25, "torch": 0.5})
+    for rollout, per_sync in ((vllm, 4 * 0.25), (torch_tp2, 2 * 0.5)):
+        assert switch_cost(w, fixed, z1, rollout).seconds == pytest.approx(
+            switch_cost(w, bare, z1, rollout).seconds + per_sync)
 
 
 def test_engine_fixed_costs_are_what_the_model_leaves_of_a_loop_shaped_micro_run(grpo, cpu):
@@ -306,8 +312,9 @@ def test_engine_fixed_costs_are_what_the_model_leaves_of_a_loop_shaped_micro_run
         fwd_model = engine_pass(w, bare, layout, 2, w.rollout_batch, train=False).total
         forward_s, step_s = fwd_model + 0.4, 3.0
         fwd, step = engine_fixed_costs(w, bare, layout, forward_s, step_s)
-        micro = max(1, min(w.micro_batch, w.mini_batch // layout.dp))
-        n_micro = math.ceil(w.rollout_batch / layout.dp / micro)
+        per_rank = w.rollout_batch / layout.dp  # the log-prob pass: logprob_micro_batch_size rows per forward
+        micro = max(1, min(w.logprob_micro_batch or w.micro_batch, math.ceil(per_rank)))
+        n_micro = math.ceil(per_rank / micro)
         if layout.pp == 1:  # spread over the micro-batches (a pipeline's bubble scales it too)
             assert fwd == pytest.approx(0.4 / n_micro)
         fitted = dataclasses.replace(bare, engine_forward_s={engine_key(layout): fwd},
@@ -334,18 +341,20 @@ def test_a_sharded_trainers_switch_in_closed_form_is_the_planned_one(grpo, train
     assert closed.messages == planned.messages
 
 
-def test_the_switch_fixed_cost_is_a_runs_median_sync_less_its_modelled_bytes(tmp_path, cpu):
-    from recipes.tune_calibrate import switch_fixed_seconds
+def test_the_switch_fixed_cost_is_a_runs_median_sync_less_its_modelled_bytes_per_member(tmp_path, cpu):
+    from recipes.tune_calibrate import switch_member_seconds
     from rlhf_switch.rl.config import load_config
     from rlhf_switch.tune import Workload
-    from rlhf_switch.tune.cost import switch_cost
+    from rlhf_switch.tune.cost import channel_members, switch_cost
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config()))
     syncs = {0: 5.0, 1: 0.020, 2: 0.012, 3: 0.016}  # iteration 0 (the warm-up) is left out
     (tmp_path / "metrics.jsonl").write_text("".join(
         f'{{"iteration": {i}, "switch_train_to_rollout_s": {s}}}\n' for i, s in syncs.items()) + '{"eval": 1}\n')
     cfg = load_config(config())
-    bare = dataclasses.replace(cpu, switch_fixed_s={})
-    engine, fixed = switch_fixed_seconds(tmp_path, dataclasses.replace(cpu, switch_fixed_s={"vllm": 9.0}))
+    bare = dataclasses.replace(cpu, switch_member_s={})
+    engine, member = switch_member_seconds(tmp_path, dataclasses.replace(cpu, switch_member_s={"vllm": 9.0}))
     assert engine == cfg.rollout.engine
-    assert fixed == pytest.approx(0.016 - switch_cost(Workload.from_config(cfg), bare, cfg.train, cfg.rollout).seconds)
+    members = channel_members(cfg.train, cfg.rollout)
+    assert member * members == pytest.approx(
+        0.016 - switch_cost(Workload.from_config(cfg), bare, cfg.train, cfg.rollout).seconds)

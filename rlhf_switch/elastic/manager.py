@@ -144,18 +144,20 @@ class PendingWorld:
         self.workers = []
         self.devices.release(self.plan.added)
 
-    def commit(self, old_workers: Sequence, timeout_s: float = 600.0) -> ResizeResult:
+    def commit(self, old_workers: Sequence, timeout_s: float = 600.0, source: str = "engine") -> ResizeResult:
         """The stop-the-world: one VPS move over the union of old and new ranks (every old rank
         sends what it holds — the ranks leaving too, before they leave), then the old actors are
         shut down and the devices only they used released. Call between two steps of the old
-        world, after ``ready()``."""
+        world, after ``ready()``. ``source="host_copy"``: the old ranks are the survivors of a
+        world that lost a rank and send their host copies (``elastic.recovery``); their world's
+        groups are broken, so they are killed without a shutdown."""
         if len(old_workers) != self.plan.old_world:
             raise ResizeError(f"{len(old_workers)} old actors for an old world of {self.plan.old_world}")
         self.wait()
         ray, plan = self.ray, self.plan
         t0 = time.perf_counter()
         host, port = ray.get(old_workers[0].resize_store.remote(), timeout=120)
-        refs = [w.resize_move.remote(plan.endpoint(host, port, "old", r)) for r, w in enumerate(old_workers)]
+        refs = [w.resize_move.remote(plan.endpoint(host, port, "old", r), source) for r, w in enumerate(old_workers)]
         refs += [w.resize_move.remote(plan.endpoint(host, port, "new", r)) for r, w in enumerate(self.workers)]
         try:
             members = ray.get(refs, timeout=timeout_s)
@@ -166,7 +168,8 @@ class PendingWorld:
         stop_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            ray.get([w.shutdown.remote() for w in old_workers], timeout=60)
+            if source == "engine":
+                ray.get([w.shutdown.remote() for w in old_workers], timeout=60)
         finally:
             for w in old_workers:
                 ray.kill(w)

@@ -59,6 +59,7 @@ class TrainingContext:
     ranks: tuple[int, ...]            # the world ranks the engine lives on (ascending)
     optim: AdamWConfig = AdamWConfig()
     micro_batch: int = 1              # rows per forward
+    outputs_batch: int | None = None  # rows per forward of ``outputs`` (no gradients); None: micro_batch
     seq_len: int = 0                  # the longest sequence it will see (prompt + response); 0: the model's context
     head: str = "lm"                  # "lm" (causal LM) or "value" (scalar value head: the critic)
     init_from: str | None = None      # head "value": an actor checkpoint whose trunk the critic starts from
@@ -105,7 +106,7 @@ class TrainingEngine(ABC):
     def outputs(self, ids: torch.Tensor) -> torch.Tensor:
         """No grad. ``ids [B, T]`` (right-padded; this rank's share) -> ``[B, T-1]`` float32: the
         log-probs of ``ids[:, 1:]`` (head ``lm``) or the values of the states ``ids[:, :t+1]``
-        (head ``value``). Micro-batches of ``ctx.micro_batch`` rows."""
+        (head ``value``). Micro-batches of ``ctx.outputs_batch`` rows (default ``ctx.micro_batch``)."""
 
     @abstractmethod
     def train_step(self, ids: torch.Tensor, micro: int, loss_fn: LossFn) -> dict:
@@ -133,6 +134,7 @@ class ModuleEngine(TrainingEngine):
     ``_optimizer_step``."""
 
     micro_batch: int = 1
+    outputs_batch: int | None = None  # rows per forward of ``outputs``; None: micro_batch
 
     def _forward(self, ids: torch.Tensor) -> Any:
         return self.module(input_ids=ids, use_cache=False)
@@ -146,7 +148,7 @@ class ModuleEngine(TrainingEngine):
 
     @torch.no_grad()
     def outputs(self, ids: torch.Tensor) -> torch.Tensor:
-        m = max(1, self.micro_batch)
+        m = max(1, self.outputs_batch or self.micro_batch)
         return torch.cat([self._per_token(self._forward(ids[i:i + m]), ids[i:i + m])
                           for i in range(0, ids.shape[0], m)])
 

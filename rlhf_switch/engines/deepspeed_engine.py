@@ -49,7 +49,7 @@ class DeepSpeedEngine(ModuleEngine):
         self.adapter.name = self.name
         self.dp, self.dp_group = z.dp, z.dp_group
         self.dp_rank = dist.get_rank(z.dp_group)
-        self.head, self.micro_batch = ctx.head, ctx.micro_batch
+        self.head, self.micro_batch, self.outputs_batch = ctx.head, ctx.micro_batch, ctx.outputs_batch
         return self
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:

@@ -3,6 +3,7 @@ TP×FSDP2), pipeline stages (and TP×PP). Each is a thin shell over a builder of
 ``pipeline``: the builder applies the parallelism, the shell says which layouts it runs."""
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -28,10 +29,87 @@ class _TorchTrainerEngine(ModuleEngine):
         self.name = f"critic {trainer.name}" if ctx.head == "value" else trainer.name
         self.spec, self.adapter = trainer.spec, trainer.adapter
         self.dp, self.dp_rank, self.dp_group = trainer.dp, trainer.dp_rank, trainer.dp_group
-        self.head, self.micro_batch = ctx.head, ctx.micro_batch
+        self.head, self.micro_batch, self.outputs_batch = ctx.head, ctx.micro_batch, ctx.outputs_batch
+        # gathered once per call only where the whole model is small: a large one keeps FSDP2's
+        # per-layer gathers (holding it unsharded is what sharding it avoids)
+        self.gather_once = gathers_once(self.spec.numel * torch.finfo(ctx.device.torch_dtype()).bits // 8)
 
     def _optimizer_step(self) -> float:
+        # the optimizer (and clipping) reads the sharded parameters, which FSDP2 registers on the
+        # module again only when it reshards (``gathered_once`` keeps them gathered until here)
+        reshard(self.module)
         return self.trainer.optimizer_step(report_norm=True)
+
+    # FSDP2 (fsdp2, and torch_tp at dp > 1) gathers each layer before its forward and again before
+    # its backward, per micro-batch: 5 all-gathers per layer per micro-batch, each a gloo round
+    # trip that costs more than the layer's compute at the tiny sizes. Within one call (an
+    # ``outputs`` pass, an optimizer step) the sharded parameters do not change, so each layer is
+    # gathered once and kept until the call ends: the same gathered values, the same forwards,
+    # the same per-micro-batch gradient reduce-scatters — the numbers are bit for bit unchanged;
+    # the memory is that of one whole unsharded model for the call's duration.
+    # Only for a model of at most ``GATHER_ONCE_BYTES`` unsharded (``gathers_once``).
+    @torch.no_grad()
+    def outputs(self, ids: torch.Tensor) -> torch.Tensor:
+        with gathered_once(self.module) if self.gather_once else nullcontext():
+            return super().outputs(ids)
+
+    def train_step(self, ids: torch.Tensor, micro: int, loss_fn) -> dict:
+        with gathered_once(self.module) if self.gather_once else nullcontext():
+            return super().train_step(ids, micro, loss_fn)
+
+
+# the largest whole model (compute-dtype bytes) an FSDP2 engine keeps gathered for a whole call
+GATHER_ONCE_BYTES = 1 << 30
+
+
+def gathers_once(model_bytes: float) -> bool:
+    """Whether an FSDP2 engine of a model of ``model_bytes`` gathers each unit once per call
+    (``gathered_once``) rather than per layer per micro-batch: the tune cost model asks the same."""
+    return model_bytes <= GATHER_ONCE_BYTES
+
+
+def _fsdp_units(module: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """Every FSDP2 unit of ``module`` resharded (a unit that is already sharded: nothing)."""
+    for m in _fsdp_units(module):
+        m.reshard()
+
+
+@contextmanager
+def gathered_once(module: torch.nn.Module):
+    """Within the block, every FSDP2 unit of ``module`` stays unsharded after its first gather
+    (no reshard after forward or backward); at the end every unit is resharded and its flags are
+    restored exactly (FSDP2 treats the root specially, so they are saved, not reset to a default).
+    Gradient reduce-scatters are left as they are. A module without FSDP2 units: a no-op. Whatever
+    reads or steps the sharded parameters inside the block (the optimizer) calls ``reshard`` first."""
+    units = _fsdp_units(module)
+    if not units:
+        yield
+        return
+    # the root's lazy init (at its first forward) clears its reshard-after-forward flag; run it
+    # now so that what is saved below is what FSDP2 would use outside the block
+    units[0]._get_fsdp_state()._lazy_init()
+    saved = []
+    for m in units:
+        state = m._get_fsdp_state()
+        saved.append((state, state._auto_reshard_after_forward,
+                      [(g, g.post_forward_mesh_info, g.reshard_after_backward) for g in state._fsdp_param_groups]))
+        state._auto_reshard_after_forward = False
+        for g in state._fsdp_param_groups:
+            g.post_forward_mesh_info, g.reshard_after_backward = None, False
+    try:
+        yield
+    finally:
+        for state, auto, groups in saved:
+            state._auto_reshard_after_forward = auto
+            for g, post, after_backward in groups:
+                g.post_forward_mesh_info, g.reshard_after_backward = post, after_backward
+        reshard(module)
 
 
 class FSDP2Engine(_TorchTrainerEngine):

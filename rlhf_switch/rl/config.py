@@ -207,13 +207,18 @@ class AlgorithmBase(Strict):
     """What GRPO and PPO share. Per iteration: ``prompts_per_iteration`` prompts, ``group_size``
     samples each (the rollout batch), then ``epochs`` passes over it in optimizer steps of
     ``mini_batch_size`` sequences (default: the whole rollout batch, one step), each split over
-    the train DP ranks and run ``micro_batch_size`` sequences per forward. ``iterations`` is the
+    the train DP ranks and run ``micro_batch_size`` sequences per forward. The passes without
+    gradients before the update (the old and the reference log-probs, PPO's values) run
+    ``logprob_micro_batch_size`` sequences per forward (default: ``micro_batch_size``; they hold no
+    activations for a backward, so a larger batch costs little memory and saves per-forward work —
+    each of DeepSpeed ZeRO-3's forwards gathers every layer). ``iterations`` is the
     run's total (iterations 0 .. iterations-1), which a resumed run finishes."""
 
     iterations: int = Field(20, ge=1)
     prompts_per_iteration: int = Field(8, ge=1)
     mini_batch_size: int | None = Field(None, ge=1)
     micro_batch_size: int = Field(1, ge=1)
+    logprob_micro_batch_size: int | None = Field(None, ge=1)
     epochs: int = Field(1, ge=1)
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -308,6 +313,10 @@ ELASTIC_ROLLOUT = ("torch", "vllm")
 
 class ElasticConfig(Strict):
     schedule: list[ElasticEntry] = []
+    # host: every trainer rank's state also kept in host memory by a buddy rank (another node's
+    # where placement allows), refreshed at each train -> rollout boundary; a lost trainer is
+    # restored from those copies without a checkpoint (rlhf_switch/elastic/recovery.py)
+    redundancy: Literal["none", "host"] = "none"
 
 
 class RunConfig(Strict):
@@ -391,6 +400,17 @@ class RunConfig(Strict):
         if self.elastic and self.elastic.schedule and self.rollout.engine not in ELASTIC_ROLLOUT:
             problems.append(f"rollout.engine: {self.rollout.engine} — elastic.schedule resizes only the torch "
                             f"rollout engine (in the trainer's actors) and vLLM replicas yet")
+        if self.elastic and self.elastic.redundancy == "host":
+            why = "elastic.redundancy: host"
+            if self.world_size < 2:
+                problems.append(f"{why} needs world_size >= 2 (a rank's copy is kept by another rank)")
+            if self.critic is not None:
+                problems.append(f"{why}: the critic (PPO) is not kept in host memory yet; GRPO only")
+            if self.rollout.engine != "torch" or not self.rollout.colocate:
+                problems.append(f"{why}: only the torch rollout engine, colocated (in the trainer's actors), "
+                                f"is rebuilt after a lost trainer yet")
+            if self.elastic.schedule:
+                problems.append(f"{why} with elastic.schedule: not supported together yet")
         if problems:
             # one line per problem: _format_errors splits them back into separate entries
             raise ValueError("\n".join(problems))
@@ -662,6 +682,20 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
     if cfg.sft is not None and cfg.sft.batch_size % cfg.train.dp:
         problems.append(f"sft: batch_size={cfg.sft.batch_size} is not divisible by train.dp={cfg.train.dp}")
     return problems
+
+
+def longest_sequence_tokens(cfg: RunConfig, max_context: int) -> int:
+    """The longest prompt + response a run's trainer is handed: the task's longest prompt (the
+    data's prompt limit) plus ``max_new_tokens``, never more than the context. An engine with
+    static shapes (the pipeline's buffers) is built for this length, not for the whole context."""
+    new = cfg.algorithm.max_new_tokens
+    if cfg.task is not None:
+        prompt = longest_prompt_tokens(build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len), CharTokenizer())
+    else:
+        from .data import prompt_token_limit
+
+        prompt = prompt_token_limit(cfg.data, new, max_context)
+    return min(max_context, prompt + new)
 
 
 def _task_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:

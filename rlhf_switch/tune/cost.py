@@ -23,8 +23,8 @@ profile. Named ``cost`` (not ``time``) so it never shadows the standard library.
   received bytes over that link with one message per staging chunk, plus local copies; the
   slowest rank of a sample (the layouts stay lazy: ``vps.placement.place_lazy``, so a 235B move
   on 1024 ranks plans in seconds and a few GB, as ``bench/plan_scale.py`` does); plus the
-  profile's fixed cost per sync of the rollout engine (``switch_fixed_s``: Ray calls, the
-  engine's RPC and prefix-cache reset).
+  profile's fixed cost per sync and channel member of the rollout engine (``switch_member_s``:
+  Ray calls, the engine's RPC and prefix-cache reset), times the channel's members.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from ..engines.base import rollout_engine
 from ..rl.config import PhaseLayout
 from ..vps import ParallelConfig, build_layout, plan_rank
 from ..vps.layout import Layout
+from ..engines.torch_engines import gathers_once
 from ..vps.placement import place_lazy
 from .enumerate import Combination
 from .memory import STAGING_BYTES, MemoryEstimate, _shards
@@ -86,6 +87,8 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     per_rank = sequences / dp
     micro = max(1, min(w.micro_batch, w.mini_batch // dp))
+    if not train and pp == 1 and w.logprob_micro_batch:  # (a pipeline's buffers are sized for micro_batch)
+        micro = max(1, min(w.logprob_micro_batch, math.ceil(per_rank)))
     n_micro = math.ceil(per_rank / micro)
     slow = profile.slowdown(world)
     mult = 3 if train else 1
@@ -110,6 +113,8 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
     if dp > 1 and sharded:
         msgs = len(w.spec.tensors) if layout.engine == "deepspeed" else layers + 1
         gathers = n_micro * (2 if train else 1)
+        if layout.engine != "deepspeed" and gathers_once(params * b):  # FSDP2: once per call
+            gathers = steps if train else 1
         comm += _gather_cost(dp_link, weights, dp, gathers, msgs)
         if train:
             comm += _gather_cost(dp_link, weights, dp, n_micro, msgs)  # reduce-scatter of the gradients
@@ -231,8 +236,20 @@ def switch_cost(w: Workload, profile: MachineProfile, train: PhaseLayout, rollou
     plan_rank.cache_clear()  # the plans are summarised above; at 235B × 1024 ranks each is large
     # every rank agrees on the plan's digest before a byte moves (one small gather)
     agree = ring_seconds(ring_link(profile, world, 1), 32 * world, world, "all_gather")
-    fixed = profile.switch_fixed_s.get(rollout.engine, 0.0)  # Ray calls, the engine's RPC, cache reset
+    fixed = switch_fixed_seconds(profile, train, rollout)
     return SwitchCost(worst.seconds + agree + fixed, most, worst.messages, worst.ranks_planned)
+
+
+def channel_members(train: PhaseLayout, rollout: PhaseLayout) -> int:
+    """Members of the weight channel: the trainer's ranks, plus the rollout engine's workers when
+    they are processes of their own (placement ``replica``: one per trainer device)."""
+    return train.size * (2 if rollout_engine(rollout.engine).placement == "replica" else 1)
+
+
+def switch_fixed_seconds(profile: MachineProfile, train: PhaseLayout, rollout: PhaseLayout) -> float:
+    """A sync's cost beyond its bytes — a Ray call to every member, the engine's RPC, the cache
+    reset — at the profile's measured seconds per member."""
+    return profile.switch_member_s.get(rollout.engine, 0.0) * channel_members(train, rollout)
 
 
 def _dp_sharded(layout: PhaseLayout) -> bool:
@@ -253,7 +270,7 @@ def _sharded_switch(w: Workload, profile: MachineProfile, train: PhaseLayout, ro
     seconds = (profile.same_device.seconds(per_peer, chunks) + (node - 1) * profile.p2p_intra.seconds(per_peer, chunks)
                + (n - node) * profile.p2p_inter.seconds(per_peer, chunks))
     agree = ring_seconds(ring_link(profile, 2 * n, 1), 32 * 2 * n, 2 * n, "all_gather")
-    fixed = profile.switch_fixed_s.get(rollout.engine, 0.0)
+    fixed = switch_fixed_seconds(profile, train, rollout)
     return SwitchCost(seconds + agree + fixed, int(per_peer * n), n * chunks, 0)
 
 

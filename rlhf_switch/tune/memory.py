@@ -7,7 +7,7 @@ parameters, ``b`` the bytes of its dtype and the shards each layout makes:
 |---|---|---|---|
 | deepspeed ZeRO-1 | P·b | P·b | /dp |
 | deepspeed ZeRO-2 | P·b | /dp | /dp |
-| deepspeed ZeRO-3, fsdp2 | /dp (+ one layer gathered) | /dp | /dp |
+| deepspeed ZeRO-3, fsdp2 | /dp (+ one layer gathered; fsdp2 of a model ≤ 1 GiB: + all of it) | /dp | /dp |
 | torch_tp (TP×FSDP2) | /tp/dp | /tp/dp | /tp/dp |
 | torch_pp | /pp/tp (largest stage) | same | same |
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engines.torch_engines import gathers_once
 from ..rl.config import PhaseLayout
 from .enumerate import Combination
 from .workload import Workload
@@ -62,7 +63,9 @@ def train_state_bytes(w: Workload, layout: PhaseLayout, head: str = "lm", trains
     p, b = w.params(head) * _stage_share(w, layout), w.bytes_per_param
     ws, gs, os_ = _shards(layout)
     weights = p * b / ws
-    if ws > 1 and layout.engine in ("deepspeed", "fsdp2", "torch_tp"):
+    if ws > 1 and layout.engine in ("fsdp2", "torch_tp") and gathers_once(w.params(head) * b):
+        weights += p * b / (layout.tp * layout.pp)  # a small model is held gathered for a whole call
+    elif ws > 1 and layout.engine in ("deepspeed", "fsdp2", "torch_tp"):
         weights += w.layer_params() * b / (layout.tp * layout.pp) * 2  # a gathered layer (+ the prefetched one)
     if not trains:
         return weights

@@ -19,7 +19,7 @@ step (``decode_step_overhead_s``, per rollout engine) and per tensor of an optim
 (``optimizer_tensor_s``: the engines run AdamW with ``foreach=False``, one loop turn per tensor),
 and what each training engine adds on top (``engine_forward_s``, ``engine_step_s``), measured by
 a micro-run of the real engine on 2 processes with the config's shapes; and the switch's fixed
-cost per sync (``switch_fixed_s``, per rollout engine), from a run's own metrics.
+cost per sync and channel member (``switch_member_s``, per rollout engine), from a run's own metrics.
 """
 from __future__ import annotations
 
@@ -65,9 +65,10 @@ class MachineProfile:
     # optimizer step; keyed by engine_key ("deepspeed-z3", "fsdp2", ...)
     engine_forward_s: dict[str, float] = field(default_factory=dict)
     engine_step_s: dict[str, float] = field(default_factory=dict)
-    # the switch's fixed cost per sync beyond its bytes (Ray calls to every member, the rollout
-    # engine's RPC and prefix-cache reset), per rollout engine; measured from a run's own metrics
-    switch_fixed_s: dict[str, float] = field(default_factory=dict)
+    # the switch's fixed cost per sync beyond its bytes (a Ray call to every member of the weight
+    # channel, the rollout engine's RPC and prefix-cache reset), per member of the channel and per
+    # rollout engine: a world of 4 calls twice the members of a world of 2; from a run's metrics
+    switch_member_s: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:

@@ -27,6 +27,7 @@ class Workload:
     new_tokens: int
     has_reference: bool
     has_critic: bool
+    logprob_micro_batch: int | None = None  # sequences per forward of the log-prob passes (None: micro_batch)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, hf_config: dict | None = None) -> "Workload":
@@ -35,7 +36,8 @@ class Workload:
         return cls(hf_config=hf, dtype=compute_dtype_of(cfg), rollout_batch=algo.rollout_batch_size,
                    mini_batch=algo.train_batch_size, micro_batch=algo.micro_batch_size, epochs=algo.epochs,
                    prompt_tokens=_prompt_tokens(cfg), new_tokens=algo.max_new_tokens,
-                   has_reference=cfg.reference is not None, has_critic=cfg.critic is not None)
+                   has_reference=cfg.reference is not None, has_critic=cfg.critic is not None,
+                   logprob_micro_batch=algo.logprob_micro_batch_size)
 
     # --- the model ---------------------------------------------------------------------------
     @cached_property

@@ -1,0 +1,77 @@
+"""Rank-side jobs for ``test_loop_overhead.py`` (module level, so they pickle by reference)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlhf_switch.engines.base import ModuleEngine, TrainingContext, training_engine
+from rlhf_switch.engines.optim import AdamWConfig
+from rlhf_switch.engines.torch_train import clip_grad_norm
+
+OPTIM = AdamWConfig(lr=1e-3, max_grad_norm=1.0)
+
+
+def _engine(cfg: dict, plain: bool):
+    """An FSDP2 engine of ``cfg`` (seed 0, both ranks). ``plain``: the paths before the overhead
+    work — FSDP2's own per-layer gathers (ModuleEngine's outputs/train_step) and torch's AdamW
+    on the DTensors."""
+    ctx = TrainingContext(cfg, 0, tuple(range(dist.get_world_size())), OPTIM, micro_batch=2)
+    eng = training_engine("fsdp2").build(None, ctx)
+    if plain:
+        t = eng.trainer
+        t.optimizer = OPTIM.make(t.module.parameters())
+        t.scheduler = OPTIM.scheduler(t.optimizer)
+    return eng
+
+
+def _loss(lp: torch.Tensor, s: slice):
+    loss = -lp.mean()
+    return loss, {"loss": float(loss.detach())}
+
+
+def _state(eng) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in eng.module.named_parameters():
+        out[n] = p.detach().to_local().clone()
+        st = eng.trainer.optimizer.state[p]
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{n}.{k}"] = st[k].to_local().clone()
+    return out
+
+
+def gathered_once_and_local_adam_equal_the_plain_paths(cfg: dict, batches: list[torch.Tensor]) -> dict:
+    """The same seeded model trained twice on the same batches — once through the engine as it
+    is (each FSDP2 unit gathered once per call, AdamW on the local shards), once through the
+    plain paths — and compared bit for bit: outputs, losses, gradient norms, weights and Adam
+    moments. Also: after a call every parameter is sharded again and FSDP2's reshard flags are
+    what they were."""
+    new, plain = _engine(cfg, False), _engine(cfg, True)
+    flags = lambda e: [(g.post_forward_mesh_info is None, g.reshard_after_backward)  # noqa: E731
+                       for m in e.module.modules() if hasattr(m, "_get_fsdp_state")
+                       for g in m._get_fsdp_state()._fsdp_param_groups]
+    ModuleEngine.outputs(plain, batches[0])  # FSDP2's lazy init on both before the flags are read
+    new.outputs(batches[0])
+    before = flags(new)
+    got = {"outputs": [], "steps": [], "flags_kept": True, "sharded_after": True}
+    for ids in batches:
+        a, b = new.outputs(ids), ModuleEngine.outputs(plain, ids)
+        got["outputs"].append(bool(torch.equal(a, b)))
+        sa = new.train_step(ids, 2, _loss)
+        sb = ModuleEngine.train_step(plain, ids, 2, _loss)
+        got["steps"].append((sa["grad_norm"] == sb["grad_norm"], sa["stats"] == sb["stats"], sa["grad_norm"]))
+        got["flags_kept"] &= flags(new) == before
+        got["sharded_after"] &= all(hasattr(p, "to_local") for p in new.module.parameters())
+    sa, sb = _state(new), _state(plain)
+    got["state_equal"] = sorted(k for k in sa if not torch.equal(sa[k], sb[k]))
+    return got
+
+
+def batched_norm_equals_per_tensor_norm(cfg: dict, ids: torch.Tensor) -> tuple[float, float]:
+    """``clip_grad_norm`` (one all-reduce per mesh dim) against the per-tensor DTensor norms it
+    replaced, on the same FSDP2 gradients."""
+    eng = _engine(cfg, True)
+    ModuleEngine._per_token(eng, eng._forward(ids), ids).mean().backward()
+    grads = [p.grad for p in eng.module.parameters() if p.grad is not None]
+    per_tensor = float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(g, 2).full_tensor().double() for g in grads]), 2))
+    return clip_grad_norm(eng.module.parameters(), float("inf")), per_tensor
