@@ -358,3 +358,20 @@ def test_the_switch_fixed_cost_is_a_runs_median_sync_less_its_modelled_bytes_per
     members = channel_members(cfg.train, cfg.rollout)
     assert member * members == pytest.approx(
         0.016 - switch_cost(Workload.from_config(cfg), bare, cfg.train, cfg.rollout).seconds)
+
+
+def test_a_pipeline_with_tp_stages_pays_the_tp_engines_fixed_costs_too(grpo, cpu):
+    """The pipeline engine at TP > 1 runs DTensor TP inside its stages: its fixed costs are the
+    pipeline's plus the TP engine's (the 2026-12-02 validation: torch_pp TP2 measured 3x its
+    prediction without them)."""
+    from rlhf_switch.rl.config import TrainLayout
+    from rlhf_switch.tune.cost import engine_pass
+
+    _, w = grpo
+    bare = dataclasses.replace(cpu, engine_forward_s={}, engine_step_s={})
+    tp_only = dataclasses.replace(bare, engine_forward_s={"torch_tp": 0.01}, engine_step_s={"torch_tp": 0.1})
+    pp_tp2, pp2 = TrainLayout(engine="torch_pp", tp=2), TrainLayout(engine="torch_pp", pp=2)
+    assert engine_pass(w, tp_only, pp_tp2, 2, w.rollout_batch, train=False).total > \
+        engine_pass(w, bare, pp_tp2, 2, w.rollout_batch, train=False).total
+    assert engine_pass(w, tp_only, pp2, 2, w.rollout_batch, train=False).total == \
+        engine_pass(w, bare, pp2, 2, w.rollout_batch, train=False).total

@@ -96,6 +96,9 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
     layers = math.ceil(d.num_layers / pp)
     compute = flops / profile.flops(w.dtype) * slow + n_micro * layers * mult * profile.layer_overhead_s * slow
     fwd_fixed, step_fixed = profile.engine_costs(engine_key(layout))
+    if layout.engine == "torch_pp" and tp > 1:  # its stages run DTensor TP: the TP engine's dispatch too
+        tp_fwd, tp_step = profile.engine_costs("torch_tp")
+        fwd_fixed, step_fixed = fwd_fixed + tp_fwd, step_fixed + tp_step
     compute += (n_micro * fwd_fixed * mult + (steps * step_fixed if train else 0.0)) * slow
     if pp > 1:  # GPipe: the stages idle for pp - 1 micro-batch slots
         per_step_micro = max(1, n_micro // max(1, steps))
