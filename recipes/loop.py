@@ -174,6 +174,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             say(f"[{name}] held-out greedy reward {when} iteration {it}: {r:.3f} ({len(evaluate.prompts)} prompts)")
 
         requested: dict[int, dict] = {}  # iteration -> the resize request that scheduled it
+        # Ray's nodes as last seen (elastic: a node added or lost is an event, maybe a resize request)
+        nodes_seen = _node_snapshot(ray) if cfg.elastic is not None else None
         it, refreshed_at = first, None  # refreshed_at: the iteration of the last host copy (redundancy)
         while it <= last:
             try:
@@ -183,6 +185,11 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                     pending = None
                     records.append(rec)
                     log.write(rec, it)
+                if cfg.elastic is not None:  # Ray's nodes: every change recorded, maybe a resize request
+                    nodes_seen, notes = _watch_nodes(out_dir, cfg, nodes_seen, ray, it, say, name)
+                    for note in notes:
+                        records.append(note)
+                        log.write(note, it)
                 if cfg.elastic is not None:  # a resize request from outside the config (elastic.requests)
                     cfg, note = _take_request(out_dir, cfg, schedule, requested, ray, devices, it, last, say, name)
                     if note is not None:
@@ -353,6 +360,55 @@ def _start_resize(ray, cluster, cfg, entry, devices, init_dir: Path, it: int):
     return pending
 
 
+def _node_snapshot(ray) -> dict:
+    from rlhf_switch.elastic.nodes import snapshot
+
+    return snapshot(ray.nodes())
+
+
+def _watch_nodes(out_dir: Path, cfg, seen: dict, ray, it: int, say, name: str) -> tuple[dict, list[dict]]:
+    """At the boundary before iteration ``it``: Ray's nodes compared with ``seen``; every node
+    added or lost is an ``event`` record. With ``elastic.on_node_change: resize`` a node added is
+    also a resize request to every device now available (layouts scaled along DP), written to the
+    run's mailbox as ``requests.request_resize`` writes one: ``_take_request`` checks it right
+    after, as any request (refused with the config's messages, or a schedule entry at ``it + 1``).
+    A node lost is only recorded. Returns the new snapshot and the records."""
+    from rlhf_switch.elastic import ResizeError, nodes, requests
+
+    now = nodes.snapshot(ray.nodes())
+    changes = nodes.node_changes(seen, now)
+    if not changes:
+        return now, []
+    before, total = nodes.cluster_devices(seen), nodes.cluster_devices(now)
+    notes = []
+    for c in changes:
+        ev = {"kind": c.kind, "node_id": c.node_id, "devices": c.devices, "gpus": c.gpus, "cpus": c.cpus,
+              "cluster_devices": total, "old": f"{before} devices", "new": f"{total} devices"}
+        if c.kind == "node_lost":
+            ev["action"] = "recorded (a lost trainer is elastic.redundancy: host's job)"
+        notes.append({"iteration": it, "event": ev})
+        say(f"[{name}] {c.kind.replace('_', ' ')} before iteration {it}: {c.node_id[:12]} ({c.devices} devices); "
+            f"the cluster has {total} devices")
+    added = [n for n in notes if n["event"]["kind"] == "node_added"]
+    if added:
+        target = cfg.at_iteration(it + 1)  # the world in force after this boundary (a due entry included)
+        ev = added[-1]["event"]
+        if cfg.elastic.on_node_change != "resize":
+            ev["action"] = "recorded (elastic.on_node_change: record)"
+        elif total <= target.world_size:
+            ev["action"] = f"no resize: the run already uses {target.world_size} devices"
+        else:
+            dumped = {k: (getattr(target, k).model_dump() if getattr(target, k) is not None else None)
+                      for k in ("train", "rollout", "reference")}
+            try:
+                rid = requests.request_resize(out_dir, reason="node_added", **nodes.grown_request(dumped, total))
+                ev["action"] = f"resize requested: {total} devices (request {rid})"
+                ev["request"] = rid
+            except ResizeError as e:  # another request waits in the mailbox: that one goes first
+                ev["action"] = f"no resize: {e}"
+    return now, notes
+
+
 def _take_request(out_dir: Path, cfg, schedule: list, requested: dict, ray, devices, it: int, last: int,
                   say, name: str):
     """At the boundary before iteration ``it``: a pending resize request (``elastic.requests``)
@@ -409,6 +465,7 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
     cluster.adopt(pending.config, result.workers, devices.slots(result.plan.new_devices))
     new = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
     event = {"kind": "requested" if request else "planned", "old": old, "new": new, "iterations_during_build": it - pending.started_at,
+             **({"reason": request["reason"]} if request and request.get("reason") else {}),
              "background_s": result.background_s, "waited_for_build_s": waited,
              "stop_the_world_s": result.stop_the_world_s, "release_s": result.release_s,
              "bytes_moved": result.bytes_moved}

@@ -41,9 +41,10 @@ def _write(path: Path, data: Mapping) -> None:
 
 
 def request_resize(output_dir, world_size: int, train: Mapping, rollout: Mapping,
-                   reference: Mapping | None = None) -> str:
+                   reference: Mapping | None = None, reason: str | None = None) -> str:
     """Ask the loop writing to ``output_dir`` for a world of ``world_size`` devices with these
-    layouts (the phase blocks' form) from its next iteration on; returns the request's id."""
+    layouts (the phase blocks' form) from its next iteration on; returns the request's id.
+    ``reason``: why (e.g. ``node_added`` from the loop's own node watch), kept in its records."""
     out = Path(output_dir)
     if not out.is_dir():
         raise ResizeError(f"{out}: no run writes there (no such directory)")
@@ -53,6 +54,8 @@ def request_resize(output_dir, world_size: int, train: Mapping, rollout: Mapping
     body: dict[str, Any] = {"id": rid, "world_size": world_size, "train": dict(train), "rollout": dict(rollout)}
     if reference is not None:
         body["reference"] = dict(reference)
+    if reason is not None:
+        body["reason"] = str(reason)
     _write(out / REQUEST, body)
     return rid
 
@@ -113,7 +116,7 @@ def checked_request(cfg, request: Mapping, iteration: int, last: int, devices_he
     problems = []
     if "unreadable" in request:
         raise refuse([f"{where}: unreadable ({request['unreadable']})"])
-    unknown = sorted(set(request) - set(ENTRY_KEYS) - {"id"})
+    unknown = sorted(set(request) - set(ENTRY_KEYS) - {"id", "reason"})
     if unknown:
         problems.append(f"{where}: unknown keys {unknown} (give {', '.join(ENTRY_KEYS)})")
     if devices_held is None:

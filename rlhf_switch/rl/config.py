@@ -317,6 +317,11 @@ class ElasticConfig(Strict):
     # where placement allows), refreshed at each train -> rollout boundary; a lost trainer is
     # restored from those copies without a checkpoint (rlhf_switch/elastic/recovery.py)
     redundancy: Literal["none", "host"] = "none"
+    # what the loop does when Ray reports a node added or lost (polled at every iteration
+    # boundary, rlhf_switch/elastic/nodes.py): record it as an event, or also turn a node added
+    # into a resize request to the devices now available (layouts scaled along DP; the request's
+    # checks apply). A node lost is only recorded: a lost trainer is redundancy: host's job
+    on_node_change: Literal["record", "resize"] = "record"
 
 
 class RunConfig(Strict):
@@ -400,6 +405,17 @@ class RunConfig(Strict):
         if self.elastic and self.elastic.schedule and self.rollout.engine not in ELASTIC_ROLLOUT:
             problems.append(f"rollout.engine: {self.rollout.engine} — elastic.schedule resizes only the torch "
                             f"rollout engine (in the trainer's actors) and vLLM replicas yet")
+        if self.elastic and self.elastic.on_node_change == "resize":
+            # a node added becomes a resize request of the trainer world: what a schedule entry
+            # that grows it needs, checked here rather than at the first node that joins
+            why = "elastic.on_node_change: resize"
+            if self.rollout.engine != "torch" or not self.rollout.colocate:
+                problems.append(f"{why}: a node added grows the trainer world, which only the torch rollout "
+                                f"engine, colocated, follows yet (vLLM replicas change only their own layout)")
+            if self.critic is not None:
+                problems.append(f"{why}: a resize does not move the critic (PPO) yet; GRPO only")
+            if self.elastic.redundancy == "host":
+                problems.append(f"{why} with elastic.redundancy: host: not supported together yet")
         if self.elastic and self.elastic.redundancy == "host":
             why = "elastic.redundancy: host"
             if self.world_size < 2:

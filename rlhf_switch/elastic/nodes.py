@@ -1,0 +1,81 @@
+"""Nodes added to or lost from the Ray cluster, seen by comparing two snapshots of ``ray.nodes()``.
+
+The loop (``recipes/loop.py``) takes a snapshot when it starts and one at every iteration
+boundary of a run with an ``elastic`` block; each change becomes an ``event`` record
+(``node_added`` / ``node_lost``, drawn on the run's PNG). With ``elastic.on_node_change: resize``
+a node added also becomes a resize request (``grown_request``) that goes through the same
+mailbox and checks as one from ``requests.request_resize``. A node lost is only recorded: a lost
+trainer is ``elastic.redundancy: host``'s job (``recovery.py``).
+
+Everything here is pure (lists of dicts in, dicts out): no Ray.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class NodeChange:
+    kind: str           # "node_added" or "node_lost"
+    node_id: str
+    devices: int        # the node's logical devices (one bundle of 1 CPU + 1 GPU each)
+    gpus: float
+    cpus: float
+
+
+def node_devices(resources: Mapping[str, Any]) -> int:
+    """How many of the device manager's bundles (``manager.DEVICE``: 1 CPU + 1 GPU) a node's
+    resources hold."""
+    return int(min(float(resources.get("GPU", 0)), float(resources.get("CPU", 0))))
+
+
+def snapshot(nodes: Sequence[Mapping[str, Any]]) -> dict[str, dict]:
+    """``ray.nodes()`` as {node id: {"alive", "gpus", "cpus", "devices"}}."""
+    out = {}
+    for n in nodes:
+        res = n.get("Resources") or {}
+        out[str(n["NodeID"])] = {"alive": bool(n.get("Alive")), "gpus": float(res.get("GPU", 0)),
+                                 "cpus": float(res.get("CPU", 0)), "devices": node_devices(res)}
+    return out
+
+
+def cluster_devices(snap: Mapping[str, Mapping]) -> int:
+    """The devices of the alive nodes of a snapshot."""
+    return sum(n["devices"] for n in snap.values() if n["alive"])
+
+
+def node_changes(before: Mapping[str, Mapping], after: Mapping[str, Mapping]) -> list[NodeChange]:
+    """The nodes alive in ``after`` and not in ``before`` (added) and those alive in ``before``
+    and dead or gone in ``after`` (lost), in node id order, added first. A node that was already
+    dead, or that joins dead, is no change; a dead node that comes back alive is added."""
+    def alive(snap, nid):
+        return nid in snap and snap[nid]["alive"]
+
+    def change(kind, n, nid):
+        return NodeChange(kind, nid, n["devices"], n["gpus"], n["cpus"])
+
+    added = [change("node_added", after[nid], nid) for nid in sorted(after)
+             if alive(after, nid) and not alive(before, nid)]
+    lost = [change("node_lost", before[nid], nid) for nid in sorted(before)
+            if alive(before, nid) and not alive(after, nid)]
+    return added + lost
+
+
+def grown_request(now: Mapping[str, Any], world: int) -> dict:
+    """A resize request (``requests.request_resize``'s keyword arguments) for a world of
+    ``world`` devices from the config in force ``now`` (``RunConfig.at_iteration(...).model_dump()``):
+    the train, rollout and reference layouts scaled along DP (tp and pp kept). Not checked here:
+    a layout that does not scale (``tp·pp`` not dividing ``world``) or a batch the new DP does not
+    divide is refused by ``requests.checked_request`` with the config's own messages."""
+    def scaled(block):
+        if block is None:
+            return None
+        b = dict(block)
+        b["dp"] = max(1, world // (int(b.get("tp", 1)) * int(b.get("pp", 1) or 1)))
+        return b
+
+    req = {"world_size": int(world), "train": scaled(now["train"]), "rollout": scaled(now["rollout"])}
+    if now.get("reference") is not None:
+        req["reference"] = scaled(now["reference"])
+    return req
