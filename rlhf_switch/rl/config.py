@@ -700,13 +700,18 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def task_prompt_tokens(cfg: RunConfig) -> int:
+    """The longest prompt of a ``task:`` run's task, in the character tokenizer's ids."""
+    return longest_prompt_tokens(build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len), CharTokenizer())
+
+
 def longest_sequence_tokens(cfg: RunConfig, max_context: int) -> int:
     """The longest prompt + response a run's trainer is handed: the task's longest prompt (the
     data's prompt limit) plus ``max_new_tokens``, never more than the context. An engine with
     static shapes (the pipeline's buffers) is built for this length, not for the whole context."""
     new = cfg.algorithm.max_new_tokens
     if cfg.task is not None:
-        prompt = longest_prompt_tokens(build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len), CharTokenizer())
+        prompt = task_prompt_tokens(cfg)
     else:
         from .data import prompt_token_limit
 

@@ -116,7 +116,5 @@ def compute_dtype_of(cfg: RunConfig) -> str:
 
 def _prompt_tokens(cfg: RunConfig) -> int:
     if cfg.task is not None:
-        from ..rl.tasks import CharTokenizer, build_task, longest_prompt_tokens
-
-        return longest_prompt_tokens(build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len), CharTokenizer())
+        return rlconfig.task_prompt_tokens(cfg)
     return cfg.data.max_prompt_tokens or DEFAULT_DATA_PROMPT_TOKENS
