@@ -371,7 +371,8 @@ class Cluster:
                              "(a new trainer world: give its devices)")
         res = resources_for(cfg)
         gpu_ids = self._gpus_of(res)
-        if devices is not None and self.device.is_cuda and not all(gpu_ids):  # fail closed: not run here
+        unknown = [b for bundles in res.replica_devices for b in bundles if b >= len(self._gpus_seen)]
+        if self.device.is_cuda and unknown:  # fail closed: not run here
             raise ValueError("start_replicas: the GPU ids of devices the current world does not use are not known "
                              "(a grown trainer world with vLLM replicas on CUDA is not built yet)")
         cpus, gpus = TRANSITION_SLOT

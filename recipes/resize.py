@@ -58,6 +58,10 @@ def start_combined_resize(ray, cluster, new, devices, init_dir: Path, it: int) -
     from rlhf_switch.elastic import ResizeError, ResizePlan
     from rlhf_switch.elastic.manager import start_world
 
+    if cluster.device.is_cuda:  # fail closed: nothing of this ran on a GPU
+        return PendingCombined(None, None, new, it, "a combined resize on CUDA is not built yet (the new trainer "
+                               "ranks take no GPU share of Ray's during the transition; their device is not "
+                               "handed to them)")
     plan = ResizePlan(tuple(range(cluster.world)), tuple(range(new.world_size)))
     world = start_world(ray, remote_class(*COMBINED_TRAINER_SLOT), new.model_dump(), devices, plan,
                         init_dir=str(init_dir), device=cluster.device)
