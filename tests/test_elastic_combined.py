@@ -1,8 +1,9 @@
 """One elastic resize that changes both the trainer world and the vLLM replicas (issue 15): real Ray
 (the module's session, logical devices), real DeepSpeed ZeRO-3 trainers, real vLLM CPU engines.
 
-One GRPO run of 7 iterations, world 2 (ZeRO-3 DP2, vLLM TP1×2), with three schedule entries: to
-world 1 (ZeRO-3 DP1, vLLM TP1×1) before iterations 1 and 3, back to world 2 before iteration 5:
+One GRPO run of 6 iterations, world 2 (ZeRO-3 DP2, vLLM TP1×2), with two schedule entries to
+world 1 (ZeRO-3 DP1, vLLM TP1×1), before iterations 1 and 3, and a resize request back to world 2
+(written right after the second resize; it becomes the entry before iteration 4):
 
 - iteration 1: a new replica is killed while it starts (during iteration 0) — the entry is
   abandoned with one message naming both sides, the new trainer world is dropped with it, and
@@ -14,8 +15,8 @@ world 1 (ZeRO-3 DP1, vLLM TP1×1) before iterations 1 and 3, back to world 2 bef
   iteration after it (vLLM's log-probs = the trainer's, < 1e-4); the old trainers and replicas are
   gone, and only then is device 1 released (its placement group removed — a new replica placed
   there would have died with it, yet the new one generates on);
-- iteration 5: the grow — device 1 held again from the build's start, two new TP1 replicas on the
-  two devices, the state
+- iteration 4, by request: the grow — device 1 held again from the build's start, two new TP1
+  replicas on the two devices, the request answered ``done``, the state
   again equal bit for bit across the resize, the fill the model once per replica; the run finishes.
 - Seconds are printed (``-s``), never asserted.
 """
@@ -37,11 +38,10 @@ def _config(out: Path) -> dict:
     cfg = small("grpo_tiny.yaml", out, world=2, train={"engine": "deepspeed", "zero_stage": 3, "dp": 2},
                 rollout={"engine": "vllm", "tp": 1, "dp": 2}, checkpoint={"save_every": 0})
     cfg.pop("reference")  # no KL: the trainer and the replicas are what this test is about
-    cfg["algorithm"].update(kl_coef=0.0, iterations=7)
+    cfg["algorithm"].update(kl_coef=0.0, iterations=6)
     one = {"world_size": 1, "train": {"engine": "deepspeed", "zero_stage": 3, "dp": 1},
            "rollout": {"engine": "vllm", "tp": 1, "dp": 1}}
-    two = {"world_size": 2, "train": cfg["train"], "rollout": cfg["rollout"]}
-    cfg["elastic"] = {"schedule": [{"iteration": 1, **one}, {"iteration": 3, **one}, {"iteration": 5, **two}]}
+    cfg["elastic"] = {"schedule": [{"iteration": 1, **one}, {"iteration": 3, **one}]}
     return cfg
 
 
@@ -56,6 +56,7 @@ def test_grpo_trainer_world_and_vllm_replicas_resized_together(ray_session, tmp_
     from rlhf_switch.models import model_spec
     from test_elastic import _differences, _gathered
     from test_elastic_vllm import _minimum
+    from rlhf_switch.elastic.requests import read_answer, request_resize
     from test_rl_loop import records
 
     ray = ray_session
@@ -67,11 +68,14 @@ def test_grpo_trainer_world_and_vllm_replicas_resized_together(ray_session, tmp_
         if phase in ("before_resize", "after_resize"):
             seen["states"][(it, phase)] = _gathered(ray, cluster.workers)
             seen["devices"][(it, phase)] = _devices_held(ray)
+        if (it, phase) == (3, "after_resize"):  # back to world 2, from outside the config
+            seen["request"] = request_resize(tmp_path / "run", world_size=2, train=cfg["train"],
+                                             rollout=cfg["rollout"])
 
     cfg = _config(tmp_path / "run")
     recs = run(cfg, quiet=True, phase_hook=hook)
     steps = [r for r in recs if "reward_mean" in r]
-    assert [r["iteration"] for r in steps] == list(range(7))
+    assert [r["iteration"] for r in steps] == list(range(6))
     for r in steps:  # every iteration, before and after the resize: vLLM ran on the trainer's weights
         assert r["stale_check_passed"] and r["stale_logprob_diff"] < 1e-4, r
         assert r["gen_tokens"] > 0
@@ -97,16 +101,18 @@ def test_grpo_trainer_world_and_vllm_replicas_resized_together(ray_session, tmp_
     assert done["trainer_bytes_moved"] > 0
     assert done["bytes_moved"] == done["trainer_bytes_moved"] + done["fill_bytes_moved"]
     assert done["background_s"] == max(done["trainer_background_s"], done["replicas_background_s"])
-    # iteration 5: the grow back to world 2, vLLM TP1×2
-    assert "abandoned" not in grown, grown
+    # iteration 4: the grow back to world 2, vLLM TP1×2, by request
+    assert "abandoned" not in grown and grown["kind"] == "requested", grown
+    answer = read_answer(tmp_path / "run")
+    assert (answer["id"], answer["status"], answer["iteration"]) == (seen["request"], "done", 4), answer
     assert (grown["old"], grown["new"]) == (done["new"], done["old"]), grown
     assert grown["iterations_during_build"] >= 1
-    assert _differences(seen["states"][(5, "before_resize")], seen["states"][(5, "after_resize")]) == []
+    assert _differences(seen["states"][(4, "before_resize")], seen["states"][(4, "after_resize")]) == []
     assert (grown["old_replicas"], grown["new_replicas"], grown["old_replicas_gone"]) == (1, 2, 1)
     assert grown["devices_released"] == []
-    # device 1 held again since the build started (during iteration 4), kept after the boundary
-    assert (seen["devices"][(5, "before_resize")], seen["devices"][(5, "after_resize")]) == (2, 2)
-    assert grown["fill_bytes_moved"] == _minimum(spec, 1, 2) == 2 * spec.numel * 4 == steps[5]["bytes_moved"]
+    # device 1 held again since the build started (during iteration 3), kept after the boundary
+    assert (seen["devices"][(4, "before_resize")], seen["devices"][(4, "after_resize")]) == (2, 2)
+    assert grown["fill_bytes_moved"] == _minimum(spec, 1, 2) == 2 * spec.numel * 4 == steps[4]["bytes_moved"]
     (summary,) = [r["channel"] for r in records(tmp_path / "run") if "channel" in r]
     assert summary["members"] == 2 + 2  # 2 trainer ranks + 2 replicas of TP1
     assert (tmp_path / "run" / "final").is_dir()
@@ -134,7 +140,7 @@ def test_a_combined_entry_is_checked_before_ray(tmp_path):
     cfg = _config(tmp_path / "run")
     ok = load_config(cfg)
     check_fits(ok)
-    assert [(ok.at_iteration(i).world_size, ok.at_iteration(i).rollout.dp) for i in (0, 3, 5)] == [(2, 2), (1, 1), (2, 2)]
+    assert [(ok.at_iteration(i).world_size, ok.at_iteration(i).rollout.dp) for i in (0, 1, 3)] == [(2, 2), (1, 1), (1, 1)]
     bad = {**cfg["elastic"]["schedule"][1], "rollout": {"engine": "vllm", "tp": 2, "dp": 1}}  # TP2 on 1 device
     with pytest.raises(ConfigError) as e:
         check_fits(load_config({**cfg, "elastic": {"schedule": [bad]}}))
