@@ -353,8 +353,9 @@ class Cluster:
         same trainer world) in the background; returns at once — the current replicas keep
         syncing and generating meanwhile. ``devices``: one (placement group, bundle index) per
         rank of ``cfg``'s world when that is a new trainer world (a combined resize,
-        ``recipes/resize.py``; ``adopt`` finishes it): the replicas go on its devices. Each new replica starts on its first device's bundle
-        beside the trainer rank and the replica already there: during the transition it takes a
+        ``recipes/resize.py``; ``adopt`` finishes it): the replicas go on its devices. Each new
+        replica starts on its first device's bundle beside the trainer rank and the replica
+        already there: during the transition it takes a
         CPU share of ``TRANSITION_SLOT`` and no GPU share of Ray's (its devices are handed to it by
         id, as a colocated replica's other devices always are), so nothing waits for the old
         replicas to leave. ``swap_replicas`` finishes it at an iteration boundary."""
