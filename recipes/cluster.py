@@ -344,14 +344,18 @@ class Cluster:
     def _gpus_of(self, res: Resources) -> list[list[str]]:
         """Colocated: the GPU ids replica r's workers use — the whole devices of the trainer ranks
         it shares (``res.replica_devices``)."""
-        return [[g for b in bundles for g in self._gpus_seen[b]] for bundles in res.replica_devices]
+        seen = self._gpus_seen  # per device of the current world; one it does not use: not known ([])
+        return [[g for b in bundles for g in (seen[b] if b < len(seen) else [])] for bundles in res.replica_devices]
 
     # --- the rollout layout of a running world (elastic, vLLM replicas) -----------------------------
-    def start_replicas(self, cfg, init_dir: Path) -> "IncomingReplicas":
+    def start_replicas(self, cfg, init_dir: Path, devices: Sequence | None = None) -> "IncomingReplicas":
         """Start the rollout replicas of ``cfg``'s rollout layout (vLLM: its TP × replicas, on the
         same trainer world) in the background; returns at once — the current replicas keep
-        syncing and generating meanwhile. Each new replica starts on its first device's bundle
-        beside the trainer rank and the replica already there: during the transition it takes a
+        syncing and generating meanwhile. ``devices``: one (placement group, bundle index) per
+        rank of ``cfg``'s world when that is a new trainer world (a combined resize,
+        ``recipes/resize.py``; ``adopt`` finishes it): the replicas go on its devices. Each new
+        replica starts on its first device's bundle beside the trainer rank and the replica
+        already there: during the transition it takes a
         CPU share of ``TRANSITION_SLOT`` and no GPU share of Ray's (its devices are handed to it by
         id, as a colocated replica's other devices always are), so nothing waits for the old
         replicas to leave. ``swap_replicas`` finishes it at an iteration boundary."""
@@ -360,13 +364,26 @@ class Cluster:
         if self.in_world or self._incoming is not None:
             raise ValueError("start_replicas: " + ("the rollout engine lives in the trainer's actors" if self.in_world
                                                    else "new replicas are already starting"))
-        if cfg.world_size != self.world or cfg.rollout.engine != self.cfg.rollout.engine or not cfg.rollout.colocate:
-            raise ValueError("start_replicas: only the rollout layout of the same colocated world and engine changes")
+        if devices is not None and len(devices) != cfg.world_size:
+            raise ValueError(f"start_replicas: {len(devices)} devices for a world of {cfg.world_size}")
+        if ((devices is None and cfg.world_size != self.world) or cfg.rollout.engine != self.cfg.rollout.engine
+                or not cfg.rollout.colocate):
+            raise ValueError("start_replicas: only the rollout layout of a colocated world and the same engine changes "
+                             "(a new trainer world: give its devices)")
         res = resources_for(cfg)
+        gpu_ids = self._gpus_of(res)
+        unknown = [b for bundles in res.replica_devices for b in bundles if b >= len(self._gpus_seen)]
+        if self.device.is_cuda and unknown:  # fail closed: not run here
+            raise ValueError("start_replicas: the GPU ids of devices the current world does not use are not known "
+                             "(a grown trainer world with vLLM replicas on CUDA is not built yet)")
         cpus, gpus = TRANSITION_SLOT
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        on = ((lambda b: PlacementGroupSchedulingStrategy(devices[b][0], placement_group_bundle_index=devices[b][1]))
+              if devices is not None else self._on)
         actors = [replica_class(num_cpus=cpus, num_gpus=gpus).options(
-            scheduling_strategy=self._on(s.bundle)).remote() for s in res.replicas]
-        devices = self._gpus_of(res)
+            scheduling_strategy=on(s.bundle)).remote() for s in res.replicas]
+        devices = gpu_ids
         starts = [a.start.remote(cfg.rollout.engine, self._replica_context(cfg, init_dir, i), devices[i])
                   for i, a in enumerate(actors)]
         # and one short generation each (after the start: Ray runs an actor's calls in order): an
@@ -378,14 +395,16 @@ class Cluster:
         self._incoming = IncomingReplicas(cfg, actors, starts, devices, time.perf_counter(), self)
         return self._incoming
 
-    def swap_replicas(self, timeout_s: float = 600.0) -> dict:
+    def swap_replicas(self, timeout_s: float = 600.0, fall_back: bool = True) -> dict:
         """The stop-the-world of a rollout layout change (``start_replicas``): wait for what is left
         of the new replicas' start, re-form the weight channel over the trainer ranks and the new
         replicas (the channel's own join and plan), fill them with one sync before they take any
         work, then shut down the replicas that leave. A new replica that failed to start, or a
         channel that fails to form or fill: the new replicas are killed, the channel is formed
         again over the old ones (they still hold the trainer's last weights) and ``ValueError``
-        says why — the run goes on in the old layout. Returns the resize's figures."""
+        says why — the run goes on in the old layout. ``fall_back=False`` (``adopt``: the trainer
+        world the old replicas were fed by is gone): no channel is formed again and
+        ``RuntimeError`` says why. Returns the resize's figures."""
         if self._incoming is None:
             raise ValueError("swap_replicas: no new replicas are starting")
         if self._standing_by is not None:  # they wait in the old channel for a move that will not come
@@ -406,6 +425,10 @@ class Cluster:
         except Exception as e:  # noqa: BLE001 - back to the old replicas, then one message
             self._stop_replicas(incoming.actors)
             (self.cfg, self.replicas, self._replica_gpus, self.tp, self.n_replicas, self.resources) = old
+            if not fall_back:
+                raise RuntimeError(f"the new rollout replicas were not taken after the trainer world moved "
+                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the old "
+                                   f"trainer world is gone: resume from the newest checkpoint") from e
             self.open_channel()
             raise ValueError(f"the new rollout replicas were not taken ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}); killed, the old replicas generate on") from e
@@ -452,15 +475,24 @@ class Cluster:
         pg, index = self._slot(bundle)
         return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
 
-    def adopt(self, cfg, workers: list, devices: Sequence) -> None:
+    def adopt(self, cfg, workers: list, devices: Sequence) -> dict | None:
         """After an elastic resize (``rlhf_switch.elastic.manager``): the new world's actors —
         trainer, reference and in-actor rollout engine built by ``build_empty(config, init_dir)``,
         the training state moved in — become this cluster's; the weight channel is re-formed over
-        them and the next ``sync`` brings their rollout engines up to date."""
-        if self.replicas:
-            raise NotImplementedError("an elastic resize with rollout replicas in their own actors (vLLM)")
+        them and the next ``sync`` brings their rollout engines up to date. With rollout replicas
+        (vLLM, a combined resize): ``cfg``'s replicas must be starting on ``devices``
+        (``start_replicas(cfg, init_dir, devices)``); they take over here — ``swap_replicas``: the
+        channel formed over the new trainer world and them, one sync fills them, the old replicas
+        shut down — and its figures are returned."""
+        if self.replicas and (self._incoming is None or self._incoming.cfg is not cfg):
+            raise ValueError("adopt: a world with rollout replicas needs the new world's replicas started first "
+                             "(start_replicas with its devices)")
+        seen = self._gpus_seen  # per device (rank r on device r): the ids seen there, kept with the device
         self.cfg, self.workers, self.world, self.devices = cfg, list(workers), cfg.world_size, list(devices)
         self.bundles = [index for _, index in self.devices]
+        self._gpus_seen = [seen[d] if d < len(seen) else [] for d in range(self.world)]
+        if self.replicas:
+            return self.swap_replicas(fall_back=False)
         self.resources = resources_for(cfg)
         self.tp, self.n_replicas = cfg.rollout.tp, cfg.world_size // cfg.rollout.tp
         self.open_channel()

@@ -180,8 +180,12 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
         while it <= last:
             try:
                 if schedule and schedule[0].iteration == it:  # the resize due now: stop-the-world
+                    if phase_hook is not None:  # tests: the state right before the resize
+                        phase_hook(it, "before_resize", cluster)
                     rec = _commit_resize(cluster, pending, schedule.pop(0), cfg, devices, it, say, name,
                                          request=requested.pop(it, None), out_dir=out_dir)
+                    if phase_hook is not None:  # ... and right after it
+                        phase_hook(it, "after_resize", cluster)
                     pending = None
                     records.append(rec)
                     log.write(rec, it)
@@ -351,8 +355,12 @@ def _start_resize(ray, cluster, cfg, entry, devices, init_dir: Path, it: int):
     from rlhf_switch.elastic.manager import start_world
 
     new = cfg.at_iteration(entry.iteration)
-    if not cluster.in_world:  # vLLM replicas: only their layout changes (the config's validators)
-        return _start_rollout_resize(cluster, new, init_dir, it)
+    if not cluster.in_world:  # vLLM replicas: their layout, or the trainer world with them
+        if (new.world_size, new.train, new.reference) == (cluster.world, cluster.cfg.train, cluster.cfg.reference):
+            return _start_rollout_resize(cluster, new, init_dir, it)
+        from recipes.resize import start_combined_resize
+
+        return start_combined_resize(ray, cluster, new, devices, init_dir, it)
     plan = ResizePlan(tuple(range(cluster.world)), tuple(range(new.world_size)))
     pending = start_world(ray, remote_class(num_cpus=0.5, num_gpus=0.5), new.model_dump(), devices, plan,
                           init_dir=str(init_dir), device=cluster.device)
@@ -450,6 +458,10 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
     from rlhf_switch.elastic import ResizeError, requests
 
     if not cluster.in_world:
+        from recipes.resize import PendingCombined
+
+        if isinstance(pending, PendingCombined):
+            return _commit_combined_resize(cluster, pending, devices, it, say, name, request, out_dir)
         return _commit_rollout_resize(cluster, pending, it, say, name, request, out_dir)
     old = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
     t0 = time.perf_counter()
@@ -519,6 +531,35 @@ def _commit_rollout_resize(cluster, pending, it: int, say, name: str, request, o
         f"{swap['bytes_moved']} B moved")
     return {"iteration": it, "resize": event, "resize_stop_the_world_s": swap["stop_the_world_s"],
             "resize_background_s": swap["background_s"]}
+
+
+def _commit_combined_resize(cluster, pending, devices, it: int, say, name: str, request,
+                            out_dir: Path | None) -> dict:
+    """Before iteration ``it``: the new trainer world and its new vLLM replicas take over in one
+    stop-the-world (``recipes/resize.py``); either side not built: both abandoned, one message."""
+    from recipes.resize import commit_combined_resize
+    from rlhf_switch.elastic import requests
+
+    event = commit_combined_resize(cluster.ray, cluster, pending, devices, it)
+    if request is not None:
+        event["kind"] = "requested"
+        if request.get("reason"):
+            event["reason"] = request["reason"]
+    if "abandoned" in event:
+        say(f"[{name}] resize before iteration {it} abandoned: {event['abandoned']}")
+        if request is not None:
+            requests.answer(out_dir, request, "abandoned", event["abandoned"], iteration=it)
+        return {"iteration": it, "resize": event}
+    if request is not None:
+        requests.answer(out_dir, request, "done", f"resized before iteration {it}: {event['old']} -> {event['new']}",
+                        iteration=it, event=event)
+    say(f"[{name}] resized before iteration {it}: {event['old']} -> {event['new']}; built in the background in "
+        f"{event['background_s']:.1f} s ({event['iterations_during_build']} iteration(s) meanwhile, "
+        f"{event['waited_for_build_s']:.1f} s waited), stop-the-world {event['stop_the_world_s']:.2f} s "
+        f"(trainer move {event['trainer_move_s']:.2f} s, replicas filled {event['fill_sync_s']:.2f} s), "
+        f"{event['bytes_moved']} B moved")
+    return {"iteration": it, "resize": event, "resize_stop_the_world_s": event["stop_the_world_s"],
+            "resize_background_s": event["background_s"]}
 
 
 def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, refreshed_at: int | None,

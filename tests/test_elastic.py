@@ -303,10 +303,11 @@ def test_a_resize_requested_by_api_call_takes_the_schedule_path(ray_session, tmp
     assert "iteration 0: resize request refused" in described and "iteration 2: requested resize" in described
 
 
-def test_an_elastic_schedule_with_vllm_changes_only_the_rollout_layout(tmp_path):
-    """With vLLM replicas an entry may change their layout (TP × replicas) on the same trainer
-    world; one that also changes the trainer world, or the engine, is refused before Ray; the
-    device count is checked as for every entry (a replica of TP t takes t devices of the world)."""
+def test_an_elastic_schedule_with_vllm_changes_the_rollout_layout(tmp_path):
+    """With vLLM replicas an entry may change their layout (TP × replicas), on the same trainer
+    world or with it (tests/test_elastic_combined.py runs one); one that changes the engine is
+    refused before Ray; the device count is checked as for every entry (a replica of TP t takes t
+    devices of the world)."""
     from rlhf_switch.rl.config import ConfigError, check_fits, load_config
 
     cfg = {**_config(tmp_path, 2), "rollout": {"engine": "vllm", "tp": 1, "dp": 2}}
@@ -314,14 +315,12 @@ def test_an_elastic_schedule_with_vllm_changes_only_the_rollout_layout(tmp_path)
     ok = load_config({**cfg, "elastic": {"schedule": [tp2, {**tp2, "iteration": 3, "rollout": cfg["rollout"]}]}})
     check_fits(ok)
     assert [(ok.at_iteration(i).rollout.tp, ok.at_iteration(i).rollout.dp) for i in (1, 2, 3)] == [(1, 2), (2, 1), (1, 2)]
-    dp4 = _config(tmp_path, 4)
+    dp4 = _config(tmp_path, 4)  # the trainer world beside the replicas: accepted (one combined resize)
+    load_config({**cfg, "elastic": {"schedule": [{**tp2, "world_size": 4, "train": dp4["train"],
+                                                  "rollout": {"engine": "vllm", "tp": 2, "dp": 2}}]}})
     for entry, want in (
-            ({**tp2, "world_size": 4, "train": dp4["train"], "rollout": {"engine": "vllm", "tp": 2, "dp": 2}},
-             "elastic.schedule[0]: with vLLM rollout replicas a resize changes only the rollout layout"),
-            ({**tp2, "train": {"engine": "fsdp2", "dp": 2}},
-             "elastic.schedule[0]: with vLLM rollout replicas a resize changes only the rollout layout"),
             ({**tp2, "rollout": {"engine": "torch", "tp": 1, "dp": 2}},
-             "elastic.schedule[0].rollout.engine: torch — the run's rollout engine is vllm")):
+             "elastic.schedule[0].rollout.engine: torch — the run's rollout engine is vllm"),):
         with pytest.raises(ConfigError) as e:
             load_config({**cfg, "elastic": {"schedule": [entry]}})
         assert any(p.startswith(want) for p in e.value.problems), (want, e.value.problems)
@@ -330,16 +329,16 @@ def test_an_elastic_schedule_with_vllm_changes_only_the_rollout_layout(tmp_path)
                                                                                        "dp": 4}}]}}))
     assert any(p.startswith("elastic.schedule[0]: rollout: tp·pp·dp = 1·1·4 = 4, but world_size = 2")
                for p in e.value.problems), e.value.problems
-    # a resize request is the same entry: the vLLM layout alone is accepted, the trainer's refused
+    # a resize request is the same entry: the vLLM layout alone is accepted, another engine refused
     from rlhf_switch.elastic.requests import checked_request
 
     run = load_config({**cfg, "elastic": {}})
     new, entry = checked_request(run, {"id": "a", **{k: tp2[k] for k in ("world_size", "train", "rollout")}}, 1, 2, 2)
     assert (entry.iteration, new.at_iteration(1).rollout.tp, new.at_iteration(1).train == run.train) == (1, 2, True)
     with pytest.raises(ConfigError) as e:
-        checked_request(run, {"id": "b", "world_size": 2, "train": {"engine": "fsdp2", "dp": 2},
-                              "rollout": tp2["rollout"]}, 1, 2, 2)
-    assert any("changes only the rollout layout" in p for p in e.value.problems), e.value.problems
+        checked_request(run, {"id": "b", "world_size": 2, "train": cfg["train"],
+                              "rollout": {"engine": "torch", "tp": 1, "dp": 2}}, 1, 2, 2)
+    assert any("a resize does not change the engine" in p for p in e.value.problems), e.value.problems
 
 
 def test_a_bad_resize_request_is_one_config_error(tmp_path):

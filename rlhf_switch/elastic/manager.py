@@ -144,13 +144,16 @@ class PendingWorld:
         self.workers = []
         self.devices.release(self.plan.added)
 
-    def commit(self, old_workers: Sequence, timeout_s: float = 600.0, source: str = "engine") -> ResizeResult:
+    def commit(self, old_workers: Sequence, timeout_s: float = 600.0, source: str = "engine",
+               release: bool = True) -> ResizeResult:
         """The stop-the-world: one VPS move over the union of old and new ranks (every old rank
         sends what it holds — the ranks leaving too, before they leave), then the old actors are
         shut down and the devices only they used released. Call between two steps of the old
         world, after ``ready()``. ``source="host_copy"``: the old ranks are the survivors of a
         world that lost a rank and send their host copies (``elastic.recovery``); their world's
-        groups are broken, so they are killed without a shutdown."""
+        groups are broken, so they are killed without a shutdown. ``release=False``: the devices
+        only the old world used stay held (other actors of the old world still run there, e.g.
+        the old rollout replicas of a combined resize); the caller releases ``plan.released``."""
         if len(old_workers) != self.plan.old_world:
             raise ResizeError(f"{len(old_workers)} old actors for an old world of {self.plan.old_world}")
         self.wait()
@@ -173,7 +176,8 @@ class PendingWorld:
         finally:
             for w in old_workers:
                 ray.kill(w)
-            self.devices.release(plan.released)
+            if release:
+                self.devices.release(plan.released)
         return ResizeResult(list(self.workers), plan, self.built_s or 0.0, stop_s,
                             time.perf_counter() - t1, members)
 

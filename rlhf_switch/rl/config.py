@@ -307,7 +307,8 @@ class ElasticEntry(Strict):
 
 
 # the rollout engines an elastic.schedule entry may name: torch resizes with the trainer world (it
-# lives in the trainer's actors); vLLM changes its replicas' layout on the same trainer world
+# lives in the trainer's actors); vLLM replicas change their layout (TP × replicas), on the same
+# trainer world or with it (one resize: recipes/resize.py)
 ELASTIC_ROLLOUT = ("torch", "vllm")
 
 
@@ -393,11 +394,6 @@ class RunConfig(Strict):
             elif e.rollout.engine != before.rollout.engine:
                 problems.append(f"{where}.rollout.engine: {e.rollout.engine} — the run's rollout engine is "
                                 f"{before.rollout.engine}; a resize does not change the engine")
-            elif e.rollout.engine == "vllm" and (e.world_size, e.train, e.reference) != (
-                    before.world_size, before.train, before.reference):
-                problems.append(f"{where}: with vLLM rollout replicas a resize changes only the rollout layout "
-                                f"(TP × replicas); the trainer world stays ({before.world_size} devices, its train "
-                                f"and reference layouts) — resizing it beside vLLM replicas is not built yet")
             before = e
         if self.elastic and self.elastic.schedule and not self.rollout.colocate:
             problems.append("rollout.colocate: false — elastic.schedule needs colocated devices (an old and a "
