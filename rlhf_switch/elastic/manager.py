@@ -59,6 +59,35 @@ class Devices:
 
         return PlacementGroupSchedulingStrategy(self.slots([d])[0][0], placement_group_bundle_index=0)
 
+    def placed(self, ids: Iterable[int], wait_s: float = 10.0) -> list[int]:
+        """The devices of ``ids`` whose placement group is placed on nodes Ray reports alive.
+        A group whose node was lost is re-placed by Ray onto a node with a free device if one
+        exists; this waits up to ``wait_s`` for that, then the others count as gone (a trainer
+        lost with its node, no device to replace it: ``recovery.recover`` shrinks the world)."""
+        from ray.util.placement_group import placement_group_table
+
+        ids = list(ids)
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
+            ok = []
+            for d in ids:
+                table = placement_group_table(self.groups[d])
+                where = set((table.get("bundles_to_node_id") or {}).values())
+                if table.get("state") == "CREATED" and where and where <= alive:
+                    ok.append(d)
+            if len(ok) == len(ids) or time.monotonic() > deadline:
+                return ok
+            time.sleep(0.5)
+
+    def renumber(self, ids: Sequence[int]) -> None:
+        """Device ``ids[i]`` becomes device ``i``; every other device must have been released
+        (after a world shrank onto ``ids``: the loop keeps its world on devices ``0..n-1``)."""
+        rest = sorted(set(self.groups) - set(ids))
+        if rest:
+            raise ResizeError(f"devices {rest} are still held: release them before renumbering")
+        self.groups = {i: self.groups[d] for i, d in enumerate(ids)}
+
     def release(self, ids: Iterable[int]) -> None:
         from ray.util.placement_group import remove_placement_group
 
