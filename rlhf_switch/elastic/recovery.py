@@ -10,12 +10,12 @@ lost too (it is killed). ``recover`` then:
    (``vps.layouts.buddy.lost_owners``): ``StateLost`` — the caller falls back to a checkpoint;
 2. builds a new world with ``start_world`` — the resize's own background build: a replacement
    for each lost rank on its device where that device is still placed (``Devices.placed``: a
-   rank killed on a live node, or a lost node's placement group Ray re-placed on a free device
-   within ``replace_wait_s``; a device's other half holds the surviving old actor meanwhile);
-   the devices gone with a lost node are released and the world shrinks to the others, rank
-   order kept, with ``config_for(world)`` — the run's layouts scaled along DP
-   (``requests.scaled_config``). A smaller world that is not a valid config: ``WorldLost``,
-   before anything moves — the caller falls back to a checkpoint;
+   rank killed on a node that is up, or a lost node's placement group Ray re-placed on a free
+   device once it knows the node is down; ``replace_wait_s`` at most; a device's other half
+   holds the surviving old actor meanwhile). The devices gone with a lost node are released
+   and the world shrinks to the others, rank order kept, with ``config_for(world)`` — the run's
+   layouts scaled along DP (``requests.scaled_config``). A smaller world that is not a valid
+   config: ``WorldLost``, before anything moves — the caller falls back to a checkpoint;
 3. moves the state with the resize's own stop-the-world (``PendingWorld.commit``), the survivors
    sending their host copies (``source="host_copy"``): one VPS plan over the union of the
    survivors and the new ranks; step, LR schedule and RNG as of the last refresh come with it.
@@ -97,7 +97,7 @@ def lost_ranks(ray, workers: Sequence, deadline_s: float = 300.0) -> list[int]:
 def recover(ray, actor_cls, config: Mapping, devices: Devices, device_ids: Sequence[int], workers: Sequence,
             lost: Sequence[int], shift: int = 1, init_dir: str | None = None, device=None,
             failed_at: float | None = None, timeout_s: float = 600.0,
-            config_for: Callable[[int], Mapping] | None = None, replace_wait_s: float = 10.0) -> Recovery:
+            config_for: Callable[[int], Mapping] | None = None, replace_wait_s: float = 60.0) -> Recovery:
     """Replace the world ``workers`` (rank ``r`` on device ``device_ids[r]``) that lost the ranks
     ``lost`` by a new world of ``config`` (the same world size) holding the state of the last
     refresh, or of ``config_for(n)`` on the ``n`` devices left when lost ranks' devices are gone
