@@ -549,6 +549,7 @@ def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, re
     if not lost:
         raise error
     say(f"[{name}] trainer rank(s) {lost} lost ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+
     def layout(c) -> str:
         return f"world {c.world_size}, train {c.train.model_dump(exclude_defaults=True)}"
 
@@ -585,8 +586,11 @@ def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, re
 
 def _fall_back_to_checkpoint(lost, ray, cluster, devices, init_dir: Path, out_dir: Path, iterations: int,
                              quiet: bool, say, name: str, failed_at: float):
-    """The state a lost trainer held is gone from every host copy: a new world of the same size
-    from the newest checkpoint of the run (none: a clear error)."""
+    """The state a lost trainer held is gone from every host copy, or no smaller world takes it
+    (``WorldLost``): a new world of the same size from the newest checkpoint of the run (none, or
+    the run's devices not all placed: a clear error)."""
+    from rlhf_switch.elastic.recovery import WorldLost
+
     try:
         ckpt, at = resolve_resume(True, out_dir, iterations)
     except FileNotFoundError:
@@ -603,8 +607,8 @@ def _fall_back_to_checkpoint(lost, ray, cluster, devices, init_dir: Path, out_di
     cluster.shutdown(graceful=False)
     cluster = Cluster(cfg, ray, quiet, devices=devices.slots(range(cfg.world_size)))
     cluster.build(init_dir, ckpt)
-    event = {"kind": "trainer_lost", "lost_ranks": lost.lost, "unrecoverable": getattr(lost, "unrecoverable", []),
-             **({"devices_gone": lost.devices_gone} if hasattr(lost, "devices_gone") else {}),
+    event = {"kind": "trainer_lost", "lost_ranks": lost.lost, "unrecoverable": lost.unrecoverable,
+             **({"devices_gone": lost.devices_gone} if isinstance(lost, WorldLost) else {}),
              "fell_back_to": str(ckpt), "restored_iteration": at + 1, "seconds": time.perf_counter() - failed_at}
     return cluster, at + 1, {"iteration": at + 1, "recovery": event, "recovery_seconds": event["seconds"]}
 
