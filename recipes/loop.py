@@ -573,9 +573,9 @@ def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, re
     devices.renumber(rec.devices)  # the run's world stays on devices 0..n-1
     cluster.adopt(new_cfg, rec.workers, devices.slots(range(new_cfg.world_size)))
     how = (f"devices {rec.devices_gone} gone with their node: shrunk to the {new_cfg.world_size} left, layouts "
-           f"scaled along DP" if rec.devices_gone else f"a replacement for rank(s) {lost}")
+           f"scaled along DP" if rec.devices_gone else f"a replacement for rank(s) {rec.lost}")
     event = rec.event(old, f"{layout(new_cfg)} ({how})")
-    event.update(restored_iteration=refreshed_at, lost_nodes=sorted({where[r] for r in lost}),
+    event.update(restored_iteration=refreshed_at, lost_nodes=sorted({where[r] for r in rec.lost}),
                  action=f"recovered to {new_cfg.world_size} devices from the host copies" +
                         (" (a smaller world)" if rec.devices_gone else ""))
     say(f"[{name}] recovered without a checkpoint in {rec.seconds:.1f} s onto {layout(new_cfg)} ({how}; build "

@@ -7,8 +7,8 @@ the devices left — a smaller world, the layouts scaled along DP — when their
   watch naming what a recovery did with a lost node's trainers.
 - A real Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``, 2 CPUs and 2
   logical GPUs each; slow): GRPO ZeRO-3 DP4 with ``redundancy: host`` on all four devices; the
-  second node is removed (``remove_node``, not graceful: its raylet and actors killed) as
-  iteration 1's train phase starts. Its placement groups cannot be placed again (the head has no
+  second node is removed (its trainers' processes ``kill -9``'d, then ``remove_node``, not
+  graceful: its raylet and the rest killed) as iteration 1's train phase starts. Its placement groups cannot be placed again (the head has no
   free device), so the loop shrinks to DP2 on the head's two devices, restores the state of
   iteration 1's refresh from the head ranks' host copies (the buddies were on the other node)
   bit for bit, runs iteration 1 again and ends at iteration 2 with no checkpoint.
@@ -111,6 +111,9 @@ def two_nodes():
 
 @pytest.mark.slow
 def test_a_node_lost_shrinks_grpo_dp4_to_dp2_on_the_survivors_without_a_checkpoint(two_nodes, tmp_path):
+    import os
+    import signal
+
     from test_elastic import _differences, _gathered
     from test_rl_loop import records
 
@@ -127,6 +130,12 @@ def test_a_node_lost_shrinks_grpo_dp4_to_dp2_on_the_survivors_without_a_checkpoi
         seen.setdefault("states", []).append(_gathered(ray, cluster.workers))
         if len(seen["states"]) == 1:  # as iteration 1's train phase starts: synced, copied, generated
             seen["ranks_on_it"] = [r for r, n in enumerate(cluster.rank_nodes()) if second.node_id[:8] in n]
+            # the node goes as a machine does: its trainers' processes with it (kill -9), then its
+            # raylet and the rest; a worker left running would hold its peers in the step's
+            # collective until the gloo timeout (120 s) before they fail
+            pids = ray.get([cluster.workers[r].pid.remote() for r in seen["ranks_on_it"]], timeout=60)
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
             ray_cluster.remove_node(second, allow_graceful=False)
 
     recs = run(_config(out, 4), quiet=True, phase_hook=remove_in_train)

@@ -109,12 +109,23 @@ def recover(ray, actor_cls, config: Mapping, devices: Devices, device_ids: Seque
     if gone or len(lost) == n:
         raise StateLost(f"trainer ranks {lost} of {n} are lost and so is every host copy of rank(s) "
                         f"{gone or lost}: the state cannot be restored from the buddies", lost, gone or lost)
-    survivors = [r for r in range(n) if r not in lost]
     for r in lost:
         ray.kill(workers[r])  # a hung one included: its half of the device goes to its replacement
-    lost_devices = [device_ids[r] for r in lost]
-    placed = devices.placed(lost_devices, wait_s=replace_wait_s)
-    devices_gone = [d for d in lost_devices if d not in placed]
+    # every device asked: a rank on a node going down may still answer the probe (its process
+    # outlives its raylet for a moment), its host copy is not to be read
+    placed = devices.placed(device_ids, wait_s=replace_wait_s)
+    devices_gone = [d for d in device_ids if d not in placed]
+    on_gone = [r for r in range(n) if device_ids[r] in devices_gone and r not in lost]
+    if on_gone:
+        lost = sorted(lost + on_gone)
+        gone = lost_owners(n, lost, shift)
+        if gone or len(lost) == n:
+            raise StateLost(f"trainer ranks {lost} of {n} are lost (devices {devices_gone} gone with their node) "
+                            f"and so is every host copy of rank(s) {gone or lost}: the state cannot be restored "
+                            f"from the buddies", lost, gone or lost)
+        for r in on_gone:
+            ray.kill(workers[r])
+    survivors = [r for r in range(n) if r not in lost]
     new_devices = [d for d in device_ids if d not in devices_gone]
     if devices_gone:
         why = "no smaller world is built here" if config_for is None else None
