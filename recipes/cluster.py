@@ -506,8 +506,15 @@ class Cluster:
 
         key = tuple(map(id, self.workers))
         if getattr(self, "_buddy", (None,))[0] != key:
-            self._buddy = (key, buddy_shift([self._node_of_rank(r) for r in range(self.world)]))
+            nodes = [self._node_of_rank(r) for r in range(self.world)]
+            self._buddy = (key, buddy_shift(nodes), nodes)
         return self._buddy[1]
+
+    def rank_nodes(self) -> list[str]:
+        """Each trainer rank's node (``address id[:8]``) as ``buddy_shift`` last saw it: still
+        known after a node is lost (its placement groups then name no node)."""
+        buddy = getattr(self, "_buddy", None)
+        return list(buddy[2]) if buddy else ["?"] * self.world
 
     def refresh_host_copy(self, extra: dict) -> dict:
         """Every trainer rank's state as of now into the host copies (one VPS move into the buddy

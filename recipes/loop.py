@@ -177,6 +177,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
         # Ray's nodes as last seen (elastic: a node added or lost is an event, maybe a resize request)
         nodes_seen = _node_snapshot(ray) if cfg.elastic is not None else None
         it, refreshed_at = first, None  # refreshed_at: the iteration of the last host copy (redundancy)
+        recovered: list[dict] = []  # recovery events since the last node watch (a node lost: what was done)
         while it <= last:
             try:
                 if schedule and schedule[0].iteration == it:  # the resize due now: stop-the-world
@@ -190,7 +191,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                     records.append(rec)
                     log.write(rec, it)
                 if cfg.elastic is not None:  # Ray's nodes: every change recorded, maybe a resize request
-                    nodes_seen, notes = _watch_nodes(out_dir, cfg, nodes_seen, ray, it, say, name)
+                    nodes_seen, notes = _watch_nodes(out_dir, cfg, nodes_seen, ray, it, say, name, recovered)
+                    recovered = []
                     for note in notes:
                         records.append(note)
                         log.write(note, it)
@@ -319,6 +321,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 records[:] = [r for r in records if r.get("iteration", -1) < it or "reward_mean" not in r]
                 records.append(rec)
                 log.write(rec, it)
+                recovered.append(rec["recovery"])
                 continue
             it += 1
         # the end: the final policy evaluated and saved
@@ -374,13 +377,16 @@ def _node_snapshot(ray) -> dict:
     return snapshot(ray.nodes())
 
 
-def _watch_nodes(out_dir: Path, cfg, seen: dict, ray, it: int, say, name: str) -> tuple[dict, list[dict]]:
+def _watch_nodes(out_dir: Path, cfg, seen: dict, ray, it: int, say, name: str,
+                 recovered: list[dict] = ()) -> tuple[dict, list[dict]]:
     """At the boundary before iteration ``it``: Ray's nodes compared with ``seen``; every node
     added or lost is an ``event`` record. With ``elastic.on_node_change: resize`` a node added is
     also a resize request to every device now available (layouts scaled along DP), written to the
     run's mailbox as ``requests.request_resize`` writes one: ``_take_request`` checks it right
     after, as any request (refused with the config's messages, or a schedule entry at ``it + 1``).
-    A node lost is only recorded. Returns the new snapshot and the records."""
+    A node lost took its trainers with it: its record says what the recovery since the last
+    watch (``recovered``, ``_recover_trainer``'s events naming the node) did with them, e.g.
+    recovered to 2 devices. Returns the new snapshot and the records."""
     from rlhf_switch.elastic import ResizeError, nodes, requests
 
     now = nodes.snapshot(ray.nodes())
@@ -393,7 +399,11 @@ def _watch_nodes(out_dir: Path, cfg, seen: dict, ray, it: int, say, name: str) -
         ev = {"kind": c.kind, "node_id": c.node_id, "devices": c.devices, "gpus": c.gpus, "cpus": c.cpus,
               "cluster_devices": total, "old": f"{before} devices", "new": f"{total} devices"}
         if c.kind == "node_lost":
-            ev["action"] = "recorded (a lost trainer is elastic.redundancy: host's job)"
+            done = [r for r in recovered if any(c.node_id[:8] in n.split()[-1] for n in r.get("lost_nodes", ()))]
+            if done:  # rank_nodes names a node "address id[:8]"
+                ev["action"] = f"trainer rank(s) {done[-1]['lost_ranks']} lost with it: {done[-1]['action']}"
+            else:
+                ev["action"] = "recorded (a lost trainer is elastic.redundancy: host's job)"
         notes.append({"iteration": it, "event": ev})
         say(f"[{name}] {c.kind.replace('_', ' ')} before iteration {it}: {c.node_id[:12]} ({c.devices} devices); "
             f"the cluster has {total} devices")
@@ -565,53 +575,81 @@ def _commit_combined_resize(cluster, pending, devices, it: int, say, name: str, 
 def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, refreshed_at: int | None,
                      out_dir: Path, iterations: int, quiet: bool, say, name: str, failed_at: float):
     """``elastic.redundancy: host``: an iteration failed. When a trainer actor is lost (dead, or no
-    answer within the deadline), restore the state of the last refresh into a new world of the
-    same size from the survivors' host copies (``rlhf_switch.elastic.recovery``) and return
+    answer within the deadline), restore the state of the last refresh from the survivors' host
+    copies (``rlhf_switch.elastic.recovery``) into a new world — the same size with a replacement
+    on each lost rank's device, or, where devices went with a lost node, the devices left with the
+    layouts scaled along DP (``requests.scaled_config``; the run goes on in it) — and return
     ``(cluster, iteration to run again, run-log record)``; both an owner and its copy's holder
-    lost: the newest checkpoint, said in one line. No trainer lost: ``error`` is raised."""
+    lost, or no valid smaller world: the newest checkpoint, said in one line. No trainer lost:
+    ``error`` is raised."""
     from actors.hybrid import remote_class
-    from rlhf_switch.elastic.recovery import StateLost, lost_ranks, recover
+    from rlhf_switch.elastic.recovery import StateLost, WorldLost, lost_ranks, recover
+    from rlhf_switch.elastic.requests import scaled_config
 
     lost = lost_ranks(ray, cluster.workers)
     if not lost:
         raise error
     say(f"[{name}] trainer rank(s) {lost} lost ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
-    old = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
+
+    def layout(c) -> str:
+        return f"world {c.world_size}, train {c.train.model_dump(exclude_defaults=True)}"
+
+    old, old_cfg, where = layout(cluster.cfg), cluster.cfg, cluster.rank_nodes()
+    smaller = {}
+
+    def config_for(world: int) -> dict:
+        smaller["cfg"] = scaled_config(old_cfg, world)
+        return smaller["cfg"].model_dump()
+
     try:
         if refreshed_at is None:
             raise StateLost("the trainer was lost before its state was first copied to the buddies", lost, lost)
-        rec = recover(ray, remote_class(num_cpus=0.5, num_gpus=0.5), cluster.cfg.model_dump(), devices,
+        rec = recover(ray, remote_class(num_cpus=0.5, num_gpus=0.5), old_cfg.model_dump(), devices,
                       range(cluster.world), cluster.workers, lost, shift=cluster.buddy_shift,
-                      init_dir=str(init_dir), device=cluster.device, failed_at=failed_at)
-    except StateLost as e:
+                      init_dir=str(init_dir), device=cluster.device, failed_at=failed_at, config_for=config_for)
+    except (StateLost, WorldLost) as e:
         return _fall_back_to_checkpoint(e, ray, cluster, devices, init_dir, out_dir, iterations, quiet, say, name,
                                         failed_at)
-    cluster.adopt(cluster.cfg, rec.workers, devices.slots(range(cluster.world)))
-    event = rec.event(old, f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)} "
-                           f"(a replacement for rank(s) {lost})")
-    event["restored_iteration"] = refreshed_at
-    say(f"[{name}] recovered without a checkpoint in {rec.seconds:.1f} s (build {rec.build_s:.1f} s, move "
-        f"{rec.move_s:.2f} s, {rec.bytes_moved} B from the survivors' host copies); iteration {refreshed_at} "
-        f"runs again")
+    new_cfg = smaller["cfg"] if rec.devices_gone else old_cfg
+    devices.renumber(rec.devices)  # the run's world stays on devices 0..n-1
+    cluster.adopt(new_cfg, rec.workers, devices.slots(range(new_cfg.world_size)))
+    how = (f"devices {rec.devices_gone} gone with their node: shrunk to the {new_cfg.world_size} left, layouts "
+           f"scaled along DP" if rec.devices_gone else f"a replacement for rank(s) {rec.lost}")
+    event = rec.event(old, f"{layout(new_cfg)} ({how})")
+    event.update(restored_iteration=refreshed_at, lost_nodes=sorted({where[r] for r in rec.lost}),
+                 action=f"recovered to {new_cfg.world_size} devices from the host copies" +
+                        (" (a smaller world)" if rec.devices_gone else ""))
+    say(f"[{name}] recovered without a checkpoint in {rec.seconds:.1f} s onto {layout(new_cfg)} ({how}; build "
+        f"{rec.build_s:.1f} s, move {rec.move_s:.2f} s, {rec.bytes_moved} B from the survivors' host copies); "
+        f"iteration {refreshed_at} runs again")
     return cluster, refreshed_at, {"iteration": refreshed_at, "recovery": event, "recovery_seconds": rec.seconds}
 
 
 def _fall_back_to_checkpoint(lost, ray, cluster, devices, init_dir: Path, out_dir: Path, iterations: int,
                              quiet: bool, say, name: str, failed_at: float):
-    """The state a lost trainer held is gone from every host copy: a new world of the same size
-    from the newest checkpoint of the run (none: a clear error)."""
+    """The state a lost trainer held is gone from every host copy, or no smaller world takes it
+    (``WorldLost``): a new world of the same size from the newest checkpoint of the run (none, or
+    the run's devices not all placed: a clear error)."""
+    from rlhf_switch.elastic.recovery import WorldLost
+
     try:
         ckpt, at = resolve_resume(True, out_dir, iterations)
     except FileNotFoundError:
         raise RuntimeError(f"trainer lost and not recoverable: {lost}; and the run has no checkpoint to fall "
                            f"back to (checkpoint.save_every)") from lost
+    cfg = cluster.cfg
+    missing = sorted(set(range(cfg.world_size)) - set(devices.placed(range(cfg.world_size))))
+    if missing:  # a lost node's devices: the checkpoint needs the run's whole world back
+        raise RuntimeError(f"trainer lost and not recoverable: {lost}; and devices {missing} of the run's "
+                           f"{cfg.world_size} are not placed any more, so the checkpoint {ckpt} has no world "
+                           f"to load into") from lost
     say(f"[{name}] {lost}: falling back to the newest checkpoint {ckpt} (iteration {at}); iteration {at + 1} "
         f"runs again")
-    cfg = cluster.cfg
     cluster.shutdown(graceful=False)
     cluster = Cluster(cfg, ray, quiet, devices=devices.slots(range(cfg.world_size)))
     cluster.build(init_dir, ckpt)
     event = {"kind": "trainer_lost", "lost_ranks": lost.lost, "unrecoverable": lost.unrecoverable,
+             **({"devices_gone": lost.devices_gone} if isinstance(lost, WorldLost) else {}),
              "fell_back_to": str(ckpt), "restored_iteration": at + 1, "seconds": time.perf_counter() - failed_at}
     return cluster, at + 1, {"iteration": at + 1, "recovery": event, "recovery_seconds": event["seconds"]}
 

@@ -59,6 +59,48 @@ class Devices:
 
         return PlacementGroupSchedulingStrategy(self.slots([d])[0][0], placement_group_bundle_index=0)
 
+    def placed(self, ids: Iterable[int], wait_s: float = 60.0, replace_s: float = 5.0) -> list[int]:
+        """The devices of ``ids`` whose placement group is placed on a node that is up: Ray says
+        alive and its raylet accepts a connection — Ray's own verdict on a node lags (it misses
+        heartbeats for ~15 s first), the connection does not. A group on a node that is down is
+        waited for: once Ray knows, it re-places the group onto a node with a free device if one
+        exists; ``replace_s`` after Ray knows (at most ``wait_s`` in all) a device not placed
+        again counts as gone (a trainer lost with its node and no device to replace it:
+        ``recovery.recover`` shrinks the world)."""
+        from ray.util.placement_group import placement_group_table
+
+        ids = list(ids)
+        deadline = time.monotonic() + wait_s
+        known_lost: dict[int, float] = {}  # device -> when Ray first said its group is not placed
+        while True:
+            nodes = {n["NodeID"]: n for n in self.ray.nodes()}
+            up: dict[str, bool] = {}
+            ok, now = [], time.monotonic()
+            for d in ids:
+                table = placement_group_table(self.groups[d])
+                where = set((table.get("bundles_to_node_id") or {}).values())
+                if table.get("state") != "CREATED" or not where:
+                    known_lost.setdefault(d, now)
+                    continue
+                known_lost.pop(d, None)
+                for n in where - set(up):
+                    up[n] = _node_up(nodes.get(n))
+                if all(up[n] for n in where):
+                    ok.append(d)
+            waiting = [d for d in ids if d not in ok]
+            settled = all(d in known_lost and now - known_lost[d] > replace_s for d in waiting)
+            if not waiting or settled or now > deadline:
+                return ok
+            time.sleep(0.5)
+
+    def renumber(self, ids: Sequence[int]) -> None:
+        """Device ``ids[i]`` becomes device ``i``; every other device must have been released
+        (after a world shrank onto ``ids``: the loop keeps its world on devices ``0..n-1``)."""
+        rest = sorted(set(self.groups) - set(ids))
+        if rest:
+            raise ResizeError(f"devices {rest} are still held: release them before renumbering")
+        self.groups = {i: self.groups[d] for i, d in enumerate(ids)}
+
     def release(self, ids: Iterable[int]) -> None:
         from ray.util.placement_group import remove_placement_group
 
@@ -69,6 +111,21 @@ class Devices:
 
     def release_all(self) -> None:
         self.release(list(self.groups))
+
+
+def _node_up(node: Mapping[str, Any] | None, timeout_s: float = 2.0) -> bool:
+    """Whether a ``ray.nodes()`` entry is alive and its raylet's port accepts a connection."""
+    import socket
+
+    if node is None or not node.get("Alive"):
+        return False
+    if not node.get("NodeManagerPort"):
+        return True
+    try:
+        socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])), timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 @dataclass

@@ -3,9 +3,11 @@
 The loop (``recipes/loop.py``) takes a snapshot when it starts and one at every iteration
 boundary of a run with an ``elastic`` block; each change becomes an ``event`` record
 (``node_added`` / ``node_lost``, drawn on the run's PNG). With ``elastic.on_node_change: resize``
-a node added also becomes a resize request (``grown_request``) that goes through the same
-mailbox and checks as one from ``requests.request_resize``. A node lost is only recorded: a lost
-trainer is ``elastic.redundancy: host``'s job (``recovery.py``).
+a node added also becomes a resize request (``scaled_request``) that goes through the same
+mailbox and checks as one from ``requests.request_resize``. A node lost takes its trainers with
+it: ``elastic.redundancy: host``'s recovery (``recovery.py``) restores them onto the devices left,
+a smaller world with the same layouts scaled along DP (``scaled_request`` too) when a lost rank's
+device is gone with the node; the ``node_lost`` record says what was done.
 
 Everything here is pure (lists of dicts in, dicts out): no Ray.
 """
@@ -62,12 +64,13 @@ def node_changes(before: Mapping[str, Mapping], after: Mapping[str, Mapping]) ->
     return added + lost
 
 
-def grown_request(now: Mapping[str, Any], world: int) -> dict:
+def scaled_request(now: Mapping[str, Any], world: int) -> dict:
     """A resize request (``requests.request_resize``'s keyword arguments) for a world of
-    ``world`` devices from the config in force ``now`` (``RunConfig.at_iteration(...).model_dump()``):
-    the train, rollout and reference layouts scaled along DP (tp and pp kept). Not checked here:
-    a layout that does not scale (``tp·pp`` not dividing ``world``) or a batch the new DP does not
-    divide is refused by ``requests.checked_request`` with the config's own messages."""
+    ``world`` devices, more (a node added) or fewer (a node lost) than ``now``'s, from the config
+    in force ``now`` (``RunConfig.at_iteration(...).model_dump()``): the train, rollout and
+    reference layouts scaled along DP (tp and pp kept). Not checked here: a layout that does not
+    scale (``tp·pp`` not dividing ``world``) or a batch the new DP does not divide is refused by
+    ``requests.checked_request`` / ``requests.scaled_config`` with the config's own messages."""
     def scaled(block):
         if block is None:
             return None
@@ -79,3 +82,6 @@ def grown_request(now: Mapping[str, Any], world: int) -> dict:
     if now.get("reference") is not None:
         req["reference"] = scaled(now["reference"])
     return req
+
+
+grown_request = scaled_request  # a node added: the name the loop's watch and its tests use

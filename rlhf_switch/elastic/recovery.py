@@ -8,9 +8,14 @@ lost too (it is killed). ``recover`` then:
 
 1. refuses, before anything moves, when a lost rank's copy was held by a lost rank too
    (``vps.layouts.buddy.lost_owners``): ``StateLost`` — the caller falls back to a checkpoint;
-2. builds a new world of the same size on the same devices (the replacement for each lost rank
-   where its actor was; a device's other half holds the surviving old actor meanwhile) with
-   ``start_world`` — the resize's own background build;
+2. builds a new world with ``start_world`` — the resize's own background build: a replacement
+   for each lost rank on its device where that device is still placed (``Devices.placed``: a
+   rank killed on a node that is up, or a lost node's placement group Ray re-placed on a free
+   device once it knows the node is down; ``replace_wait_s`` at most; a device's other half
+   holds the surviving old actor meanwhile). The devices gone with a lost node are released
+   and the world shrinks to the others, rank order kept, with ``config_for(world)`` — the run's
+   layouts scaled along DP (``requests.scaled_config``). A smaller world that is not a valid
+   config: ``WorldLost``, before anything moves — the caller falls back to a checkpoint;
 3. moves the state with the resize's own stop-the-world (``PendingWorld.commit``), the survivors
    sending their host copies (``source="host_copy"``): one VPS plan over the union of the
    survivors and the new ranks; step, LR schedule and RNG as of the last refresh come with it.
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..vps.layouts.buddy import lost_owners
 from .manager import Devices, start_world
@@ -35,6 +40,15 @@ class StateLost(RuntimeError):
         self.lost, self.unrecoverable = lost, unrecoverable
 
 
+class WorldLost(RuntimeError):
+    """Lost ranks' devices are gone with their node and the devices left cannot hold the run's
+    layouts scaled along DP (``why``: the config's first problem)."""
+
+    def __init__(self, message: str, lost: list[int], devices_gone: list[int]):
+        super().__init__(message)
+        self.lost, self.devices_gone, self.unrecoverable = lost, devices_gone, []
+
+
 @dataclass
 class Recovery:
     workers: list                    # the new world's actors, rank order
@@ -46,6 +60,8 @@ class Recovery:
     move_s: float                    # the union move from the host copies
     seconds: float                   # the whole recovery, driver's view
     members: list[dict] = field(default_factory=list)
+    devices: list[int] = field(default_factory=list)       # the new world's devices, rank order
+    devices_gone: list[int] = field(default_factory=list)  # lost ranks' devices not placed any more
 
     @property
     def bytes_moved(self) -> int:
@@ -54,7 +70,7 @@ class Recovery:
     def event(self, old: str, new: str) -> dict:
         """The run log's record of it."""
         return {"kind": "trainer_lost", "lost_ranks": self.lost, "survivors": self.survivors, "old": old,
-                "new": new, "detect_s": self.detect_s, "build_s": self.build_s, "move_s": self.move_s,
+                "new": new, "new_world": len(self.workers), "devices_gone": self.devices_gone, "detect_s": self.detect_s, "build_s": self.build_s, "move_s": self.move_s,
                 "seconds": self.seconds, "bytes_moved": self.bytes_moved}
 
 
@@ -80,21 +96,52 @@ def lost_ranks(ray, workers: Sequence, deadline_s: float = 300.0) -> list[int]:
 
 def recover(ray, actor_cls, config: Mapping, devices: Devices, device_ids: Sequence[int], workers: Sequence,
             lost: Sequence[int], shift: int = 1, init_dir: str | None = None, device=None,
-            failed_at: float | None = None, timeout_s: float = 600.0) -> Recovery:
+            failed_at: float | None = None, timeout_s: float = 600.0,
+            config_for: Callable[[int], Mapping] | None = None, replace_wait_s: float = 60.0) -> Recovery:
     """Replace the world ``workers`` (rank ``r`` on device ``device_ids[r]``) that lost the ranks
     ``lost`` by a new world of ``config`` (the same world size) holding the state of the last
-    refresh; ``failed_at``: ``time.perf_counter()`` when the failure was seen (module doc)."""
+    refresh, or of ``config_for(n)`` on the ``n`` devices left when lost ranks' devices are gone
+    (None: ``WorldLost``); ``failed_at``: ``time.perf_counter()`` when the failure was seen
+    (module doc)."""
     t0 = failed_at if failed_at is not None else time.perf_counter()
     n, lost = len(workers), sorted(lost)
     gone = lost_owners(n, lost, shift)
     if gone or len(lost) == n:
         raise StateLost(f"trainer ranks {lost} of {n} are lost and so is every host copy of rank(s) "
                         f"{gone or lost}: the state cannot be restored from the buddies", lost, gone or lost)
-    survivors = [r for r in range(n) if r not in lost]
     for r in lost:
         ray.kill(workers[r])  # a hung one included: its half of the device goes to its replacement
+    # every device asked: a rank on a node going down may still answer the probe (its process
+    # outlives its raylet for a moment), its host copy is not to be read
+    placed = devices.placed(device_ids, wait_s=replace_wait_s)
+    devices_gone = [d for d in device_ids if d not in placed]
+    on_gone = [r for r in range(n) if device_ids[r] in devices_gone and r not in lost]
+    if on_gone:
+        lost = sorted(lost + on_gone)
+        gone = lost_owners(n, lost, shift)
+        if gone or len(lost) == n:
+            raise StateLost(f"trainer ranks {lost} of {n} are lost (devices {devices_gone} gone with their node) "
+                            f"and so is every host copy of rank(s) {gone or lost}: the state cannot be restored "
+                            f"from the buddies", lost, gone or lost)
+        for r in on_gone:
+            ray.kill(workers[r])
+    survivors = [r for r in range(n) if r not in lost]
+    new_devices = [d for d in device_ids if d not in devices_gone]
+    if devices_gone:
+        why = "no smaller world is built here" if config_for is None else None
+        if config_for is not None:
+            try:
+                config = config_for(len(new_devices))
+            except Exception as e:  # noqa: BLE001 - the config's own message, one line
+                problems = getattr(e, "problems", None) or [str(e)]
+                why = f"{type(e).__name__}: {problems[0]}"
+        if why is not None:
+            raise WorldLost(f"trainer ranks {lost} of {n} are lost with devices {devices_gone}, which are not "
+                            f"placed any more; the {len(new_devices)} devices left cannot take the run ({why})",
+                            lost, devices_gone)
+        devices.release(devices_gone)  # a lost node's groups: not re-placed behind the run's back
     detect_s = time.perf_counter() - t0
-    plan = ResizePlan(tuple(device_ids[r] for r in survivors), tuple(device_ids))
+    plan = ResizePlan(tuple(device_ids[r] for r in survivors), tuple(new_devices))
     t1 = time.perf_counter()
     pending = start_world(ray, actor_cls, config, devices, plan, timeout_s=timeout_s, init_dir=init_dir,
                           device=device)
@@ -102,4 +149,4 @@ def recover(ray, actor_cls, config: Mapping, devices: Devices, device_ids: Seque
     build_s = time.perf_counter() - t1
     result = pending.commit([workers[r] for r in survivors], timeout_s=timeout_s, source="host_copy")
     return Recovery(result.workers, lost, survivors, plan, detect_s, build_s, result.stop_the_world_s,
-                    time.perf_counter() - t0, result.members)
+                    time.perf_counter() - t0, result.members, list(new_devices), devices_gone)

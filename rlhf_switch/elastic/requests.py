@@ -144,3 +144,22 @@ def checked_request(cfg, request: Mapping, iteration: int, last: int, devices_he
     if problems:
         raise refuse(problems)
     return new, accepted
+
+
+def scaled_config(cfg, world: int):
+    """The run's config on ``world`` devices, its train, rollout and reference layouts scaled
+    along DP (``nodes.scaled_request``): the world a lost node leaves (``recovery.recover``).
+    Checked as the config is: its validators and ``check_fits``; raises one ``ConfigError``
+    (e.g. a TP that does not divide ``world``, a batch the new DP does not divide)."""
+    from ..rl.config import ConfigError, check_fits, load_config
+    from .nodes import scaled_request
+
+    data = cfg.model_dump()
+    data.update(scaled_request(data, world))
+    try:
+        new = load_config(data)
+        check_fits(new, load_reward=False)
+    except ConfigError as e:
+        raise ConfigError(f"no {world}-device world with the run's layouts scaled along DP",
+                          e.problems or [str(e)]) from None
+    return new

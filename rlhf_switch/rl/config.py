@@ -321,7 +321,8 @@ class ElasticConfig(Strict):
     # what the loop does when Ray reports a node added or lost (polled at every iteration
     # boundary, rlhf_switch/elastic/nodes.py): record it as an event, or also turn a node added
     # into a resize request to the devices now available (layouts scaled along DP; the request's
-    # checks apply). A node lost is only recorded: a lost trainer is redundancy: host's job
+    # checks apply). A node lost is recorded; its trainers are redundancy: host's job (restored
+    # onto the devices left, layouts scaled along DP, when theirs went with the node)
     on_node_change: Literal["record", "resize"] = "record"
 
 
@@ -411,7 +412,10 @@ class RunConfig(Strict):
             if self.critic is not None:
                 problems.append(f"{why}: a resize does not move the critic (PPO) yet; GRPO only")
             if self.elastic.redundancy == "host":
-                problems.append(f"{why} with elastic.redundancy: host: not supported together yet")
+                problems.append(f"{why} with elastic.redundancy: host: not supported together yet — a node "
+                                f"added grows the run through elastic.schedule, which redundancy: host does not "
+                                f"take yet (a node lost needs no resize: redundancy: host alone recovers its "
+                                f"trainers, onto the devices left when theirs are gone)")
         if self.elastic and self.elastic.redundancy == "host":
             why = "elastic.redundancy: host"
             if self.world_size < 2:
