@@ -65,7 +65,7 @@ def node_changes(before: Mapping[str, Mapping], after: Mapping[str, Mapping]) ->
 def grown_request(now: Mapping[str, Any], world: int) -> dict:
     """A resize request (``requests.request_resize``'s keyword arguments) for a world of
     ``world`` devices from the config in force ``now`` (``RunConfig.at_iteration(...).model_dump()``):
-    the train, rollout and reference layouts scaled along DP (tp and pp kept). Not checked here:
+    the train, rollout, reference and critic layouts scaled along DP (tp and pp kept). Not checked here:
     a layout that does not scale (``tp·pp`` not dividing ``world``) or a batch the new DP does not
     divide is refused by ``requests.checked_request`` with the config's own messages."""
     def scaled(block):
@@ -76,6 +76,7 @@ def grown_request(now: Mapping[str, Any], world: int) -> dict:
         return b
 
     req = {"world_size": int(world), "train": scaled(now["train"]), "rollout": scaled(now["rollout"])}
-    if now.get("reference") is not None:
-        req["reference"] = scaled(now["reference"])
+    for phase in ("reference", "critic"):
+        if now.get(phase) is not None:
+            req[phase] = scaled(now[phase])
     return req
