@@ -363,6 +363,8 @@ class HybridWorker:
         copies = getattr(self, "_host_copies", [])
         if len(copies) != len(adapters) or any(c.adapter is not a or c.shift != shift
                                                for c, a in zip(copies, adapters)):
+            for a in adapters:  # before an engine's first step (the critic's, ZeRO-1/2): the zeros it would create
+                a.prepare_state()
             self._host_copies = [HostCopy(a, shift, timeout=TIMEOUT) for a in adapters]
         reports = [c.refresh(extra) for c in self._host_copies]
         return {k: sum(r[k] for r in reports) for k in ("bytes_local", "bytes_received", "bytes_held", "seconds")}

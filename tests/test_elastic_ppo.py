@@ -95,6 +95,8 @@ def test_ppo_with_an_elastic_schedule_resizes_the_critic_too(ray_session, tmp_pa
     (resize,) = [r["resize"] for r in recs if "resize" in r]
     assert "abandoned" not in resize, resize
     assert resize["iterations_during_build"] == 1 and resize["bytes_moved"] > 0
+    actor_b, critic_b = resize["bytes_moved_by_engine"]  # the critic's moved over the same union group
+    assert actor_b > 0 and critic_b > 0 and actor_b + critic_b == resize["bytes_moved"]
     steps = _steps(recs)
     assert [r["iteration"] for r in steps] == [0, 1, 2] and all(r["stale_check_passed"] for r in steps)
 
@@ -107,8 +109,8 @@ def test_ppo_with_an_elastic_schedule_resizes_the_critic_too(ray_session, tmp_pa
     assert [r["iteration"] for r in theirs] == [2]
     (moved_actor, moved_critic), (loaded_actor, loaded_critic) = after[0], loaded[0]
     # right after the resize: the state the old world saved before it, bit for bit — the critic's
-    # (Adam moments non-zero: it has stepped) and the actor's, scalars and RNG included
-    assert moved_critic["scalars"]["step"] == 2 and any(t.abs().sum() > 0 for t in moved_critic["moments"]["exp_avg"].values())
+    # (2 iterations of 2 mini-batches: step 4, Adam moments non-zero) and the actor's, scalars and RNG included
+    assert moved_critic["scalars"]["step"] == 4 and any(t.abs().sum() > 0 for t in moved_critic["moments"]["exp_avg"].values())
     assert _differences(moved_critic, loaded_critic) == []
     assert _differences(moved_actor, loaded_actor) == []
     for k in KEYS:
@@ -116,7 +118,8 @@ def test_ppo_with_an_elastic_schedule_resizes_the_critic_too(ray_session, tmp_pa
     (actor, critic), (actor_ref, critic_ref) = _final(tmp_path / "elastic"), _final(direct)
     assert _same_state(actor, actor_ref) and _same_state(critic, critic_ref)
     print(f"\nPPO loop resize DP2 -> DP1 (actor ZeRO-3 + critic ZeRO-2): background {resize['background_s']:.1f} s, "
-          f"stop-the-world {resize['stop_the_world_s']:.2f} s, {resize['bytes_moved']} B moved")
+          f"stop-the-world {resize['stop_the_world_s']:.2f} s, {resize['bytes_moved']} B moved "
+          f"(actor {actor_b}, critic {critic_b})")
 
 
 @pytest.mark.slow
@@ -141,6 +144,8 @@ def test_ppo_with_host_redundancy_restores_the_critic_too(ray_session, tmp_path)
     (event,) = [r["recovery"] for r in mine if "recovery" in r]
     assert event["lost_ranks"] == [1] and event["restored_iteration"] == 1 and "fell_back_to" not in event
     assert not (tmp_path / "killed" / "checkpoints").exists()
+    actor_b, critic_b = event["bytes_moved_by_engine"]  # both from rank 0's host copies
+    assert actor_b > 0 and critic_b > 0 and actor_b + critic_b == event["bytes_moved"]
     whole = run(config(tmp_path / "whole"), quiet=True)
     steps, theirs = _steps(mine), _steps(whole)
     assert [r["iteration"] for r in steps] == [0, 1, 2] == [r["iteration"] for r in theirs]
@@ -150,7 +155,7 @@ def test_ppo_with_host_redundancy_restores_the_critic_too(ray_session, tmp_path)
     assert _same_state(actor, actor_ref) and _same_state(critic, critic_ref)
     print(f"\nPPO loop: host copies {steps[0]['redundancy_bytes']} B per iteration (actor + critic); recovery "
           f"{event['seconds']:.1f} s (build {event['build_s']:.1f} s, move {event['move_s']:.2f} s), "
-          f"{event['bytes_moved']} B")
+          f"{event['bytes_moved']} B (actor {actor_b}, critic {critic_b})")
 
 
 def test_ppo_elastic_config_takes_the_critic(tmp_path):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ..vps.layouts.buddy import lost_owners
-from .manager import Devices, start_world
+from .manager import Devices, bytes_by_engine, start_world
 from .plan import ResizePlan
 
 
@@ -55,7 +55,8 @@ class Recovery:
         """The run log's record of it."""
         return {"kind": "trainer_lost", "lost_ranks": self.lost, "survivors": self.survivors, "old": old,
                 "new": new, "detect_s": self.detect_s, "build_s": self.build_s, "move_s": self.move_s,
-                "seconds": self.seconds, "bytes_moved": self.bytes_moved}
+                "seconds": self.seconds, "bytes_moved": self.bytes_moved,
+                "bytes_moved_by_engine": bytes_by_engine(self.members)}
 
 
 def lost_ranks(ray, workers: Sequence, deadline_s: float = 300.0) -> list[int]:
