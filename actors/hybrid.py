@@ -138,7 +138,8 @@ class HybridWorker:
         weights, Adam state created at zero): the destination of an elastic resize, which
         overwrites all of it. ``init_dir`` (the run's warm start): the reference and a rollout
         engine of placement ``worker`` are built from it too (the reference is the warm start; the
-        rollout engine gets the trainer's weights at the next sync). Never a critic. The device
+        rollout engine gets the trainer's weights at the next sync). PPO's critic is built empty
+        too (seeded, value head): the move overwrites its state like the trainer's. The device
         is the one the world was joined with."""
         from rlhf_switch.engines.base import training_engine
 
@@ -148,7 +149,10 @@ class HybridWorker:
         self.trainer = training_engine(cfg.train.engine).build(cfg.train, self._training_context(cfg))
         self.trainer.adapter.prepare_state()  # done here, in the background, not in the stop-the-world
         self.spec = self.trainer.spec
-        self.reference = self.critic = self.rollout = None
+        self.reference = self.rollout = None
+        self._build_critic(cfg, self._training_context(cfg), None)
+        if self.critic is not None:
+            self.critic.adapter.prepare_state()
         if init_dir is not None:
             self._build_reference(cfg, self._training_context(cfg), init_dir)
             self._build_rollout(cfg, init_dir)
@@ -163,17 +167,13 @@ class HybridWorker:
         ``init_dir`` (fresh optimizer, step 0) or, when ``resume_dir`` is given, from that
         checkpoint's weights, Adam moments, step and LR schedule; the reference is ``init_dir``.
         ``device``: the run's (default: the one the world was joined with)."""
-        from dataclasses import replace
-
-        from actors.critic import Critic
         from rlhf_switch.engines.base import training_engine
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
-        self.cfg, alg = cfg, cfg.algorithm
+        self.cfg = cfg
         self.device = device or self.device  # what the engines run on (the recipe checked them)
         hf = hf_config_of(cfg)
         ctx = self._training_context(cfg)
-        optim = ctx.optim
         self.trainer = training_engine(cfg.train.engine).build(cfg.train, ctx)
         self.spec = self.trainer.spec
         # the starting state, through the VPS from rank 0's copy of the checkpoint
@@ -182,14 +182,9 @@ class HybridWorker:
         load_s = time.perf_counter() - t0
         self._build_reference(cfg, ctx, init_dir)
         # PPO: the critic, its trunk from the warm start, its own engine and layout
-        self.critic = None
-        if cfg.critic is not None:
-            critic_optim = replace(optim, lr=alg.critic_lr)
-            engine = training_engine(cfg.critic.engine).build(
-                cfg.critic, replace(ctx, optim=critic_optim, head="value", init_from=init_dir))
-            self.critic = Critic(engine, micro_batch=alg.micro_batch_size)
-            if resume_dir is not None:  # its weights, moments, step and LR schedule
-                self._load_state(str(Path(resume_dir) / "critic"), weights_only=False, adapter=self.critic.adapter)
+        self._build_critic(cfg, ctx, init_dir)
+        if self.critic is not None and resume_dir is not None:  # its weights, moments, step and LR schedule
+            self._load_state(str(Path(resume_dir) / "critic"), weights_only=False, adapter=self.critic.adapter)
         self._build_rollout(cfg, init_dir)
         tp = self.tp
         self.pad_id = int(hf.get("pad_token_id") or 0)
@@ -211,6 +206,21 @@ class HybridWorker:
             self.reference = training_engine(cfg.reference.engine).build(cfg.reference, ctx)
             self._load_weights(init_dir, self.reference)
             self.reference.freeze()
+
+    def _build_critic(self, cfg: RunConfig, ctx, init_from: str | None) -> None:
+        """PPO's critic (None without a ``critic`` block): a value-head engine of its own layout,
+        its optimizer at ``algorithm.critic_lr``, its trunk from ``init_from`` (None: seeded)."""
+        from dataclasses import replace
+
+        from actors.critic import Critic
+        from rlhf_switch.engines.base import training_engine
+
+        self.critic = None
+        if cfg.critic is not None:
+            optim = replace(ctx.optim, lr=cfg.algorithm.critic_lr)
+            engine = training_engine(cfg.critic.engine).build(
+                cfg.critic, replace(ctx, optim=optim, head="value", init_from=init_from))
+            self.critic = Critic(engine, micro_batch=cfg.algorithm.micro_batch_size)
 
     def _build_rollout(self, cfg: RunConfig, init_dir: str) -> None:
         """The rollout engine of placement ``worker`` on this rank (placement ``replica``: separate
@@ -292,14 +302,16 @@ class HybridWorker:
         dist.barrier()
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": sent}
 
-    def gathered_state(self) -> dict | None:
-        """The trainer's whole state gathered on rank 0 (fp32 master, Adam moments, step, LR
-        schedule, RNG) through the VPS; rank 0 returns it, the others None (collective)."""
+    def gathered_state(self, part: str = "trainer") -> dict | None:
+        """The whole state of the trainer (``part="critic"``: PPO's critic) gathered on rank 0
+        (fp32 master, Adam moments, step, LR schedule, RNG) through the VPS; rank 0 returns it,
+        the others None (collective)."""
         from rlhf_switch.engines.full_state import FullState
         from rlhf_switch.engines.train_switch import switch_training
 
-        holder = FullState(self.spec, name="gathered state") if self.rank == 0 else None
-        switch_training(self.trainer.adapter, holder, timeout=TIMEOUT)
+        adapter = {"trainer": self.trainer, "critic": self.critic}[part].adapter
+        holder = FullState(adapter.spec, name=f"gathered {part} state") if self.rank == 0 else None
+        switch_training(adapter, holder, timeout=TIMEOUT)
         if holder is None:
             return None
         return {"master": holder.master, "moments": holder.moments, "scalars": holder.scalars()}
@@ -314,19 +326,25 @@ class HybridWorker:
 
     def resize_move(self, endpoint, source: str = "engine") -> dict:
         """Join the union of the old and new trainer ranks and move the training state across
-        (``rlhf_switch.elastic.member``): an old rank sends, a new rank receives; on the new side
-        the trainer's step counter follows the moved state. ``source`` (old side): ``engine``,
-        the trainer's own state, or ``host_copy``, the copy of the last ``redundancy_refresh``
-        (a surviving rank after a trainer was lost: its own engine is mid-step)."""
+        (``rlhf_switch.elastic.member``): the trainer's, then PPO's critic's over the same group;
+        an old rank sends, a new rank receives; on the new side the step counters follow the
+        moved state. ``source`` (old side): ``engine``, the engines' own state, or ``host_copy``,
+        the copies of the last ``redundancy_refresh`` (a surviving rank after a trainer was lost:
+        its own engines are mid-step)."""
         from rlhf_switch.elastic.member import move_over_union
 
         host_store = getattr(self, "_resize_store", None) if endpoint.rank == 0 else None
-        adapter = self._host_copy.source() if source == "host_copy" and endpoint.side == "old" \
-            else self.trainer.adapter
-        out = move_over_union(adapter, endpoint, store=host_store)
+        engines = [self.trainer] + ([self.critic] if self.critic is not None else [])
+        if source == "host_copy" and endpoint.side == "old":
+            adapters = [c.source() for c in self._host_copies]
+        else:
+            adapters = [e.adapter for e in engines]
+        out = move_over_union(adapters, endpoint, store=host_store)
         self._resize_store = None
         if endpoint.side == "new":
-            self.train_steps = out["step"]
+            self.train_steps = out["steps"][0]
+            if self.critic is not None:
+                self.critic.steps = out["steps"][1]
         return out
 
     # --- elastic.redundancy: host — the state kept by a buddy, for a lost trainer -------------------
@@ -335,15 +353,21 @@ class HybridWorker:
         return os.getpid()
 
     def redundancy_refresh(self, shift: int = 1, extra: dict | None = None) -> dict:
-        """The trainer's state as of now into the host copy (``rlhf_switch.elastic.redundancy``):
-        this rank's share and its buddy's, step, LR schedule and RNG, and ``extra`` (the data
-        position); collective over the trainer's world. Call it before ``offload``."""
+        """The trainer's state as of now into the host copy (``rlhf_switch.elastic.redundancy``) —
+        and PPO's critic's into one of its own: this rank's share and its buddy's, step, LR
+        schedule and RNG, and ``extra`` (the data position); collective over the trainer's world.
+        Call it before ``offload``. Returns the bytes summed over the copies."""
         from rlhf_switch.elastic.redundancy import HostCopy
 
-        copy_ = getattr(self, "_host_copy", None)
-        if copy_ is None or copy_.adapter is not self.trainer.adapter or copy_.shift != shift:
-            self._host_copy = HostCopy(self.trainer.adapter, shift, timeout=TIMEOUT)
-        return self._host_copy.refresh(extra)
+        adapters = [self.trainer.adapter] + ([self.critic.adapter] if self.critic is not None else [])
+        copies = getattr(self, "_host_copies", [])
+        if len(copies) != len(adapters) or any(c.adapter is not a or c.shift != shift
+                                               for c, a in zip(copies, adapters)):
+            for a in adapters:  # before an engine's first step (the critic's, ZeRO-1/2): the zeros it would create
+                a.prepare_state()
+            self._host_copies = [HostCopy(a, shift, timeout=TIMEOUT) for a in adapters]
+        reports = [c.refresh(extra) for c in self._host_copies]
+        return {k: sum(r[k] for r in reports) for k in ("bytes_local", "bytes_received", "bytes_held", "seconds")}
 
     # --- the weight channel ------------------------------------------------------------------------
     def channel_source(self):

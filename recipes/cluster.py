@@ -477,7 +477,7 @@ class Cluster:
 
     def adopt(self, cfg, workers: list, devices: Sequence) -> dict | None:
         """After an elastic resize (``rlhf_switch.elastic.manager``): the new world's actors —
-        trainer, reference and in-actor rollout engine built by ``build_empty(config, init_dir)``,
+        trainer, reference, critic and in-actor rollout engine built by ``build_empty(config, init_dir)``,
         the training state moved in — become this cluster's; the weight channel is re-formed over
         them and the next ``sync`` brings their rollout engines up to date. With rollout replicas
         (vLLM, a combined resize): ``cfg``'s replicas must be starting on ``devices``

@@ -490,7 +490,7 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
              **({"reason": request["reason"]} if request and request.get("reason") else {}),
              "background_s": result.background_s, "waited_for_build_s": waited,
              "stop_the_world_s": result.stop_the_world_s, "release_s": result.release_s,
-             "bytes_moved": result.bytes_moved}
+             "bytes_moved": result.bytes_moved, "bytes_moved_by_engine": result.bytes_moved_by_engine}
     if request is not None:
         requests.answer(out_dir, request, "done", f"resized before iteration {it}: {old} -> {new}", iteration=it,
                         event=event)

@@ -141,6 +141,17 @@ class ResizeResult:
     def bytes_moved(self) -> int:
         return sum(m["bytes_sent"] + m["bytes_local"] for m in self.members if m["side"] == "old")
 
+    @property
+    def bytes_moved_by_engine(self) -> list[int]:
+        return bytes_by_engine(self.members)
+
+
+def bytes_by_engine(members: Sequence[Mapping]) -> list[int]:
+    """The bytes the old side sent or kept, per engine moved (the trainer's, then PPO's critic's)."""
+    old = [m for m in members if m["side"] == "old"]
+    return [sum(m["parts"][i]["bytes_sent"] + m["parts"][i]["bytes_local"] for m in old)
+            for i in range(len(old[0]["parts"]) if old else 0)]
+
 
 class PendingWorld:
     """A new trainer world under construction: its actors started and their engines being built

@@ -67,8 +67,8 @@ def node_changes(before: Mapping[str, Mapping], after: Mapping[str, Mapping]) ->
 def scaled_request(now: Mapping[str, Any], world: int) -> dict:
     """A resize request (``requests.request_resize``'s keyword arguments) for a world of
     ``world`` devices, more (a node added) or fewer (a node lost) than ``now``'s, from the config
-    in force ``now`` (``RunConfig.at_iteration(...).model_dump()``): the train, rollout and
-    reference layouts scaled along DP (tp and pp kept). Not checked here: a layout that does not
+    in force ``now`` (``RunConfig.at_iteration(...).model_dump()``): the train, rollout,
+    reference and critic layouts scaled along DP (tp and pp kept). Not checked here: a layout that does not
     scale (``tp·pp`` not dividing ``world``) or a batch the new DP does not divide is refused by
     ``requests.checked_request`` / ``requests.scaled_config`` with the config's own messages."""
     def scaled(block):
@@ -79,8 +79,9 @@ def scaled_request(now: Mapping[str, Any], world: int) -> dict:
         return b
 
     req = {"world_size": int(world), "train": scaled(now["train"]), "rollout": scaled(now["rollout"])}
-    if now.get("reference") is not None:
-        req["reference"] = scaled(now["reference"])
+    for phase in ("reference", "critic"):
+        if now.get(phase) is not None:
+            req[phase] = scaled(now[phase])
     return req
 
 

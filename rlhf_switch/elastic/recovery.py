@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from ..vps.layouts.buddy import lost_owners
-from .manager import Devices, start_world
+from .manager import Devices, bytes_by_engine, start_world
 from .plan import ResizePlan
 
 
@@ -70,8 +70,10 @@ class Recovery:
     def event(self, old: str, new: str) -> dict:
         """The run log's record of it."""
         return {"kind": "trainer_lost", "lost_ranks": self.lost, "survivors": self.survivors, "old": old,
-                "new": new, "new_world": len(self.workers), "devices_gone": self.devices_gone, "detect_s": self.detect_s, "build_s": self.build_s, "move_s": self.move_s,
-                "seconds": self.seconds, "bytes_moved": self.bytes_moved}
+                "new": new, "new_world": len(self.workers), "devices_gone": self.devices_gone,
+                "detect_s": self.detect_s, "build_s": self.build_s, "move_s": self.move_s,
+                "seconds": self.seconds, "bytes_moved": self.bytes_moved,
+                "bytes_moved_by_engine": bytes_by_engine(self.members)}
 
 
 def lost_ranks(ray, workers: Sequence, deadline_s: float = 300.0) -> list[int]:

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 from .plan import ResizeError
 
 REQUEST, TAKEN, ANSWER = "elastic_request.json", "elastic_request.taken.json", "elastic_answer.json"
-ENTRY_KEYS = ("world_size", "train", "rollout", "reference")
+ENTRY_KEYS = ("world_size", "train", "rollout", "reference", "critic")
 FINAL = ("done", "refused", "abandoned")
 
 
@@ -41,7 +41,8 @@ def _write(path: Path, data: Mapping) -> None:
 
 
 def request_resize(output_dir, world_size: int, train: Mapping, rollout: Mapping,
-                   reference: Mapping | None = None, reason: str | None = None) -> str:
+                   reference: Mapping | None = None, reason: str | None = None,
+                   critic: Mapping | None = None) -> str:
     """Ask the loop writing to ``output_dir`` for a world of ``world_size`` devices with these
     layouts (the phase blocks' form) from its next iteration on; returns the request's id.
     ``reason``: why (e.g. ``node_added`` from the loop's own node watch), kept in its records."""
@@ -52,8 +53,9 @@ def request_resize(output_dir, world_size: int, train: Mapping, rollout: Mapping
         raise ResizeError(f"{out / REQUEST}: a request is still waiting to be taken")
     rid = uuid.uuid4().hex[:12]
     body: dict[str, Any] = {"id": rid, "world_size": world_size, "train": dict(train), "rollout": dict(rollout)}
-    if reference is not None:
-        body["reference"] = dict(reference)
+    for phase, block in (("reference", reference), ("critic", critic)):  # exactly when the run has one
+        if block is not None:
+            body[phase] = dict(block)
     if reason is not None:
         body["reason"] = str(reason)
     _write(out / REQUEST, body)

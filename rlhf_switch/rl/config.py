@@ -304,6 +304,7 @@ class ElasticEntry(Strict):
     train: TrainerLayout
     rollout: RolloutLayout
     reference: TrainLayout | None = None
+    critic: TrainLayout | None = None  # PPO: given exactly when the run has a critic
 
 
 # the rollout engines an elastic.schedule entry may name: torch resizes with the trainer world (it
@@ -362,7 +363,8 @@ class RunConfig(Strict):
         update: dict[str, Any] = {"elastic": None}
         if entries:
             e = entries[-1]
-            update.update(world_size=e.world_size, train=e.train, rollout=e.rollout, reference=e.reference)
+            update.update(world_size=e.world_size, train=e.train, rollout=e.rollout, reference=e.reference,
+                          critic=e.critic)
         return self.model_copy(update=update)
 
     @model_validator(mode="after")
@@ -382,11 +384,10 @@ class RunConfig(Strict):
             where = f"elastic.schedule[{i}]"
             if i and e.iteration <= self.elastic.schedule[i - 1].iteration:
                 problems.append(f"{where}.iteration: {e.iteration} — entries go in increasing iteration order")
-            if self.critic is not None:
-                problems.append(f"{where}: a resize moves the trainer and the reference; the critic (PPO) "
-                                f"is not resized yet")
             if (e.reference is None) != (self.reference is None):
                 problems.append(f"{where}.reference: give a reference block exactly when the run has one")
+            if (e.critic is None) != (self.critic is None):
+                problems.append(f"{where}.critic: give a critic block exactly when the run has one (PPO)")
             if not e.rollout.colocate:
                 problems.append(f"{where}.rollout.colocate: false — a resize needs colocated devices")
             if e.rollout.engine not in ELASTIC_ROLLOUT:
@@ -409,8 +410,6 @@ class RunConfig(Strict):
             if self.rollout.engine != "torch" or not self.rollout.colocate:
                 problems.append(f"{why}: a node added grows the trainer world, which only the torch rollout "
                                 f"engine, colocated, follows yet (vLLM replicas change only their own layout)")
-            if self.critic is not None:
-                problems.append(f"{why}: a resize does not move the critic (PPO) yet; GRPO only")
             if self.elastic.redundancy == "host":
                 problems.append(f"{why} with elastic.redundancy: host: not supported together yet — a node "
                                 f"added grows the run through elastic.schedule, which redundancy: host does not "
@@ -420,8 +419,6 @@ class RunConfig(Strict):
             why = "elastic.redundancy: host"
             if self.world_size < 2:
                 problems.append(f"{why} needs world_size >= 2 (a rank's copy is kept by another rank)")
-            if self.critic is not None:
-                problems.append(f"{why}: the critic (PPO) is not kept in host memory yet; GRPO only")
             if self.rollout.engine != "torch" or not self.rollout.colocate:
                 problems.append(f"{why}: only the torch rollout engine, colocated (in the trainer's actors), "
                                 f"is rebuilt after a lost trainer yet")
