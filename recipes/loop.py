@@ -35,7 +35,7 @@ from pathlib import Path
 from recipes.cluster import Cluster, start_ray
 from recipes.common import (Evaluator, RunFinished, StaleWeightsError, draw_prompts, fault, loop_problems,
                             prune_checkpoints, resolve_resume, sample_seeds, warm_start)
-from recipes.run_log import MetricsLog, plot_run
+from recipes.run_log import MetricsLog, is_iteration_record, plot_run
 
 __all__ = ["run", "main", "StaleWeightsError"]
 
@@ -318,7 +318,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 cluster, it, rec = _recover_trainer(e, ray, cluster, devices, init_dir, refreshed_at, out_dir,
                                                     iterations, quiet, say, name, time.perf_counter())
                 # the iterations from the restored one on are run again: their records go
-                records[:] = [r for r in records if r.get("iteration", -1) < it or "reward_mean" not in r]
+                records[:] = [r for r in records if r.get("iteration", -1) < it or not is_iteration_record(r)]
+                log.drop_rerun(it)
                 records.append(rec)
                 log.write(rec, it)
                 recovered.append(rec["recovery"])

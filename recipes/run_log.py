@@ -44,6 +44,15 @@ class MetricsLog:
             f.write(json.dumps({"iteration": iteration, "prompts": prompts, "responses": responses,
                                 "logprobs": logprobs, "rewards": list(rewards), **(texts or {})}) + "\n")
 
+    def drop_rerun(self, iteration: int) -> None:
+        """A lost trainer's recovery runs ``iteration`` and the ones after it again: their
+        iteration records and rollouts go (the recovery's own record and the elastic events stay),
+        so each iteration is in the files once, as after a ``--resume``."""
+        truncate_records(self.path, iteration, keep=lambda rec: not is_iteration_record(rec))
+        truncate_records(self.path.parent / "rollouts.jsonl", iteration)
+        if self.tb is not None:  # TensorBoard's view of those steps is rewritten by the re-run
+            self.tb.flush()
+
     def records(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
@@ -52,9 +61,14 @@ class MetricsLog:
             self.tb.close()
 
 
-def truncate_records(path: Path, before: int) -> int:
-    """Keep only the JSONL records of ``path`` whose ``iteration`` is below ``before`` (and drop a
-    line a crash left half-written); replaced atomically (a temporary file renamed over it), so a
+def is_iteration_record(rec: dict) -> bool:
+    """An iteration's own record (rewards, losses, timings), not an evaluation or an event."""
+    return "reward_mean" in rec
+
+
+def truncate_records(path: Path, before: int, keep=None) -> int:
+    """Keep only the JSONL records of ``path`` whose ``iteration`` is below ``before``, or that
+    ``keep(record)`` accepts (and drop a line a crash left half-written); replaced atomically (a temporary file renamed over it), so a
     crash here leaves the old file or the new one. Returns how many records were dropped."""
     import os
 
@@ -70,7 +84,7 @@ def truncate_records(path: Path, before: int) -> int:
         except json.JSONDecodeError:
             dropped += 1
             continue
-        if int(rec.get("iteration", -1)) < before:
+        if int(rec.get("iteration", -1)) < before or (keep is not None and keep(rec)):
             kept.append(line)
         else:
             dropped += 1

@@ -3,6 +3,7 @@ resize, a lost trainer recovered, a resize abandoned — each a vertical line on
 with its old → new layout and stop-the-world seconds, listed in the PNG's ``Description`` text."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -58,3 +59,31 @@ def test_the_png_marks_every_elastic_event(tmp_path):
     assert Image.open(plain).text["Description"] == "events: none"
     a, b = (np.asarray(Image.open(p).convert("RGB")) for p in (png, plain))
     assert a.shape == b.shape and (a != b).any()
+
+
+def test_a_recovery_drops_the_records_of_the_iterations_it_runs_again(tmp_path):
+    """A lost trainer restored to iteration 3 runs 3 and 4 again: their iteration records and
+    rollouts leave the files, the events (resize at 2, the recovery itself) and evaluations stay,
+    so after the re-run each iteration is in metrics.jsonl once."""
+    from recipes.run_log import MetricsLog
+
+    log = MetricsLog(tmp_path, tensorboard=False)
+    for it in range(5):
+        if it == 2:
+            log.write({"iteration": 2, "resize": {"kind": "planned"}}, it)
+        log.write(_iteration(it), it)
+        log.write_rollouts(it, [[1]], [[2]], [[-0.5]], [1.0])
+    log.write({"iteration": 4, "heldout_reward": 0.3, "eval": "before"}, 4)
+    log.write({"iteration": 3, "recovery": {"kind": "trainer_lost"}}, 3)
+    log.drop_rerun(3)
+    for it in (3, 4):  # the re-run
+        log.write(_iteration(it), it)
+        log.write_rollouts(it, [[1]], [[2]], [[-0.5]], [1.0])
+    recs = log.records()
+    iterations = [r["iteration"] for r in recs if "reward_mean" in r]
+    assert iterations == [0, 1, 2, 3, 4]
+    assert [r["iteration"] for r in recs if "resize" in r or "recovery" in r] == [2, 3]
+    assert [r["iteration"] for r in recs if "eval" in r] == [4]
+    rollouts = [json.loads(line)["iteration"]
+                for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts == [0, 1, 2, 3, 4]
