@@ -128,7 +128,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     from actors.hybrid import hf_config_of
 
     max_ctx = int(hf_config_of(cfg).get("max_position_embeddings", 2048))
-    (out_dir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.model_dump(), sort_keys=False))
+    write_run_config(out_dir, cfg)
 
     t_start = time.perf_counter()
     init_dir = warm_start(cfg, out_dir / "init", quiet)
@@ -428,6 +428,14 @@ def _watch_nodes(out_dir: Path, cfg, seen: dict, ray, it: int, say, name: str,
     return now, notes
 
 
+def write_run_config(out_dir: Path, cfg) -> None:
+    """``<output_dir>/config.yaml``: the config the run follows, accepted resize requests
+    included as ``elastic.schedule`` entries (``--resume`` with it takes the same resizes)."""
+    import yaml
+
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+
+
 def _take_request(out_dir: Path, cfg, schedule: list, requested: dict, ray, devices, it: int, last: int,
                   say, name: str):
     """At the boundary before iteration ``it``: a pending resize request (``elastic.requests``)
@@ -454,6 +462,7 @@ def _take_request(out_dir: Path, cfg, schedule: list, requested: dict, ray, devi
     schedule.append(entry)
     schedule.sort(key=lambda e: e.iteration)
     requested[entry.iteration] = req
+    write_run_config(out_dir, new)  # the accepted entry in the run's config.yaml: a resume of it resizes too
     requests.answer(out_dir, req, "accepted", f"resize to {entry.world_size} devices before iteration "
                     f"{entry.iteration}; the new world is built during iteration {it}", iteration=entry.iteration)
     say(f"[{name}] resize request {req.get('id')} accepted: {entry.world_size} devices before iteration {entry.iteration}")

@@ -301,6 +301,11 @@ def test_a_resize_requested_by_api_call_takes_the_schedule_path(ray_session, tmp
     assert [r["iteration"] for r in steps] == [0, 1, 2] and all(r["stale_check_passed"] for r in steps)
     described = Image.open(out / "grpo.png").text["Description"]
     assert "iteration 0: resize request refused" in described and "iteration 2: requested resize" in described
+    # the accepted request is an entry of the run's config.yaml (a --resume of it resizes too)
+    from rlhf_switch.rl.config import load_config
+
+    (entry,) = load_config(out / "config.yaml").elastic.schedule
+    assert (entry.iteration, entry.world_size, entry.train.dp) == (2, 2, 2)
 
 
 def test_an_elastic_schedule_with_vllm_changes_the_rollout_layout(tmp_path):
