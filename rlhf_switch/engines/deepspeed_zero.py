@@ -22,7 +22,16 @@ all-gather of the whole flat bit16 model; ZeRO-3: copy the partition and re-gath
 parameters that keep a full copy). A training switch moves the bit16 copies in the same plan
 instead (``separate_weights``: field ``param`` of ``weights()`` is a buffer of its own) and then
 calls ``state_written(weights_written=True)``: no refresh from the master, no all-gather (ZeRO-3
-still re-gathers its persistent parameters from the written partitions).
+still re-gathers its persistent parameters from the written partitions). A write of the bit16
+weights alone (the reference's warm start) calls ``weights_written()``.
+
+ZeRO-3 persistent parameters (``persistence_threshold``, DeepSpeed's
+``stage3_param_persistence_threshold``): a parameter of fewer elements stays gathered whole on
+every rank between steps (``ds_persist``; DeepSpeed re-gathers it after each ``step()``) and its
+submodule's fetch and release hooks find it there. Its partition (``ds_tensor``) is still the
+copy the optimizer writes and the VPS describes: reads of ``weights()`` (the weight channel, a
+switch's source) see exactly what the forward computes with, and every write of the partitions
+ends in ``state_written`` / ``weights_written``, which gather the whole copies again.
 """
 from __future__ import annotations
 
@@ -320,17 +329,29 @@ class ZeroAdapter:
             if not weights_written:
                 for g in range(self._groups()):  # param.ds_tensor are views of this flat buffer
                     o.fp16_partitioned_groups_flat[g].data.copy_(o.fp32_partitioned_groups_flat[g].data)
-            # release every gathered parameter (persistent ones included) as step() does, then
-            # re-gather the persistent ones, whose full copy would otherwise stay stale
-            o._partition_all_parameters()
-            if o.persistent_parameters:
-                o.persistent_parameters[0].all_gather(o.persistent_parameters)
-            o.invalidate_secondary_tensor()
+            self.weights_written()
         else:
             o._hp_optimizer_states_linked = False  # re-link the lp params' optimizer fragments
             o._lazy_init_hp_params_optimizer_state()
             if not weights_written:
                 o.update_lp_params()  # fp32 partition -> bit16 partition -> all-gather the flat buffer
+
+    @torch.no_grad()
+    def weights_written(self) -> None:
+        """The bit16 weights ``weights()`` describes were written in place, the master left alone
+        (the reference's warm start). ZeRO-3: the parameters DeepSpeed keeps whole between steps
+        (``persistent_parameters``: fewer elements than ``persistence_threshold``) are what the
+        forward reads, and their whole copy is still the old one — release every gathered
+        parameter as ``step()`` does and gather the persistent ones again from the written
+        partitions. ZeRO-1/2 compute on the written flat buffer itself: nothing to do. Collective
+        over the engine's DP group."""
+        if self.stage != 3:
+            return
+        o = self.opt
+        o._partition_all_parameters()
+        if o.persistent_parameters:
+            o.persistent_parameters[0].all_gather(o.persistent_parameters)
+        o.invalidate_secondary_tensor()
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The flat gradient partitions the optimizer keeps allocated between steps (ZeRO-3's
