@@ -257,6 +257,9 @@ class HybridWorker:
                                        ["warm start", f"reference:{engine.name}"])
         with torch.no_grad():
             move(src, dst, holder.tensors if holder else {}, mine.tensors, timeout=TIMEOUT)
+        written = getattr(engine.adapter, "weights_written", None)
+        if written is not None:  # ZeRO-3: its whole persistent parameters, gathered again from the partitions
+            written()
 
     # --- state in and out: checkpoints through the VPS ---------------------------------------------
     def _load_state(self, path: str, weights_only: bool, adapter=None) -> dict:

@@ -75,3 +75,56 @@ def batched_norm_equals_per_tensor_norm(cfg: dict, ids: torch.Tensor) -> tuple[f
     per_tensor = float(torch.linalg.vector_norm(torch.stack(
         [torch.linalg.vector_norm(g, 2).full_tensor().double() for g in grads]), 2))
     return clip_grad_norm(eng.module.parameters(), float("inf")), per_tensor
+
+
+# --- ZeRO-3 with persistent parameters (train.persistence_threshold) ----------------------------
+
+def _zero3(cfg: dict, seed: int, threshold: int):
+    """A ZeRO-3 DP2 engine of ``cfg`` built as the loop builds it, from a config layout."""
+    from rlhf_switch.rl.config import TrainerLayout
+
+    ctx = TrainingContext(cfg, seed, tuple(range(dist.get_world_size())), OPTIM, micro_batch=2)
+    layout = TrainerLayout(engine="deepspeed", zero_stage=3, dp=2, persistence_threshold=threshold)
+    return training_engine("deepspeed").build(layout, ctx)
+
+
+def zero3_persistent_equals_partitioned(cfg: dict, batches: list[torch.Tensor], threshold: int) -> dict:
+    """The same seeded model trained on the same batches by ZeRO-3 with every parameter fetched
+    per submodule (threshold 0) and with parameters below ``threshold`` kept whole: outputs,
+    gradient norms, losses and the partitions compared bit for bit."""
+    plain, kept = _zero3(cfg, 0, 0), _zero3(cfg, 0, threshold)
+    got = {"persistent": [len(e.engine.optimizer.persistent_parameters) for e in (plain, kept)],
+           "params": sum(1 for _ in kept.module.parameters()), "outputs": [], "steps": []}
+    for ids in batches:
+        got["outputs"].append(bool(torch.equal(plain.outputs(ids), kept.outputs(ids))))
+        sa, sb = plain.train_step(ids, 2, _loss), kept.train_step(ids, 2, _loss)
+        got["steps"].append((sa["grad_norm"] == sb["grad_norm"], sa["stats"] == sb["stats"]))
+    wa, wb = plain.adapter.weights(), kept.adapter.weights()
+    got["weights_equal"] = all(torch.equal(wa.tensors[k], wb.tensors[k]) for k in wa.tensors)
+    return got
+
+
+def warm_start_into_persistent_zero3(cfg: dict, ids: torch.Tensor, threshold: int, batches: list) -> dict:
+    """The reference's warm start (``actors/hybrid.py _load_weights``) into a ZeRO-3 engine whose
+    parameters are kept whole: a trained source engine's weights moved into a fresh engine of
+    another seed that has run a forward already (a resume, a resize), then
+    ``adapter.weights_written()``. The destination's forward must give the source's log-probs
+    bit for bit — and before ``weights_written`` it must not (its whole copies are still its
+    own seed's: the check can fail)."""
+    from rlhf_switch.engines.train_state import gather_layouts
+    from rlhf_switch.routing import move
+
+    src = _zero3(cfg, 0, 0)
+    for b in batches:
+        src.train_step(b, 2, _loss)
+    dst = _zero3(cfg, 1, threshold)
+    dst.outputs(ids)  # DeepSpeed gathers a persistent parameter at its first fetch and keeps it from then on
+    theirs, mine = src.adapter.weights(), dst.adapter.weights()
+    (a, b), _ = gather_layouts([(src.spec, theirs), (dst.spec, mine)], ["source", "warm start"])
+    with torch.no_grad():
+        move(a, b, theirs.tensors, mine.tensors)
+    want = src.outputs(ids)
+    before = bool(torch.equal(dst.outputs(ids), want))
+    dst.adapter.weights_written()
+    return {"persistent": len(dst.engine.optimizer.persistent_parameters), "equal_before": before,
+            "equal_after": bool(torch.equal(dst.outputs(ids), want))}

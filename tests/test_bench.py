@@ -111,3 +111,9 @@ def test_elastic_bench_resize_and_restart_both_exact(tmp_path):
                                                                    for r in modelled)
     assert all(r["modelled_s"] > 0 and r["rank_bytes"] > 0 for r in modelled)
     assert "modelled" in (tmp_path / "elastic.md").read_text()
+
+
+def test_zero3_persistence_bench_is_bit_identical_to_plain_zero3():
+    out = _bench("bench.zero3_persistence", "--rounds", "1", "--iterations", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| ZeRO-3")]
+    assert len(rows) == 3 and all(row.endswith("| True |") for row in rows), out

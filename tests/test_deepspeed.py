@@ -24,6 +24,14 @@ def test_adapter_fragments_are_the_engine_tensors(world4, stage):
     assert all(r["n_state"] > 0 and r["n_weights"] > 0 for r in results)
 
 
+def test_zero3_persistent_parameters_are_their_partitions(world4):
+    """ZeRO-3 with every parameter kept whole between steps (``persistence_threshold``): after
+    steps the whole copies the forward reads equal the partitions the adapter describes."""
+    results = world4.run(jobs.layout_truth, 3, None, 2, 10**6, timeout=300)
+    assert all(r["bad"] == [] for r in results), [r["bad"][:3] for r in results]
+    assert all(r["n_persistent"] > 0 and r["n_weights"] > 0 for r in results)
+
+
 def test_zero3_on_a_subset_of_the_world(world4):
     """A ZeRO-3 engine on ranks 2 and 3 only (ranks 0 and 1 build nothing): DeepSpeed's world
     barriers and trace checks are kept inside the engine's group."""

@@ -1,11 +1,16 @@
 """The loop-overhead changes of issue 18 keep the numbers: FSDP2 gathered once per call, AdamW on
 the local shards, the batched gradient norm (2 gloo ranks, a tiny untied Llama whose FSDP2 shards
-are uneven); and the TRL baseline's tokenizer gives TRL the loop's ids (no TRL needed)."""
+are uneven); ZeRO-3 with persistent parameters trains bit-identically to plain ZeRO-3 and a write
+of its partitions reaches its forward; and the TRL baseline's tokenizer gives TRL the loop's ids
+(no TRL needed)."""
 from __future__ import annotations
 
+import pytest
 import torch
+import yaml
 
 import loop_overhead_jobs as jobs
+from conftest import REPO
 
 TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=67, max_position_embeddings=64, tie_word_embeddings=False)
@@ -42,3 +47,38 @@ def test_trl_baseline_tokenizer_is_the_character_tokenizer():
     ids = ct.encode(text, add_bos=True)
     assert hf(text)["input_ids"] == ids
     assert hf.decode(ids + [ct.eos_id, ct.pad_id], skip_special_tokens=True) == ct.decode(ids) == text
+
+
+# ZeRO-3 with persistent parameters (train.persistence_threshold): every parameter of TINY is
+# below it (the largest, 67 x 64, has 4288 elements)
+KEEP_ALL = 100_000
+
+
+def test_zero3_persistent_parameters_train_bit_identically(world2):
+    for rank, got in enumerate(world2.run(jobs.zero3_persistent_equals_partitioned, TINY, _batches(3), KEEP_ALL)):
+        assert got["persistent"] == [0, got["params"]], (rank, got)
+        assert all(got["outputs"]), (rank, got)
+        assert all(n and s for n, s in got["steps"]), (rank, got)
+        assert got["weights_equal"], rank
+
+
+def test_a_weights_write_into_persistent_zero3_reaches_its_forward(world2):
+    for rank, got in enumerate(world2.run(jobs.warm_start_into_persistent_zero3, TINY, _batches(1, rows=4)[0],
+                                          KEEP_ALL, _batches(2))):
+        assert got["persistent"] > 0, got
+        assert not got["equal_before"], "the whole copies were already the source's: the test would not see a stale one"
+        assert got["equal_after"], rank
+
+
+def test_persistence_threshold_is_refused_off_zero3():
+    from rlhf_switch.rl.config import ConfigError, TrainerLayout, load_config
+
+    assert TrainerLayout(engine="deepspeed", zero_stage=3, dp=2, persistence_threshold=10).persistence_threshold == 10
+    for layout in ({"engine": "deepspeed", "zero_stage": 2, "dp": 2}, {"engine": "fsdp2", "dp": 2}):
+        with pytest.raises(ConfigError, match="persistence_threshold is DeepSpeed ZeRO-3's"):
+            load_config({**_grpo_tiny(), "train": {**layout, "persistence_threshold": 10}})
+
+
+def _grpo_tiny() -> dict:
+    with open(f"{REPO}/configs/grpo_tiny.yaml") as f:
+        return yaml.safe_load(f)

@@ -35,6 +35,10 @@ CASES = {
     "PP2 -> TP2 (back)": (("pp", [0, 1], {}), ("tp", [2, 3], {})),
     "TP2·PP2 -> ZeRO3·DP4": (("tp_pp", ALL, {"tp": 2}), ("zero", ALL, {"stage": 3})),
     "FSDP2·DP4 -> TP2·PP2 (back)": (("fsdp2", ALL, {}), ("tp_pp", ALL, {"tp": 2})),
+    # every parameter kept whole between steps (persistence_threshold above the largest): the
+    # source's partitions are read, the destination's written and its whole copies gathered again
+    "ZeRO3·DP2 persistent -> ZeRO3·DP4 persistent": (("zero", [0, 1], {"stage": 3, "persistence_threshold": 10**6}),
+                                                     ("zero", ALL, {"stage": 3, "persistence_threshold": 10**6})),
 }
 K = 2
 

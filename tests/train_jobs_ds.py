@@ -30,10 +30,11 @@ def batch(step: int, vocab: int = MODEL["vocab_size"]) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, SEQ), generator=g)
 
 
-def zero(stage: int, ranks=None, seed: int = 0, **overrides):
+def zero(stage: int, ranks=None, seed: int = 0, persistence_threshold: int = 0, **overrides):
     model, spec = tiny_llama(seed, **overrides)
     dp = len(ranks) if ranks is not None else dist.get_world_size()
-    return build_zero_trainer(model, spec, stage, micro_batch=BATCH // dp, ranks=ranks, optim=OPTIM)
+    return build_zero_trainer(model, spec, stage, micro_batch=BATCH // dp, ranks=ranks, optim=OPTIM,
+                              persistence_threshold=persistence_threshold)
 
 
 def full_state(trainer) -> dict:
@@ -78,8 +79,8 @@ def mismatches(claims: dict, truth: dict) -> list[str]:
     return bad
 
 
-def layout_truth(stage: int, ranks=None, steps: int = 2) -> dict:
-    trainer = zero(stage, ranks)
+def layout_truth(stage: int, ranks=None, steps: int = 2, persistence_threshold: int = 0) -> dict:
+    trainer = zero(stage, ranks, persistence_threshold=persistence_threshold)
     state = weights = None
     if trainer is not None:
         for s in range(steps):
@@ -96,7 +97,8 @@ def layout_truth(stage: int, ranks=None, steps: int = 2) -> dict:
     frags = sorted((f.key, f.box, f.offset) for r in range(state_layout.world_size)
                    for f in state_layout.fragments(r) if r == dist.get_rank())
     return {"bad": bad, "state_fragments": frags, "n_state": len(state.fragments),
-            "n_weights": len(weights.fragments)}
+            "n_weights": len(weights.fragments),
+            "n_persistent": len(getattr(trainer.engine.optimizer, "persistent_parameters", ()))}
 
 
 def pure_layout_matches(stage: int, dp: int) -> list[str]:

@@ -30,7 +30,7 @@ def build(recipe: tuple, seed: int, **model_overrides):
     if kind == "zero":
         model, spec = tiny_llama(seed, **model_overrides)
         return build_zero_trainer(model, spec, kwargs["stage"], micro_batch=BATCH // len(ranks),
-                                  ranks=ranks, optim=OPTIM)
+                                  ranks=ranks, optim=OPTIM, persistence_threshold=kwargs.get("persistence_threshold", 0))
     return TORCH_BUILDERS[kind]({**MODEL, **model_overrides}, seed, ranks, optim=OPTIM, **kwargs)
 
 

@@ -38,7 +38,8 @@ class DeepSpeedEngine(ModuleEngine):
         module = build_model(ctx.hf_config, ctx.seed, ctx.head, ctx.init_from) if on else torch.nn.Linear(1, 1)
         spec = model_spec(module.config, ctx.head) if on else None
         z = build_zero_trainer(module, spec, int(layout.zero_stage), ctx.micro_batch, ranks, optim=ctx.optim,
-                               dtype=ctx.device.compute_dtype, device=ctx.device)
+                               dtype=ctx.device.compute_dtype, device=ctx.device,
+                               persistence_threshold=int(getattr(layout, "persistence_threshold", 0)))
         if z is None:
             return None
         self = cls()

@@ -22,7 +22,16 @@ all-gather of the whole flat bit16 model; ZeRO-3: copy the partition and re-gath
 parameters that keep a full copy). A training switch moves the bit16 copies in the same plan
 instead (``separate_weights``: field ``param`` of ``weights()`` is a buffer of its own) and then
 calls ``state_written(weights_written=True)``: no refresh from the master, no all-gather (ZeRO-3
-still re-gathers its persistent parameters from the written partitions).
+still re-gathers its persistent parameters from the written partitions). A write of the bit16
+weights alone (the reference's warm start) calls ``weights_written()``.
+
+ZeRO-3 persistent parameters (``persistence_threshold``, DeepSpeed's
+``stage3_param_persistence_threshold``): a parameter of fewer elements stays gathered whole on
+every rank between steps (``ds_persist``; DeepSpeed re-gathers it after each ``step()``) and its
+submodule's fetch and release hooks find it there. Its partition (``ds_tensor``) is still the
+copy the optimizer writes and the VPS describes: reads of ``weights()`` (the weight channel, a
+switch's source) see exactly what the forward computes with, and every write of the partitions
+ends in ``state_written`` / ``weights_written``, which gather the whole copies again.
 """
 from __future__ import annotations
 
@@ -187,8 +196,42 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec | None, stage: in
     with _engine_world(dp_group, ranks):
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=optim.scheduler,
                                           config=config, mpu=mpu)
+    if stage == 3:
+        _persistent_regathered_in_one_collective(engine.optimizer)
     adapter = ZeroAdapter(engine, spec, name=f"ZeRO{stage}·DP{len(ranks)}") if spec is not None else None
     return ZeroTrainer(engine, adapter, dp_group, tuple(ranks))
+
+
+def gather_whole(params: Sequence[torch.nn.Parameter]) -> None:
+    """The ZeRO-3 parameters of ``params`` not gathered now, gathered whole from their partitions
+    in one collective per DP group: DeepSpeed's own coalesced gather (the one its fetch hooks
+    use), where ``param.all_gather`` launches one all-gather per parameter. A copy of the
+    partitions either way: the same bits."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    todo = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if todo:
+        todo[0].all_gather_coalesced(todo).wait()
+
+
+def _persistent_regathered_in_one_collective(opt) -> None:
+    """After each ``step()`` ZeRO-3 gathers its persistent parameters again from the updated
+    partitions (``_post_step``), one all-gather per parameter: 21 collectives a step on the tiny
+    2-layer model, each a wait for the other rank. The same gather in one collective
+    (``gather_whole``); nothing else of ``_post_step`` changes."""
+    if not opt.persistent_parameters or any(p.ds_secondary_tensor is not None for p in opt.persistent_parameters):
+        return  # hpZ's secondary partitions are gathered from elsewhere: DeepSpeed's own path
+    post_step = opt._post_step
+
+    def _post_step(timer_names):
+        held, opt.persistent_parameters = opt.persistent_parameters, []
+        try:
+            post_step(timer_names)
+        finally:
+            opt.persistent_parameters = held
+        gather_whole(held)
+
+    opt._post_step = _post_step
 
 
 def add_param_flat(out: LocalState, field_: str, name: str, shape: tuple[int, ...], lo: int, hi: int,
@@ -320,17 +363,28 @@ class ZeroAdapter:
             if not weights_written:
                 for g in range(self._groups()):  # param.ds_tensor are views of this flat buffer
                     o.fp16_partitioned_groups_flat[g].data.copy_(o.fp32_partitioned_groups_flat[g].data)
-            # release every gathered parameter (persistent ones included) as step() does, then
-            # re-gather the persistent ones, whose full copy would otherwise stay stale
-            o._partition_all_parameters()
-            if o.persistent_parameters:
-                o.persistent_parameters[0].all_gather(o.persistent_parameters)
-            o.invalidate_secondary_tensor()
+            self.weights_written()
         else:
             o._hp_optimizer_states_linked = False  # re-link the lp params' optimizer fragments
             o._lazy_init_hp_params_optimizer_state()
             if not weights_written:
                 o.update_lp_params()  # fp32 partition -> bit16 partition -> all-gather the flat buffer
+
+    @torch.no_grad()
+    def weights_written(self) -> None:
+        """The bit16 weights ``weights()`` describes were written in place, the master left alone
+        (the reference's warm start). ZeRO-3: the parameters DeepSpeed keeps whole between steps
+        (``persistent_parameters``: fewer elements than ``persistence_threshold``) are what the
+        forward reads, and their whole copy is still the old one — release every gathered
+        parameter as ``step()`` does and gather the persistent ones again from the written
+        partitions. ZeRO-1/2 compute on the written flat buffer itself: nothing to do. Collective
+        over the engine's DP group."""
+        if self.stage != 3:
+            return
+        o = self.opt
+        o._partition_all_parameters()
+        gather_whole(o.persistent_parameters)
+        o.invalidate_secondary_tensor()
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The flat gradient partitions the optimizer keeps allocated between steps (ZeRO-3's

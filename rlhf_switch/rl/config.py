@@ -81,9 +81,21 @@ class PhaseLayout(Strict):
 
 
 class TrainLayout(PhaseLayout):
-    """A phase that runs forward (and backward) in a training engine: train, reference, critic."""
+    """A phase that runs forward (and backward) in a training engine: train, reference, critic.
+    ``persistence_threshold`` (DeepSpeed ZeRO-3 only): parameters of fewer elements stay whole on
+    every rank between steps instead of being fetched and released around each submodule
+    (DeepSpeed's ``stage3_param_persistence_threshold``; ``engines/deepspeed_zero.py``); 0: every
+    parameter partitioned — what ZeRO-3 is for on a model that does not fit whole."""
 
     engine: EngineName
+    persistence_threshold: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _persistence_is_zero3(self) -> "TrainLayout":
+        if self.persistence_threshold and not (self.engine == "deepspeed" and self.zero_stage == 3):
+            raise ValueError(f"persistence_threshold is DeepSpeed ZeRO-3's (engine deepspeed, zero_stage 3), "
+                             f"not engine {self.engine} zero_stage {self.zero_stage}")
+        return self
 
 
 class TrainerLayout(TrainLayout):
