@@ -455,18 +455,28 @@ class Cluster:
         for a in actors:
             self.ray.kill(a)
 
-    def _gone(self, actors: Sequence) -> int:
-        """How many of ``actors`` Ray reports dead (a call to each fails with ``RayActorError``)."""
-        from ray.exceptions import RayActorError
+    def _gone(self, actors: Sequence, wait_s: float = 90.0) -> int:
+        """How many of ``actors`` Ray reports dead (a call to each fails with ``RayActorError``).
+        The kill is asynchronous: on a loaded machine a killed actor's call can stay unanswered, or
+        be answered, for a while — asked again until ``wait_s`` has passed."""
+        from ray.exceptions import GetTimeoutError, RayActorError
 
+        deadline = time.perf_counter() + wait_s
         gone = 0
         for a in actors:
-            try:
-                self.ray.get(a.node.remote(), timeout=30)
-            except RayActorError:
-                gone += 1
-            except Exception:  # noqa: BLE001 - no answer: not known to be gone
-                pass
+            while True:
+                try:
+                    self.ray.get(a.node.remote(), timeout=max(1.0, min(30.0, deadline - time.perf_counter())))
+                except RayActorError:
+                    gone += 1
+                    break
+                except GetTimeoutError:
+                    pass
+                except Exception:  # noqa: BLE001 - another error: not known to be gone
+                    break
+                if time.perf_counter() >= deadline:  # still answering (or silent): not gone
+                    break
+                time.sleep(0.5)
         return gone
 
     def _on(self, bundle: int):

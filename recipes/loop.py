@@ -475,7 +475,7 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
     done, move the state over the union of old and new ranks, adopt the new world. A build that
     failed is abandoned with one message and the run goes on in the current world. ``request``:
     the resize request (``_take_request``) this entry came from, answered here."""
-    from rlhf_switch.elastic import ResizeError, requests
+    from rlhf_switch.elastic import ResizeError
 
     if not cluster.in_world:
         from recipes.resize import PendingCombined
@@ -490,10 +490,7 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
         waited = time.perf_counter() - t0
         result = pending.commit(cluster.workers)
     except ResizeError as e:
-        say(f"[{name}] resize before iteration {it} abandoned: {e}")
-        if request is not None:
-            requests.answer(out_dir, request, "abandoned", str(e), iteration=it)
-        return {"iteration": it, "resize": {"kind": "requested" if request else "planned", "abandoned": str(e)}}
+        return _resize_abandoned(it, str(e), say, name, request, out_dir)
     cluster.adopt(pending.config, result.workers, devices.slots(result.plan.new_devices))
     new = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
     event = {"kind": "requested" if request else "planned", "old": old, "new": new, "iterations_during_build": it - pending.started_at,
@@ -501,14 +498,38 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
              "background_s": result.background_s, "waited_for_build_s": waited,
              "stop_the_world_s": result.stop_the_world_s, "release_s": result.release_s,
              "bytes_moved": result.bytes_moved, "bytes_moved_by_engine": result.bytes_moved_by_engine}
+    return _resized(it, event, f"built in the background in {result.background_s:.1f} s", say, name, request, out_dir)
+
+
+def _resize_abandoned(it: int, why: str, say, name: str, request, out_dir: Path | None, part: str = "",
+                      event: dict | None = None) -> dict:
+    """A resize before iteration ``it`` that did not happen: said in one line, the request (if it
+    came from one) answered ``abandoned``, and its record (``event``: what is known of it)."""
+    from rlhf_switch.elastic import requests
+
+    say(f"[{name}] {part}resize before iteration {it} abandoned: {why}")
     if request is not None:
-        requests.answer(out_dir, request, "done", f"resized before iteration {it}: {old} -> {new}", iteration=it,
-                        event=event)
-    say(f"[{name}] resized before iteration {it}: {old} -> {new}; built in the background in "
-        f"{result.background_s:.1f} s ({event['iterations_during_build']} iteration(s) meanwhile, "
-        f"{waited:.1f} s waited), stop-the-world {result.stop_the_world_s:.2f} s, {result.bytes_moved} B moved")
-    return {"iteration": it, "resize": event, "resize_stop_the_world_s": result.stop_the_world_s,
-            "resize_background_s": result.background_s}
+        requests.answer(out_dir, request, "abandoned", why, iteration=it)
+    return {"iteration": it, "resize": {"kind": "requested" if request else "planned", **(event or {}),
+                                        "abandoned": why}}
+
+
+def _resized(it: int, event: dict, built: str, say, name: str, request, out_dir: Path | None,
+             part: str = "", moved: str = "") -> dict:
+    """A resize done before iteration ``it``: the request (if any) answered ``done`` with its
+    event, one line said (``built``: how the new side was started; ``moved``: the stop-the-world's
+    parts), and the run-log record."""
+    from rlhf_switch.elastic import requests
+
+    old, new = event["old"], event["new"]
+    if request is not None:
+        requests.answer(out_dir, request, "done", f"{part}resized before iteration {it}: {old} -> {new}",
+                        iteration=it, event=event)
+    say(f"[{name}] {part}resized before iteration {it}: {old} -> {new}; {built} "
+        f"({event['iterations_during_build']} iteration(s) meanwhile, {event['waited_for_build_s']:.1f} s waited), "
+        f"stop-the-world {event['stop_the_world_s']:.2f} s{moved}, {event['bytes_moved']} B moved")
+    return {"iteration": it, "resize": event, "resize_stop_the_world_s": event["stop_the_world_s"],
+            "resize_background_s": event["background_s"]}
 
 
 def _rollout_layout(cfg) -> str:
@@ -528,29 +549,15 @@ def _commit_rollout_resize(cluster, pending, it: int, say, name: str, request, o
     """Before iteration ``it``: the new replicas take over (``Cluster.swap_replicas``: the weight
     channel re-formed over the trainer ranks and them, one sync fills them, the old ones shut
     down). New replicas that cannot be taken: abandoned with one message, the old ones generate on."""
-    from rlhf_switch.elastic import requests
-
-    kind = "requested" if request else "planned"
     old = _rollout_layout(cluster.cfg)
     try:
         swap = cluster.swap_replicas()
     except ValueError as e:
-        say(f"[{name}] rollout resize before iteration {it} abandoned: {e}")
-        if request is not None:
-            requests.answer(out_dir, request, "abandoned", str(e), iteration=it)
-        return {"iteration": it, "resize": {"kind": kind, "abandoned": str(e)}}
-    new = _rollout_layout(cluster.cfg)
-    event = {"kind": kind, "part": "rollout", "old": old, "new": new,
-             "iterations_during_build": it - pending.started_at, **swap}
-    if request is not None:
-        requests.answer(out_dir, request, "done", f"rollout resized before iteration {it}: {old} -> {new}",
-                        iteration=it, event=event)
-    say(f"[{name}] rollout resized before iteration {it}: {old} -> {new}; new replicas started in the background "
-        f"in {swap['background_s']:.1f} s ({event['iterations_during_build']} iteration(s) meanwhile, "
-        f"{swap['waited_for_build_s']:.1f} s waited), stop-the-world {swap['stop_the_world_s']:.2f} s, "
-        f"{swap['bytes_moved']} B moved")
-    return {"iteration": it, "resize": event, "resize_stop_the_world_s": swap["stop_the_world_s"],
-            "resize_background_s": swap["background_s"]}
+        return _resize_abandoned(it, str(e), say, name, request, out_dir, part="rollout ")
+    event = {"kind": "requested" if request else "planned", "part": "rollout", "old": old,
+             "new": _rollout_layout(cluster.cfg), "iterations_during_build": it - pending.started_at, **swap}
+    return _resized(it, event, f"new replicas started in the background in {swap['background_s']:.1f} s", say, name,
+                    request, out_dir, part="rollout ")
 
 
 def _commit_combined_resize(cluster, pending, devices, it: int, say, name: str, request,
@@ -558,7 +565,6 @@ def _commit_combined_resize(cluster, pending, devices, it: int, say, name: str, 
     """Before iteration ``it``: the new trainer world and its new vLLM replicas take over in one
     stop-the-world (``recipes/resize.py``); either side not built: both abandoned, one message."""
     from recipes.resize import commit_combined_resize
-    from rlhf_switch.elastic import requests
 
     event = commit_combined_resize(cluster.ray, cluster, pending, devices, it)
     if request is not None:
@@ -566,20 +572,10 @@ def _commit_combined_resize(cluster, pending, devices, it: int, say, name: str, 
         if request.get("reason"):
             event["reason"] = request["reason"]
     if "abandoned" in event:
-        say(f"[{name}] resize before iteration {it} abandoned: {event['abandoned']}")
-        if request is not None:
-            requests.answer(out_dir, request, "abandoned", event["abandoned"], iteration=it)
-        return {"iteration": it, "resize": event}
-    if request is not None:
-        requests.answer(out_dir, request, "done", f"resized before iteration {it}: {event['old']} -> {event['new']}",
-                        iteration=it, event=event)
-    say(f"[{name}] resized before iteration {it}: {event['old']} -> {event['new']}; built in the background in "
-        f"{event['background_s']:.1f} s ({event['iterations_during_build']} iteration(s) meanwhile, "
-        f"{event['waited_for_build_s']:.1f} s waited), stop-the-world {event['stop_the_world_s']:.2f} s "
-        f"(trainer move {event['trainer_move_s']:.2f} s, replicas filled {event['fill_sync_s']:.2f} s), "
-        f"{event['bytes_moved']} B moved")
-    return {"iteration": it, "resize": event, "resize_stop_the_world_s": event["stop_the_world_s"],
-            "resize_background_s": event["background_s"]}
+        return _resize_abandoned(it, event.pop("abandoned"), say, name, request, out_dir, event=event)
+    return _resized(it, event, f"built in the background in {event['background_s']:.1f} s", say, name, request,
+                    out_dir, moved=f" (trainer move {event['trainer_move_s']:.2f} s, replicas filled "
+                                   f"{event['fill_sync_s']:.2f} s)")
 
 
 def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, refreshed_at: int | None,

@@ -33,16 +33,11 @@ pytestmark = pytest.mark.slow
 
 def _config(out: Path) -> dict:
     sys.path.insert(0, str(HERE))
-    from test_rl_loop import small
+    from test_elastic_vllm import replica_run
 
-    cfg = small("grpo_tiny.yaml", out, world=2, train={"engine": "deepspeed", "zero_stage": 3, "dp": 2},
-                rollout={"engine": "vllm", "tp": 1, "dp": 2}, checkpoint={"save_every": 0})
-    cfg.pop("reference")  # no KL: the trainer and the replicas are what this test is about
-    cfg["algorithm"].update(kl_coef=0.0, iterations=6)
     one = {"world_size": 1, "train": {"engine": "deepspeed", "zero_stage": 3, "dp": 1},
            "rollout": {"engine": "vllm", "tp": 1, "dp": 1}}
-    cfg["elastic"] = {"schedule": [{"iteration": 1, **one}, {"iteration": 3, **one}]}
-    return cfg
+    return replica_run(out, 6, [{"iteration": 1, **one}, {"iteration": 3, **one}])
 
 
 def _devices_held(ray) -> int:

@@ -21,17 +21,24 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
 
 
-def _config(out: Path) -> dict:
+def replica_run(out: Path, iterations: int, schedule: list[dict]) -> dict:
+    """GRPO of ZeRO-3 DP2 with two vLLM TP1 replicas and ``schedule`` (also
+    tests/test_elastic_combined.py's)."""
     sys.path.insert(0, str(HERE))
     from test_rl_loop import small
 
     cfg = small("grpo_tiny.yaml", out, world=2, train={"engine": "deepspeed", "zero_stage": 3, "dp": 2},
                 rollout={"engine": "vllm", "tp": 1, "dp": 2}, checkpoint={"save_every": 0})
-    cfg.pop("reference")  # no KL: the trainer and the replicas are what this test is about
-    cfg["algorithm"].update(kl_coef=0.0, iterations=3)
-    cfg["elastic"] = {"schedule": [{"iteration": 2, "world_size": 2, "train": cfg["train"],
-                                    "rollout": {"engine": "vllm", "tp": 2, "dp": 1}}]}
+    cfg.pop("reference")  # no KL: the trainer and the replicas are what these tests are about
+    cfg["algorithm"].update(kl_coef=0.0, iterations=iterations)
+    cfg["elastic"] = {"schedule": schedule}
     return cfg
+
+
+def _config(out: Path) -> dict:
+    return replica_run(out, 3, [{"iteration": 2, "world_size": 2, "train": {"engine": "deepspeed", "zero_stage": 3,
+                                                                            "dp": 2},
+                                 "rollout": {"engine": "vllm", "tp": 2, "dp": 1}}])
 
 
 def _minimum(spec, tp: int, replicas: int) -> int:
