@@ -351,9 +351,21 @@ class HybridWorker:
         return out
 
     # --- elastic.redundancy: host — the state kept by a buddy, for a lost trainer -------------------
+    # ``pid``, ``host_copy_torn``, ``resize_store`` and ``resize_move(source="host_copy")`` are what
+    # a recovery calls on a survivor, in the actor's control concurrency group (``remote_class``):
+    # a thread of their own, while the main thread may still sit in the interrupted call's
+    # collective until the gloo timeout. Reading the host copy there races nothing: a refresh runs
+    # only in the main thread, called by the driver between steps and never during a recovery, so
+    # the only one that can be running then is one the loss interrupted — and it left the copy
+    # ``torn`` (refused, ``HostCopy.source``). The usual stuck call is ``train_on``, which reads and
+    # writes the engines' buffers only, never ``_host_copies``.
     def pid(self) -> int:
         """This actor's process id (a liveness probe; the test that kills one finds it here)."""
         return os.getpid()
+
+    def host_copy_torn(self) -> list[str]:
+        """The host copies whose last refresh was cut short (their buffers mix two states)."""
+        return [c.adapter.name for c in getattr(self, "_host_copies", []) if c.torn]
 
     def redundancy_refresh(self, shift: int = 1, extra: dict | None = None) -> dict:
         """The trainer's state as of now into the host copy (``rlhf_switch.elastic.redundancy``) —
@@ -650,7 +662,14 @@ def _broadcast_objects(objs: list) -> list:
 
 def remote_class(num_cpus: float, num_gpus: float = 1):
     """``HybridWorker`` as a Ray actor class with explicit resources (Ray's default 1 CPU would
-    not fit a fractional bundle; ``num_gpus`` are logical devices on CPU machines)."""
+    not fit a fractional bundle; ``num_gpus`` are logical devices on CPU machines). Calls run in
+    Ray's default group — one at a time, in the order they were sent — except those sent with
+    ``.options(concurrency_group=CONTROL)`` (a recovery's, see ``pid``): one thread of their own."""
     import ray
 
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(HybridWorker)
+    from rlhf_switch.elastic.manager import CONTROL
+
+    # the default group's order is what the collectives rely on (Ray's default at max_concurrency 1,
+    # said here: a concurrency group must not make it out-of-order)
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups={CONTROL: 1},
+                      allow_out_of_order_execution=False)(HybridWorker)

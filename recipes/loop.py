@@ -592,7 +592,9 @@ def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, re
     from rlhf_switch.elastic.recovery import StateLost, WorldLost, lost_ranks, recover
     from rlhf_switch.elastic.requests import scaled_config
 
+    probe_s = time.perf_counter()
     lost = lost_ranks(ray, cluster.workers)
+    probe_s = time.perf_counter() - probe_s
     if not lost:
         raise error
     say(f"[{name}] trainer rank(s) {lost} lost ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
@@ -622,7 +624,8 @@ def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, re
     how = (f"devices {rec.devices_gone} gone with their node: shrunk to the {new_cfg.world_size} left, layouts "
            f"scaled along DP" if rec.devices_gone else f"a replacement for rank(s) {rec.lost}")
     event = rec.event(old, f"{layout(new_cfg)} ({how})")
-    event.update(restored_iteration=refreshed_at, lost_nodes=sorted({where[r] for r in rec.lost}),
+    # probe_s: of detect_s, the actors asked (lost_ranks); the rest waits on Ray's placement of the devices
+    event.update(restored_iteration=refreshed_at, lost_nodes=sorted({where[r] for r in rec.lost}), probe_s=probe_s,
                  action=f"recovered to {new_cfg.world_size} devices from the host copies" +
                         (" (a smaller world)" if rec.devices_gone else ""))
     say(f"[{name}] recovered without a checkpoint in {rec.seconds:.1f} s onto {layout(new_cfg)} ({how}; build "

@@ -155,6 +155,59 @@ def test_a_killed_trainer_is_restored_from_the_buddy_copies_bit_for_bit(ray_sess
 
 
 @pytest.mark.slow
+def test_a_survivor_answers_while_its_main_call_is_stuck_and_a_torn_copy_is_refused(ray_session, tmp_path):
+    """ZeRO-3 DP2 over Ray, refreshed once; then rank 0 alone refreshes again: its move waits for
+    rank 1 in the world's collective (until the gloo timeout), its host copy half written.
+    Meanwhile the recovery's calls answer from the actors' control concurrency group:
+    ``lost_ranks`` finds nobody lost while that refresh is still pending, rank 0 says its copy
+    is torn, and ``recover`` (rank 1 lost) refuses it with ``StateLost`` before building anything."""
+    import time
+
+    from test_elastic import _config, _train
+
+    from actors.hybrid import remote_class
+    from recipes.cluster import Cluster
+    from recipes.common import warm_start
+    from rlhf_switch.elastic.manager import CONTROL, Devices
+    from rlhf_switch.elastic.recovery import StateLost, lost_ranks, recover
+    from rlhf_switch.rl.config import load_config
+
+    ray = ray_session
+    cfg = _config(tmp_path / "run", 2)
+    init = warm_start(load_config(cfg), tmp_path / "init", quiet=True)
+    devices = Devices(ray)
+    devices.acquire(range(2))
+    cluster = Cluster(load_config(cfg), ray, quiet=True, devices=devices.slots(range(2)))
+    workers = []
+    try:
+        cluster.build(init, None)
+        workers = cluster.workers
+        _train(ray, workers, 0)
+        ray.get([w.redundancy_refresh.remote(1, {"iteration": 1}) for w in workers], timeout=300)
+
+        def torn() -> list:
+            return ray.get([w.host_copy_torn.options(concurrency_group=CONTROL).remote() for w in workers],
+                           timeout=60)
+
+        assert torn() == [[], []]
+        stuck = workers[0].redundancy_refresh.remote(1, {"iteration": 2})
+        deadline = time.monotonic() + 60
+        while not torn()[0]:  # rank 0's refresh has entered its move
+            assert time.monotonic() < deadline, "rank 0's refresh never started its move"
+            time.sleep(0.1)
+        assert lost_ranks(ray, workers, deadline_s=60) == []
+        assert ray.wait([stuck], timeout=0)[0] == []  # answered while the refresh still waits for rank 1
+        assert torn()[1] == []
+        with pytest.raises(StateLost, match="torn") as e:
+            recover(ray, remote_class(num_cpus=0.5, num_gpus=0.5), cfg, devices, range(2), workers, [1])
+        assert e.value.unrecoverable == [0]
+    finally:
+        for w in workers:
+            ray.kill(w)
+        devices.release_all()
+
+
+@pytest.mark.slow
 def test_grpo_with_host_redundancy_survives_a_killed_trainer_without_a_checkpoint(ray_session, tmp_path):
     """``elastic.redundancy: host`` in the loop: GRPO on ZeRO-3 DP2 (torch rollout), trainer rank
     1 kill -9'd by pid during iteration 1's train phase. The loop finds it lost, restores the
@@ -226,7 +279,8 @@ def test_grpo_with_host_redundancy_survives_a_killed_trainer_without_a_checkpoin
         assert all(torch.equal(x.master[n], b.master[n]) for n in b.master)
         assert all(torch.equal(x.moments[f][n], b.moments[f][n]) for f in b.moments for n in b.moments[f])
     print(f"\nloop: refresh {max(r['redundancy_seconds'] for r in steps):.3f} s, {steps[0]['redundancy_bytes']} B "
-          f"per iteration; recovery {event['seconds']:.1f} s (build {event['build_s']:.1f} s, move "
+          f"per iteration; recovery {event['seconds']:.1f} s (detect {event['detect_s']:.1f}, of which probe "
+          f"{event['probe_s']:.1f}; build {event['build_s']:.1f} s, move "
           f"{event['move_s']:.2f} s), {event['bytes_moved']} B; both ranks lost: back on the checkpoint in "
           f"{back['seconds']:.1f} s")
 

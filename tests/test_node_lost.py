@@ -160,5 +160,5 @@ def test_a_node_lost_shrinks_grpo_dp4_to_dp2_on_the_survivors_without_a_checkpoi
     where = next(x["channel"]["nodes"] for x in records(out) if "channel" in x)
     assert len(where["trainers"]) == 2 and {m["node_id"] for m in where["trainers"]} <= head, where
     print(f"\nnode lost in iteration 1's train phase: ranks {event['lost_ranks']} lost, DP4 -> DP2 in "
-          f"{event['seconds']:.1f} s (detect {event['detect_s']:.1f}, build {event['build_s']:.1f}, move "
+          f"{event['seconds']:.1f} s (detect {event['detect_s']:.1f} of which probe {event['probe_s']:.1f}, build {event['build_s']:.1f}, move "
           f"{event['move_s']:.2f} s), {event['bytes_moved']} B from the host copies")

@@ -25,6 +25,13 @@ from .plan import ResizeError, ResizePlan
 
 DEVICE = {"CPU": 1, "GPU": 1}
 
+# The Ray concurrency group of the calls a recovery makes on a surviving trainer actor (its pid,
+# ``resize_store``, ``resize_move(source="host_copy")``): a thread of their own, so they answer
+# while the actor's main call — a step of a world that lost a rank — still waits in a collective
+# for the lost peer until the gloo timeout. The actor class defines it (``actors/hybrid.py``
+# ``remote_class``); every other call stays in Ray's default group, in order, one at a time.
+CONTROL = "control"
+
 
 class Devices:
     """Logical devices by id, each its own placement group of one bundle."""
@@ -218,8 +225,9 @@ class PendingWorld:
         sends what it holds — the ranks leaving too, before they leave), then the old actors are
         shut down and the devices only they used released. Call between two steps of the old
         world, after ``ready()``. ``source="host_copy"``: the old ranks are the survivors of a
-        world that lost a rank and send their host copies (``elastic.recovery``); their world's
-        groups are broken, so they are killed without a shutdown. ``release=False``: the devices
+        world that lost a rank and send their host copies (``elastic.recovery``) from the actors'
+        ``CONTROL`` concurrency group (their main calls may still wait on the broken world's
+        groups); those groups are broken, so they are killed without a shutdown. ``release=False``: the devices
         only the old world used stay held (other actors of the old world still run there, e.g.
         the old rollout replicas of a combined resize); the caller releases ``plan.released``."""
         if len(old_workers) != self.plan.old_world:
@@ -227,8 +235,13 @@ class PendingWorld:
         self.wait()
         ray, plan = self.ray, self.plan
         t0 = time.perf_counter()
-        host, port = ray.get(old_workers[0].resize_store.remote(), timeout=120)
-        refs = [w.resize_move.remote(plan.endpoint(host, port, "old", r), source) for r, w in enumerate(old_workers)]
+        # host copies: the survivors' main calls are stuck in their broken world, so their part runs
+        # in the control group (each is killed after it: nothing waits for the stuck call); their
+        # engines' own state (a planned resize) is read in order, after the last step
+        group = {"concurrency_group": CONTROL} if source == "host_copy" else {}
+        host, port = ray.get(old_workers[0].resize_store.options(**group).remote(), timeout=120)
+        refs = [w.resize_move.options(**group).remote(plan.endpoint(host, port, "old", r), source)
+                for r, w in enumerate(old_workers)]
         refs += [w.resize_move.remote(plan.endpoint(host, port, "new", r)) for r, w in enumerate(self.workers)]
         try:
             members = ray.get(refs, timeout=timeout_s)

@@ -1,13 +1,15 @@
 """The driver side of a lost trainer, over Ray (``elastic.redundancy: host``).
 
 A trainer actor died (a call of the iteration raised Ray's ``RayActorError``/``ActorDiedError``,
-or a move ran past its deadline). ``lost_ranks`` asks every actor of the world for its pid: the
-dead ones answer with Ray's error at once, the survivors once their interrupted call has failed
-(their world's groups lost a member), and one that does not answer within the deadline counts as
-lost too (it is killed). ``recover`` then:
+or a move ran past its deadline). ``lost_ranks`` asks every actor of the world for its pid in
+the actors' ``CONTROL`` concurrency group (``manager.CONTROL``): the dead ones answer with Ray's
+error once Ray knows, the survivors at once from that group's thread — their main call may still
+wait in a collective for the lost peer, until the gloo timeout —, and one that does not answer
+within the deadline counts as lost too (it is killed). ``recover`` then:
 
 1. refuses, before anything moves, when a lost rank's copy was held by a lost rank too
-   (``vps.layouts.buddy.lost_owners``): ``StateLost`` — the caller falls back to a checkpoint;
+   (``vps.layouts.buddy.lost_owners``), or when a survivor's copy was torn by a refresh the loss
+   cut short (``host_copy_torn``): ``StateLost`` — the caller falls back to a checkpoint;
 2. builds a new world with ``start_world`` — the resize's own background build: a replacement
    for each lost rank on its device where that device is still placed (``Devices.placed``: a
    rank killed on a node that is up, or a lost node's placement group Ray re-placed on a free
@@ -19,7 +21,7 @@ lost too (it is killed). ``recover`` then:
 3. moves the state with the resize's own stop-the-world (``PendingWorld.commit``), the survivors
    sending their host copies (``source="host_copy"``): one VPS plan over the union of the
    survivors and the new ranks; step, LR schedule and RNG as of the last refresh come with it.
-   The survivors are killed after it.
+   The survivors are killed after it, their stuck main calls with them (nothing waits on those).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from ..vps.layouts.buddy import lost_owners
-from .manager import Devices, bytes_by_engine, start_world
+from .manager import CONTROL, Devices, bytes_by_engine, start_world
 from .plan import ResizePlan
 
 
@@ -81,7 +83,8 @@ def lost_ranks(ray, workers: Sequence, deadline_s: float = 300.0) -> list[int]:
     killed: a rank that hangs cannot be part of the recovery)."""
     from ray.exceptions import RayActorError
 
-    probes = [w.pid.remote() for w in workers]
+    # the control group: a survivor's main call may be stuck in the broken world's collective
+    probes = [w.pid.options(concurrency_group=CONTROL).remote() for w in workers]
     done, pending = ray.wait(probes, num_returns=len(probes), timeout=deadline_s)
     lost = []
     for r, ref in enumerate(probes):
@@ -128,6 +131,15 @@ def recover(ray, actor_cls, config: Mapping, devices: Devices, device_ids: Seque
         for r in on_gone:
             ray.kill(workers[r])
     survivors = [r for r in range(n) if r not in lost]
+    # a refresh the loss interrupted (stuck in the main thread, mid-move) has left its host buffers a
+    # mix of two states: refused here, before anything is built or moved
+    torn = ray.get([workers[r].host_copy_torn.options(concurrency_group=CONTROL).remote() for r in survivors],
+                   timeout=60)
+    if any(torn):
+        bad = [r for r, t in zip(survivors, torn) if t]
+        raise StateLost(f"trainer ranks {lost} of {n} are lost during a refresh of the host copies: the copies "
+                        f"of rank(s) {bad} are torn ({torn[survivors.index(bad[0])][0]}), the state cannot be "
+                        f"restored from the buddies", lost, bad)
     new_devices = [d for d in device_ids if d not in devices_gone]
     if devices_gone:
         why = "no smaller world is built here" if config_for is None else None

@@ -49,6 +49,7 @@ class HostCopy:
         self.scalars: dict[str, Any] | None = None
         self.extra: dict[str, Any] = {}
         self.refreshes = 0
+        self.torn = False            # a refresh began and has not finished: the buffers mix two states
 
     def refresh(self, extra: Mapping[str, Any] | None = None) -> dict:
         """Copy the engine's state as of now into the buddy layout; ``extra``: what the caller
@@ -57,11 +58,15 @@ class HostCopy:
         local = switched_state(self.adapter)
         self._check_planned(local)
         engine, buddy = self.layouts
+        # the move writes the host buffers in place: until it and the scalars are done (a loss in
+        # the middle leaves it stuck or failed), the copy is refused as a source
+        self.torn = True
         report = move(engine, buddy, local.tensors, self.host, group=self.group,
                       budget_bytes=self.budget_bytes, timeout=self.timeout)
         self.scalars = copy.deepcopy(self.adapter.scalars())
         self.extra = dict(extra or {})
         self.refreshes += 1
+        self.torn = False
         return {"bytes_local": report.bytes_local, "bytes_received": report.bytes_received,
                 "bytes_held": sum(t.numel() * t.element_size() for t in self.host.values()),
                 "seconds": time.perf_counter() - t0}
@@ -83,6 +88,9 @@ class HostCopy:
     def source(self) -> "HostCopySource":
         if self.scalars is None:
             raise RuntimeError(f"{self.adapter.name}: the host copy was never refreshed")
+        if self.torn:
+            raise RuntimeError(f"{self.adapter.name}: a refresh of the host copy was cut short (or is running): "
+                               f"its buffers mix two states")
         return HostCopySource(self)
 
 
