@@ -351,7 +351,7 @@ class HybridWorker:
         return out
 
     # --- elastic.redundancy: host — the state kept by a buddy, for a lost trainer -------------------
-    # ``pid``, ``host_copy_torn``, ``resize_store`` and ``resize_move(source="host_copy")`` are what
+    # ``pid``, ``host_copy_torn``, ``host_copy_extra``, ``resize_store`` and ``resize_move(source="host_copy")`` are what
     # a recovery calls on a survivor, in the actor's control concurrency group (``remote_class``):
     # a thread of their own, while the main thread may still sit in the interrupted call's
     # collective until the gloo timeout. Reading the host copy there races nothing: a refresh runs
@@ -366,6 +366,10 @@ class HybridWorker:
     def host_copy_torn(self) -> list[str]:
         """The host copies whose last refresh was cut short (their buffers mix two states)."""
         return [c.adapter.name for c in getattr(self, "_host_copies", []) if c.torn]
+
+    def host_copy_extra(self) -> list[dict]:
+        """What each host copy's last complete refresh was given (the loop: its iteration)."""
+        return [dict(c.extra) for c in getattr(self, "_host_copies", [])]
 
     def redundancy_refresh(self, shift: int = 1, extra: dict | None = None) -> dict:
         """The trainer's state as of now into the host copy (``rlhf_switch.elastic.redundancy``) —

@@ -618,6 +618,9 @@ def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, re
     except (StateLost, WorldLost) as e:
         return _fall_back_to_checkpoint(e, ray, cluster, devices, init_dir, out_dir, iterations, quiet, say, name,
                                         failed_at)
+    # the iteration the copies were refreshed at (a loss at the very end of a refresh: the copies
+    # are complete and newer than the last refresh the driver saw return)
+    refreshed_at = int(rec.extra.get("iteration", refreshed_at))
     new_cfg = smaller["cfg"] if rec.devices_gone else old_cfg
     devices.renumber(rec.devices)  # the run's world stays on devices 0..n-1
     cluster.adopt(new_cfg, rec.workers, devices.slots(range(new_cfg.world_size)))

@@ -190,6 +190,8 @@ def test_a_survivor_answers_while_its_main_call_is_stuck_and_a_torn_copy_is_refu
                            timeout=60)
 
         assert torn() == [[], []]
+        assert ray.get([w.host_copy_extra.options(concurrency_group=CONTROL).remote() for w in workers],
+                       timeout=60) == [[{"iteration": 1}]] * 2
         stuck = workers[0].redundancy_refresh.remote(1, {"iteration": 2})
         deadline = time.monotonic() + 60
         while not torn()[0]:  # rank 0's refresh has entered its move
@@ -302,3 +304,16 @@ def test_host_redundancy_is_refused_where_it_cannot_run(tmp_path):
     assert "world_size >= 2" in text and "elastic.schedule: not supported together" in text
     with pytest.raises(ConfigError, match="redundancy"):
         load_config({**cfg, "elastic": {"redundancy": "disk"}})
+
+
+def test_the_survivors_copies_must_be_of_one_refresh():
+    """A loss at the very end of a refresh can leave one survivor's copy complete (its buddy share
+    came from a rank that had sent it) and another's never started: ``refreshed_alike`` names the
+    refresh they share — the iteration the loop runs again — or refuses a mix with ``StateLost``."""
+    from rlhf_switch.elastic.recovery import StateLost, refreshed_alike
+
+    assert refreshed_alike([0, 2], [[{"iteration": 3}], [{"iteration": 3}]], [1]) == {"iteration": 3}
+    assert refreshed_alike([0, 2, 3], [[{"iteration": 3}] * 2] * 3, [1]) == {"iteration": 3}  # PPO: two copies
+    with pytest.raises(StateLost, match="different refreshes") as e:
+        refreshed_alike([0, 2], [[{"iteration": 3}], [{"iteration": 2}]], [1])
+    assert e.value.lost == [1] and e.value.unrecoverable == [0, 2]

@@ -64,6 +64,7 @@ class Recovery:
     members: list[dict] = field(default_factory=list)
     devices: list[int] = field(default_factory=list)       # the new world's devices, rank order
     devices_gone: list[int] = field(default_factory=list)  # lost ranks' devices not placed any more
+    extra: dict = field(default_factory=dict)  # what the restored refresh was given (the loop: its iteration)
 
     @property
     def bytes_moved(self) -> int:
@@ -76,6 +77,21 @@ class Recovery:
                 "detect_s": self.detect_s, "build_s": self.build_s, "move_s": self.move_s,
                 "seconds": self.seconds, "bytes_moved": self.bytes_moved,
                 "bytes_moved_by_engine": bytes_by_engine(self.members)}
+
+
+def refreshed_alike(survivors: Sequence[int], extras: Sequence[Sequence[Mapping]], lost: Sequence[int]) -> dict:
+    """What the survivors' host copies were last refreshed with (``extras[i]``: survivor
+    ``survivors[i]``'s, one per engine), which must be one refresh: a loss right at the end of a
+    refresh can leave some survivors with the new copy complete and others never started on it
+    (a rank's buddy share comes from one neighbour), and a state pieced from two refreshes is no
+    state at all — ``StateLost``. The loop restores the iteration named here, not the one it
+    last saw a refresh return for."""
+    seen = {repr(list(e)): r for r, e in zip(survivors, extras)}
+    if len(seen) > 1:
+        raise StateLost(f"trainer ranks {list(lost)} are lost during a refresh of the host copies: the survivors' "
+                        f"copies are of different refreshes ({', '.join(f'rank {r}: {k}' for k, r in seen.items())}); "
+                        f"the state cannot be restored from the buddies", list(lost), list(survivors))
+    return dict(extras[0][0]) if extras and extras[0] else {}
 
 
 def lost_ranks(ray, workers: Sequence, deadline_s: float = 300.0) -> list[int]:
@@ -140,6 +156,8 @@ def recover(ray, actor_cls, config: Mapping, devices: Devices, device_ids: Seque
         raise StateLost(f"trainer ranks {lost} of {n} are lost during a refresh of the host copies: the copies "
                         f"of rank(s) {bad} are torn ({torn[survivors.index(bad[0])][0]}), the state cannot be "
                         f"restored from the buddies", lost, bad)
+    extra = refreshed_alike(survivors, ray.get([workers[r].host_copy_extra.options(concurrency_group=CONTROL)
+                                                .remote() for r in survivors], timeout=60), lost)
     new_devices = [d for d in device_ids if d not in devices_gone]
     if devices_gone:
         why = "no smaller world is built here" if config_for is None else None
@@ -163,4 +181,4 @@ def recover(ray, actor_cls, config: Mapping, devices: Devices, device_ids: Seque
     build_s = time.perf_counter() - t1
     result = pending.commit([workers[r] for r in survivors], timeout_s=timeout_s, source="host_copy")
     return Recovery(result.workers, lost, survivors, plan, detect_s, build_s, result.stop_the_world_s,
-                    time.perf_counter() - t0, result.members, list(new_devices), devices_gone)
+                    time.perf_counter() - t0, result.members, list(new_devices), devices_gone, extra)
