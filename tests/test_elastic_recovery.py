@@ -309,7 +309,7 @@ def test_host_redundancy_with_an_elastic_schedule_survives_kills_around_the_resi
 
     def config(out):
         cfg = _config(out, 4)
-        cfg["algorithm"].update(iterations=3, prompts_per_iteration=4, micro_batch_size=2)  # fits DP4 and DP2
+        cfg["algorithm"].update(iterations=2, prompts_per_iteration=4, micro_batch_size=2)  # fits DP4 and DP2
         dp2 = _config(out, 2)
         cfg["elastic"] = {"redundancy": "host", "schedule": [{"iteration": 1, "world_size": 2, "train": dp2["train"],
                                                               "rollout": dp2["rollout"]}]}
@@ -338,15 +338,17 @@ def test_host_redundancy_with_an_elastic_schedule_survives_kills_around_the_resi
     assert not (tmp_path / "killed" / "checkpoints").exists()
     ref = run(config(tmp_path / "whole"), quiet=True)
     steps, theirs = ([r for r in recs if "reward_mean" in r] for recs in (mine, ref))
-    assert [r["iteration"] for r in steps] == [0, 1, 2] == [r["iteration"] for r in theirs]
+    assert [r["iteration"] for r in steps] == [0, 1] == [r["iteration"] for r in theirs]
     for a, b in zip(steps, theirs):
         assert (a["reward_mean"], a["policy_loss"], a["grad_norm"]) == (b["reward_mean"], b["policy_loss"], b["grad_norm"])
     spec = model_spec(config(tmp_path)["model"]["hf_config"])
     a, b = (FullState.load_dir(p / "final", spec) for p in (tmp_path / "killed", tmp_path / "whole"))
     assert all(torch.equal(a.master[n], b.master[n]) for n in b.master)
     assert all(torch.equal(a.moments[f][n], b.moments[f][n]) for f in b.moments for n in b.moments[f])
-    print(f"\nschedule + redundancy: recovery during the build {first['seconds']:.1f} s, after the resize "
-          f"{second['seconds']:.1f} s ({second['bytes_moved']} B from the DP2 world's copies)")
+    print("\nschedule + redundancy: " + "; ".join(
+        f"recovery {when} {e['seconds']:.1f} s (detect {e['detect_s']:.1f}, build {e['build_s']:.1f}, move "
+        f"{e['move_s']:.2f} s, {e['bytes_moved']} B)" for when, e in (("during the DP2 build", first),
+                                                                   ("after the resize", second))))
 
 
 def test_host_redundancy_is_refused_where_it_cannot_run(tmp_path):
