@@ -183,6 +183,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 if schedule and schedule[0].iteration == it:  # the resize due now: stop-the-world
                     if phase_hook is not None:  # tests: the state right before the resize
                         phase_hook(it, "before_resize", cluster)
+                    if pending is None:  # its build abandoned for a recovery that restored this iteration
+                        pending = _start_resize(ray, cluster, cfg, schedule[0], devices, init_dir, it)
                     rec = _commit_resize(cluster, pending, schedule.pop(0), cfg, devices, it, say, name,
                                          request=requested.pop(it, None), out_dir=out_dir)
                     if phase_hook is not None:  # ... and right after it
@@ -190,6 +192,11 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                     pending = None
                     records.append(rec)
                     log.write(rec, it)
+                    if "abandoned" not in rec["resize"]:
+                        # the new world's actors hold no host copies until its first refresh (this
+                        # iteration's, after the sync): a loss before it falls back to the checkpoint
+                        # (``_recover_trainer``), never restores the old world's copies into this one
+                        refreshed_at = None
                 if cfg.elastic is not None:  # Ray's nodes: every change recorded, maybe a resize request
                     nodes_seen, notes = _watch_nodes(out_dir, cfg, nodes_seen, ray, it, say, name, recovered)
                     recovered = []
@@ -315,8 +322,19 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             except Exception as e:  # noqa: BLE001 - a lost trainer is recovered; anything else is raised
                 if redundancy != "host":
                     raise
+                failed_at, world = time.perf_counter(), cluster.world
+                if pending is not None:  # the next resize's new world, being built: it goes first
+                    note = _abandon_build(pending, schedule[0], e, it, say, name, out_dir)
+                    pending = None
+                    records.append(note)
+                    log.write(note, it)
                 cluster, it, rec = _recover_trainer(e, ray, cluster, devices, init_dir, refreshed_at, out_dir,
-                                                    iterations, quiet, say, name, time.perf_counter())
+                                                    iterations, quiet, say, name, failed_at)
+                refreshed_at = None  # the recovered world's actors hold no host copies until its first refresh
+                if cluster.world < world:  # shrunk to the devices left: the resizes that need more are dropped
+                    for note in _drop_entries(schedule, requested, cluster.world, it, say, name, out_dir):
+                        records.append(note)
+                        log.write(note, it)
                 # the iterations from the restored one on are run again: their records go
                 records[:] = [r for r in records if r.get("iteration", -1) < it or not is_iteration_record(r)]
                 log.drop_rerun(it)
@@ -370,6 +388,32 @@ def _start_resize(ray, cluster, cfg, entry, devices, init_dir: Path, it: int):
                           init_dir=str(init_dir), device=cluster.device)
     pending.started_at, pending.config = it, new
     return pending
+
+
+def _abandon_build(pending, entry, error: Exception, it: int, say, name: str, out_dir: Path) -> dict:
+    """An iteration failed (``elastic.redundancy: host``: maybe a lost trainer) while the new world
+    of ``entry`` was being built: the build is abandoned before the recovery — its actors killed
+    (each holds half of a kept device, which a lost rank's replacement may need), the devices it
+    added released. The entry stays in the schedule: the recovery runs an iteration at or before
+    the one the build started in again, and the build starts again there (re-planned), so the
+    run resizes where it planned to. Returns the record (``resize.abandoned``, ``replanned``)."""
+    pending.abandon()
+    why = (f"iteration {it} failed ({type(error).__name__}) while the new world was being built; its actors "
+           f"killed, its added devices released; built again when iteration {entry.iteration - 1} runs again")
+    return _resize_abandoned(entry.iteration, why, say, name, None, out_dir, event={"replanned": True})
+
+
+def _drop_entries(schedule: list, requested: dict, world: int, it: int, say, name: str, out_dir: Path) -> list[dict]:
+    """A recovery shrank the run to ``world`` devices (a node lost): the schedule entries that
+    need more devices are dropped — their build would wait for devices that are gone —, each
+    recorded (its request, if any, answered ``abandoned``); the run trains on in the recovered world."""
+    notes = []
+    for entry in [e for e in schedule if e.world_size > world]:
+        schedule.remove(entry)
+        why = (f"the recovery before iteration {it} left the run {world} devices, the resize needs "
+               f"{entry.world_size}; dropped, the run trains on in the recovered world")
+        notes.append(_resize_abandoned(entry.iteration, why, say, name, requested.pop(entry.iteration, None), out_dir))
+    return notes
 
 
 def _node_snapshot(ray) -> dict:

@@ -287,6 +287,72 @@ def test_grpo_with_host_redundancy_survives_a_killed_trainer_without_a_checkpoin
           f"{back['seconds']:.1f} s")
 
 
+@pytest.mark.slow
+def test_host_redundancy_with_an_elastic_schedule_survives_kills_around_the_resize(ray_session, tmp_path):
+    """``elastic.redundancy: host`` with ``elastic.schedule``: GRPO ZeRO-3 DP4 resized to DP2 before
+    iteration 1 (the DP2 world built during iteration 0). Rank 1 is kill -9'd during iteration 0's
+    train phase, while the DP2 world is being built: the build is abandoned (one record, re-planned),
+    the DP4 world recovered from the host copies, iteration 0 runs again and the DP2 world is built
+    again. Rank 1 of the DP2 world is kill -9'd during iteration 1 (the first after the resize): it
+    is restored from the DP2 world's own copies (its first refresh) into a new DP2 world. No
+    checkpoint; the state at each re-run's train phase equals the first attempt's bit for bit, and
+    the run — rewards, losses, final weights and Adam moments — equals the uninterrupted run with
+    the same schedule bit for bit."""
+    import os
+    import signal
+
+    from test_elastic import _config, _differences, _gathered
+
+    from recipes.grpo import run
+    from rlhf_switch.engines.full_state import FullState
+    from rlhf_switch.models import model_spec
+
+    ray = ray_session
+
+    def config(out):
+        cfg = _config(out, 4)
+        cfg["algorithm"].update(iterations=2, prompts_per_iteration=4, micro_batch_size=2)  # fits DP4 and DP2
+        dp2 = _config(out, 2)
+        cfg["elastic"] = {"redundancy": "host", "schedule": [{"iteration": 1, "world_size": 2, "train": dp2["train"],
+                                                              "rollout": dp2["rollout"]}]}
+        return cfg
+
+    states, kills = {}, []
+
+    def kill_in_train(it, phase, cluster):
+        if phase != "train" or it > 1:
+            return
+        states.setdefault(it, []).append(_gathered(ray, cluster.workers))
+        if it not in [k for k, _ in kills]:
+            kills.append((it, cluster.world))
+            os.kill(ray.get(cluster.workers[1].pid.remote(), timeout=60), signal.SIGKILL)
+
+    mine = run(config(tmp_path / "killed"), quiet=True, phase_hook=kill_in_train)
+    assert kills == [(0, 4), (1, 2)]
+    abandoned, done = [r["resize"] for r in mine if "resize" in r]
+    assert abandoned["replanned"] and "was being built" in abandoned["abandoned"], abandoned
+    assert "abandoned" not in done and done["iterations_during_build"] == 1 and done["new"].startswith("world 2")
+    first, second = [r["recovery"] for r in mine if "recovery" in r]
+    for event, at, world in ((first, 0, 4), (second, 1, 2)):
+        assert event["lost_ranks"] == [1] and event["restored_iteration"] == at and event["new_world"] == world
+        assert "fell_back_to" not in event and event["bytes_moved"] > 0
+    assert all(len(states[it]) == 2 and _differences(*states[it]) == [] for it in (0, 1))
+    assert not (tmp_path / "killed" / "checkpoints").exists()
+    ref = run(config(tmp_path / "whole"), quiet=True)
+    steps, theirs = ([r for r in recs if "reward_mean" in r] for recs in (mine, ref))
+    assert [r["iteration"] for r in steps] == [0, 1] == [r["iteration"] for r in theirs]
+    for a, b in zip(steps, theirs):
+        assert (a["reward_mean"], a["policy_loss"], a["grad_norm"]) == (b["reward_mean"], b["policy_loss"], b["grad_norm"])
+    spec = model_spec(config(tmp_path)["model"]["hf_config"])
+    a, b = (FullState.load_dir(p / "final", spec) for p in (tmp_path / "killed", tmp_path / "whole"))
+    assert all(torch.equal(a.master[n], b.master[n]) for n in b.master)
+    assert all(torch.equal(a.moments[f][n], b.moments[f][n]) for f in b.moments for n in b.moments[f])
+    print("\nschedule + redundancy: " + "; ".join(
+        f"recovery {when} {e['seconds']:.1f} s (detect {e['detect_s']:.1f}, build {e['build_s']:.1f}, move "
+        f"{e['move_s']:.2f} s, {e['bytes_moved']} B)" for when, e in (("during the DP2 build", first),
+                                                                   ("after the resize", second))))
+
+
 def test_host_redundancy_is_refused_where_it_cannot_run(tmp_path):
     from test_elastic import _config
 
@@ -301,7 +367,20 @@ def test_host_redundancy_is_refused_where_it_cannot_run(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(bad)
     text = " ".join(e.value.problems)
-    assert "world_size >= 2" in text and "elastic.schedule: not supported together" in text
+    assert "world_size >= 2" in text and "not supported together" not in text
+    assert "elastic.schedule[0].world_size" not in text  # the entry's world (2) keeps copies
+    # a schedule and resize requests (a node added) with redundancy: every world of the run >= 2
+    dp1 = {**cfg, "world_size": 1, "train": {**cfg["train"], "dp": 1}, "rollout": {**cfg["rollout"], "dp": 1}}
+    both = {**cfg, "elastic": {"redundancy": "host", "on_node_change": "resize",
+                               "schedule": [{"iteration": 2, "world_size": 4, "train": {**cfg["train"], "dp": 4},
+                                             "rollout": {**cfg["rollout"], "dp": 4}}]}}
+    assert load_config(both).elastic.schedule[0].world_size == 4
+    both["elastic"]["schedule"].append({"iteration": 3, "world_size": 1, "train": dp1["train"],
+                                        "rollout": dp1["rollout"]})
+    with pytest.raises(ConfigError) as e:
+        load_config(both)
+    assert e.value.problems == ["elastic.schedule[1].world_size: 1 — elastic.redundancy: host needs every world of "
+                                "the run >= 2 (a rank's copy is kept by another rank)"]
     with pytest.raises(ConfigError, match="redundancy"):
         load_config({**cfg, "elastic": {"redundancy": "disk"}})
 

@@ -65,17 +65,22 @@ def test_the_grown_request_scales_dp_and_goes_through_the_request_checks(tmp_pat
     assert load_config({**_config(tmp_path, 2), "elastic": {}}).elastic.on_node_change == "record"
     with pytest.raises(ConfigError, match="on_node_change"):  # before Ray: one ConfigError
         load_config({**_config(tmp_path, 2), "elastic": {"on_node_change": "grow"}})
-    for bad, want in (({"rollout": {"engine": "vllm", "tp": 1, "dp": 2}}, "only the torch rollout engine"),
-                      ({"elastic": {"on_node_change": "resize", "redundancy": "host"}}, "not supported together")):
-        with pytest.raises(ConfigError, match="on_node_change: resize") as e:
-            load_config({**_config(tmp_path, 2), "elastic": {"on_node_change": "resize"}, **bad})
-        assert any(want in p for p in e.value.problems), e.value.problems
+    with pytest.raises(ConfigError, match="on_node_change: resize") as e:
+        load_config({**_config(tmp_path, 2), "elastic": {"on_node_change": "resize"},
+                     "rollout": {"engine": "vllm", "tp": 1, "dp": 2}})
+    assert any("only the torch rollout engine" in p for p in e.value.problems), e.value.problems
+    # with redundancy: host a node added is a request as any (the schedule path takes redundancy)
+    kept = load_config({**_config(tmp_path, 2), "elastic": {"on_node_change": "resize", "redundancy": "host"}})
     now = {k: getattr(cfg, k).model_dump() for k in ("train", "rollout")} | {"reference": None}
     req = grown_request(now, 4)
     assert (req["world_size"], req["train"]["dp"], req["rollout"]["dp"], req["train"]["zero_stage"]) == (4, 4, 4, 3)
     assert "reference" not in req
     new, entry = checked_request(cfg, {"id": "n", "reason": "node_added", **req}, 1, 2, 4)
     assert (entry.iteration, new.at_iteration(1).train.dp, new.at_iteration(1).rollout.dp) == (1, 4, 4)
+    assert checked_request(kept, {"id": "n", **req}, 1, 2, 4)[1].world_size == 4
+    with pytest.raises(ConfigError, match="resize request refused") as e:  # a world of 1 keeps no copy
+        checked_request(kept, {"id": "n", **grown_request(now, 1)}, 1, 2, 4)
+    assert any("redundancy: host needs every world of the run >= 2" in p for p in e.value.problems), e.value.problems
     # 3 devices: DP3 does not divide the 16 samples' mini-batch of 8 — the config's own message
     with pytest.raises(ConfigError, match="resize request refused") as e:
         checked_request(cfg, {"id": "n", **grown_request(now, 3)}, 1, 2, 3)

@@ -422,11 +422,6 @@ class RunConfig(Strict):
             if self.rollout.engine != "torch" or not self.rollout.colocate:
                 problems.append(f"{why}: a node added grows the trainer world, which only the torch rollout "
                                 f"engine, colocated, follows yet (vLLM replicas change only their own layout)")
-            if self.elastic.redundancy == "host":
-                problems.append(f"{why} with elastic.redundancy: host: not supported together yet — a node "
-                                f"added grows the run through elastic.schedule, which redundancy: host does not "
-                                f"take yet (a node lost needs no resize: redundancy: host alone recovers its "
-                                f"trainers, onto the devices left when theirs are gone)")
         if self.elastic and self.elastic.redundancy == "host":
             why = "elastic.redundancy: host"
             if self.world_size < 2:
@@ -434,8 +429,10 @@ class RunConfig(Strict):
             if self.rollout.engine != "torch" or not self.rollout.colocate:
                 problems.append(f"{why}: only the torch rollout engine, colocated (in the trainer's actors), "
                                 f"is rebuilt after a lost trainer yet")
-            if self.elastic.schedule:
-                problems.append(f"{why} with elastic.schedule: not supported together yet")
+            for i, e in enumerate(self.elastic.schedule):  # every world keeps its copies on another rank
+                if e.world_size < 2:
+                    problems.append(f"elastic.schedule[{i}].world_size: {e.world_size} — {why} needs every "
+                                    f"world of the run >= 2 (a rank's copy is kept by another rank)")
         if problems:
             # one line per problem: _format_errors splits them back into separate entries
             raise ValueError("\n".join(problems))
