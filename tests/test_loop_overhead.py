@@ -57,6 +57,8 @@ KEEP_ALL = 100_000
 def test_zero3_persistent_parameters_train_bit_identically(world2):
     for rank, got in enumerate(world2.run(jobs.zero3_persistent_equals_partitioned, TINY, _batches(3), KEEP_ALL)):
         assert got["persistent"] == [0, got["params"]], (rank, got)
+        assert got["fetch_hooks"][0] > 0 and got["fetch_hooks"][1] == 0, (rank, got)
+        assert got["subprocesses"] == [], (rank, got["subprocesses"])
         assert all(got["outputs"]), (rank, got)
         assert all(n and s for n, s in got["steps"]), (rank, got)
         assert got["weights_equal"], rank

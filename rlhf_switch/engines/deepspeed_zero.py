@@ -172,6 +172,8 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec | None, stage: in
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"DeepSpeed on this machine trains in float32 or bfloat16, not {dtype}")
     deepspeed = import_deepspeed(device)
+    if not device.is_cuda:
+        compat.cache_deepspeed_cpu_device_count()  # else a subprocess per ZeRO-3 backward
     with compat.deepspeed_shm_op_build_skipped():  # DeepSpeed's comm backend is created here
         _join_deepspeed_comm(deepspeed, device)
     ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
@@ -198,6 +200,8 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec | None, stage: in
                                           config=config, mpu=mpu)
     if stage == 3:
         _persistent_regathered_in_one_collective(engine.optimizer)
+        if DROP_FETCHES_WHEN_WHOLE:
+            _submodule_fetches_dropped_when_whole(engine)
     adapter = ZeroAdapter(engine, spec, name=f"ZeRO{stage}·DP{len(ranks)}") if spec is not None else None
     return ZeroTrainer(engine, adapter, dp_group, tuple(ranks))
 
@@ -232,6 +236,72 @@ def _persistent_regathered_in_one_collective(opt) -> None:
         gather_whole(held)
 
     opt._post_step = _post_step
+
+
+# a ZeRO-3 model whose every parameter is persistent runs without DeepSpeed's per-submodule
+# parameter fetch and release (``_submodule_fetches_dropped_when_whole``); False keeps them (the
+# bench compares the two)
+DROP_FETCHES_WHEN_WHOLE = True
+
+
+def _no_fetch(sub_module) -> None:
+    """A backward fetch/release of a model held whole: nothing to fetch or release."""
+
+
+class _BackwardMarker(torch.autograd.Function):
+    """The node DeepSpeed's ``PreBackwardFunctionForModule`` / ``PostBackwardFunctionModule`` put
+    into the graph (forward: ``detach``; backward: the gradient unchanged), without their
+    callback — there is nothing to fetch — and in the ``forward(ctx, ...)`` form, which
+    ``Function.apply`` does not re-bind through ``inspect.signature`` on every call."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def _submodule_fetches_dropped_when_whole(engine) -> bool:
+    """ZeRO-3 hooks every submodule: before its forward it fetches the submodule's parameters
+    and records it in the prefetch trace, after it releases them, and the same around its
+    backward (two autograd Functions wrapped around the submodule's outputs and inputs call the
+    fetch and release when the backward reaches them). When every parameter is persistent
+    (``ds_persist``: ``persistence_threshold`` above the largest), each fetch finds the parameter
+    gathered and each release keeps it: they compute nothing. Dropped here:
+
+    - the forward fetch and release hooks: removed; one forward pre-hook on the model gathers
+      whatever is not gathered now instead (``gather_whole``: nothing, except on the first
+      forward and after a path that released every parameter — ``step()``'s
+      ``_partition_all_parameters`` before its re-gather, an offload);
+    - the backward fetch and release: gone. The two autograd Functions' nodes stay, as
+      ``_BackwardMarker`` (the same node without the callback) — they are nodes of the backward
+      graph, and without them the autograd engine sums a tensor's gradient from its several
+      uses (the q/k/v projections of one input) in another order: not bit for bit.
+
+    The gradient hooks that reduce-scatter each gradient into its partition are on the
+    parameters, not the submodules: untouched. Bit for bit with threshold 0
+    (tests/test_loop_overhead.py). False (nothing changed) when a parameter is not persistent,
+    or with hpZ secondary partitions or parameter offload."""
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    params = list(engine.module.parameters())
+    if (offload is None or not params or not all(getattr(p, "ds_persist", False) for p in params)
+            or any(p.ds_secondary_tensor is not None for p in params)
+            or getattr(offload, "offload_device", None) not in (None, "none")):
+        return False
+    for hook in offload.forward_hooks:
+        hook.remove()
+    offload.forward_hooks = []
+    # DeepSpeed's backward hooks apply ``module.pre_bwd_fn`` / ``post_bwd_fn``, looked up per call
+    for module in engine.module.modules():
+        if "pre_bwd_fn" in module.__dict__:
+            module.pre_bwd_fn = module.post_bwd_fn = _BackwardMarker
+    # what a Function DeepSpeed made before this would still call (parameter_offload.py)
+    offload.pre_sub_module_backward_function = offload.post_sub_module_backward_function = _no_fetch
+    engine.module.register_forward_pre_hook(lambda module, args: gather_whole(params))
+    gather_whole(params)
+    return True
 
 
 def add_param_flat(out: LocalState, field_: str, name: str, shape: tuple[int, ...], lo: int, hi: int,
