@@ -33,6 +33,15 @@ def test_fsdp2_gathered_once_and_local_shard_adam_are_bit_identical(world2):
 OPTIM_CLIP = jobs.OPTIM.max_grad_norm
 
 
+def test_fsdp2_one_unit_for_a_small_model_is_bit_identical_to_per_layer_units(world2):
+    for rank, got in enumerate(world2.run(jobs.one_unit_equals_per_layer_units, TINY, _batches(3))):
+        assert got["units"] == (1, TINY["num_hidden_layers"] + 1), (rank, got["units"])
+        assert got["same_layout"] and all(got["outputs"]), (rank, got)
+        assert all(norm_eq and stats_eq for norm_eq, stats_eq, _ in got["steps"]), (rank, got["steps"])
+        assert any(gn > OPTIM_CLIP for *_, gn in got["steps"]), "clipping never ran: the test would not see it"
+        assert got["state_equal"] == [], (rank, got["state_equal"])
+
+
 def test_batched_gradient_norm_equals_the_per_tensor_dtensor_norms(world2):
     for batched, per_tensor in world2.run(jobs.batched_norm_equals_per_tensor_norm, TINY, _batches(1)[0]):
         assert batched == per_tensor
