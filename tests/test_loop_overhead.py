@@ -91,3 +91,27 @@ def test_persistence_threshold_is_refused_off_zero3():
 def _grpo_tiny() -> dict:
     with open(f"{REPO}/configs/grpo_tiny.yaml") as f:
         return yaml.safe_load(f)
+
+
+@pytest.mark.parametrize("dp,local_mini", [(1, 4), (2, 4), (4, 2)])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_mini_batch_totals_equal_the_all_reduced_per_rank_totals(dp, local_mini, aggregation):
+    """``train_on``'s mini-batch weights from the whole batch equal what the all-reduce of every
+    rank's own (padded to its own length) summed before: uneven prompts, responses, one empty."""
+    from actors.hybrid import _pad_batch, _weight, mini_batch_totals
+
+    g = torch.Generator().manual_seed(3)
+    n = 16
+    prompts = [[1] + torch.randint(3, 40, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    responses = [torch.randint(3, 40, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(n)]
+    responses[5] = []
+    per = n // dp
+    summed = torch.zeros(per // local_mini, dtype=torch.float64)
+    for r in range(dp):  # what each rank had, then the sum the all-reduce made
+        mask = _pad_batch(prompts[r * per:(r + 1) * per], responses[r * per:(r + 1) * per], 0)[2]
+        summed += torch.stack([_weight(mask[s:s + local_mini], aggregation).double() for s in range(0, per, local_mini)])
+    got = mini_batch_totals(prompts, responses, 0, dp, local_mini, aggregation)
+    assert got.dtype == torch.float64 and torch.equal(got, summed), (got, summed)
+    assert len(set(got.tolist())) > 1, "every mini-batch weighs the same: the test would not see a mix-up"
