@@ -505,8 +505,10 @@ class HybridWorker:
             return {"bytes": peak, "measure": "torch.cuda.max_memory_allocated"}
         from rlhf_switch.engines.offload import live_state_bytes
 
-        self._note_memory()
-        peak, self._cpu_peak = self._cpu_peak, live_state_bytes(self.trainer.adapter)
+        # one walk of the state (it describes every tensor: ~5 ms a call under load, on the
+        # worker's path between two phases): the phase's peak and the next phase's start are the same now
+        now = live_state_bytes(self.trainer.adapter)
+        peak, self._cpu_peak = max(self._cpu_peak, now), now
         return {"bytes": peak, "measure": "bytes of the trainer's live state buffers (CPU)"}
 
     # --- phases ------------------------------------------------------------------------------------
@@ -586,12 +588,11 @@ class HybridWorker:
         # each micro-batch's loss weighted by its share of the whole mini-batch across the DP ranks
         # (tokens for token-mean, sequences otherwise), times DP because the engines average
         # gradients over DP: the step is the one-process full-batch step even when ranks and
-        # micro-batches hold different numbers of tokens. Every mini-batch's total in one
-        # all-reduce (counts: exact in float64 in any order), not one per optimizer step
+        # micro-batches hold different numbers of tokens. Every mini-batch's total from the whole
+        # batch every rank holds (mini_batch_totals: no all-reduce)
         starts = range(0, per, local_mini)
-        totals = torch.stack([_weight(mask[s:s + local_mini], alg.loss_aggregation).double() for s in starts])
-        if dp > 1:
-            dist.all_reduce(totals, group=trainer.dp_group)
+        totals = mini_batch_totals(batch["prompts"], batch["responses"], self.pad_id, dp, local_mini,
+                                   alg.loss_aggregation)
         for _ in range(alg.epochs):
             for start, total in zip(starts, totals.tolist()):
                 m = slice(start, start + local_mini)
@@ -634,6 +635,18 @@ class HybridWorker:
             self.channel = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def mini_batch_totals(prompts: Sequence, responses: Sequence, pad_id: int, dp: int, local_mini: int,
+                      aggregation: str) -> torch.Tensor:
+    """Each mini-batch's weight over all ``dp`` ranks (``_weight`` of every rank's rows of it,
+    summed in float64), from the whole batch every rank is given: the integer counts an
+    all-reduce of each rank's own totals would sum — exact in any order — without the collective
+    (a gloo round trip per ``train_on``). Rank ``r`` holds rows ``[r·per, (r+1)·per)``."""
+    mask = _pad_batch(prompts, responses, pad_id)[2]  # a row's mask does not depend on the padding
+    per = len(prompts) // dp
+    return torch.stack([sum(_weight(mask[r * per + s:r * per + s + local_mini], aggregation).double()
+                            for r in range(dp)) for s in range(0, per, local_mini)])
 
 
 def _weight(mask: torch.Tensor, aggregation: str) -> torch.Tensor:

@@ -315,8 +315,15 @@ class Cluster:
         self._standing_by = None  # the replicas' receives posted ahead of the next sync
 
     def all(self, method: str, *args, desc: str | None = None, **kwargs) -> list:
-        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        return wait_all(self.ray, refs, desc or method, self.quiet)
+        return self.collect(self.submit(method, *args, **kwargs), desc or method)
+
+    def submit(self, method: str, *args, **kwargs) -> list:
+        """Every trainer rank's call of ``method``, not waited for (``collect``): what the driver
+        asks next is queued behind it on each worker (a worker runs its calls in order)."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def collect(self, refs: list, desc: str) -> list:
+        return wait_all(self.ray, refs, desc, self.quiet)
 
     def build(self, init_dir: Path, resume_dir: Path | None) -> dict:
         """Build every engine (rollout replicas start from ``init_dir`` while the trainers

@@ -252,9 +252,12 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
                 if phase_hook is not None:  # tests: a fault during the train phase
                     phase_hook(it, "train", cluster)
                 t0 = time.perf_counter()
-                stats = cluster.all("train_on", batch, desc="train")
-                train_s = time.perf_counter() - t0
+                calls = cluster.submit("train_on", batch)
+                # the train phase's mark, queued behind train_on: it is there when train_on returns
+                # (no round trip of its own after it)
                 peak["train"] = cluster.memory_mark(wait=False)
+                stats = cluster.collect(calls, "train")
+                train_s = time.perf_counter() - t0
                 peak = {p: read() for p, read in peak.items()}
                 stale = max(s["stale_logprob_diff"] for s in stats)
                 rec = {

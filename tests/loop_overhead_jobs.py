@@ -68,6 +68,30 @@ def gathered_once_and_local_adam_equal_the_plain_paths(cfg: dict, batches: list[
     return got
 
 
+def one_unit_equals_per_layer_units(cfg: dict, batches: list[torch.Tensor]) -> dict:
+    """The FSDP2 engine as built for a small causal LM (one FSDP2 unit, the root) against the
+    same seeded model sharded per decoder layer and the root (``build_fsdp2(per_layer=True)``),
+    trained on the same batches: outputs, losses, gradient norms, weights and Adam moments bit for
+    bit, and the same VPS description of the weights (each parameter sharded alike)."""
+    from rlhf_switch.engines.torch_engines import FSDP2Engine, _fsdp_units
+    from rlhf_switch.engines.torch_train import build_fsdp2
+
+    ranks = tuple(range(dist.get_world_size()))
+    ctx = TrainingContext(cfg, 0, ranks, OPTIM, micro_batch=2)
+    one = training_engine("fsdp2").build(None, ctx)
+    layers = FSDP2Engine(build_fsdp2(cfg, 0, ranks, optim=OPTIM, per_layer=True), ctx)
+    got = {"units": (len(_fsdp_units(one.module)), len(_fsdp_units(layers.module))), "outputs": [], "steps": [],
+           "same_layout": [tuple(e.adapter.weights().fragments) for e in (one, layers)]}
+    got["same_layout"] = got["same_layout"][0] == got["same_layout"][1]
+    for ids in batches:
+        got["outputs"].append(bool(torch.equal(one.outputs(ids), layers.outputs(ids))))
+        sa, sb = one.train_step(ids, 2, _loss), layers.train_step(ids, 2, _loss)
+        got["steps"].append((sa["grad_norm"] == sb["grad_norm"], sa["stats"] == sb["stats"], sa["grad_norm"]))
+    sa, sb = _state(one), _state(layers)
+    got["state_equal"] = sorted(k for k in sa if not torch.equal(sa[k], sb[k]))
+    return got
+
+
 def batched_norm_equals_per_tensor_norm(cfg: dict, ids: torch.Tensor) -> tuple[float, float]:
     """``clip_grad_norm`` (one all-reduce per mesh dim) against the per-tensor DTensor norms it
     replaced, on the same FSDP2 gradients."""

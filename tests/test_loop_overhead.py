@@ -1,6 +1,6 @@
 """The loop-overhead changes of issue 18 keep the numbers: FSDP2 gathered once per call, AdamW on
-the local shards, the batched gradient norm (2 gloo ranks, a tiny untied Llama whose FSDP2 shards
-are uneven); ZeRO-3 with persistent parameters trains bit-identically to plain ZeRO-3 and a write
+the local shards, the batched gradient norm, one FSDP2 unit for a small model (2 gloo ranks, a tiny
+untied Llama whose FSDP2 shards are uneven); train_on's mini-batch weights without an all-reduce; ZeRO-3 with persistent parameters trains bit-identically to plain ZeRO-3 and a write
 of its partitions reaches its forward; and the TRL baseline's tokenizer gives TRL the loop's ids
 (no TRL needed)."""
 from __future__ import annotations
@@ -31,6 +31,15 @@ def test_fsdp2_gathered_once_and_local_shard_adam_are_bit_identical(world2):
 
 
 OPTIM_CLIP = jobs.OPTIM.max_grad_norm
+
+
+def test_fsdp2_one_unit_for_a_small_model_is_bit_identical_to_per_layer_units(world2):
+    for rank, got in enumerate(world2.run(jobs.one_unit_equals_per_layer_units, TINY, _batches(3))):
+        assert got["units"] == (1, TINY["num_hidden_layers"] + 1), (rank, got["units"])
+        assert got["same_layout"] and all(got["outputs"]), (rank, got)
+        assert all(norm_eq and stats_eq for norm_eq, stats_eq, _ in got["steps"]), (rank, got["steps"])
+        assert any(gn > OPTIM_CLIP for *_, gn in got["steps"]), "clipping never ran: the test would not see it"
+        assert got["state_equal"] == [], (rank, got["state_equal"])
 
 
 def test_batched_gradient_norm_equals_the_per_tensor_dtensor_norms(world2):
@@ -84,3 +93,27 @@ def test_persistence_threshold_is_refused_off_zero3():
 def _grpo_tiny() -> dict:
     with open(f"{REPO}/configs/grpo_tiny.yaml") as f:
         return yaml.safe_load(f)
+
+
+@pytest.mark.parametrize("dp,local_mini", [(1, 4), (2, 4), (4, 2)])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_mini_batch_totals_equal_the_all_reduced_per_rank_totals(dp, local_mini, aggregation):
+    """``train_on``'s mini-batch weights from the whole batch equal what the all-reduce of every
+    rank's own (padded to its own length) summed before: uneven prompts, responses, one empty."""
+    from actors.hybrid import _pad_batch, _weight, mini_batch_totals
+
+    g = torch.Generator().manual_seed(3)
+    n = 16
+    prompts = [[1] + torch.randint(3, 40, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    responses = [torch.randint(3, 40, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(n)]
+    responses[5] = []
+    per = n // dp
+    summed = torch.zeros(per // local_mini, dtype=torch.float64)
+    for r in range(dp):  # what each rank had, then the sum the all-reduce made
+        mask = _pad_batch(prompts[r * per:(r + 1) * per], responses[r * per:(r + 1) * per], 0)[2]
+        summed += torch.stack([_weight(mask[s:s + local_mini], aggregation).double() for s in range(0, per, local_mini)])
+    got = mini_batch_totals(prompts, responses, 0, dp, local_mini, aggregation)
+    assert got.dtype == torch.float64 and torch.equal(got, summed), (got, summed)
+    assert len(set(got.tolist())) > 1, "every mini-batch weighs the same: the test would not see a mix-up"

@@ -203,8 +203,13 @@ def _check_ranks(ranks: Sequence[int], size: int, what: str) -> list[int]:
 def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWConfig = AdamWConfig(),
                 timeout: timedelta = DEFAULT_TIMEOUT,
                 model_fn: Callable[[Any, int], nn.Module] | None = None, spec=None,
-                device: DeviceSpec = CPU) -> TorchTrainer | None:
+                device: DeviceSpec = CPU, per_layer: bool = True) -> TorchTrainer | None:
     """FSDP2 over ``ranks`` (DP = len(ranks)): ``fully_shard`` on every decoder layer and the root.
+    ``per_layer=False``: on the root only — one unit, so one all-gather and one gradient
+    reduce-scatter per pass instead of one per layer and the root; each parameter is sharded on
+    dim 0 over the same mesh either way (the same shards, the same VPS description), and the
+    reduce-scatter sums element by element, so the numbers are the same bit for bit. For a model
+    that is gathered whole anyway (``torch_engines.gathered_once``).
 
     ``model_fn(hf_config, seed)``: build another model with a Llama trunk at ``.model.layers``
     instead of the causal LM (e.g. the critic's value model, ``rlhf_switch.models.value_model``), whose
@@ -223,7 +228,7 @@ def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamW
     model = (hf_model(hf_config, seed) if model_fn is None else model_fn(hf_config, seed)).to(device.torch_device())
     mixed = {"mp_policy": MixedPrecisionPolicy(param_dtype=device.torch_dtype("compute"),
                                                reduce_dtype=device.torch_dtype("master"))} if device.mixed else {}
-    for layer in model.model.layers:
+    for layer in model.model.layers if per_layer else ():
         fully_shard(layer, mesh=mesh, **mixed)
     fully_shard(model, mesh=mesh, **mixed)
     if model_fn is not None:

@@ -118,6 +118,8 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
         gathers = n_micro * (2 if train else 1)
         if layout.engine != "deepspeed" and gathers_once(params * b):  # FSDP2: once per call
             gathers = steps if train else 1
+            if layout.engine == "fsdp2" and head == "lm":  # one FSDP2 unit (torch_engines.FSDP2Engine)
+                msgs = 1
         comm += _gather_cost(dp_link, weights, dp, gathers, msgs)
         if train:
             comm += _gather_cost(dp_link, weights, dp, n_micro, msgs)  # reduce-scatter of the gradients
