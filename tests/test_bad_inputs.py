@@ -320,7 +320,8 @@ CASES = [
         "sft: batch_size=31 is not divisible by train.dp=2", None),
     # ---- run configs: layouts, engines, fields
     Bad("phase-world", "rollout tp·pp·dp = 3 on a world of 2",
-        lambda ctx: fit(config(**{"rollout.tp": 3})), "rollout: tp·pp·dp = 3·1·1 = 3, but world_size = 2", None),
+        lambda ctx: fit(config(**{"rollout.tp": 3, "rollout.dp": 1})),
+        "rollout: tp·pp·dp = 3·1·1 = 3, but world_size = 2", None),
     Bad("train-kv", "train TP 4 of a model with 2 KV heads",
         lambda ctx: fit(config(**{"world_size": 4, "train": {"engine": "torch_tp", "tp": 4},
                                   "reference": {"engine": "torch_tp", "tp": 4}, "rollout.tp": 4})),
