@@ -35,6 +35,7 @@ from pathlib import Path
 from recipes.cluster import Cluster, start_ray
 from recipes.common import (Evaluator, RunFinished, StaleWeightsError, draw_prompts, fault, loop_problems,
                             prune_checkpoints, resolve_resume, sample_seeds, warm_start)
+from recipes.resize import rollout_layout, trainer_layout
 from recipes.run_log import MetricsLog, is_iteration_record, plot_run
 
 __all__ = ["run", "main", "StaleWeightsError"]
@@ -530,7 +531,7 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
         if isinstance(pending, PendingCombined):
             return _commit_combined_resize(cluster, pending, devices, it, say, name, request, out_dir)
         return _commit_rollout_resize(cluster, pending, it, say, name, request, out_dir)
-    old = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
+    old = trainer_layout(cluster.cfg)
     t0 = time.perf_counter()
     try:
         pending.wait()
@@ -539,7 +540,7 @@ def _commit_resize(cluster, pending, entry, cfg, devices, it: int, say, name: st
     except ResizeError as e:
         return _resize_abandoned(it, str(e), say, name, request, out_dir)
     cluster.adopt(pending.config, result.workers, devices.slots(result.plan.new_devices))
-    new = f"world {cluster.world}, train {cluster.cfg.train.model_dump(exclude_defaults=True)}"
+    new = trainer_layout(cluster.cfg)
     event = {"kind": "requested" if request else "planned", "old": old, "new": new, "iterations_during_build": it - pending.started_at,
              **({"reason": request["reason"]} if request and request.get("reason") else {}),
              "background_s": result.background_s, "waited_for_build_s": waited,
@@ -579,11 +580,6 @@ def _resized(it: int, event: dict, built: str, say, name: str, request, out_dir:
             "resize_background_s": event["background_s"]}
 
 
-def _rollout_layout(cfg) -> str:
-    r = cfg.rollout
-    return f"{r.engine} TP{r.tp}×{cfg.world_size // r.tp}"
-
-
 def _start_rollout_resize(cluster, new, init_dir: Path, it: int):
     """Start the rollout replicas of ``new`` (vLLM: its TP × replicas on the same trainer world) in
     the background while iteration ``it`` runs on the current ones (``Cluster.start_replicas``)."""
@@ -596,13 +592,13 @@ def _commit_rollout_resize(cluster, pending, it: int, say, name: str, request, o
     """Before iteration ``it``: the new replicas take over (``Cluster.swap_replicas``: the weight
     channel re-formed over the trainer ranks and them, one sync fills them, the old ones shut
     down). New replicas that cannot be taken: abandoned with one message, the old ones generate on."""
-    old = _rollout_layout(cluster.cfg)
+    old = rollout_layout(cluster.cfg)
     try:
         swap = cluster.swap_replicas()
     except ValueError as e:
         return _resize_abandoned(it, str(e), say, name, request, out_dir, part="rollout ")
     event = {"kind": "requested" if request else "planned", "part": "rollout", "old": old,
-             "new": _rollout_layout(cluster.cfg), "iterations_during_build": it - pending.started_at, **swap}
+             "new": rollout_layout(cluster.cfg), "iterations_during_build": it - pending.started_at, **swap}
     return _resized(it, event, f"new replicas started in the background in {swap['background_s']:.1f} s", say, name,
                     request, out_dir, part="rollout ")
 
@@ -646,10 +642,7 @@ def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, re
         raise error
     say(f"[{name}] trainer rank(s) {lost} lost ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
 
-    def layout(c) -> str:
-        return f"world {c.world_size}, train {c.train.model_dump(exclude_defaults=True)}"
-
-    old, old_cfg, where = layout(cluster.cfg), cluster.cfg, cluster.rank_nodes()
+    old, old_cfg, where = trainer_layout(cluster.cfg), cluster.cfg, cluster.rank_nodes()
     smaller = {}
 
     def config_for(world: int) -> dict:
@@ -673,12 +666,12 @@ def _recover_trainer(error: Exception, ray, cluster, devices, init_dir: Path, re
     cluster.adopt(new_cfg, rec.workers, devices.slots(range(new_cfg.world_size)))
     how = (f"devices {rec.devices_gone} gone with their node: shrunk to the {new_cfg.world_size} left, layouts "
            f"scaled along DP" if rec.devices_gone else f"a replacement for rank(s) {rec.lost}")
-    event = rec.event(old, f"{layout(new_cfg)} ({how})")
+    event = rec.event(old, f"{trainer_layout(new_cfg)} ({how})")
     # probe_s: of detect_s, the actors asked (lost_ranks); the rest waits on Ray's placement of the devices
     event.update(restored_iteration=refreshed_at, lost_nodes=sorted({where[r] for r in rec.lost}), probe_s=probe_s,
                  action=f"recovered to {new_cfg.world_size} devices from the host copies" +
                         (" (a smaller world)" if rec.devices_gone else ""))
-    say(f"[{name}] recovered without a checkpoint in {rec.seconds:.1f} s onto {layout(new_cfg)} ({how}; build "
+    say(f"[{name}] recovered without a checkpoint in {rec.seconds:.1f} s onto {trainer_layout(new_cfg)} ({how}; build "
         f"{rec.build_s:.1f} s, move {rec.move_s:.2f} s, {rec.bytes_moved} B from the survivors' host copies); "
         f"iteration {refreshed_at} runs again")
     return cluster, refreshed_at, {"iteration": refreshed_at, "recovery": event, "recovery_seconds": rec.seconds}

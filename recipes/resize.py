@@ -31,10 +31,14 @@ def rollout_layout(cfg) -> str:
     return f"{r.engine} TP{r.tp}×{cfg.world_size // r.tp}"
 
 
+def trainer_layout(cfg) -> str:
+    """The trainer world of ``cfg``, as the resize and recovery records name it."""
+    return f"world {cfg.world_size}, train {cfg.train.model_dump(exclude_defaults=True)}"
+
+
 def layout(cfg) -> str:
     """Trainer world and rollout layout of ``cfg``, as the resize record names them."""
-    return (f"world {cfg.world_size}, train {cfg.train.model_dump(exclude_defaults=True)}, "
-            f"rollout {rollout_layout(cfg)}")
+    return f"{trainer_layout(cfg)}, rollout {rollout_layout(cfg)}"
 
 
 class PendingCombined:
