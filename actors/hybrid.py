@@ -327,6 +327,11 @@ class HybridWorker:
         self._resize_store, host, port = open_store(300.0)
         return host, port
 
+    def _state_adapters(self) -> list:
+        """The engines whose training state a resize moves and a host copy keeps, in that order:
+        the trainer's, then PPO's critic's."""
+        return [self.trainer.adapter] + ([self.critic.adapter] if self.critic is not None else [])
+
     def resize_move(self, endpoint, source: str = "engine") -> dict:
         """Join the union of the old and new trainer ranks and move the training state across
         (``rlhf_switch.elastic.member``): the trainer's, then PPO's critic's over the same group;
@@ -337,11 +342,10 @@ class HybridWorker:
         from rlhf_switch.elastic.member import move_over_union
 
         host_store = getattr(self, "_resize_store", None) if endpoint.rank == 0 else None
-        engines = [self.trainer] + ([self.critic] if self.critic is not None else [])
         if source == "host_copy" and endpoint.side == "old":
             adapters = [c.source() for c in self._host_copies]
         else:
-            adapters = [e.adapter for e in engines]
+            adapters = self._state_adapters()
         out = move_over_union(adapters, endpoint, store=host_store)
         self._resize_store = None
         if endpoint.side == "new":
@@ -378,7 +382,7 @@ class HybridWorker:
         Call it before ``offload``. Returns the bytes summed over the copies."""
         from rlhf_switch.elastic.redundancy import HostCopy
 
-        adapters = [self.trainer.adapter] + ([self.critic.adapter] if self.critic is not None else [])
+        adapters = self._state_adapters()
         copies = getattr(self, "_host_copies", [])
         if len(copies) != len(adapters) or any(c.adapter is not a or c.shift != shift
                                                for c, a in zip(copies, adapters)):
