@@ -6,6 +6,8 @@ is named before anything moves.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -98,6 +100,38 @@ def _kill_during(ray, workers, victim: int, step: int, after_s: float = 0.5) -> 
     return ends
 
 
+@contextmanager
+def _refreshed_world(ray, tmp_path, world: int):
+    """A ZeRO-3 DP``world`` trainer over Ray (devices ``0..world-1``), trained one step and its
+    host copies refreshed once (``{"iteration": 1}``): yields ``(config, devices, held, refresh
+    reports)``; ``held["workers"]`` are the actors killed at the end (a test that replaces the
+    world puts the new ones there), and every device is released."""
+    from test_elastic import _config, _train
+
+    from recipes.cluster import Cluster
+    from recipes.common import warm_start
+    from rlhf_switch.elastic.manager import Devices
+    from rlhf_switch.rl.config import load_config
+
+    cfg = _config(tmp_path / "run", world)
+    init = warm_start(load_config(cfg), tmp_path / "init", quiet=True)
+    devices = Devices(ray)
+    devices.acquire(range(world))
+    cluster = Cluster(load_config(cfg), ray, quiet=True, devices=devices.slots(range(world)))
+    held = {"workers": []}
+    try:
+        cluster.build(init, None)
+        held["workers"] = cluster.workers
+        _train(ray, cluster.workers, 0)
+        refreshed = ray.get([w.redundancy_refresh.remote(1, {"iteration": 1}) for w in cluster.workers],
+                            timeout=300)
+        yield cfg, devices, held, refreshed
+    finally:
+        for w in held["workers"]:
+            ray.kill(w)
+        devices.release_all()
+
+
 @pytest.mark.slow
 def test_a_killed_trainer_is_restored_from_the_buddy_copies_bit_for_bit(ray_session, tmp_path):
     """ZeRO-3 DP4 over Ray: step 0, refresh (state S0), step 1 (state S1, the uninterrupted run);
@@ -105,27 +139,14 @@ def test_a_killed_trainer_is_restored_from_the_buddy_copies_bit_for_bit(ray_sess
     world (a replacement for rank 2) and moves the survivors' host copies into it: its state equals
     S0 bit for bit (not the engines' state when the kill came), and re-running step 1 gives the
     uninterrupted step 1 — losses, gradient norm and S1 — bit for bit. No checkpoint exists."""
-    from test_elastic import _config, _differences, _gathered, _train
+    from test_elastic import _differences, _gathered, _train
 
     from actors.hybrid import remote_class
-    from recipes.cluster import Cluster
-    from recipes.common import warm_start
-    from rlhf_switch.elastic.manager import Devices
     from rlhf_switch.elastic.recovery import lost_ranks, recover
-    from rlhf_switch.rl.config import load_config
 
     ray = ray_session
-    cfg = _config(tmp_path / "run", 4)
-    init = warm_start(load_config(cfg), tmp_path / "init", quiet=True)
-    devices = Devices(ray)
-    devices.acquire(range(4))
-    cluster = Cluster(load_config(cfg), ray, quiet=True, devices=devices.slots(range(4)))
-    alive = []
-    try:
-        cluster.build(init, None)
-        alive = cluster.workers
-        _train(ray, alive, 0)
-        refreshed = ray.get([w.redundancy_refresh.remote(1, {"iteration": 1}) for w in alive], timeout=300)
+    with _refreshed_world(ray, tmp_path, 4) as (cfg, devices, held, refreshed):
+        alive = held["workers"]
         s0 = _gathered(ray, alive)
         first = _train(ray, alive, 1)
         s1 = _gathered(ray, alive)
@@ -135,7 +156,7 @@ def test_a_killed_trainer_is_restored_from_the_buddy_copies_bit_for_bit(ray_sess
         lost = lost_ranks(ray, alive)
         assert lost == [2]
         rec = recover(ray, remote_class(num_cpus=0.5, num_gpus=0.5), cfg, devices, range(4), alive, lost)
-        alive = rec.workers
+        alive = held["workers"] = rec.workers
         assert rec.survivors == [0, 1, 3] and rec.bytes_moved > 0
         assert _differences(s0, _gathered(ray, alive)) == []
         again = _train(ray, alive, 1)
@@ -148,10 +169,6 @@ def test_a_killed_trainer_is_restored_from_the_buddy_copies_bit_for_bit(ray_sess
               f"({sum(r['bytes_received'] for r in refreshed)} B from the buddies); recovery "
               f"{rec.seconds:.1f} s (detect {rec.detect_s:.1f}, build {rec.build_s:.1f}, move {rec.move_s:.2f}), "
               f"{rec.bytes_moved} B moved")
-    finally:
-        for w in alive:
-            ray.kill(w)
-        devices.release_all()
 
 
 @pytest.mark.slow
@@ -163,27 +180,13 @@ def test_a_survivor_answers_while_its_main_call_is_stuck_and_a_torn_copy_is_refu
     is torn, and ``recover`` (rank 1 lost) refuses it with ``StateLost`` before building anything."""
     import time
 
-    from test_elastic import _config, _train
-
     from actors.hybrid import remote_class
-    from recipes.cluster import Cluster
-    from recipes.common import warm_start
-    from rlhf_switch.elastic.manager import CONTROL, Devices
+    from rlhf_switch.elastic.manager import CONTROL
     from rlhf_switch.elastic.recovery import StateLost, lost_ranks, recover
-    from rlhf_switch.rl.config import load_config
 
     ray = ray_session
-    cfg = _config(tmp_path / "run", 2)
-    init = warm_start(load_config(cfg), tmp_path / "init", quiet=True)
-    devices = Devices(ray)
-    devices.acquire(range(2))
-    cluster = Cluster(load_config(cfg), ray, quiet=True, devices=devices.slots(range(2)))
-    workers = []
-    try:
-        cluster.build(init, None)
-        workers = cluster.workers
-        _train(ray, workers, 0)
-        ray.get([w.redundancy_refresh.remote(1, {"iteration": 1}) for w in workers], timeout=300)
+    with _refreshed_world(ray, tmp_path, 2) as (cfg, devices, held, _):
+        workers = held["workers"]
 
         def torn() -> list:
             return ray.get([w.host_copy_torn.options(concurrency_group=CONTROL).remote() for w in workers],
@@ -203,10 +206,6 @@ def test_a_survivor_answers_while_its_main_call_is_stuck_and_a_torn_copy_is_refu
         with pytest.raises(StateLost, match="torn") as e:
             recover(ray, remote_class(num_cpus=0.5, num_gpus=0.5), cfg, devices, range(2), workers, [1])
         assert e.value.unrecoverable == [0]
-    finally:
-        for w in workers:
-            ray.kill(w)
-        devices.release_all()
 
 
 @pytest.mark.slow
