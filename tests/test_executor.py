@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rank_jobs
-from catalogue import CONFIGS, configs4, named_layouts, synthetic_specs
+from catalogue import CONFIGS, configs4, synthetic_specs
 from rlhf_switch.launch import RankError
 from rlhf_switch.routing import prepare
 from rlhf_switch.vps import ADAM_FIELDS, PARAM, Layout, StateKey, build_layout, plan_transition, zero

@@ -72,11 +72,11 @@ def _replay_staging(sched):
     never hold more than the budget; returns the most steps in flight at once."""
     program, peak = sched.staged
     alive, most = [], 0
-    for st in program:
-        assert st.retire <= len(alive)
-        alive = alive[st.retire:]  # the oldest retire first
-        block = (st.offset, st.offset + st.recv_bytes + st.send_bytes)
-        assert st.offset % sched.align == 0 and block[1] <= peak <= sched.budget_bytes
+    for step in program:
+        assert step.retire <= len(alive)
+        alive = alive[step.retire:]  # the oldest retire first
+        block = (step.offset, step.offset + step.recv_bytes + step.send_bytes)
+        assert step.offset % sched.align == 0 and block[1] <= peak <= sched.budget_bytes
         assert all(block[1] <= a or b <= block[0] for a, b in alive), "staging blocks overlap"
         alive.append(block)
         assert sum(b - a for a, b in alive) <= sched.budget_bytes

@@ -4,10 +4,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlhf_switch.engines.deepspeed_zero import build_zero_trainer, import_deepspeed
+from rlhf_switch.engines.deepspeed_zero import build_zero_trainer
 from rlhf_switch.engines.optim import AdamWConfig
 from rlhf_switch.engines.train_state import gather_layouts
-from rlhf_switch.engines.train_switch import switch_training
 from rlhf_switch.vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, llama_spec
 from rlhf_switch.vps.materialize import fragment_view
 
