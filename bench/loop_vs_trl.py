@@ -1,7 +1,7 @@
 """The loop's own overhead against TRL's ``GRPOTrainer`` on the same job, side by side in one run.
 
     python -m bench.loop_vs_trl [--iterations 20] [--init DIR] [--configs configs/grpo_tiny_fsdp.yaml configs/grpo_tiny.yaml]
-        [--before REV] [--no-trl] [--json FILE]   # make bench-trl: installs TRL into .trl/ first, then this
+        [--before REV] [--no-trl | --trl-runs 1] [--json FILE]   # make bench-trl: installs TRL into .trl/ first, then this
 
 Every run starts from the same warm start (``--init``, default ``runs/grpo_tiny/init`` — made by
 ``make run`` or any run of the tiny configs; every config here fingerprints the same SFT), draws
@@ -10,13 +10,16 @@ the same prompts in the same order with the same reward and hyper-parameters
 per config in a process of its own (Ray, the engines, the loop as ``rlhf-switch train`` runs it),
 evaluation only before the first and after the last iteration, no checkpoints in between, its
 ``metrics.jsonl`` read back. TRL: ``bench.trl_grpo`` in a process of its own (skipped with one
-line when TRL is not importable). ``--before REV``: the same configs run again on the code (and the
-configs) of git revision ``REV`` (``git archive`` into a temporary directory), in the same
-invocation, so a change's before and after are measured under the same load.
+line when TRL is not importable), run twice — before our runs and after them — so that a load
+that comes or goes during the invocation weighs on both sides: the ratios are against the mean of
+TRL's two medians, and both are printed (``--trl-runs 1``: before ours only). ``--before REV``:
+the same configs run again on the code (and the configs) of git revision ``REV`` (``git archive``
+into a temporary directory), in the same invocation, so a change's before and after are measured
+under the same load.
 
 Reported per run: the median over iterations 2.. (the first two warm up) of the iteration time and
 of each phase (ours: switch, generation, old + reference log-probs, update, the rest — Ray calls,
-rewards, logging), the ratio to TRL's median, and held-out greedy exact match after the last
+rewards, logging), the ratio to TRL's (the mean of its runs' medians), and held-out greedy exact match after the last
 iteration. The machine's load average is printed beside the figures: other processes on the
 2 cores slow every collective of our two workers more than TRL's one process.
 """
@@ -81,14 +84,14 @@ def run_ours(config: Path, init: Path, iterations: int, work: Path, log=print, c
     return res
 
 
-def run_trl(config: Path, init: Path, iterations: int, work: Path, log=print) -> dict | None:
+def run_trl(config: Path, init: Path, iterations: int, work: Path, log=print, label: str = "") -> dict | None:
     """``bench.trl_grpo`` in a process of its own; None (with one line) when TRL is not importable."""
     from bench.trl_grpo import import_trl
 
     if import_trl() is None:
         log("[trl] skipped: trl is not importable (make bench-trl installs it into .trl/)")
         return None
-    out = work / "trl.json"
+    out = work / f"trl{label}.json"
     p = subprocess.run([sys.executable, "-m", "bench.trl_grpo", "--config", str(config), "--init", str(init),
                         "--iterations", str(iterations), "--json", str(out)], cwd=ROOT, capture_output=True, text=True)
     if p.returncode:
@@ -98,17 +101,19 @@ def run_trl(config: Path, init: Path, iterations: int, work: Path, log=print) ->
     return res
 
 
-def table(ours: list[dict], trl: dict | None) -> str:
+def table(ours: list[dict], trls: list[dict]) -> str:
+    """Ours against the mean of TRL's runs (before and after ours: the load of the whole invocation)."""
     head = "| run | s / iteration | vs TRL | switch | generate | old+ref log-probs | update | rest | held-out exact match |"
     rows = [head, "|" + "---|" * 9]
-    base = trl["median_iteration_s"] if trl else None
+    base = statistics.mean(t["median_iteration_s"] for t in trls) if trls else None
     for r in ours:
         ratio = f"{r['median_iteration_s'] / base:.2f}×" if base else "—"
         rows.append(f"| ours ({r['code']}): {r['config']} ({r['engines']}) | {r['median_iteration_s']:.3f} | {ratio} | "
                     + " | ".join(f"{r[f'median_{n}_s']:.3f}" for n in ("switch", "generate", "logprobs", "update", "other"))
                     + f" | {r['heldout_exact_match']:.3f} |")
-    if trl:
-        rows.append(f"| TRL {trl.get('trl_version', '')} GRPOTrainer ({trl['threads']} thread) | {base:.3f} | 1.00× | "
+    for when, trl in zip(("before ours", "after ours") if len(trls) == 2 else ("",) * len(trls), trls):
+        rows.append(f"| TRL {trl.get('trl_version', '')} GRPOTrainer ({trl['threads']} thread){', ' + when if when else ''} | "
+                    f"{trl['median_iteration_s']:.3f} | {trl['median_iteration_s'] / base:.2f}× | "
                     f"— | — | — | — | — | {trl['heldout_exact_match']:.3f} |")
     return "\n".join(rows)
 
@@ -121,6 +126,8 @@ def main(argv=None) -> int:
                     help="the warm start every run starts from (default: %(default)s)")
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--no-trl", action="store_true", help="ours only")
+    ap.add_argument("--trl-runs", type=int, choices=(1, 2), default=2,
+                    help="TRL before ours and after (2, default), or before only (1)")
     ap.add_argument("--before", metavar="REV", default=None,
                     help="also run the configs on git revision REV's code and configs (before/after, one load)")
     ap.add_argument("--json", type=Path, default=None)
@@ -131,7 +138,7 @@ def main(argv=None) -> int:
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="loop_vs_trl_") as tmp:
         work = Path(tmp)
-        trl = None if a.no_trl else run_trl(a.configs[-1], a.init, a.iterations, work)
+        trls = [] if a.no_trl else [run_trl(a.configs[-1], a.init, a.iterations, work, label="_before")]
         if a.before:
             tree = work / "before"
             tree.mkdir()
@@ -141,13 +148,16 @@ def main(argv=None) -> int:
             ours.append(run_ours(c, a.init, a.iterations, work))
             if a.before:
                 ours.append(run_ours(c, a.init, a.iterations, work, code=tree, label=f"{a.before}_"))
+        if trls and trls[0] is not None and a.trl_runs == 2:
+            trls.append(run_trl(a.configs[-1], a.init, a.iterations, work, label="_after"))
+        trls = [t for t in trls if t is not None]
     load.append(os.getloadavg())
-    print(table(ours, trl))
+    print(table(ours, trls))
     print(f"load average (1, 5, 15 min) before {tuple(round(x, 2) for x in load[0])}, "
           f"after {tuple(round(x, 2) for x in load[1])}; {os.cpu_count()} CPUs; {a.iterations} iterations, "
           f"medians over iterations 2..")
     if a.json:
-        a.json.write_text(json.dumps({"ours": ours, "trl": trl, "load": load}, indent=1))
+        a.json.write_text(json.dumps({"ours": ours, "trl": trls, "load": load}, indent=1))
     return 0
 
 
