@@ -22,7 +22,9 @@ all-gather of the whole flat bit16 model; ZeRO-3: copy the partition and re-gath
 parameters that keep a full copy). A training switch moves the bit16 copies in the same plan
 instead (``separate_weights``: field ``param`` of ``weights()`` is a buffer of its own) and then
 calls ``state_written(weights_written=True)``: no refresh from the master, no all-gather (ZeRO-3
-still re-gathers its persistent parameters from the written partitions). A write of the bit16
+still re-gathers its persistent parameters from the written partitions). In fp32 training the
+bit16 slice over a rank's own master partition is the master in value: the switch leaves it out
+(``weights(master_copies=False)``) and ``state_written`` copies it from the master locally. A write of the bit16
 weights alone (the reference's warm start) calls ``weights_written()``.
 
 ZeRO-3 persistent parameters (``persistence_threshold``, DeepSpeed's
