@@ -57,11 +57,32 @@ def test_switch_and_continue(world4, case):
         assert x["peak_staging"] <= x["budget"] < x["full_bytes"]
 
 
-def test_switch_to_another_model_is_refused_and_the_source_trains_on(world4):
-    src, dst = ("zero", [0, 1], {"stage": 2}), ("fsdp2", ALL, {})
+@pytest.mark.parametrize("dst", [("fsdp2", ALL, {}), ("zero", ALL, {"stage": 2})], ids=["fsdp2", "zero2"])
+def test_switch_to_another_model_is_refused_and_the_source_trains_on(world4, dst):
+    src = ("zero", [0, 1], {"stage": 2})
     results = world4.run(jobs.refuse_other_model, src, dst, timeout=300)
     errors = {r["error"] for r in results}
     assert len(errors) == 1 and None not in errors, errors  # the same refusal on every rank
     assert "model" in errors.pop().lower()
     assert all(r["untouched"] for r in results)
     assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in results[:2])
+    # ZeRO: the Adam moments prepared for the switch to overwrite are torch's zeros after all
+    assert all(r["moments_zero"] and r["moments"] == (2 if dst[0] == "zero" else 0) for r in results)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bit16_copies_of_the_own_master_stay_off_the_wire(world4, dtype):
+    """fp32 training: a ZeRO destination's bit16 elements over its own master partition are the
+    master in value — the plan leaves them out (each of ranks 2, 3 receives its quarter of the
+    three state fields and the bit16 model less that quarter) and the switch copies them from the
+    written master; bf16: the whole bit16 model crosses the wire as before. Bit-exact both ways
+    (the bit16 copies are NaN before the switch)."""
+    results = world4.run(jobs.master_copies_left_out, dtype, timeout=300)
+    for rank, x in enumerate(results):
+        assert x["exact_mismatches"] == [], (rank, x["exact_mismatches"][:3])
+        assert x["bytes_received"] == x["min_bytes"]
+        assert x["weights_are_master"] == (dtype == "float32")
+        left_out = x["own"] if dtype == "float32" else 0
+        assert x["described"] == x["numel"] - left_out
+        if rank >= 2:  # no source there: everything arrives over the wire
+            assert x["bytes_received"] == 3 * 4 * x["own"] + x["bit16_bytes"] * (x["numel"] - left_out)

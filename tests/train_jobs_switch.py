@@ -30,7 +30,8 @@ def build(recipe: tuple, seed: int, **model_overrides):
     if kind == "zero":
         model, spec = tiny_llama(seed, **model_overrides)
         return build_zero_trainer(model, spec, kwargs["stage"], micro_batch=BATCH // len(ranks),
-                                  ranks=ranks, optim=OPTIM, persistence_threshold=kwargs.get("persistence_threshold", 0))
+                                  ranks=ranks, optim=OPTIM, persistence_threshold=kwargs.get("persistence_threshold", 0),
+                                  dtype=kwargs.get("dtype", "float32"))
     return TORCH_BUILDERS[kind]({**MODEL, **model_overrides}, seed, ranks, optim=OPTIM, **kwargs)
 
 
@@ -44,19 +45,23 @@ def _everyone(obj) -> list:
     return out
 
 
+def _assembled(pieces) -> dict:
+    """{(tensor, field): full tensor} from every world rank's ``read_back`` pieces."""
+    spec = llama_spec(MODEL)
+    full = {}
+    for rank_pieces in _everyone(pieces):
+        for (name, field), boxes in rank_pieces.items():
+            for box, values in boxes:
+                t = full.setdefault((name, field), torch.zeros(spec[name].shape, dtype=values.dtype))
+                t[box.slices] = values
+    return full
+
+
 def full_state(trainer) -> dict:
     """{(tensor, field): full tensor} of an engine's training state, assembled on every world rank
     from each rank's fragments (the adapters' descriptions are checked against the engines' own
     gathers in test_deepspeed.py / test_torch_train.py)."""
-    spec = llama_spec(MODEL)
-    pieces = read_back(trainer.adapter.state()) if trainer is not None else {}
-    full = {}
-    for rank_pieces in _everyone(pieces):
-        for (name, field), boxes in rank_pieces.items():
-            t = full.setdefault((name, field), torch.zeros(spec[name].shape))
-            for box, values in boxes:
-                t[box.slices] = values
-    return full
+    return _assembled(read_back(trainer.adapter.state()) if trainer is not None else {})
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -139,4 +144,35 @@ def refuse_other_model(src: tuple, dst: tuple) -> dict:
         error = str(e)
     after = _digest(a)
     loss = a.train_step(batch(1)) if a else None
-    return {"error": error, "untouched": before == after, "loss": loss}
+    # a DeepSpeed destination's moments, created unset for the switch to overwrite, are the
+    # zeros torch would create once the switch is refused
+    moments = [t for k, t in b.adapter.state().tensors.items() if not k.startswith(MASTER)] \
+        if b is not None and hasattr(b.adapter, "state_unwritten") else []
+    return {"error": error, "untouched": before == after, "loss": loss,
+            "moments_zero": all(bool((t == 0).all()) for t in moments), "moments": len(moments)}
+
+
+def master_copies_left_out(dtype: str) -> dict:
+    """ZeRO-2 DP2 (ranks 0, 1) -> ZeRO-2 DP4 in ``dtype``, the destination's bit16 copies NaN
+    first. fp32: the bit16 elements over each destination rank's own master partition are left
+    out of the plan (``weights(master_copies=False)``) and copied from the written master; bf16:
+    nothing is left out. Either way every bit16 element must come out equal to the source's."""
+    src, dst = ("zero", [0, 1], {"stage": 2, "dtype": dtype}), ("zero", ALL_RANKS, {"stage": 2, "dtype": dtype})
+    a = build(src, seed=0)
+    if a:
+        a.train_step(batch(0))
+    state_at_switch = full_state(a)
+    weights_at_switch = _assembled(read_back(a.adapter.weights()) if a else {})
+    b = build(dst, seed=1)
+    garbage_fill_bit16(b)
+    described = sum(f.box.numel for f in b.adapter.weights(master_copies=False).fragments)
+    report = switch_training(a.adapter if a else None, b.adapter)
+    own = sum(f.box.numel for f in b.adapter.state().fragments if f.key.field == MASTER)
+    exact = mismatches(read_back(b.adapter.state()), state_at_switch)
+    exact += mismatches(read_back(b.adapter.weights()), weights_at_switch)
+    return {"exact_mismatches": exact, "described": described, "own": own, "numel": llama_spec(MODEL).numel,
+            "weights_are_master": b.adapter.weights_are_master(), "bit16_bytes": b.adapter.opt.bit16_groups_flat[0].element_size(),
+            "bytes_received": report.move.bytes_received, "min_bytes": report.move.min_bytes_received}
+
+
+ALL_RANKS = [0, 1, 2, 3]

@@ -22,7 +22,9 @@ all-gather of the whole flat bit16 model; ZeRO-3: copy the partition and re-gath
 parameters that keep a full copy). A training switch moves the bit16 copies in the same plan
 instead (``separate_weights``: field ``param`` of ``weights()`` is a buffer of its own) and then
 calls ``state_written(weights_written=True)``: no refresh from the master, no all-gather (ZeRO-3
-still re-gathers its persistent parameters from the written partitions). A write of the bit16
+still re-gathers its persistent parameters from the written partitions). In fp32 training the
+bit16 slice over a rank's own master partition is the master in value: the switch leaves it out
+(``weights(master_copies=False)``) and ``state_written`` copies it from the master locally. A write of the bit16
 weights alone (the reference's warm start) calls ``weights_written()``.
 
 ZeRO-3 persistent parameters (``persistence_threshold``, DeepSpeed's
@@ -344,6 +346,7 @@ class ZeroAdapter:
         if unknown:
             raise ValueError(f"{self.name}: parameters {unknown[:5]} are not tensors of model {spec.name!r}")
         self._names = names
+        self._unset_moments: list[torch.Tensor] = []  # see prepare_state(overwritten=True)
 
     # --- where each parameter's share is -----------------------------------------------------
     def _groups(self) -> int:
@@ -373,21 +376,63 @@ class ZeroAdapter:
                 yield self._names[p], tuple(p.shape), lo - off, hi - off, lo - r * P
 
     # --- the adapter ---------------------------------------------------------------------------
-    def weights(self) -> LocalState:
+    def weights(self, master_copies: bool = True) -> LocalState:
         """The bit16 (compute-dtype) weights: whole on every rank under ZeRO-1/2, this rank's
-        partition of each parameter under ZeRO-3."""
+        partition of each parameter under ZeRO-3.
+
+        ``master_copies=False`` (what a training switch writes beside the state): leave out the
+        bit16 elements that are copies of this rank's own fp32 master partition in value
+        (``weights_are_master``: fp32 training) — ZeRO-1/2's slice ``[r·P, (r+1)·P)`` of each
+        flat group, ZeRO-3's whole partition. ``state_written(weights_written=True)`` fills
+        them from the written master with one local copy, so they never cross the wire twice.
+        With a bit16 dtype of its own (bf16) nothing is left out."""
         out = LocalState()
         o = self.opt
+        skip_own = not master_copies and self.weights_are_master()
         for g in range(self._groups()):
             if self.stage == 3:
+                if skip_own:  # the partition is all this rank's own: nothing left to describe
+                    continue
                 buf = out.add_buffer(f"{PARAM}/g{g}", o.fp16_partitioned_groups_flat[g])
                 for name, shape, lo, hi, off in self._owned(g):
                     add_param_flat(out, PARAM, name, shape, lo, hi, buf, off)
             else:
                 buf = out.add_buffer(f"{PARAM}/g{g}", o.bit16_groups_flat[g])
+                if skip_own:
+                    r, P = dist.get_rank(group=o.real_dp_process_group[g]), o.partition_size[g]
+                    own = (r * P, (r + 1) * P)
                 for p, off in zip(o.round_robin_bit16_groups[g], o.round_robin_bit16_offsets[g]):
-                    add_param_flat(out, PARAM, self._names[p], tuple(p.shape), 0, p.numel(), buf, off)
+                    runs = [(off, off + p.numel())]
+                    if skip_own:  # the parameter's flat range less the own partition: 0-2 runs
+                        runs = [(a, b) for a, b in ((off, min(off + p.numel(), own[0])),
+                                                    (max(off, own[1]), off + p.numel())) if a < b]
+                    for a, b in runs:
+                        add_param_flat(out, PARAM, self._names[p], tuple(p.shape), a - off, b - off, buf, a)
         return out
+
+    def weights_are_master(self) -> bool:
+        """Whether every group's bit16 copy has its fp32 master's dtype (fp32 training): then the
+        bit16 slice over this rank's master partition holds the master's values bit for bit —
+        DeepSpeed builds the master as a copy of it and copies the master back into it after
+        every step (``update_lp_params``; ZeRO-3 ``_reassign_or_swap_out_partitioned_parameters``)."""
+        o = self.opt
+        for g in range(self._groups()):
+            bit16 = o.fp16_partitioned_groups_flat[g] if self.stage == 3 else o.bit16_groups_flat[g]
+            if bit16.dtype != self._master(g).dtype:
+                return False
+        return True
+
+    @torch.no_grad()
+    def _own_weights_from_master(self) -> None:
+        """This rank's bit16 slice over its master partition := the master (the local half of
+        DeepSpeed's refresh, without its all-gather)."""
+        o = self.opt
+        for g in range(self._groups()):
+            if self.stage == 3:
+                o.fp16_partitioned_groups_flat[g].data.copy_(o.fp32_partitioned_groups_flat[g].data)
+            else:
+                r = dist.get_rank(group=o.real_dp_process_group[g])
+                o.parallel_partitioned_bit16_groups[g][r].data.copy_(o.single_partition_of_fp32_groups[g].data)
 
     def state(self) -> LocalState:
         """fp32 master and Adam moments of this rank's partition (``prepare_state`` first on an
@@ -409,16 +454,46 @@ class ZeroAdapter:
         return out
 
     @torch.no_grad()
-    def prepare_state(self) -> None:
-        """Create the Adam state torch would create at the first step (zeros, step 0)."""
+    def prepare_state(self, overwritten: bool = False) -> None:
+        """Create the Adam state torch would create at the first step (zeros, step 0).
+
+        ``overwritten``: the caller writes every element ``state()`` describes right after (a
+        training switch). Those are left unset — a pass over two fp32 copies of the partition
+        spared — and only the partition's padding, which nothing describes, gets its zeros; until
+        ``state_written`` (or ``state_unwritten``, which zeroes them: a refused switch) the
+        moments hold no values."""
         base = self.opt.optimizer
         for g in range(self._groups()):
             master = self._master(g)
             st = base.state[master]
             if EXP_AVG not in st:
                 st["step"] = torch.tensor(0.0)
-                st[EXP_AVG] = torch.zeros_like(master, memory_format=torch.preserve_format)
-                st[EXP_AVG_SQ] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                for k in ADAM_MOMENTS:
+                    st[k] = (torch.empty_like if overwritten else torch.zeros_like)(
+                        master, memory_format=torch.preserve_format)
+                if overwritten:
+                    for lo, hi in self._undescribed(g):
+                        for k in ADAM_MOMENTS:
+                            st[k][lo:hi].zero_()
+                    self._unset_moments.extend(st[k] for k in ADAM_MOMENTS)
+
+    def _undescribed(self, g: int) -> list[tuple[int, int]]:
+        """The ranges of group ``g``'s partition buffers no parameter share covers (padding)."""
+        gaps, at = [], 0
+        for lo, hi in sorted((off, off + hi - lo) for _, _, lo, hi, off in self._owned(g)):
+            if lo > at:
+                gaps.append((at, lo))
+            at = max(at, hi)
+        n = self._master(g).numel()
+        return gaps + [(at, n)] if at < n else gaps
+
+    @torch.no_grad()
+    def state_unwritten(self) -> None:
+        """A switch that was to write the state created by ``prepare_state(overwritten=True)``
+        did not: give the moments the zeros torch would have created."""
+        for t in self._unset_moments:
+            t.zero_()
+        self._unset_moments = []
 
     @torch.no_grad()
     def state_written(self, weights_written: bool = False) -> None:
@@ -427,18 +502,23 @@ class ZeroAdapter:
 
         ``weights_written``: the bit16 copies described by ``weights()`` were written too (every
         rank's whole flat groups under ZeRO-1/2, its partitions under ZeRO-3), consistent with
-        the master — they are taken as current: no copy from the master and no all-gather."""
+        the master — they are taken as current: no all-gather. Where ``weights_are_master`` the
+        slice over this rank's own partition is copied from the master all the same (a training
+        switch writes ``weights(master_copies=False)``, which leaves it out; elsewhere the copy
+        rewrites the same bits)."""
+        self._unset_moments = []  # written now
         o = self.opt
         if self.stage == 3:
-            if not weights_written:
-                for g in range(self._groups()):  # param.ds_tensor are views of this flat buffer
-                    o.fp16_partitioned_groups_flat[g].data.copy_(o.fp32_partitioned_groups_flat[g].data)
+            if not weights_written or self.weights_are_master():
+                self._own_weights_from_master()  # param.ds_tensor are views of these flat buffers
             self.weights_written()
         else:
             o._hp_optimizer_states_linked = False  # re-link the lp params' optimizer fragments
             o._lazy_init_hp_params_optimizer_state()
             if not weights_written:
                 o.update_lp_params()  # fp32 partition -> bit16 partition -> all-gather the flat buffer
+            elif self.weights_are_master():
+                self._own_weights_from_master()
 
     @torch.no_grad()
     def weights_written(self) -> None:

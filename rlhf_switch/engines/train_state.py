@@ -18,9 +18,12 @@ The adapter also carries what is not parameter-shaped (``scalars``: optimizer st
 RNG), makes lazily created optimizer state exist before it is written (``prepare_state``) and
 refreshes whatever the engine derives from the fp32 state after a write (``state_written``).
 An adapter whose compute weights are buffers apart from its fp32 master (DeepSpeed ZeRO's bit16
-copy) sets ``separate_weights = True``: a training switch then writes its ``weights()`` in the same
-plan and calls ``state_written(weights_written=True)``, which takes them as current instead of
-re-deriving them from the master.
+copy) sets ``separate_weights = True``: a training switch then writes its
+``weights(master_copies=False)`` in the same plan and calls ``state_written(weights_written=True)``,
+which takes them as current instead of re-deriving them from the master. ``master_copies=False``
+lets such an adapter leave out the weights that are copies of the rank's own master in value
+(fp32 training: one local copy from the written master in ``state_written`` instead of a second
+trip over the wire).
 """
 from __future__ import annotations
 

@@ -45,17 +45,38 @@ def switch_training(src: TrainAdapter | None, dst: TrainAdapter | None, *,
     problem = None
     if dst is not None:
         try:
-            dst.prepare_state()  # torch creates Adam state lazily: give the move somewhere to write
+            _prepare(dst)  # torch creates Adam state lazily: give the move somewhere to write
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             problem = f"{dst.name}: cannot prepare its optimizer state: {type(e).__name__}: {e}"
+    try:
+        return _switch(src, dst, problem, group, budget_bytes, timeout)
+    except BaseException:
+        if dst is not None and hasattr(dst, "state_unwritten"):
+            dst.state_unwritten()  # the state prepared to be overwritten was not: torch's zeros
+        raise
+
+
+def _prepare(dst: TrainAdapter) -> None:
+    """``dst.prepare_state``, told the switch overwrites what it creates where the adapter can
+    use that (``state_unwritten``: it can undo it)."""
+    if hasattr(dst, "state_unwritten"):
+        dst.prepare_state(overwritten=True)
+    else:
+        dst.prepare_state()
+
+
+def _switch(src: TrainAdapter | None, dst: TrainAdapter | None, problem: str | None,
+            group: dist.ProcessGroup | None, budget_bytes: int, timeout: timedelta | None) -> SwitchReport:
     # every source offers its compute weights (field ``param``) beside its state; a destination
     # whose bit16 copy is a buffer apart from its fp32 master (DeepSpeed ZeRO) takes them in the
     # same plan instead of re-deriving them from the master afterwards (an all-gather of the model)
+    # — less the elements that are copies of its own master partition in value (fp32 training),
+    # which state_written fills locally from the master the plan writes
     src_local = src.state().merge(src.weights()) if src is not None else None
     dst_weights = dst is not None and _separate_weights(dst)
     dst_local = None
     if dst is not None and problem is None:
-        dst_local = dst.state().merge(dst.weights()) if dst_weights else dst.state()
+        dst_local = dst.state().merge(dst.weights(master_copies=False)) if dst_weights else dst.state()
     me = {"src": src.name if src else None, "dst": dst.name if dst else None, "problem": problem,
           "scalars": src.scalars() if src is not None else None}
     try:
@@ -84,7 +105,8 @@ def switch_training(src: TrainAdapter | None, dst: TrainAdapter | None, *,
 
 def _separate_weights(adapter: TrainAdapter) -> bool:
     """Whether ``adapter`` keeps compute weights apart from its fp32 master (``separate_weights``),
-    so that a switch writes them too and says so with ``state_written(weights_written=True)``."""
+    so that a switch writes them too (``weights(master_copies=False)``: those that are no copy of
+    the rank's own master) and says so with ``state_written(weights_written=True)``."""
     return bool(getattr(adapter, "separate_weights", False))
 
 
