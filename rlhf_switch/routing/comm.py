@@ -59,7 +59,7 @@ class Comm:
 
     def start_all_gather_ints(self, values: list[int]):
         """``all_gather_ints`` started: returns ``finish(timeout)``, which waits and returns the rows
-        (work can be done meanwhile).
+        (work can be done meanwhile; ``finish.done()`` says whether the gather is in).
 
         On gloo an all-to-all of the row repeated per rank: the same result, and a 4-rank gloo
         all-gather of 32 B took 3.4–3.8 ms here against 0.5 ms for the all-to-all (2 cores; a
@@ -77,6 +77,7 @@ class Comm:
         def finish(timeout: timedelta | None = None) -> list[list[int]]:
             _wait(work, timeout)
             return rows()
+        finish.done = work.is_completed  # whether ``finish`` would return at once
         return finish
 
     def all_gather_object(self, obj, timeout: timedelta | None = None) -> list:
@@ -186,6 +187,7 @@ class TorchComm(Comm):
         def finish(timeout=None):
             _wait(work, timeout)
             return out.view(self.size, -1).tolist()
+        finish.done = work.is_completed
         return finish
 
     def _allgather(self, outs, tensor):

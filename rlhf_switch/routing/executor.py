@@ -344,15 +344,16 @@ def _agreement_row(plan: RankPlan | None, pair_digests: dict[int, int], error: s
 
 def _agree(plan: RankPlan | None, pair_digests: dict[int, int], error: str | None, comm: Comm, src, dst,
            deadline: Deadlines = DEFAULT_DEADLINES, meanwhile=None) -> None:
-    """Step 2 of the module docstring. ``meanwhile``: work that writes nothing a peer or the
-    destination sees (packing staged sends into this rank's own pool), done while the gather is
-    in flight — the gather mostly waits for the last rank to arrive."""
+    """Step 2 of the module docstring. ``meanwhile(done)``: work that writes nothing a peer or
+    the destination sees (packing staged sends into this rank's own pool), done while the gather
+    is in flight — the gather mostly waits for the last rank to arrive; ``done()`` says whether
+    it is in (the work then stops: it must not delay the posting)."""
     rank, world = comm.rank, comm.size
     what = f"agreement gather ({4 * 8} B per rank)"
     finish = _waiting(lambda t: comm.start_all_gather_ints(_agreement_row(plan, pair_digests, error, rank)),
                       deadline.arrival, what, None)
     if meanwhile is not None:
-        meanwhile()
+        meanwhile(finish.done)
     rows = _waiting(finish, deadline.arrival, what, None)
     if not any(r[0] for r in rows) and len({(r[1], r[2]) for r in rows}) == 1 \
             and sum(r[3] for r in rows) % _P == 0:
@@ -559,7 +560,8 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
     (``Schedule.compile_program``): per piece only its two views and a copy.
 
     The staged sends of the batches before the first that must retire older steps are packed
-    while the agreement gather is in flight: their pool blocks are all free at once (that is what
+    while the agreement gather is in flight, until it is in (the rest are packed when posted, so
+    packing never delays the posting): their pool blocks are all free at once (that is what
     retiring nothing means), the pool is this rank's own, and the sources are only read — so a
     refused move has still written nothing a peer or the destination sees."""
     plan = schedule.plan
@@ -572,24 +574,26 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
         device = (dst_buffers if side == "dst" else src_buffers)[name].device
         pool = _take_pool(device, prog.pool_bytes, schedule.budget_bytes)  # NCCL needs it on the GPU
     bound = _Bound(src_buffers, dst_buffers, pool)
-    ahead = 0  # leading batches whose staged sends are packed ahead
-    while ahead < len(prog.batches) and not prog.batches[ahead].retire:
-        ahead += 1
+    packed: set[int] = set()  # id() of the staged sends packed ahead
     t_pack = 0.0
 
-    def pack_ahead():
+    def pack_ahead(done=lambda: False):
         nonlocal t_pack
         tp = time.perf_counter()
-        for batch in prog.batches[:ahead]:
+        for batch in prog.batches:
+            if batch.retire:  # its pool blocks are not free yet
+                break
             for op in batch.ops:
                 if op.send and op.buffer is None:
+                    if done():
+                        t_pack = time.perf_counter() - tp
+                        return
                     bound.pack(op)
+                    packed.add(id(op))
         t_pack = time.perf_counter() - tp
 
     if agree is not None:
         agree(pack_ahead)
-    else:
-        pack_ahead()
     t0 = time.perf_counter()
     t_local = 0.0
     local_done = False
@@ -616,7 +620,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
             bound.unpack(recv)
         alive_bytes -= size
 
-    for bi, batch in enumerate(prog.batches):
+    for batch in prog.batches:
         if batch.retire:
             copy_local()  # where the program first blocks: the batches posted so far travel meanwhile
         for _ in range(batch.retire):
@@ -632,7 +636,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
                 raise AssertionError(f"staging holds {alive_bytes} B over the {budget} B budget")
         ops, sizes, owners = [], [], []
         for op in batch.ops:
-            ops.append(P2P(op.send, bound.message(op, bi < ahead), op.peer, MESSAGE_TAG))
+            ops.append(P2P(op.send, bound.message(op, id(op) in packed), op.peer, MESSAGE_TAG))
             sizes.append(op.nbytes)
             if op.buffer is None:
                 rec = records[op.step]
