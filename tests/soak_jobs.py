@@ -28,14 +28,16 @@ def open_fds() -> int:
 
 def live_rss_bytes() -> int:
     """RSS after dropping the executor's schedule cache (64 schedules, whichever pairs and
-    budgets were drawn last: up to ~40 MiB of this model's at budget 1000), collecting garbage
-    and handing freed heap back to the OS: what stays is what the moves retain."""
+    budgets were drawn last: up to ~40 MiB of this model's at budget 1000) and its kept staging
+    pool (the last move's, at most its budget), collecting garbage and handing freed heap back to
+    the OS: what stays is what the moves retain."""
     import ctypes
     import gc
 
     from rlhf_switch.routing import executor
 
     executor._SCHEDULES.clear()
+    executor._POOLS.clear()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

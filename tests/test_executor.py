@@ -218,3 +218,27 @@ def test_a_copy_between_two_strided_views_at_storage_offsets():
     want[5:].view(4, 9)[0:4, 4:9] = src[1:5, 2:7]
     assert torch.equal(dst_host.view(torch.int32), want.view(torch.int32))
     assert torch.equal(src_host.view(torch.int32), before_src.view(torch.int32))
+
+
+def test_the_staging_pool_is_kept_for_the_next_move_never_over_its_budget_nor_shared():
+    """A completed move leaves its CPU staging pool for the next (fresh pages cost more than the
+    packing); a move takes it only when it fits and is within its own budget, and holds it
+    alone while it runs."""
+    import torch
+
+    from rlhf_switch.routing import executor
+
+    cpu = torch.device("cpu")
+    executor._POOLS.pop(cpu, None)
+    first = executor._take_pool(cpu, 4096, 1 << 20)
+    executor._give_pool(first)
+    again = executor._take_pool(cpu, 1000, 1 << 20)  # smaller: a slice of the kept pool
+    assert again.numel() == 1000 and again.data_ptr() == first.data_ptr()
+    other = executor._take_pool(cpu, 1000, 1 << 20)  # the kept pool is in use: a new one
+    assert other.data_ptr() != first.data_ptr()
+    executor._give_pool(again)
+    executor._give_pool(other)  # not bigger than the kept one: dropped
+    assert executor._POOLS[cpu].data_ptr() == first.data_ptr()
+    small_budget = executor._take_pool(cpu, 1000, 2048)  # the kept 4096 B would exceed this budget
+    assert small_budget.data_ptr() != first.data_ptr() and small_budget.numel() == 1000
+    executor._POOLS.pop(cpu, None)

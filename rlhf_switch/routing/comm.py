@@ -49,12 +49,36 @@ class Comm:
         """Start an all-gather of equal-sized tensors; returns its ``Work``."""
         raise NotImplementedError
 
+    def _alltoall(self, out: torch.Tensor, tensor: torch.Tensor):
+        """Start an all-to-all of equal splits (``out`` and ``tensor``: ``size`` equal parts); its ``Work``."""
+        raise NotImplementedError
+
     def all_gather_ints(self, values: list[int], timeout: timedelta | None = None) -> list[list[int]]:
         """Every rank's ``values`` (the same number of int64s on every rank), in one small collective."""
+        return self.start_all_gather_ints(values)(timeout)
+
+    def start_all_gather_ints(self, values: list[int]):
+        """``all_gather_ints`` started: returns ``finish(timeout)``, which waits and returns the rows
+        (work can be done meanwhile; ``finish.done()`` says whether the gather is in).
+
+        On gloo an all-to-all of the row repeated per rank: the same result, and a 4-rank gloo
+        all-gather of 32 B took 3.4–3.8 ms here against 0.5 ms for the all-to-all (2 cores; a
+        barrier 0.35 ms) — a fixed cost of every move, a tenth of a 10M-parameter one."""
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
-        outs = [torch.empty_like(mine) for _ in range(self.size)]
-        _wait(self._allgather(outs, mine), timeout)
-        return [o.tolist() for o in outs]
+        if self.gloo:
+            out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
+            work = self._alltoall(out, mine.repeat(self.size))
+            rows = lambda: out.view(self.size, -1).tolist()  # noqa: E731
+        else:
+            outs = [torch.empty_like(mine) for _ in range(self.size)]
+            work = self._allgather(outs, mine)
+            rows = lambda: [o.tolist() for o in outs]  # noqa: E731
+
+        def finish(timeout: timedelta | None = None) -> list[list[int]]:
+            _wait(work, timeout)
+            return rows()
+        finish.done = work.is_completed  # whether ``finish`` would return at once
+        return finish
 
     def all_gather_object(self, obj, timeout: timedelta | None = None) -> list:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
@@ -153,14 +177,24 @@ class TorchComm(Comm):
                                                    self._global(op.peer), self.group, op.tag) for op in ops])
         return works if len(works) == len(ops) else works[-1:] * len(ops)  # NCCL: one work per batch
 
-    def all_gather_ints(self, values, timeout=None):
+    def start_all_gather_ints(self, values):
+        if self.gloo:
+            return super().start_all_gather_ints(values)
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
-        _wait(_all_gather_single(out, mine, group=self.group, async_op=True), timeout)
-        return out.view(self.size, -1).tolist()
+        work = _all_gather_single(out, mine, group=self.group, async_op=True)
+
+        def finish(timeout=None):
+            _wait(work, timeout)
+            return out.view(self.size, -1).tolist()
+        finish.done = work.is_completed
+        return finish
 
     def _allgather(self, outs, tensor):
         return dist.all_gather(outs, tensor, group=self.group, async_op=True)
+
+    def _alltoall(self, out, tensor):
+        return dist.all_to_all_single(out, tensor, group=self.group, async_op=True)
 
 
 class GroupComm(Comm):
@@ -194,6 +228,9 @@ class GroupComm(Comm):
 
     def _allgather(self, outs, tensor):
         return self.pg.allgather([outs], [tensor])
+
+    def _alltoall(self, out, tensor):
+        return self.pg.alltoall_base(out, tensor, [], [], dist.AllToAllOptions())
 
 
 def as_comm(group, store: dist.Store | None = None) -> Comm:
