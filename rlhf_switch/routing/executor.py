@@ -151,6 +151,7 @@ class MoveReport:
     phases: dict = field(default_factory=dict)  # seconds per phase (prepare, agree, post, local, staged, wait, verify)
     verify: str = "off"
     pieces_verified: int = 0  # pieces this rank checked as their destination (local ones included)
+    same_host_messages: int = 0  # of ``messages``: sent or received as single copies (routing/same_host.py)
 
     def __str__(self) -> str:
         return (f"rank {self.rank}: {self.transition}: sent {self.bytes_sent} B, received "
@@ -210,10 +211,17 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
         batches = POSTING_ORDER_HOOK(schedule)
     t_prep = time.perf_counter()
     try:
+        # large messages between ranks of one host as single copies (routing/same_host.py): found
+        # once per group, by every rank here, before the agreement
+        _waiting(comm.use_same_host_copies, deadline.arrival, "same-host probe (two gathers of 8-24 B per rank)",
+                 None)
         _agree(schedule.plan if schedule else None, _pair_agreement(schedule, batches), error, comm,
                src, dst, deadline)
         t_agree = time.perf_counter()
+        copies_before = comm.same_host.messages if comm.same_host is not None else 0
         report = _run(schedule, batches, src_buffers, dst_buffers, comm, deadline)
+        if comm.same_host is not None:
+            report.same_host_messages = comm.same_host.messages - copies_before
     except _WaitFailed as f:
         raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     report.phases = dict(prepare=t_prep - t_start, agree=t_agree - t_prep, **report.phases)
