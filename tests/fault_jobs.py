@@ -10,7 +10,11 @@ executor calls there (test-only; the executor has no hook for this):
 * ``mid_message``: a moment after posting its first large send (``MID_MESSAGE_DELAY_S``), while
   gloo is writing it — the survivor receiving it ends up with part of it;
 * ``after_sends``: it posts its receives nowhere (they are held back), waits until every send it
-  posted has completed (those that can: ``_HeldBack``), then dies with its receives outstanding.
+  posted has completed (those that can: ``_HeldBack``), then dies with its receives outstanding;
+* ``mid_copy``: right after posting its first large send as a same-host copy
+  (``routing/same_host.py``), while its receiver copies out of its memory.
+
+The gloo points patch gloo's send/recv: their tests run with same-host copies off.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 from rank_jobs import garbage_like, tensor_source
 from rlhf_switch.routing import Deadlines, PeerLost, executor, move
+from rlhf_switch.routing import same_host
 from rlhf_switch.routing.comm import TorchComm
 from rlhf_switch.vps import Layout
 from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize
@@ -83,6 +88,15 @@ def _arm(point: str) -> None:
             return work
         TorchComm.isend = isend
         TorchComm.irecv = lambda self, tensor, peer, tag=0: _HeldBack(sends)
+    elif point == "mid_copy":
+        real_post = same_host.SameHost.post
+
+        def post(self, comm, send, tensor, peer):
+            work = real_post(self, comm, send, tensor, peer)
+            if send:
+                _die()
+            return work
+        same_host.SameHost.post = post
     elif point != "before_move":
         raise ValueError(point)
 

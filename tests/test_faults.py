@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow  # ~80 s: a 128 MiB move, deadlines run out, repla
 import fault_jobs
 import rank_jobs
 from catalogue import CONFIGS
-from rlhf_switch.routing import Deadlines
+from rlhf_switch.routing import Deadlines, same_host
 from rlhf_switch.vps import ParallelConfig, build_layout, synthetic_spec
 from rlhf_switch.vps.planner import plan_rank
 
@@ -23,6 +23,16 @@ DEADLINE = Deadlines(floor_s=3.0, min_rate=50e6, ceiling_s=60.0, census_s=4.0)
 SLACK_S = 1.0  # scheduling noise on a loaded 2-core host
 
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gloo_only():
+    """The kill points here are armed on gloo's send/recv: large messages stay on gloo (the
+    same-host copy's own fault test is in test_same_host.py). Set before the module's world starts."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv(same_host.ENV, "0")
+    yield
+    patch.undo()
 
 
 @pytest.fixture(scope="module")

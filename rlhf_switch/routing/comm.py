@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import same_host as _same_host
+
 
 # torch 2.13 deprecates ``all_gather_into_tensor`` (a FutureWarning per call) in favour of
 # ``all_gather_single``, the same collective: use the new name where it exists
@@ -44,6 +46,19 @@ class Comm:
     store: "dist.Store | None" = None  # where ranks leave failure reports (None: nobody to ask)
     device: torch.device = torch.device("cpu")
     gloo: bool = True
+    same_host: "_same_host.SameHost | None" = None  # single-copy messages between ranks of one host
+
+    def _group_key(self):
+        """The process group object this comm sends over (what same-host copies are found per)."""
+        return None
+
+    def use_same_host_copies(self, timeout: timedelta | None = None) -> None:
+        """Send large messages between ranks of one host as single copies (``same_host``): a
+        collective of the group at its first call (every rank of the group calls it at the same
+        point: the executor, before a move's agreement), a lookup after."""
+        key = self._group_key()
+        if self.gloo and self.size > 1 and key is not None:
+            self.same_host = _same_host.for_group(self, key, timeout)
 
     def _allgather(self, outs: list[torch.Tensor], tensor: torch.Tensor):
         """Start an all-gather of equal-sized tensors; returns its ``Work``."""
@@ -120,8 +135,14 @@ class Comm:
         """Post ``ops`` as one batch, in this order; one ``Work`` per op (on NCCL the batch's
         single work, repeated). Messages between two ranks in one direction are matched in the
         order they are posted (NCCL ignores tags), and a batch is one NCCL group, so no op of it
-        waits on another. gloo has no groups: its ops are posted one by one, in order."""
-        return [(self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag) for op in ops]
+        waits on another. gloo has no groups: its ops are posted one by one, in order — a large one
+        between ranks of one host as a same-host copy where ``use_same_host_copies`` found one."""
+        near = self.same_host
+        if near is None:
+            return [(self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag) for op in ops]
+        return [near.post(self, op.send, op.tensor, op.peer)
+                if near.used(op.send, op.peer, op.tensor.numel() * op.tensor.element_size())
+                else (self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag) for op in ops]
 
 
 
@@ -156,6 +177,9 @@ class TorchComm(Comm):
             self.store = _get_process_group_store(group if group is not None else _get_default_group())
         except Exception:  # noqa: BLE001
             self.store = None
+
+    def _group_key(self):
+        return self._pg
 
     def _global(self, peer: int) -> int:
         return peer if self.group is None else dist.get_global_rank(self.group, peer)
@@ -209,6 +233,9 @@ class GroupComm(Comm):
         self.device = torch.device(device)
         self.store = store
         self.gloo = isinstance(pg, dist.ProcessGroupGloo)
+
+    def _group_key(self):
+        return self.pg
 
     def isend(self, tensor, peer, tag=0):
         return self.pg.send([tensor], peer, tag)

@@ -152,6 +152,7 @@ class MoveReport:
     phases: dict = field(default_factory=dict)  # seconds per phase (prepare, agree, pack_ahead, post, local, wait, verify)
     verify: str = "off"
     pieces_verified: int = 0  # pieces this rank checked as their destination (local ones included)
+    same_host_messages: int = 0  # of ``messages``: sent or received as single copies (routing/same_host.py)
 
     def __str__(self) -> str:
         return (f"rank {self.rank}: {self.transition}: sent {self.bytes_sent} B, received "
@@ -216,9 +217,16 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
                src, dst, deadline, meanwhile)
 
     try:
+        # large messages between ranks of one host as single copies (routing/same_host.py): found
+        # once per group, by every rank here, before the agreement
+        _waiting(comm.use_same_host_copies, deadline.arrival, "same-host probe (two gathers of 8-32 B per rank)",
+                 None)
         if schedule is None or error is not None:
             agree()  # raises MoveError on every rank
+        copies_before = comm.same_host.messages if comm.same_host is not None else 0
         report = _run(schedule, batches, src_buffers, dst_buffers, comm, deadline, agree)
+        if comm.same_host is not None:
+            report.same_host_messages = comm.same_host.messages - copies_before
     except _WaitFailed as f:
         raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     report.phases = dict(prepare=t_prep - t_start, **report.phases)

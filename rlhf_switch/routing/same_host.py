@@ -1,0 +1,237 @@
+"""Single-copy messages between processes on one host: Linux cross-memory attach (CMA).
+
+gloo sends every byte through a loopback TCP socket: one kernel copy on the sending rank, one on
+the receiving rank, both on the CPU the ranks share (2 cores, 4 ranks here). Between two
+processes of one user on one host the receiver can instead copy the bytes straight out of the
+sender's memory with ``process_vm_readv`` — one copy, done by the receiver only, as MPI
+implementations do for large intra-node messages. Measured on this 2-core box: two concurrent
+400 MB messages take 0.09–0.10 s this way against 0.19–0.28 s over gloo.
+
+A message of at least ``MIN_BYTES`` between two ranks that can read each other's memory goes so:
+the sender posts a 16-byte gloo message (where its bytes are, how many) on ``CONTROL_TAG`` and a
+receive of an 8-byte acknowledgement on ``ACK_TAG``; the receiver posts the control receive with
+the batch, as gloo's own, and one reader thread per peer takes that peer's messages in posting
+order: it waits for the control message, copies the bytes, acknowledges. The sender's ``Work``
+completes with the acknowledgement (its bytes may be reused after that: staging, the source
+after the move), the receiver's when its reader has copied. Readers work apart from the main
+thread's waits, so the order in which a rank waits for its messages cannot deadlock two ranks
+that each wait on a send first (a copy does not wait for the receiver's ``wait``, as with gloo).
+
+Which peers a rank can read is found once per process group, by every rank together at its first
+move (``for_group``): each rank shows a random token in its memory, every rank tries to read its
+peers' tokens, and the verdicts are gathered, so both ends of every pair agree on the way each
+message goes. Anything that fails the probe — another host, another PID namespace, a seccomp
+profile without ``process_vm_readv``, a non-Linux system — stays on gloo. Control, acknowledgement
+and failures are gloo's: a lost peer closes the connection the reader waits on, and the reader
+reports gloo's text. ``RLHF_SWITCH_SAME_HOST_COPY=0`` turns it off (every pair stays on gloo).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import secrets
+import sys
+import threading
+import weakref
+from datetime import timedelta
+
+import torch
+
+MIN_BYTES = 1 << 20  # below this the two control messages cost more than the copy saves
+MIN_BYTES_ENV = "RLHF_SWITCH_SAME_HOST_MIN_BYTES"  # tests: 1 sends every message this way
+CONTROL_TAG = (1 << 20) - 5  # tags no move's messages use (the executor's are 1 << 20)
+ACK_TAG = (1 << 20) - 3
+ENV = "RLHF_SWITCH_SAME_HOST_COPY"
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_LIBC = None
+
+
+def _readv():
+    """libc's ``process_vm_readv`` (None where there is none)."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL("libc.so.6", use_errno=True)
+                fn = libc.process_vm_readv
+                fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
+                               ctypes.c_ulong, ctypes.c_ulong]
+                fn.restype = ctypes.c_ssize_t
+                _LIBC = fn
+            except (OSError, AttributeError):
+                pass
+    return _LIBC or None
+
+
+def read_from(pid: int, address: int, into: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``address`` in process ``pid`` to ``into`` in this one (ctypes drops the GIL)."""
+    fn = _readv()
+    done = 0
+    while done < nbytes:
+        local = _Iovec(into + done, nbytes - done)
+        remote = _Iovec(address + done, nbytes - done)
+        got = fn(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err) if got < 0 else 'read nothing'}")
+        done += got
+
+
+class _SendWork:
+    """A send: complete once the receiver acknowledges its copy."""
+
+    __slots__ = ("control", "ack", "keep")
+
+    def __init__(self, control, ack, keep):
+        self.control, self.ack, self.keep = control, ack, keep
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for w in (self.control, self.ack):
+            w.wait() if timeout is None else w.wait(timeout)
+        return True
+
+
+class _RecvWork:
+    """A receive: complete once this rank's reader for ``peer`` has copied the bytes in."""
+
+    __slots__ = ("tensor", "control", "control_work", "done", "error", "peer")
+
+    def __init__(self, tensor, control, control_work, peer):
+        self.tensor, self.control, self.control_work, self.peer = tensor, control, control_work, peer
+        self.done = threading.Event()
+        self.error: str | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self.done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError(f"Timed out after {timeout} waiting for a same-host copy of "
+                               f"{self.tensor.numel() * self.tensor.element_size()} B from rank {self.peer}")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return True
+
+
+class _Reader:
+    """One peer's incoming copies, in posting order, on a thread of their own."""
+
+    def __init__(self, comm, peer: int, pid: int):
+        self.comm, self.peer, self.pid = comm, peer, pid
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"same-host-reader-{peer}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        ack = torch.zeros(1, dtype=torch.int64)
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if self.error is None:
+                try:
+                    job.control_work.wait()
+                    address, nbytes = job.control.tolist()
+                    want = job.tensor.numel() * job.tensor.element_size()
+                    if nbytes != want:  # the plans agreed: a mismatch here is a bug, never silent
+                        raise RuntimeError(f"same-host copy from rank {self.peer}: {nbytes} B offered, {want} B expected")
+                    read_from(self.pid, address, job.tensor.data_ptr(), nbytes)
+                    self.comm.isend(ack, self.peer, ACK_TAG).wait()
+                except Exception as e:  # noqa: BLE001 - gloo's text goes to the waiting rank
+                    self.error = f"{type(e).__name__}: {e}"
+            job.error = self.error
+            job.done.set()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+
+class SameHost:
+    """Which peers of a gloo group this rank reads from and which read from it; one reader per
+    peer it reads from."""
+
+    def __init__(self, comm, pids: list[int], can_read: list[int], min_bytes: int = MIN_BYTES):
+        self.rank = comm.rank
+        self.min_bytes = min_bytes
+        self.pids = pids
+        self.can_read = can_read  # per rank: bitmask of the ranks whose memory it can read
+        self._readers: dict[int, _Reader] = {}
+        self.messages = 0  # posted as same-host copies (sends and receives) so far
+
+    def used(self, op_send: bool, peer: int, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` to / from ``peer`` goes by a same-host copy (both ends
+        compute the same answer from the gathered verdicts)."""
+        if nbytes < self.min_bytes:
+            return False
+        receiver, sender = (peer, self.rank) if op_send else (self.rank, peer)
+        return bool(self.can_read[receiver] >> sender & 1)
+
+    def post(self, comm, send: bool, tensor: torch.Tensor, peer: int):
+        self.messages += 1
+        if send:
+            control = torch.tensor([tensor.data_ptr(), tensor.numel() * tensor.element_size()], dtype=torch.int64)
+            ack = torch.empty(1, dtype=torch.int64)
+            return _SendWork(comm.isend(control, peer, CONTROL_TAG), comm.irecv(ack, peer, ACK_TAG),
+                             (tensor, control, ack))
+        reader = self._readers.get(peer)
+        if reader is None:
+            reader = self._readers[peer] = _Reader(comm, peer, self.pids[peer])
+        if reader.error is not None:
+            raise RuntimeError(f"an earlier same-host copy from rank {peer} failed: {reader.error}")
+        control = torch.empty(2, dtype=torch.int64)
+        work = _RecvWork(tensor, control, comm.irecv(control, peer, CONTROL_TAG), peer)
+        reader.jobs.put(work)
+        return work
+
+    def stop(self) -> None:
+        for r in self._readers.values():
+            r.stop()
+
+
+_GROUPS: dict[int, tuple[weakref.ref, SameHost | None]] = {}  # id(process group) -> (it, its copies)
+
+
+def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
+    """The same-host copies of the gloo group ``key`` (its process group object), found at its
+    first move: a collective every rank of the group runs at the same point (two gathers of a
+    few integers, ``timeout`` each). None where no pair can use them. Readers stop when the
+    group is collected."""
+    hit = _GROUPS.get(id(key))
+    if hit is not None and hit[0]() is key:
+        return hit[1]
+    enabled = os.environ.get(ENV, "1") not in ("0", "false", "no") and _readv() is not None
+    token = secrets.randbits(62) + 1 if enabled else 0
+    probe = torch.tensor([token], dtype=torch.int64)
+    # the threshold travels too: both ends of a message must take the same way
+    min_bytes = int(os.environ.get(MIN_BYTES_ENV, MIN_BYTES))
+    rows = comm.all_gather_ints([os.getpid(), probe.data_ptr(), token, min_bytes], timeout)
+    mine = 0
+    if enabled:
+        got = torch.zeros(1, dtype=torch.int64)
+        for r, (pid, address, theirs, _) in enumerate(rows):
+            if r == comm.rank or theirs == 0:
+                continue
+            try:
+                got.zero_()
+                read_from(pid, address, got.data_ptr(), 8)
+            except OSError:
+                continue
+            if int(got) == theirs:  # that PID here is that rank (same host, same PID namespace)
+                mine |= 1 << r
+    verdicts = [row[0] for row in comm.all_gather_ints([mine], timeout)]  # no peer reads `probe` after this
+    state = (SameHost(comm, [row[0] for row in rows], verdicts, max(row[3] for row in rows))
+             if any(verdicts) else None)
+    _GROUPS[id(key)] = (weakref.ref(key), state)
+    weakref.finalize(key, _forget, id(key), state)
+    return state
+
+
+def _forget(key: int, state: SameHost | None) -> None:
+    _GROUPS.pop(key, None)
+    if state is not None:
+        state.stop()
