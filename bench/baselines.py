@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_switch.routing import pair_round
+from rlhf_switch.routing.comm import P2P, as_comm
 from rlhf_switch.vps import plan_rank
 from rlhf_switch.vps.materialize import torch_dtype
 from rlhf_switch.vps.space import row_major_strides
@@ -352,8 +353,12 @@ def raw_prepare(S: dict) -> dict:
             need -= n
             if so == srcs[si].numel():
                 si, so = si + 1, 0
+    # the same transport as the VPS: gloo, and same-host copies for the large messages where the
+    # VPS uses them (routing/same_host.py; RLHF_SWITCH_SAME_HOST_COPY=0 turns both off)
+    comm = as_comm(None)
+    comm.use_same_host_copies()
     return {"peers": peers, "sbufs": sbufs, "rbufs": rbufs, "alloc": alloc, "local": local,
-            "local_bytes": plan.bytes_local - need}
+            "local_bytes": plan.bytes_local - need, "comm": comm}
 
 
 def _pattern(a: int) -> int:
@@ -362,14 +367,15 @@ def _pattern(a: int) -> int:
 
 def raw_run(ctx: dict) -> dict:
     """The exchange (what the table times), then the local copies (reported beside it)."""
+    comm = ctx["comm"]
     t0 = time.perf_counter()
     for p in ctx["peers"]:
-        works = []
+        ops = []
         if p in ctx["rbufs"]:
-            works.append(dist.irecv(ctx["rbufs"][p], p))
+            ops.append(P2P(False, ctx["rbufs"][p], p))
         if p in ctx["sbufs"]:
-            works.append(dist.isend(ctx["sbufs"][p], p))
-        for w in works:
+            ops.append(P2P(True, ctx["sbufs"][p], p))
+        for w in comm.batch(ops):
             w.wait()
     t1 = time.perf_counter()
     if ctx.get("copy_local"):

@@ -34,7 +34,9 @@ and times, side by side on the same source/destination buffers:
                ``_BoxState`` for how arbitrary boxes are expressed; loads land in place).
   raw_p2p      the transport's limit: the per-peer byte counts of the VPS plan, one preallocated
                contiguous tensor per peer and direction, isend/irecv in the same round order,
-               no planning, no packing. Also reported: the same exchange followed by the plan's
+               no planning, no packing — over the VPS's own transport (gloo, and same-host
+               copies for messages of 1 MiB and more where ranks can read each other's memory;
+               ``RLHF_SWITCH_SAME_HOST_COPY=0`` runs both on gloo alone). Also reported: the same exchange followed by the plan's
                same-rank bytes as a few big memcpys ("+ local copies"), a floor for any switch
                into separate destination buffers.
 
