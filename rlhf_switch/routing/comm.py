@@ -140,9 +140,8 @@ class Comm:
         near = self.same_host
         if near is None:
             return [(self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag) for op in ops]
-        return [near.post(self, op.send, op.tensor, op.peer)
-                if near.used(op.send, op.peer, op.tensor.numel() * op.tensor.element_size())
-                else (self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag) for op in ops]
+        return [work if work is not None else (self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag)
+                for op, work in zip(ops, near.post_batch(self, ops))]
 
 
 
