@@ -96,16 +96,23 @@ class Comm:
         return finish
 
     def all_gather_object(self, obj, timeout: timedelta | None = None) -> list:
+        """Every rank's ``obj`` (pickled). On gloo both steps — the sizes, then the payloads padded
+        to the longest — are all-to-alls of the rank's own part repeated per rank, as in
+        ``start_all_gather_ints``: a training switch's layout exchange at 100M took 21–23 ms as two
+        gloo all-gathers (6 % of the switch)."""
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.size)]
-        _wait(self._allgather(sizes, size), timeout)
-        longest = int(max(s.item() for s in sizes))
+        sizes = [row[0] for row in self.all_gather_ints([payload.numel()], timeout)]
+        longest = max(sizes)
         padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         padded[:payload.numel()] = payload
-        outs = [torch.empty_like(padded) for _ in range(self.size)]
-        _wait(self._allgather(outs, padded), timeout)
-        return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]
+        if self.gloo:
+            out = torch.empty(self.size * longest, dtype=torch.uint8, device=self.device)
+            _wait(self._alltoall(out, padded.repeat(self.size)), timeout)
+            outs = out.view(self.size, longest)
+        else:
+            outs = [torch.empty_like(padded) for _ in range(self.size)]
+            _wait(self._allgather(outs, padded), timeout)
+        return [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(outs, sizes)]
 
     def close(self) -> None:
         """End this rank's connections in the group after a failed move (gloo only; best effort).
