@@ -6,7 +6,8 @@ element); a transfer larger than that is cut into sub-boxes in row-major order. 
 run of pieces that is one contiguous range of the source buffer (sent straight from it: zero
 copy), of the destination buffer (received straight into it), both, or neither (packed into /
 unpacked from staging). Small pieces are merged into staged messages when the copies cost less
-than the messages they save (``MERGE_BYTES``). Both ends cut identically because both start from
+than the messages they save (``MERGE_BYTES``); the small messages left over (a norm between two
+big slices) travel together after the peer's others. Both ends cut identically because both start from
 the same transfer list and decide from the two views alone.
 
 *Rounds.* Pairs of ranks talk in the rounds of a round-robin tournament (the circle method):
