@@ -256,6 +256,28 @@ def move_recording_posts(src: Layout, dst: Layout, budget_bytes: int = 1 << 20, 
     return {**out, "posts": posts}
 
 
+def move_watching_gc(src: Layout, dst: Layout, budget_bytes: int = 1 << 20) -> dict:
+    """``move_and_check`` with the cyclic GC on, then with it off beforehand: whether it was on at
+    each message this rank posted (``executor.POST_HOOK``), and after each move."""
+    import gc
+
+    from rlhf_switch.routing import executor
+
+    out = {}
+    for before in (True, False):
+        seen: list[bool] = []
+        executor.POST_HOOK = lambda peer, send, nbytes: seen.append(gc.isenabled())
+        (gc.enable if before else gc.disable)()
+        try:
+            res = move_and_check(src, dst, budget_bytes=budget_bytes)
+        finally:
+            executor.POST_HOOK = None
+            after = gc.isenabled()
+            gc.enable()
+        out[before] = {"wrong": res["wrong"], "during": seen, "after": after}
+    return out
+
+
 def swap_two_sends(schedule):
     """The schedule's posting program with the first two sends of one batch swapped: a rank
     that would post two messages to a peer in the other order than the peer receives them."""

@@ -242,3 +242,13 @@ def test_the_staging_pool_is_kept_for_the_next_move_never_over_its_budget_nor_sh
     small_budget = executor._take_pool(cpu, 1000, 2048)  # the kept 4096 B would exceed this budget
     assert small_budget.data_ptr() != first.data_ptr() and small_budget.numel() == 1000
     executor._POOLS.pop(cpu, None)
+
+
+def test_the_cyclic_gc_is_held_off_during_a_move_and_restored_after(world4, layouts4):
+    """A full collection starting on one rank mid-move stalls its peers (``gc_paused``): no
+    message is posted with it on, and a move leaves it as it found it, on or off."""
+    for res in world4.run(rank_jobs.move_watching_gc, layouts4["zero3"], layouts4["tp4"]):
+        for before, seen in res.items():
+            assert seen["wrong"] == []
+            assert seen["during"] and not any(seen["during"])
+            assert seen["after"] is before

@@ -126,6 +126,41 @@ def test_messages_are_zero_copy_where_contiguous_and_cut_alike_on_both_ends(layo
             assert direct, f"{pair}: nothing travels zero-copy"
 
 
+@pytest.mark.parametrize("pair", [("zero3", "tp4"), ("fsdp", "tp2xpp2"), ("zero1-flat", "tp2xdp2"),
+                                  ("tp2xdp2", "pp2"), ("fsdp", "tp4")])
+def test_small_messages_travel_together_at_the_end(layouts4, pair, monkeypatch):
+    """Messages of at most ``MERGE_BYTES // 2`` that joined no neighbour (norms between a layer's
+    big pieces) are merged into one per peer and direction, after the others: never more messages
+    than without it, the same pieces, cut alike on both ends."""
+    from rlhf_switch.routing import schedule
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 1024)  # the tiny model's norms are ~100 B, its weights KBs
+    src, dst = layouts4[pair[0]], layouts4[pair[1]]
+    small = schedule.MERGE_BYTES // 2
+
+    def chunks(sched):
+        return {(ex.peer, side): [c for step in ex.steps if step[side] for c in (step[side],)]
+                for ex in sched.exchanges for side in (0, 1)}
+
+    grouped = [chunks(build_schedule(plan_rank(src, dst, r), 1 << 20)) for r in range(4)]
+    with monkeypatch.context() as m:
+        m.setattr(schedule, "_small_together", lambda c, cap, dtypes: c)
+        apart = [chunks(build_schedule(plan_rank(src, dst, r), 1 << 20)) for r in range(4)]
+    fewer = 0
+    for r in range(4):
+        for key, cs in grouped[r].items():
+            before = apart[r][key]
+            assert len(cs) <= len(before)
+            fewer += len(before) - len(cs)
+            assert sorted(p for c in cs for p in c.pieces) == sorted(p for c in before for p in c.pieces)
+            assert sum(c.nbytes <= small for c in cs) <= 1  # all of this peer's small ones: one message
+            tail = [c.nbytes <= small for c in cs]
+            assert tail == sorted(tail), "the small message comes after the others"
+            peer, side = key
+            theirs = grouped[peer][(r, 1 - side)]
+            assert [c.pieces for c in cs] == [c.pieces for c in theirs]
+    assert fewer or pair == ("zero1-flat", "tp2xdp2"), f"{pair}: no small messages to merge in the tiny model"
+
+
 def test_staging_overlaps_steps_within_the_budget(layouts4):
     src, dst = layouts4["zero3"], layouts4["tp2xpp2"]
     overlapped = False

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..routing.executor import DEFAULT_BUDGET, MoveError, MoveReport, move
+from ..routing.executor import DEFAULT_BUDGET, MoveError, MoveReport, gc_paused, move
 from ..vps import LayoutError
 from .train_state import TrainAdapter, gather_layouts
 
@@ -37,6 +37,7 @@ class SwitchReport:
                 f"{m.seconds * 1e3:.1f} ms")
 
 
+@gc_paused()  # describing both engines and gathering layouts too: see gc_paused
 def switch_training(src: TrainAdapter | None, dst: TrainAdapter | None, *,
                     group: dist.ProcessGroup | None = None, budget_bytes: int = DEFAULT_BUDGET,
                     timeout: timedelta | None = None) -> SwitchReport:

@@ -42,7 +42,6 @@ MIN_BYTES = 1 << 20  # below this the two control messages cost more than the co
 MIN_BYTES_ENV = "RLHF_SWITCH_SAME_HOST_MIN_BYTES"  # tests: 1 sends every message this way
 CONTROL_TAG = (1 << 20) - 5  # tags no move's messages use (the executor's are 1 << 20)
 ACK_TAG = (1 << 20) - 3
-OFFER_MAX = 1  # messages one offer names (its control message: 8 + 16 B per message; see post_batch)
 ENV = "RLHF_SWITCH_SAME_HOST_COPY"
 
 
@@ -131,23 +130,18 @@ class _Reader:
         self.thread.start()
 
     def _loop(self) -> None:
-        offer = torch.empty(1 + 2 * OFFER_MAX, dtype=torch.int64)
+        offer = torch.empty(2, dtype=torch.int64)  # (address, bytes) of the peer's next message
         ack = torch.zeros(1, dtype=torch.int64)
         while True:
-            job = self.jobs.get()  # the first receive of the next offer
+            job = self.jobs.get()  # the receive the peer's next offer is for
             if job is None:
                 return
             if self.error is None:
                 try:
                     self.comm.irecv(offer, self.peer, CONTROL_TAG).wait()
-                    entries = offer.tolist()
-                    for i in range(entries[0]):
-                        if i:
-                            job = self.jobs.get()  # the offer's next receive, once this rank posts it
-                            if job is None:
-                                return
-                        self._copy(job, entries[1 + 2 * i], entries[2 + 2 * i])
-                        job.done.set()
+                    address, nbytes = offer.tolist()
+                    self._copy(job, address, nbytes)
+                    job.done.set()
                     self.comm.isend(ack, self.peer, ACK_TAG).wait()
                     continue
                 except Exception as e:  # noqa: BLE001 - gloo's text goes to the waiting rank
@@ -190,25 +184,22 @@ class SameHost:
         those left to gloo. Every send is an offer of its own. (Offering consecutive sends to one
         peer together — one control message and one acknowledgement for several — deadlocked
         moves with a small staging budget: a reader waiting for the rest of an offer stalls the
-        peer's own staged steps. Left for later.)"""
+        peer's own staged steps. A grouped protocol must not make a reader wait for later
+        receives, e.g. acknowledge once per peer at the end of the move.)"""
         works: list = [None] * len(ops)
         for i, op in enumerate(ops):
             if not self.used(op.send, op.peer, op.tensor.numel() * op.tensor.element_size()):
                 continue
             self.messages += 1
-            works[i] = (self._offer(comm, op.peer, [op.tensor]) if op.send
+            works[i] = (self._offer(comm, op.peer, op.tensor) if op.send
                         else self._expect(comm, op.peer, op.tensor))
         return works
 
-    def _offer(self, comm, peer: int, tensors: list[torch.Tensor]) -> _SendWork:
-        entries = [len(tensors)]
-        for t in tensors:
-            entries += [t.data_ptr(), t.numel() * t.element_size()]
-        control = torch.zeros(1 + 2 * OFFER_MAX, dtype=torch.int64)
-        control[:len(entries)] = torch.tensor(entries, dtype=torch.int64)
+    def _offer(self, comm, peer: int, tensor: torch.Tensor) -> _SendWork:
+        control = torch.tensor([tensor.data_ptr(), tensor.numel() * tensor.element_size()], dtype=torch.int64)
         ack = torch.empty(1, dtype=torch.int64)
         return _SendWork(comm.isend(control, peer, CONTROL_TAG), comm.irecv(ack, peer, ACK_TAG),
-                         (tensors, control, ack))
+                         (tensor, control, ack))
 
     def _expect(self, comm, peer: int, tensor: torch.Tensor) -> _RecvWork:
         reader = self._readers.get(peer)

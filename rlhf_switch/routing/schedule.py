@@ -6,7 +6,8 @@ element); a transfer larger than that is cut into sub-boxes in row-major order. 
 run of pieces that is one contiguous range of the source buffer (sent straight from it: zero
 copy), of the destination buffer (received straight into it), both, or neither (packed into /
 unpacked from staging). Small pieces are merged into staged messages when the copies cost less
-than the messages they save (``MERGE_BYTES``). Both ends cut identically because both start from
+than the messages they save (``MERGE_BYTES``); the small messages left over (a norm between two
+big slices) travel together after the peer's others. Both ends cut identically because both start from
 the same transfer list and decide from the two views alone.
 
 *Rounds.* Pairs of ranks talk in the rounds of a round-robin tournament (the circle method):
@@ -412,7 +413,38 @@ def _chunks(transfers: list[Transfer], cap: int, src_dtypes: dict[str, str] | No
             cur = _Run(p, src_end, dst_end)
     if cur is not None:
         out.append(_close(cur, src_dtypes))
+    return _small_together(out, cap, src_dtypes)
+
+
+def _small_together(chunks: list[Chunk], cap: int, src_dtypes: dict[str, str] | None) -> list[Chunk]:
+    """The messages of at most ``MERGE_BYTES // 2`` (norms, biases, short slices between big
+    pieces that joined neither neighbour) moved to the end and merged into as few as fit ``cap``,
+    staged where they must be: each byte costs at most two copies of at most ``MERGE_BYTES``
+    per message saved — the break-even ``_joins`` prices. Never more messages than before."""
+    small = [c for c in chunks if c.nbytes <= MERGE_BYTES // 2]
+    if not small:
+        return chunks
+    out = [c for c in chunks if c.nbytes > MERGE_BYTES // 2]
+    cur: _Run | None = None
+    for c in small:
+        for p in c.pieces:
+            src_end, dst_end = _ends(p)
+            if cur is not None and _size_with(cur, p, src_end, dst_end) + p.nbytes <= cap:
+                _extend(cur, p, src_end, dst_end)
+                continue
+            if cur is not None:
+                out.append(_close(cur, src_dtypes))
+            cur = _Run(p, src_end, dst_end)
+    out.append(_close(cur, src_dtypes))
     return out
+
+
+def _size_with(cur: _Run, p: Piece, src_end, dst_end) -> int:
+    """The staging size of the message so far once ``p`` joins it (before ``p``'s own bytes)."""
+    direct = cur.src_end is not None or cur.dst_end is not None
+    ext_src, ext_dst = _continues(cur, p, src_end, dst_end)
+    still_direct = (ext_src or ext_dst) and p.transfer.dtype == cur.dtype
+    return cur.nbytes if still_direct else _aligned(_padded(cur.pieces) if direct else cur.nbytes)
 
 
 def _continues(cur: _Run, p: Piece, src_end, dst_end) -> tuple[bool, bool]:
@@ -456,8 +488,7 @@ def _joins(cur: _Run, p: Piece, src_end, dst_end, cap: int) -> bool:
     direct = cur.src_end is not None or cur.dst_end is not None
     ext_src, ext_dst = _continues(cur, p, src_end, dst_end)
     still_direct = (ext_src or ext_dst) and t.dtype == cur.dtype
-    size = cur.nbytes if still_direct else _aligned(_padded(cur.pieces) if direct else cur.nbytes)
-    if size + p.nbytes > cap:
+    if _size_with(cur, p, src_end, dst_end) + p.nbytes > cap:
         return False
     if still_direct and (ext_src or cur.src_end is None) and (ext_dst or cur.dst_end is None):
         # both direct runs (those it has) go on; a side already staged stages p too
