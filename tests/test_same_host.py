@@ -64,7 +64,10 @@ def test_switched_off_every_message_stays_on_gloo(layouts4):
 @pytest.mark.slow
 def test_a_sender_killed_while_its_receiver_copies_is_named_and_nothing_is_lost(copies_world):
     """FSDP DP4 -> replicated, one 32 MiB fp32 shard per message: rank 2 dies right after
-    offering its first one. Every survivor raises PeerLost naming rank 2, its source intact;
+    offering its first one. Every survivor that still needed rank 2 raises PeerLost naming it;
+    one whose exchange with rank 2 was over before the kill took effect (its reader copied and
+    acknowledged rank 2's offer before the kernel tore the dying process down, and rank 2's reader
+    had acknowledged its own send) may finish, with all of rank 2's bytes. Sources stay intact;
     after rank 2 is replaced the same move is exact."""
     spec = synthetic_spec([("big.column", (4096, 2048), "float32", "column")], name="big")
     src = build_layout(spec, ParallelConfig(dp=4, dp_shard="fsdp"))
@@ -74,10 +77,16 @@ def test_a_sender_killed_while_its_receiver_copies_is_named_and_nothing_is_lost(
     outcome = copies_world.run_all(fault_jobs.move_with_a_death, dying, "mid_copy", src, dst, deadline, 64 << 20)
     assert outcome.dead == [dying], outcome
     assert not outcome.failures, outcome.failures
+    raised = 0
     for r, res in sorted(outcome.results.items()):
-        assert res["error"] is not None and res["error"].startswith("PeerLost: move "), res
-        assert dying in res["lost"] and f"lost rank {dying}" in res["error"], res["error"]
         assert res["source_intact"], f"rank {r}: a failed move changed a source buffer"
+        if res["error"] is None:  # the race above: it has everything rank 2 was to send it
+            assert res["from_dead_elements"] > 0 and res["from_dead_arrived"] == res["from_dead_elements"], res
+            continue
+        raised += 1
+        assert res["error"].startswith("PeerLost: move "), res
+        assert dying in res["lost"] and f"lost rank {dying}" in res["error"], res["error"]
+    assert raised, "every survivor finished: rank 2 died after its move was over"
     copies_world.replace(dying)
     for r, res in enumerate(copies_world.run(rank_jobs.move_and_check, src, dst, budget_bytes=64 << 20)):
         assert res["wrong"] == [], f"after replacing rank {dying}: rank {r}: {res['wrong']}"

@@ -141,24 +141,28 @@ def test_small_messages_travel_together_at_the_end(layouts4, pair, monkeypatch):
         return {(ex.peer, side): [c for step in ex.steps if step[side] for c in (step[side],)]
                 for ex in sched.exchanges for side in (0, 1)}
 
-    grouped = [chunks(build_schedule(plan_rank(src, dst, r), 1 << 20)) for r in range(4)]
-    with monkeypatch.context() as m:
-        m.setattr(schedule, "_small_together", lambda c, cap, dtypes: c)
-        apart = [chunks(build_schedule(plan_rank(src, dst, r), 1 << 20)) for r in range(4)]
-    fewer = 0
-    for r in range(4):
-        for key, cs in grouped[r].items():
-            before = apart[r][key]
-            assert len(cs) <= len(before)
-            fewer += len(before) - len(cs)
-            assert sorted(p for c in cs for p in c.pieces) == sorted(p for c in before for p in c.pieces)
-            assert sum(c.nbytes <= small for c in cs) <= 1  # all of this peer's small ones: one message
-            tail = [c.nbytes <= small for c in cs]
-            assert tail == sorted(tail), "the small message comes after the others"
-            peer, side = key
-            theirs = grouped[peer][(r, 1 - side)]
-            assert [c.pieces for c in cs] == [c.pieces for c in theirs]
-    assert fewer or pair == ("zero1-flat", "tp2xdp2"), f"{pair}: no small messages to merge in the tiny model"
+    for budget in (64, 1000, 1 << 20):  # tiny budgets: staging's padding may leave them as they were
+        grouped = [chunks(build_schedule(plan_rank(src, dst, r), budget)) for r in range(4)]
+        with monkeypatch.context() as m:
+            m.setattr(schedule, "_small_together", lambda c, cap, dtypes: c)
+            apart = [chunks(build_schedule(plan_rank(src, dst, r), budget)) for r in range(4)]
+        fewer = 0
+        for r in range(4):
+            for key, cs in grouped[r].items():
+                before = apart[r][key]
+                assert len(cs) <= len(before)
+                fewer += len(before) - len(cs)
+                assert sorted(p for c in cs for p in c.pieces) == sorted(p for c in before for p in c.pieces)
+                peer, side = key
+                theirs = grouped[peer][(r, 1 - side)]
+                assert [c.pieces for c in cs] == [c.pieces for c in theirs]
+                if budget == 1 << 20:
+                    assert sum(c.nbytes <= small for c in cs) <= 1  # this peer's small ones: one message
+                if len(cs) < len(before):
+                    tail = [c.nbytes <= small for c in cs]
+                    assert tail == sorted(tail), "the merged small messages come after the others"
+        assert fewer or pair == ("zero1-flat", "tp2xdp2") or budget < 1 << 20, \
+            f"{pair}: no small messages to merge in the tiny model"
 
 
 def test_staging_overlaps_steps_within_the_budget(layouts4):

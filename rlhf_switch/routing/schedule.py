@@ -420,11 +420,12 @@ def _small_together(chunks: list[Chunk], cap: int, src_dtypes: dict[str, str] | 
     """The messages of at most ``MERGE_BYTES // 2`` (norms, biases, short slices between big
     pieces that joined neither neighbour) moved to the end and merged into as few as fit ``cap``,
     staged where they must be: each byte costs at most two copies of at most ``MERGE_BYTES``
-    per message saved — the break-even ``_joins`` prices. Never more messages than before."""
+    per message saved — the break-even ``_joins`` prices. Kept as they were unless that makes
+    fewer messages (staging pads pieces: with a tiny budget it can make more)."""
     small = [c for c in chunks if c.nbytes <= MERGE_BYTES // 2]
-    if not small:
+    if len(small) < 2:
         return chunks
-    out = [c for c in chunks if c.nbytes > MERGE_BYTES // 2]
+    merged: list[Chunk] = []
     cur: _Run | None = None
     for c in small:
         for p in c.pieces:
@@ -433,10 +434,12 @@ def _small_together(chunks: list[Chunk], cap: int, src_dtypes: dict[str, str] | 
                 _extend(cur, p, src_end, dst_end)
                 continue
             if cur is not None:
-                out.append(_close(cur, src_dtypes))
+                merged.append(_close(cur, src_dtypes))
             cur = _Run(p, src_end, dst_end)
-    out.append(_close(cur, src_dtypes))
-    return out
+    merged.append(_close(cur, src_dtypes))
+    if len(merged) >= len(small):
+        return chunks
+    return [c for c in chunks if c.nbytes > MERGE_BYTES // 2] + merged
 
 
 def _size_with(cur: _Run, p: Piece, src_end, dst_end) -> int:
