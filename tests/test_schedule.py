@@ -138,7 +138,7 @@ def test_small_messages_travel_together_at_the_end(layouts4, pair, monkeypatch):
     small = schedule.MERGE_BYTES // 2
 
     def chunks(sched):
-        return {(ex.peer, side): [c for step in ex.steps if step[side] for c in (step[side],)]
+        return {(ex.peer, side): [step[side] for step in ex.steps if step[side] is not None]
                 for ex in sched.exchanges for side in (0, 1)}
 
     for budget in (64, 1000, 1 << 20):  # tiny budgets: staging's padding may leave them as they were
