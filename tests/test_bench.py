@@ -117,3 +117,14 @@ def test_zero3_persistence_bench_is_bit_identical_to_plain_zero3():
     out = _bench("bench.zero3_persistence", "--rounds", "1", "--iterations", "1")
     rows = [line for line in out.splitlines() if line.startswith("| ZeRO-3")]
     assert len(rows) == 4 and all(row.endswith("| True |") for row in rows), out
+
+
+@pytest.mark.slow
+def test_switch_profile_reports_every_rank_against_the_floor():
+    out = _bench("bench.switch_profile", "--size", "1M", "--case", "a", "--repeats", "2")
+    lines = out.strip().splitlines()
+    assert "VPS" in lines[0] and "% of the floor" in lines[0], out
+    ranks = [line for line in lines if line.startswith("rank ")]
+    assert [line.split(":")[0] for line in ranks] == [f"rank {r}" for r in range(4)], out
+    for line in ranks:
+        assert "messages" in line and "agree" in line and "CPU user/sys" in line and "floor" in line, line
