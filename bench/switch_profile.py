@@ -69,11 +69,10 @@ def main(argv=None) -> int:
     with LocalWorld(sw.WORLD, timeout=600) as world:
         world.run(sw._rank_setup, args.case, args.size, args.dtype, int(args.budget_mib * (1 << 20)), False)
         per_rank = [r["rows"] for r in world.run(_rank_profile, args.repeats)]
-    n = args.repeats
-    walls = [max(rank[i]["wall"] for rank in per_rank) for i in range(n)]
-    floors = [max(rank[i]["floor"] for rank in per_rank) for i in range(n)]
-    print(f"{args.size} {args.dtype} case {args.case} ({sw.CASES[args.case]}), {n} paired repeats: "
-          f"VPS {_ms(walls)} ms, floor {_ms(floors)} ms (slowest rank, medians); VPS at "
+    vps, walls = sw._median_of_max([[x["wall"] for x in rows] for rows in per_rank])
+    floor, floors = sw._median_of_max([[x["floor"] for x in rows] for rows in per_rank])
+    print(f"{args.size} {args.dtype} case {args.case} ({sw.CASES[args.case]}), {args.repeats} paired repeats: "
+          f"VPS {vps * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms (slowest rank, medians); VPS at "
           f"{100 * statistics.median(f / w for f, w in zip(floors, walls)):.0f} % of the floor")
     for r, rows in enumerate(per_rank):
         phases = " ".join(f"{k} {_ms([x['phases'][k] for x in rows])}" for k in rows[0]["phases"])
