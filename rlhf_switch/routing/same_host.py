@@ -24,7 +24,9 @@ packed the short-run pieces into, and the receiver hands ``process_vm_readv`` th
 its own destination runs as they are — strided pieces with long runs read in place, nothing
 unpacked, one message per direction unless the packed part outgrows a quarter of the budget.
 (FSDP DP4 -> vLLM TP4 at 100M: 102 messages a rank, each packed, sent over TCP and copied
-twice, became 6.)
+twice, became 6.) Smaller directions stay on gloo: at 10M the same switch's directions of
+~490 KB ran at 73–75 % of the floor as read messages and at 98–103 % over gloo (the reader
+thread's wake-ups and the acknowledgement cost more than the few TCP messages they replace).
 
 Which peers a rank can read is found once per process group, by every rank together at its first
 move (``for_group``): each rank shows a random token in its memory, every rank tries to read its
