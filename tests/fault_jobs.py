@@ -91,8 +91,8 @@ def _arm(point: str) -> None:
     elif point == "mid_copy":
         real_offer = same_host.SameHost._offer
 
-        def offer(self, comm, peer, tensor):
-            work = real_offer(self, comm, peer, tensor)
+        def offer(self, comm, peer, tensor, *control):
+            work = real_offer(self, comm, peer, tensor, *control)
             _die()
             return work
         same_host.SameHost._offer = offer

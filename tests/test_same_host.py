@@ -1,10 +1,14 @@
 """Same-host copies (routing/same_host.py): large messages between ranks of one host copied
 straight out of the sender's memory. Real moves on 4 gloo processes, checked bit for bit; every
 message goes this way here (the threshold set to 1 byte before the world starts), and a sender
-killed while its receiver copies out of it is named like any lost rank."""
+killed while its receiver copies out of it is named like any lost rank. Read messages: a
+direction's pieces read in place or packed, straight into the destination views."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 import fault_jobs
 import rank_jobs
@@ -35,6 +39,67 @@ def _all_copies(reports):
 def test_moves_by_same_host_copies_are_exact(copies_world, layouts4, pair):
     a, b = pair
     _all_copies(run_move(copies_world, layouts4[a], layouts4[b]))
+
+
+READS_SPEC = synthetic_spec([
+    ("wide.row", (64, 4096), "float32", "row"),  # FSDP rows -> TP columns: 4 KiB source runs, read in place
+    ("narrow.row", (256, 64), "float32", "row"),  # 64 B source runs: packed by the sender
+    ("tall.column", (1024, 64), "float32", "column"),  # one contiguous range each way
+    ("norm", (512,), "float32", "replicate"),
+], name="reads")
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 8 << 10])
+def test_a_direction_travels_as_read_messages_straight_into_place(copies_world, budget):
+    """FSDP DP4 -> TP4: each direction's pieces in one read message when the sender's packing
+    fits a quarter of the budget (2 KiB at 8 KiB: the packed pieces are cut over several), the
+    long strided runs read in place, nothing staged by the receiver; bit for bit."""
+    from rlhf_switch.routing.schedule import READ_RUN_BYTES
+    assert 16 * 4 < READ_RUN_BYTES <= 1024 * 4, "the spec's runs straddle the threshold"
+    src = build_layout(READS_SPEC, ParallelConfig(dp=4, dp_shard="fsdp"))
+    dst = build_layout(READS_SPEC, ParallelConfig(tp=4))
+    reports = run_move(copies_world, src, dst, budget_bytes=budget)
+    for rep in reports:
+        assert rep.read_messages == rep.same_host_messages == rep.messages, str(rep)
+        if budget == 1 << 20:
+            assert rep.messages == 6, str(rep)  # 3 peers, both directions, one message each
+        else:
+            assert rep.messages > 6 and 0 < rep.peak_staging_bytes <= budget, str(rep)
+
+
+def test_a_pair_may_read_one_way_and_copy_whole_messages_the_other(copies_world):
+    """TP4 -> TP2·PP2: the ranks of stage 0 receive layer 0 (16 B column slices of their TP2
+    rows: too short to read into place), those of stage 1 layer 1 (whole rows: read messages),
+    so pairs across the stages mix a read message one way with ordinary ones the other; bit for bit."""
+    spec = synthetic_spec([("a.row", (64, 16), "float32", "row"), ("b.column", (256, 64), "float32", "column")],
+                          num_layers=2, name="mixed")
+    reports = run_move(copies_world, build_layout(spec, ParallelConfig(tp=4)),
+                       build_layout(spec, ParallelConfig(tp=2, pp=2)))
+    assert all(rep.same_host_messages == rep.messages for rep in reports)
+    assert 0 < sum(rep.read_messages for rep in reports) < sum(rep.messages for rep in reports), reports
+
+
+def test_a_sender_that_casts_offers_packed_messages_instead(copies_world):
+    """fp32 -> bf16: a read takes the sender's bytes as they are, so a casting sender's direction
+    goes as ordinary messages (packed and cast, then copied whole); both ends agree on that."""
+    src = build_layout(READS_SPEC, ParallelConfig(dp=4, dp_shard="fsdp"))
+    dst = build_layout(READS_SPEC, ParallelConfig(tp=4), param_dtype="bfloat16")
+    for rep in run_move(copies_world, src, dst):
+        assert rep.read_messages == 0 and rep.same_host_messages == rep.messages > 0, str(rep)
+
+
+def test_read_runs_continue_a_call_that_copied_part(monkeypatch):
+    """``read_runs`` from this process into itself, two runs per call and lists cut unalike, so
+    calls stop inside runs on either side and are continued from there."""
+    monkeypatch.setattr(same_host, "IOV_MAX", 2)
+    src = torch.arange(100_000, dtype=torch.float32)
+    dst = torch.zeros(100_000)
+
+    def runs(t, cuts):
+        return torch.tensor([[t.data_ptr() + a, b - a] for a, b in zip(cuts, cuts[1:])], dtype=torch.int64)
+    same_host.read_runs(os.getpid(), runs(src, [0, 4000, 4004, 130_000, 130_004, 400_000]),
+                        runs(dst, [0, 12, 200_000, 200_400, 400_000]))
+    assert torch.equal(src, dst)
 
 
 def test_staging_reused_only_after_the_receiver_copied(copies_world, layouts4):

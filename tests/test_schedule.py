@@ -289,3 +289,49 @@ def test_compiled_program_is_the_schedule(layouts4, pair):
                             off, strides = p.dst_view()
                             want.append(Copy(None, at, rm, t.dst_buffer, off, strides, shape, t.dtype))
                     assert _mapping(op.copies, *side) == _mapping(want, *side)
+
+
+@pytest.mark.parametrize("pair", [("fsdp", "tp4"), ("zero3", "tp2xpp2"), ("zero1-flat", "tp2xdp2"), ("tp2xdp2", "pp2")])
+def test_read_messages_cut_alike_and_stage_only_what_the_sender_packs(layouts4, pair, monkeypatch):
+    """Directions read out of the sender's memory (``reads``): cut alike on both ends; a piece
+    is read in place when its source runs are long (``READ_RUN_BYTES``, lowered here so the tiny
+    model has both kinds), else packed at an aligned offset of the sender's block; the sender's
+    packing per message fits a quarter of the budget, the receiver stages nothing, and the runs
+    on both sides carry exactly the message's bytes. One message per direction when it all fits."""
+    from rlhf_switch.routing import schedule
+    from rlhf_switch.routing.schedule import ALIGN, read_runs, run_bytes
+    from rlhf_switch.vps.spec import itemsize
+    long_run = 200  # the tiny model's source runs are 64 B to 16 KiB
+    monkeypatch.setattr(schedule, "READ_RUN_BYTES", long_run)
+    src, dst = layouts4[pair[0]], layouts4[pair[1]]
+    reads = frozenset((a, b) for a in range(4) for b in range(4) if a != b)
+    kinds = set()
+    for budget in (256, 4096, 1 << 20):
+        scheds = [build_schedule(plan_rank(src, dst, r), budget, None, reads) for r in range(4)]
+        for a in range(4):
+            for ex in scheds[a].exchanges:
+                other = next(e for e in scheds[ex.peer].exchanges if e.peer == a)
+                mine = [s for s, _ in ex.steps if s]
+                assert mine == [r for _, r in other.steps if r]
+                if budget == 1 << 20:
+                    assert len(mine) == 1
+                sent = 0
+                for m in mine:
+                    assert m.read and not m.stage_recv and m.stage_send == (m.packed > 0) and m.packed <= budget // 4
+                    end = 0
+                    for p, o in zip(m.pieces, m.offsets):
+                        per = itemsize(p.transfer.dtype)
+                        in_place = run_bytes(p.box.shape, p.transfer.src_strides, per) >= long_run
+                        kinds.add(in_place)
+                        assert (o < 0) == in_place
+                        if o >= 0:
+                            assert o % ALIGN == 0 and o >= end
+                            end = o + p.nbytes
+                    assert end == m.packed
+                    runs = read_runs(m)
+                    assert int(runs.remote[:, 2].sum()) == int(runs.local[:, 2].sum()) == m.nbytes == \
+                        sum(p.nbytes for p in m.pieces)
+                    sent += m.nbytes
+                assert sent == sum(t.box.numel * itemsize(t.dtype) for t in scheds[a].plan.sends if t.dst == ex.peer)
+            _replay_staging(scheds[a])
+    assert kinds == {True, False}, "the pair should have pieces of both kinds"

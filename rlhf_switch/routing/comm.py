@@ -38,6 +38,10 @@ class P2P(NamedTuple):
     tensor: torch.Tensor
     peer: int
     tag: int = 0
+    # a read message (``same_host``): sending, its offer (int64 addresses and bytes; ``tensor``
+    # is the packed block kept alive until the receiver has read it); receiving, (its
+    # ``schedule.ReadRuns``, its destination buffers' addresses)
+    read: object = None
 
 
 class Comm:
@@ -146,6 +150,8 @@ class Comm:
         between ranks of one host as a same-host copy where ``use_same_host_copies`` found one."""
         near = self.same_host
         if near is None:
+            if any(op.read is not None for op in ops):  # schedules only read where a probe found it can
+                raise RuntimeError("a read message on a group without same-host copies")
             return [(self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag) for op in ops]
         return [work if work is not None else (self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag)
                 for op, work in zip(ops, near.post_batch(self, ops))]

@@ -3,8 +3,9 @@
 ``move`` is the whole protocol, in this order:
 
 1. every rank plans its own part (``plan_rank``) and checks its buffers against both layouts;
-   the schedule is cached per (both layouts' digests, rank, budget), so a repeated switch (the
-   RL loop's every iteration) only re-checks the buffers;
+   the schedule is cached per (both layouts' digests, rank, budget, which ranks of the group can
+   read each other's memory — found at the group's first move, ``same_host.for_group``), so a
+   repeated switch (the RL loop's every iteration) only re-checks the buffers;
 2. one small all-gather of (error flag, plan digest, a signed sum of the per-peer digests): if
    every rank is fine and they agree, go; otherwise one ``all_gather_object`` of (plan digest,
    per-peer digests, error) and *every* rank raises the same ``MoveError`` — before a byte has
@@ -23,6 +24,9 @@
    direct message was posted at once under its own tag and the staged ones after: the two ends
    of a message staged on one side only were posted at different places — fine on gloo, a
    mis-match on NCCL — and that was no faster: ``tests/test_posting_order.py``, README);
+   Between ranks of one host a direction may instead be one or a few *read messages*
+   (``same_host.py``): the receiver copies the pieces out of the sender's buffers and packed
+   block straight into its destination views, with nothing to unpack.
    The program runs compiled (``Schedule.program``, built once with the cached schedule): per
    message its buffer range or its staging block and copies, per piece two ``as_strided`` views
    and one ``copy_`` — no planning arithmetic in the timed move;
@@ -58,8 +62,10 @@ import torch.distributed as dist
 from ..vps.layout import Layout, LayoutError
 from ..vps.materialize import torch_dtype
 from ..vps.planner import RankPlan, check_pair, plan_rank
+from ..vps.spec import itemsize
 from .comm import P2P, Comm, as_comm
-from .schedule import Batch, Schedule, build_schedule
+from .same_host import SameHost
+from .schedule import Batch, Schedule, build_schedule, can_read
 from .verify import DEFAULT_FRACTION, VerifyError, check_mode, verify_move  # noqa: F401 - re-exported
 
 DEFAULT_BUDGET = 64 << 20
@@ -155,6 +161,7 @@ class MoveReport:
     verify: str = "off"
     pieces_verified: int = 0  # pieces this rank checked as their destination (local ones included)
     same_host_messages: int = 0  # of ``messages``: sent or received as single copies (routing/same_host.py)
+    read_messages: int = 0  # of those: read messages (a direction in one or a few reads: schedule._read_chunks)
 
     def __str__(self) -> str:
         return (f"rank {self.rank}: {self.transition}: sent {self.bytes_sent} B, received "
@@ -213,9 +220,22 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     if src.world_size != world or dst.world_size != world:
         raise LayoutError(f"{src.name} is for {src.world_size} ranks and {dst.name} for "
                           f"{dst.world_size}; this process group has {world}")
+    deadline = deadline or DEFAULT_DEADLINES
+    if deadline.ceiling_s is None:
+        deadline = replace(deadline, ceiling_s=(timeout or DEFAULT_TIMEOUT).total_seconds())
+    if not dry_run:
+        # messages between ranks of one host as single copies (routing/same_host.py): found once
+        # per group, by every rank here, before planning (which pairs read each other shapes the
+        # messages) and before the agreement
+        try:
+            _waiting(comm.use_same_host_copies, deadline.arrival,
+                     "same-host probe (two gathers of 8-32 B per rank)", None)
+        except _WaitFailed as f:
+            raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     schedule, error = None, None
     try:
-        schedule = prepare(src, dst, rank, src_buffers, dst_buffers, budget_bytes, ranks_per_node)
+        schedule = prepare(src, dst, rank, src_buffers, dst_buffers, budget_bytes, ranks_per_node,
+                           None if dry_run else comm.same_host)
     except (LayoutError, ValueError, KeyError) as e:
         error = f"{type(e).__name__}: {e}"
     if refuse and error is None:
@@ -224,9 +244,6 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
         if error:
             raise MoveError(error)
         return schedule
-    deadline = deadline or DEFAULT_DEADLINES
-    if deadline.ceiling_s is None:
-        deadline = replace(deadline, ceiling_s=(timeout or DEFAULT_TIMEOUT).total_seconds())
     batches = schedule.batches if schedule else ()
     if schedule and POSTING_ORDER_HOOK is not None:  # test-only: see POSTING_ORDER_HOOK
         batches = POSTING_ORDER_HOOK(schedule)
@@ -237,16 +254,14 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
                src, dst, deadline, meanwhile)
 
     try:
-        # large messages between ranks of one host as single copies (routing/same_host.py): found
-        # once per group, by every rank here, before the agreement
-        _waiting(comm.use_same_host_copies, deadline.arrival, "same-host probe (two gathers of 8-32 B per rank)",
-                 None)
         if schedule is None or error is not None:
             agree()  # raises MoveError on every rank
-        copies_before = comm.same_host.messages if comm.same_host is not None else 0
+        near = comm.same_host
+        before = (near.messages, near.read_messages) if near is not None else None
         report = _run(schedule, batches, src_buffers, dst_buffers, comm, deadline, agree)
-        if comm.same_host is not None:
-            report.same_host_messages = comm.same_host.messages - copies_before
+        if near is not None:
+            report.same_host_messages = near.messages - before[0]
+            report.read_messages = near.read_messages - before[1]
     except _WaitFailed as f:
         raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     report.phases = dict(prepare=t_prep - t_start, **report.phases)
@@ -264,12 +279,14 @@ _SCHEDULE_CACHE = 64
 
 
 def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budget_bytes: int,
-            ranks_per_node: int | None = None) -> Schedule:
+            ranks_per_node: int | None = None, same_host: SameHost | None = None) -> Schedule:
     """This rank's schedule, after checking the layouts and the buffers. Schedules are cached
-    per (source digest, destination digest, rank, budget, ranks per node): a layout's digest
-    covers everything it says, so an equal key means an equal plan; the buffers are checked on
-    every call."""
-    key = (src.digest, dst.digest, rank, budget_bytes, ranks_per_node)
+    per (source digest, destination digest, rank, budget, ranks per node, which ranks read
+    which): a layout's digest covers everything it says, so an equal key means an equal plan;
+    the buffers are checked on every call. ``same_host``: the group's same-host copies, where
+    directions between ranks that read each other travel as read messages (``read_directions``)."""
+    key = (src.digest, dst.digest, rank, budget_bytes, ranks_per_node,
+           (tuple(same_host.can_read), same_host.min_bytes) if same_host is not None else None)
     schedule = _SCHEDULES.get(key)
     if schedule is None:
         check_pair(src, dst)
@@ -281,7 +298,8 @@ def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budge
     _check_disjoint(src, dst, rank, src_buffers, dst_buffers)
     if schedule is None:
         src_dtypes = {n: b.dtype for n, b in src.buffers(rank).items()}
-        schedule = build_schedule(plan, budget_bytes, src_dtypes)
+        reads = read_directions(src, plan, same_host) if same_host is not None else frozenset()
+        schedule = build_schedule(plan, budget_bytes, src_dtypes, reads)
         schedule.staged, schedule.batches, schedule.message_digests, schedule.program  # once, here, not in the timed move
         _SCHEDULES[key] = schedule
         while len(_SCHEDULES) > _SCHEDULE_CACHE:
@@ -289,6 +307,27 @@ def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budge
     else:
         _SCHEDULES.move_to_end(key)
     return schedule
+
+
+def read_directions(src: Layout, plan: RankPlan, same_host: SameHost) -> frozenset[tuple[int, int]]:
+    """The (sender, receiver) directions of this rank's pairs that travel as read messages: the
+    receiver can read the sender's memory, they carry at least ``same_host.min_bytes``, the
+    sender's buffers hold the wire dtype (a read takes its bytes as they are) and every
+    destination run is long enough (``schedule.can_read``). Both ends of a direction decide from
+    the same facts (the gathered verdicts, the transfers, the source layout), so they agree."""
+    by_direction: dict[tuple[int, int], list] = {}
+    for t in plan.sends + plan.recvs:
+        by_direction.setdefault((t.src, t.dst), []).append(t)
+    out = set()
+    for (sender, receiver), transfers in by_direction.items():
+        if not same_host.reads(sender, receiver):
+            continue
+        if sum(t.box.numel * itemsize(t.dtype) for t in transfers) < same_host.min_bytes:
+            continue
+        dtypes = {n: b.dtype for n, b in src.buffers(sender).items()}
+        if all(dtypes[t.src_buffer] == t.dtype for t in transfers) and can_read(transfers):
+            out.add((sender, receiver))
+    return frozenset(out)
 
 
 _VALID: set[str] = set()
@@ -455,6 +494,24 @@ class _Bound:
         self._side(self.dst, c.dst_buffer, c.dst_offset, c.dst_strides, c.shape, c.dtype).copy_(
             self._side(self.src, c.src_buffer, c.src_offset, c.src_strides, c.shape, c.dtype))
 
+    def p2p(self, op, packed: bool = False) -> P2P:
+        """What ``op`` posts: its message tensor, or for a read message its offer (the addresses
+        of the sender's packed block and of its buffers read in place, then the bytes) / the
+        receiver's runs and its buffers' addresses (``same_host``)."""
+        if op.read is None:
+            return P2P(op.send, self.message(op, packed), op.peer, MESSAGE_TAG)
+        if op.send:
+            block = _NOTHING
+            if op.offset >= 0:
+                if not packed:
+                    self.pack(op)
+                block = self.pool[op.offset:op.offset + op.chunk.packed]
+            offer = [block.data_ptr() if op.offset >= 0 else 0]
+            offer += [self.src[n][0].data_ptr() for n in op.read]
+            return P2P(True, block, op.peer, MESSAGE_TAG, torch.tensor(offer + [op.nbytes], dtype=torch.int64))
+        bases = torch.tensor([self.dst[n][0].data_ptr() for n in op.read.dst_names], dtype=torch.int64)
+        return P2P(False, _NOTHING, op.peer, MESSAGE_TAG, (op.read, bases))
+
     def message(self, op, packed: bool = False) -> torch.Tensor:
         """The tensor ``op`` is sent from / received into (packed first when it is a staged send,
         unless it was ``packed`` ahead)."""
@@ -477,6 +534,7 @@ class _Bound:
 
 
 MESSAGE_TAG = 1 << 20  # every message: one tag, so gloo matches by posting order, as NCCL does
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 # test-only (tests/test_posting_order.py): called with (peer, send?, bytes) for every message this
 # rank posts, in posting order — a test records both ends of every pair. Never set otherwise.
@@ -612,7 +670,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
             if batch.retire:  # its pool blocks are not free yet
                 break
             for op in batch.ops:
-                if op.send and op.buffer is None:
+                if op.send and op.step >= 0:
                     if done():
                         t_pack = time.perf_counter() - tp
                         return
@@ -664,9 +722,9 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
                 raise AssertionError(f"staging holds {alive_bytes} B over the {budget} B budget")
         ops, sizes, owners = [], [], []
         for op in batch.ops:
-            ops.append(P2P(op.send, bound.message(op, id(op) in packed), op.peer, MESSAGE_TAG))
+            ops.append(bound.p2p(op, id(op) in packed))
             sizes.append(op.nbytes)
-            if op.buffer is None:
+            if op.step >= 0:  # staged on this side: retired with its step
                 rec = records[op.step]
                 owners.append(rec[0])
                 if not op.send:
