@@ -124,10 +124,11 @@ def run_vps() -> dict:
     # own bit16 refresh after the write)
     sums = torch.tensor([m.bytes_received, m.min_bytes_received], dtype=torch.int64)
     dist.all_reduce(sums)
-    maxes = torch.tensor([m.peak_staging_bytes, m.seconds], dtype=torch.float64)
+    maxes = torch.tensor([m.peak_staging_bytes, m.seconds, m.messages, m.read_messages], dtype=torch.float64)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     return {"seconds": seconds, "exact": exact, "bytes_received": int(sums[0]), "min_bytes": int(sums[1]),
-            "peak_staging": int(maxes[0]), "move_s": float(maxes[1])}
+            "peak_staging": int(maxes[0]), "move_s": float(maxes[1]),
+            "messages": int(maxes[2]), "read_messages": int(maxes[3])}  # the most on one rank
 
 
 def _truth_everywhere() -> dict:
@@ -202,7 +203,9 @@ def main(argv=None) -> int:
                         else:
                             r = world.run(run_universal, roots[method.split(":")[1]])[0]
                         runs.append(r)
-                        print(f"{size} {method} #{i + 1}: {r['seconds']:.3f} s exact={r['exact']}", flush=True)
+                        msgs = (f" (messages on the busiest rank: {r['messages']}, {r['read_messages']} of them "
+                                f"read messages)" if "messages" in r else "")
+                        print(f"{size} {method} #{i + 1}: {r['seconds']:.3f} s exact={r['exact']}{msgs}", flush=True)
                     row[method] = {k: statistics.median(x[k] for x in runs) if isinstance(runs[0][k], float)
                                    else runs[-1][k] for k in runs[0]}
                     row[method]["exact"] = all(x["exact"] for x in runs)
