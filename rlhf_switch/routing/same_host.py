@@ -18,7 +18,7 @@ thread's waits, so the order in which a rank waits for its messages cannot deadl
 that each wait on a send first (a copy does not wait for the receiver's ``wait``, as with gloo).
 
 *Read messages.* Where a receiver can read its sender, a whole direction of a pair (at least
-``MIN_BYTES``, no cast, destination runs of at least 64 B) is cut into read messages instead
+``MIN_BYTES``, no cast, destination runs of at least 256 B) is cut into read messages instead
 (``schedule._read_chunks``): the sender offers the addresses of its buffers and of the block it
 packed the short-run pieces into, and the receiver hands ``process_vm_readv`` the source runs and
 its own destination runs as they are — strided pieces with long runs read in place, nothing
