@@ -67,6 +67,21 @@ def test_a_direction_travels_as_read_messages_straight_into_place(copies_world, 
             assert rep.messages > 6 and 0 < rep.peak_staging_bytes <= budget, str(rep)
 
 
+def test_read_messages_are_checked_like_any_other(copies_world):
+    """``verify="full"`` over read messages: every piece's checksum, computed at its source,
+    matches the bytes the receiver read into place."""
+    import verify_jobs
+    from rlhf_switch.vps import plan_transition
+    src = build_layout(READS_SPEC, ParallelConfig(dp=4, dp_shard="fsdp"))
+    dst = build_layout(READS_SPEC, ParallelConfig(tp=4))
+    plan = plan_transition(src, dst)
+    for r, res in enumerate(copies_world.run(verify_jobs.move_verified, src, dst, "full")):
+        assert res["error"] is None and res["differ"] == {}, (r, res)
+        rep = res["report"]
+        assert rep.read_messages == rep.messages > 0, str(rep)
+        assert rep.pieces_verified == len([t for t in plan.transfers if t.dst == r])
+
+
 def test_a_pair_may_read_one_way_and_copy_whole_messages_the_other(copies_world):
     """TP4 -> TP2·PP2: the ranks of stage 0 receive layer 0 (16 B column slices of their TP2
     rows: too short to read into place), those of stage 1 layer 1 (whole rows: read messages),
