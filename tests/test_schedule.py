@@ -299,7 +299,7 @@ def test_read_messages_cut_alike_and_stage_only_what_the_sender_packs(layouts4, 
     packing per message fits a quarter of the budget, the receiver stages nothing, and the runs
     on both sides carry exactly the message's bytes. One message per direction when it all fits."""
     from rlhf_switch.routing import schedule
-    from rlhf_switch.routing.schedule import ALIGN, read_runs, run_bytes
+    from rlhf_switch.routing.schedule import ALIGN, read_runs_of, run_bytes
     from rlhf_switch.vps.spec import itemsize
     long_run = 200  # the tiny model's source runs are 64 B to 16 KiB
     monkeypatch.setattr(schedule, "READ_RUN_BYTES", long_run)
@@ -328,7 +328,7 @@ def test_read_messages_cut_alike_and_stage_only_what_the_sender_packs(layouts4, 
                             assert o % ALIGN == 0 and o >= end
                             end = o + p.nbytes
                     assert end == m.packed
-                    runs = read_runs(m)
+                    runs = read_runs_of(m)
                     assert int(runs.remote[:, 2].sum()) == int(runs.local[:, 2].sum()) == m.nbytes == \
                         sum(p.nbytes for p in m.pieces)
                     sent += m.nbytes

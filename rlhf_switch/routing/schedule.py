@@ -462,10 +462,18 @@ READ_RUN_BYTES = 4 << 10
 READ_LOCAL_RUN_BYTES = 256
 
 
+def _runs(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """A view of a box as contiguous runs: the run's length in elements, and the dimensions
+    (sizes, strides) the runs are laid out over."""
+    shape, (strides,) = coalesce(shape, (strides,))
+    if strides[-1] == 1:
+        return shape[-1], shape[:-1], strides[:-1]
+    return 1, shape, strides
+
+
 def run_bytes(shape: Sequence[int], strides: Sequence[int], per: int) -> int:
     """The length in bytes of the contiguous runs a view of a box is made of."""
-    shape, (strides,) = coalesce(shape, (strides,))
-    return shape[-1] * per if strides[-1] == 1 else per
+    return _runs(shape, strides)[0] * per
 
 
 def can_read(transfers: Sequence[Transfer]) -> bool:
@@ -505,7 +513,6 @@ def _read_chunks(transfers: list[Transfer], cap: int) -> list[Chunk]:
 
 
 def _read_chunk(pieces: list[Piece], offsets: list[int], packed: int) -> Chunk:
-    packed = packed if any(o >= 0 for o in offsets) else 0
     return Chunk(tuple(pieces), tuple(offsets), sum(p.nbytes for p in pieces), packed > 0, False, True, packed)
 
 
@@ -529,10 +536,10 @@ def _read_op(send: bool, peer: int, chunk: Chunk, step: "StagedStep | None", si:
         sub = Chunk(tuple(p for p, _ in packed), tuple(o for _, o in packed), chunk.packed, True, False)
         return Op(True, peer, chunk.nbytes, None, base, 0, _stage_copies(sub, base, True), si, chunk,
                   read_names(chunk))
-    return Op(False, peer, chunk.nbytes, None, -1, 0, (), -1, chunk, read_runs(chunk))
+    return Op(False, peer, chunk.nbytes, None, -1, 0, (), -1, chunk, read_runs_of(chunk))
 
 
-def read_runs(chunk: Chunk) -> ReadRuns:
+def read_runs_of(chunk: Chunk) -> ReadRuns:
     """Where a read message's bytes are, on both sides (``ReadRuns``)."""
     src_names = read_names(chunk)
     dst_names: dict[str, int] = {}
@@ -553,11 +560,7 @@ def read_runs(chunk: Chunk) -> ReadRuns:
 def _view_runs(shape: Sequence[int], strides: Sequence[int], offset: int, per: int) -> tuple[torch.Tensor, int]:
     """Where the contiguous runs of a view of a box start (bytes, in the box's row-major order)
     and how long each is."""
-    shape, (strides,) = coalesce(shape, (strides,))
-    if strides[-1] == 1:
-        run, outer, outer_strides = shape[-1], shape[:-1], strides[:-1]
-    else:
-        run, outer, outer_strides = 1, shape, strides
+    run, outer, outer_strides = _runs(shape, strides)
     starts = torch.tensor([offset], dtype=torch.int64)
     for n, st in zip(outer, outer_strides):
         starts = (starts.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st).reshape(-1)
