@@ -128,3 +128,10 @@ def test_switch_profile_reports_every_rank_against_the_floor():
     assert [line.split(":")[0] for line in ranks] == [f"rank {r}" for r in range(4)], out
     for line in ranks:
         assert "messages" in line and "agree" in line and "CPU user/sys" in line and "floor" in line, line
+
+
+def test_cma_runs_bench_checks_every_way_it_times():
+    out = _bench("bench.cma_runs", "--run-bytes", "768,4096", "--mbytes", "0.5")
+    rows = [line.split() for line in out.strip().splitlines()[1:]]
+    assert len(rows) == 10 and {r[0] for r in rows} == {"768B", "4096B"}, out
+    assert all(float(r[-2]) > 0 for r in rows), out  # CPU ms of each way

@@ -293,9 +293,8 @@ def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budge
         _validated(src)
         _validated(dst)
         plan = plan_rank(src, dst, rank, ranks_per_node)
-    _check_buffers("source", src, rank, src_buffers)
-    _check_buffers("destination", dst, rank, dst_buffers)
-    _check_disjoint(src, dst, rank, src_buffers, dst_buffers)
+    _check_disjoint(rank, _check_buffers("source", src, rank, src_buffers)
+                    + _check_buffers("destination", dst, rank, dst_buffers))
     if schedule is None:
         src_dtypes = {n: b.dtype for n, b in src.buffers(rank).items()}
         reads = read_directions(src, plan, same_host) if same_host is not None else frozenset()
@@ -339,7 +338,39 @@ def _validated(layout: Layout) -> None:
         _VALID.add(layout.digest)
 
 
-def _check_buffers(what: str, layout: Layout, rank: int, buffers: Mapping[str, torch.Tensor]) -> None:
+_EXPECTED: OrderedDict = OrderedDict()
+
+
+def _expected(layout: Layout, rank: int) -> tuple[tuple[str, torch.dtype, int, int], ...]:
+    """(name, dtype, elements, bytes) of every buffer ``layout`` gives ``rank``: what the caller's
+    buffers are checked against at every move, worked out once per layout and rank."""
+    key = (layout.digest, rank)
+    out = _EXPECTED.get(key)
+    if out is None:
+        out = _EXPECTED[key] = tuple((name, torch_dtype(b.dtype), b.numel, b.numel * itemsize(b.dtype))
+                                     for name, b in layout.buffers(rank).items())
+        while len(_EXPECTED) > 4 * _SCHEDULE_CACHE:
+            _EXPECTED.popitem(last=False)
+    return out
+
+
+def _check_buffers(what: str, layout: Layout, rank: int, buffers: Mapping[str, torch.Tensor]) -> list[tuple]:
+    """Refuse buffers that do not match ``layout`` (a missing one, another dtype, too few
+    elements, not contiguous: every problem named at once); else their byte spans, for
+    ``_check_disjoint``. One pass of a few tensor attributes per buffer: a move at 10M pays it
+    for ~100 buffers."""
+    spans = []
+    for name, dtype, numel, nbytes in _expected(layout, rank):
+        t = buffers.get(name)
+        if t is None or t.dtype != dtype or t.numel() < numel or not t.is_contiguous():
+            _refuse_buffers(what, layout, rank, buffers)
+        if numel:
+            start = t.data_ptr()
+            spans.append((t.get_device(), start, start + nbytes, what, name))
+    return spans
+
+
+def _refuse_buffers(what: str, layout: Layout, rank: int, buffers: Mapping[str, torch.Tensor]) -> None:
     problems = []
     for name, b in layout.buffers(rank).items():
         t = buffers.get(name)
@@ -351,21 +382,14 @@ def _check_buffers(what: str, layout: Layout, rank: int, buffers: Mapping[str, t
             problems.append(f"{name!r} has {t.numel()} elements, layout needs {b.numel}")
         elif not t.is_contiguous():
             problems.append(f"{name!r} is not contiguous")
-    if problems:
-        raise ValueError(f"{what} buffers of rank {rank} do not match {layout.name}: " + "; ".join(problems))
+    raise ValueError(f"{what} buffers of rank {rank} do not match {layout.name}: " + "; ".join(problems))
 
 
-def _check_disjoint(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers) -> None:
-    """Source and destination bytes must not share memory: pieces are read while others are
-    already written (local copies overlap the transfers), so an aliased buffer would be read
-    after it was overwritten — a silently wrong result, refused here instead."""
-    spans = []
-    for side, layout, buffers in (("source", src, src_buffers), ("destination", dst, dst_buffers)):
-        for name, b in layout.buffers(rank).items():
-            t = buffers[name]
-            if b.numel:
-                start = t.data_ptr()
-                spans.append((str(t.device), start, start + b.numel * t.element_size(), side, name))
+def _check_disjoint(rank: int, spans: list[tuple]) -> None:
+    """Source and destination bytes (``_check_buffers``' spans of both) must not share memory:
+    pieces are read while others are already written (local copies overlap the transfers), so
+    an aliased buffer would be read after it was overwritten — a silently wrong result, refused
+    here instead."""
     spans.sort()
     reach = None  # the span reaching furthest so far on this device: (device, end, side, name)
     for device, start, end, side, name in spans:

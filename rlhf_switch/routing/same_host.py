@@ -38,12 +38,14 @@ reports gloo's text. ``RLHF_SWITCH_SAME_HOST_COPY=0`` turns it off (every pair s
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import queue
 import secrets
 import sys
 import threading
+import time
 import weakref
 from datetime import timedelta
 
@@ -234,6 +236,9 @@ class _Reader:
     def stop(self) -> None:
         self.jobs.put(None)
 
+    def join(self, by: float) -> None:
+        self.thread.join(max(0.0, by - time.monotonic()))
+
 
 class SameHost:
     """Which peers of a gloo group this rank reads from and which read from it; one reader per
@@ -301,6 +306,7 @@ class SameHost:
         return work
 
     def stop(self) -> None:
+        """End the readers, each after the copies already asked of it."""
         for r in self._readers.values():
             r.stop()
 
@@ -347,3 +353,18 @@ def _forget(key: int, state: SameHost | None) -> None:
     _GROUPS.pop(key, None)
     if state is not None:
         state.stop()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit, end every reader before the interpreter stops its threads: a reader
+    still inside gloo (the last acknowledgement's send, posted after its receive was done) when
+    the interpreter ends it dies inside C++ code, which aborts the process ("terminate called
+    without an active exception" after a clean run)."""
+    states = [state for _, state in list(_GROUPS.values()) if state is not None]
+    for state in states:
+        state.stop()
+    by = time.monotonic() + 2.0  # a reader still waiting for an offer that never comes is left
+    for state in states:
+        for reader in state._readers.values():
+            reader.join(by)
