@@ -451,13 +451,13 @@ def _chunks(transfers: list[Transfer], cap: int, src_dtypes: dict[str, str] | No
 
 
 # A read message (same host: the receiver copies out of the sender's memory) reads a piece in
-# place when its source runs are at least this long, else the sender packs it first. Measured
-# here with process_vm_readv (13 MB): every remote run costs ~0.7 µs of page pinning (2 KiB runs
-# 6.9 ms, 8 KiB 2.9 ms, one run 1.7 ms), packing ~0.25 µs per KiB, so the two meet near 4 KiB.
-# Destination runs cost ~0.05 µs each (the receiver's own pages; 13 MB in 512 B runs 2.7 ms, in
-# 8 KiB runs 1.4 ms), about what unpacking 256 B costs: a direction whose destination runs are all
-# at least READ_LOCAL_RUN_BYTES is read straight into place, one with shorter runs stays as it was
-# (shorter runs would also make run tables of millions of rows).
+# place when its source runs are at least this long, else the sender packs it first. Every remote
+# run costs page pinning, ~0.5 µs (`python -m bench.cma_runs`: 13 MB between two processes), and
+# packing a 768 B run ~0.06 µs with warm buffers, 2-3x that with the cold sources of a switch; in
+# whole switches (README, issue 18) 4 KiB did as well as 8 or 16 KiB or better. Runs in the receiver's own
+# destination views cost ~0.2 µs each: a direction whose destination runs are all at least
+# READ_LOCAL_RUN_BYTES is read straight into place, one with shorter runs stays on per-message
+# copies (shorter runs would also make run tables of millions of rows).
 READ_RUN_BYTES = 4 << 10
 READ_LOCAL_RUN_BYTES = 256
 
