@@ -454,10 +454,10 @@ def _chunks(transfers: list[Transfer], cap: int, src_dtypes: dict[str, str] | No
 # place when its source runs are at least this long, else the sender packs it first. Every remote
 # run costs page pinning, ~0.5 µs (`python -m bench.cma_runs`: 13 MB between two processes), and
 # packing a 768 B run ~0.06 µs with warm buffers, 2-3x that with the cold sources of a switch; in
-# whole switches (README, issue 18) 4 KiB did as well as 8 or 16 KiB or better. Runs in the receiver's own
-# destination views cost ~0.2 µs each: a direction whose destination runs are all at least
-# READ_LOCAL_RUN_BYTES is read straight into place, one with shorter runs stays on per-message
-# copies (shorter runs would also make run tables of millions of rows).
+# whole switches (README, issue 18) 4 KiB did as well as 8 or 16 KiB or better. Runs in the
+# receiver's own destination views cost ~0.2 µs each: a direction whose destination runs are all
+# at least READ_LOCAL_RUN_BYTES is read straight into place, one with shorter runs stays on
+# per-message copies (shorter runs would also make run tables of millions of rows).
 READ_RUN_BYTES = 4 << 10
 READ_LOCAL_RUN_BYTES = 256
 
