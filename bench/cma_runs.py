@@ -25,7 +25,6 @@ were measured for issue 18 as a way to skip the sender's packing and found deare
 from __future__ import annotations
 
 import argparse
-import ctypes
 import multiprocessing as mp
 import statistics
 import time
@@ -33,27 +32,6 @@ import time
 import torch
 
 from rlhf_switch.routing import same_host
-
-
-def _writev():
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    fn = libc.process_vm_writev
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(same_host._Iovec), ctypes.c_ulong,
-                   ctypes.POINTER(same_host._Iovec), ctypes.c_ulong, ctypes.c_ulong]
-    fn.restype = ctypes.c_ssize_t
-    return fn
-
-
-def _write_runs(fn, pid: int, local: torch.Tensor, remote: torch.Tensor) -> None:
-    """``same_host.read_runs``'s loop, the other way: ``local`` runs into ``remote`` runs of ``pid``."""
-    li = ri = 0
-    while ri < remote.shape[0]:
-        lo, r = local[li:li + same_host.IOV_MAX], remote[ri:ri + same_host.IOV_MAX]
-        got = fn(pid, same_host._iovecs(lo), lo.shape[0], same_host._iovecs(r), r.shape[0], 0)
-        if got <= 0:
-            raise OSError(ctypes.get_errno(), f"process_vm_writev to pid {pid}")
-        local, li = same_host._advance(local, li, lo, got)
-        remote, ri = same_host._advance(remote, ri, r, got)
 
 
 def _holder(q, ready, rows: int, cols: int, width: int) -> None:
@@ -95,7 +73,6 @@ def measure(run_bytes: int, total_bytes: int) -> dict:
         def one(base):
             return torch.tensor([[base, nbytes]], dtype=torch.int64)
 
-        write = _writev()
         theirs = torch.empty(rows, width)  # the other process's bytes, read back to check each way
 
         def landed(what, got, base, strided):
@@ -114,11 +91,12 @@ def measure(run_bytes: int, total_bytes: int) -> dict:
             lambda: same_host.read_runs(pid, one(their_packed), runs(src.data_ptr())))
         landed("read, local runs", src[:, :width], their_packed, False)
         src[:, :width].uniform_()
-        out["write, local runs"] = _cpu_ms(lambda: _write_runs(write, pid, runs(src.data_ptr()), one(their_block)))
+        out["write, local runs"] = _cpu_ms(
+            lambda: same_host.copy_runs("process_vm_writev", pid, one(their_block), runs(src.data_ptr())))
         landed("write, local runs", src[:, :width], their_block, False)
         staged.uniform_()
         out["write, remote runs"] = _cpu_ms(
-            lambda: _write_runs(write, pid, one(staged.data_ptr()), runs(their_src)))
+            lambda: same_host.copy_runs("process_vm_writev", pid, runs(their_src), one(staged.data_ptr())))
         landed("write, remote runs", staged, their_src, True)
         out.update(runs=rows, nbytes=nbytes)
         return out

@@ -62,25 +62,29 @@ class _Iovec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-_LIBC = None
+_LIBC: dict[str, object] = {}
+
+
+def _cma(name: str):
+    """libc's cross-memory-attach call ``name`` (``process_vm_readv`` / ``process_vm_writev``,
+    the same signature); None where there is none."""
+    if name not in _LIBC:
+        _LIBC[name] = None
+        if sys.platform.startswith("linux"):
+            try:
+                fn = getattr(ctypes.CDLL("libc.so.6", use_errno=True), name)
+                fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
+                               ctypes.c_ulong, ctypes.c_ulong]
+                fn.restype = ctypes.c_ssize_t
+                _LIBC[name] = fn
+            except (OSError, AttributeError):
+                pass
+    return _LIBC[name]
 
 
 def _readv():
     """libc's ``process_vm_readv`` (None where there is none)."""
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = False
-        if sys.platform.startswith("linux"):
-            try:
-                libc = ctypes.CDLL("libc.so.6", use_errno=True)
-                fn = libc.process_vm_readv
-                fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
-                               ctypes.c_ulong, ctypes.c_ulong]
-                fn.restype = ctypes.c_ssize_t
-                _LIBC = fn
-            except (OSError, AttributeError):
-                pass
-    return _LIBC or None
+    return _cma("process_vm_readv")
 
 
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: iovecs per side of one call
@@ -96,14 +100,21 @@ def read_runs(pid: int, remote: torch.Tensor, local: torch.Tensor) -> None:
     kernel walks the two lists apart and stops at the shorter, so they need not cut alike. A
     call that copies less (one moves at most ~2 GiB) is continued from where it stopped (the
     tables are trimmed in place)."""
-    fn = _readv()
+    copy_runs("process_vm_readv", pid, remote, local)
+
+
+def copy_runs(call: str, pid: int, remote: torch.Tensor, local: torch.Tensor) -> None:
+    """``read_runs`` with either call: ``process_vm_readv`` copies ``remote`` into ``local``,
+    ``process_vm_writev`` ``local`` into ``remote`` (``bench.cma_runs`` times both)."""
+    fn = _cma(call)
     ri = li = 0
     while ri < remote.shape[0]:
         r, lo = remote[ri:ri + IOV_MAX], local[li:li + IOV_MAX]
         got = fn(pid, _iovecs(lo), lo.shape[0], _iovecs(r), r.shape[0], 0)
         if got <= 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err) if got < 0 else 'read nothing'}")
+            raise OSError(err, f"{call} {'from' if call.endswith('readv') else 'to'} pid {pid}: "
+                               f"{os.strerror(err) if got < 0 else 'copied nothing'}")
         remote, ri = _advance(remote, ri, r, got)
         local, li = _advance(local, li, lo, got)
 
@@ -310,6 +321,11 @@ class SameHost:
         for r in self._readers.values():
             r.stop()
 
+    def join(self, by: float) -> None:
+        """Wait until ``by`` (``time.monotonic``) at most for the stopped readers to end."""
+        for r in self._readers.values():
+            r.join(by)
+
 
 _GROUPS: dict[int, tuple[weakref.ref, SameHost | None]] = {}  # id(process group) -> (it, its copies)
 
@@ -366,5 +382,4 @@ def _stop_all() -> None:
         state.stop()
     by = time.monotonic() + 2.0  # a reader still waiting for an offer that never comes is left
     for state in states:
-        for reader in state._readers.values():
-            reader.join(by)
+        state.join(by)
