@@ -26,7 +26,8 @@
    mis-match on NCCL — and that was no faster: ``tests/test_posting_order.py``, README);
    Between ranks of one host a direction may instead be one or a few *read messages*
    (``same_host.py``): the receiver copies the pieces out of the sender's buffers and packed
-   block straight into its destination views, with nothing to unpack.
+   block straight into its destination views, with nothing to unpack — and where the sender's
+   buffers are in shared memory, out of its mapped views, with nothing packed (mapped reads).
    The program runs compiled (``Schedule.program``, built once with the cached schedule): per
    message its buffer range or its staging block and copies, per piece two ``as_strided`` views
    and one ``copy_`` — no planning arithmetic in the timed move;
