@@ -418,7 +418,8 @@ class HybridWorker:
         if endpoint is None:
             cfg = getattr(self, "cfg", None)  # the run's verify setting (RunConfig.verify)
             self.channel = ChannelEnd.over(timeout_s=300.0, verify=cfg.verify if cfg else "off",
-                                           verify_fraction=cfg.verify_fraction if cfg else 0.1)
+                                           verify_fraction=cfg.verify_fraction if cfg else 0.1,
+                                           share_sources=True)  # a weight sync: the same buffers every time
             src = self._gather_weights_layout()
             self.channel.set_layouts(src, self.rollout_cls.rollout_layout(src.spec, self.tp, self.replicas,
                                                                           self.device.compute_dtype))
@@ -429,7 +430,8 @@ class HybridWorker:
                                            timeout_s=endpoint.timeout_s, budget_bytes=endpoint.budget_bytes,
                                            standby_s=endpoint.standby_s, verify=endpoint.verify,
                                            verify_fraction=endpoint.verify_fraction, handoff=endpoint.handoff,
-                                           colocated=endpoint.colocated, backend=endpoint.backend)
+                                           colocated=endpoint.colocated, backend=endpoint.backend,
+                                           share_sources=True)  # a weight sync: the same buffers every time
             self.channel.set_layouts(endpoint.src, endpoint.dst)
         self._planned = (tuple(self._weights.fragments), dict(self._weights.buffers))
         return self.channel.stats()

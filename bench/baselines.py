@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from rlhf_switch.routing import pair_round
+from rlhf_switch.routing import pair_round, same_host
 from rlhf_switch.routing.comm import P2P, as_comm
 from rlhf_switch.vps import plan_rank
 from rlhf_switch.vps.materialize import torch_dtype
@@ -323,6 +323,8 @@ def raw_prepare(S: dict) -> dict:
         recv[t.src] = recv.get(t.src, 0) + t.nbytes
     peers = sorted(set(send) | set(recv), key=lambda p: (pair_round(rank, p, world), p))
     sbuf = torch.full((max(send.values(), default=0),), _pattern(rank), dtype=torch.uint8)
+    if S.get("shared"):  # in shared memory like the VPS's sources: the same single mapped copy
+        same_host.share([sbuf])
     sbufs = {p: sbuf[:n] for p, n in send.items()}
     spaces = [[t.view(-1).view(torch.uint8), 0] for t in S["dst_bufs"].values()]
     rbufs, alloc = {}, sbuf.numel()

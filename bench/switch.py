@@ -40,6 +40,12 @@ and times, side by side on the same source/destination buffers:
                same-rank bytes as a few big memcpys ("+ local copies"), a floor for any switch
                into separate destination buffers.
 
+``--sources shared`` (the default): every rank's source buffers — and raw p2p's send buffer — are
+in shared memory (``same_host.share``, untimed, at setup), as a weight channel's senders are from
+its second sync on, so same-host messages are mapped reads for the VPS and the limit alike (one
+copy by the receiver, no packing, no page pinning); ``--sources private`` keeps them in private
+memory (``process_vm_readv``; the packing of short runs by the VPS's senders).
+
 Every method's destination buffers are reset to NaN, filled once (untimed), and compared bit for
 bit with ``materialize(dst, rank, tensor_of)`` on covered elements before the timed repeats
 (raw_p2p checks its received bytes instead). A repeat is timed between barriers; its time is the
@@ -66,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from bench import baselines
-from rlhf_switch.routing import move
+from rlhf_switch.routing import move, same_host
 from rlhf_switch.vps import PARAM, ParallelConfig, build_layout, llama_spec, plan_transition, zero
 from rlhf_switch.vps.layouts.vllm import vllm_layout
 from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize, torch_dtype
@@ -164,7 +170,7 @@ def tensor_of_for(spec):
 _S: dict = {}
 
 
-def _rank_setup(case: str, size: str, dtype: str, budget: int, keep_reference: bool) -> dict:
+def _rank_setup(case: str, size: str, dtype: str, budget: int, keep_reference: bool, shared: bool = True) -> dict:
     """Build the layouts, fill the source buffers, allocate the destination ones; with
     ``keep_reference`` also build ``materialize(dst, rank, tensor_of)`` and its coverage masks
     once and keep them (the driver asks for that only when the memory allows it)."""
@@ -175,10 +181,12 @@ def _rank_setup(case: str, size: str, dtype: str, budget: int, keep_reference: b
     t0 = time.perf_counter()
     tensor_of = tensor_of_for(spec)
     src_bufs = materialize(src, rank, tensor_of)
+    if shared:  # where a same-host peer can map them (routing/same_host.py, mapped reads)
+        same_host.share(src_bufs.values())
     dst_bufs = allocate(dst, rank, fill=0)  # touched now, so no method pays its first-touch faults
     fill_s = time.perf_counter() - t0
     _S.update(spec=spec, src=src, dst=dst, src_bufs=src_bufs, dst_bufs=dst_bufs, tensor_of=tensor_of,
-              budget=budget, case=case)
+              budget=budget, case=case, shared=shared)
     if keep_reference:
         _S["reference"] = (materialize(dst, rank, tensor_of), coverage_masks(dst, rank))
     dist.barrier()
@@ -189,6 +197,7 @@ def _rank_setup(case: str, size: str, dtype: str, budget: int, keep_reference: b
 
 def _rank_teardown() -> None:
     _S.clear()
+    same_host.forget_mappings()  # the peers' freed sources: not held until the next case's first move
     _trim()
     dist.barrier()
 
@@ -476,7 +485,8 @@ def _bench_one(world, size, dtype, case, methods, budget, args, roots, results: 
     # still leaves 3 GiB free; otherwise ranks rebuild it one at a time for each check
     keep_ref = (src_total + 2 * dst_total + dst_elems + ckpt_bytes + (3 << 30)) < _mem_available()
     load_before = os.getloadavg()
-    setup = world.run(_rank_setup, case, size, dtype, budget, keep_ref, timeout=args.timeout)
+    setup = world.run(_rank_setup, case, size, dtype, budget, keep_ref, args.sources == "shared",
+                      timeout=args.timeout)
     src_mib = max(s["src_bytes"] for s in setup) / 2**20
     dst_mib = max(s["dst_bytes"] for s in setup) / 2**20
     print(f"{tag} buffers filled in {max(s['fill_s'] for s in setup):.1f} s "
@@ -604,6 +614,7 @@ def _meta(args, budget: int, total: float) -> dict:
             "world": WORLD, "backend": "gloo", "threads_per_rank": 1, "cpu_count": os.cpu_count(),
             "machine": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "budget_bytes": budget, "repeats": args.repeats, "wall_s": total,
+            "sources": getattr(args, "sources", "shared"),
             "loadavg_at_end": os.getloadavg(),
             "timing": "per repeat: barrier, time on every rank, barrier; repeat time = slowest rank; "
                       "median over repeats (a first untimed run verifies correctness)",
@@ -736,6 +747,9 @@ def main(argv=None) -> int:
                     help="after each timed VPS repeat, run raw p2p + local copies on the same buffers "
                          "(the VPS-to-floor ratio under the same load: for a busy machine; the VPS's "
                          "RSS figure then includes the raw exchange's buffers)")
+    ap.add_argument("--sources", choices=("shared", "private"), default="shared",
+                    help="source buffers (and raw p2p's send buffer) in shared memory, as a weight channel "
+                         "shares its senders' after the first sync (mapped reads), or private (process_vm_readv)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rank job / collective")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the table and PNG of a saved run")

@@ -61,13 +61,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--budget-mib", type=float, default=64.0)
+    ap.add_argument("--sources", choices=("shared", "private"), default="shared", help="as in bench.switch")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     from rlhf_switch.launch import LocalWorld
 
     with LocalWorld(sw.WORLD, timeout=600) as world:
-        world.run(sw._rank_setup, args.case, args.size, args.dtype, int(args.budget_mib * (1 << 20)), False)
+        world.run(sw._rank_setup, args.case, args.size, args.dtype, int(args.budget_mib * (1 << 20)), False,
+                  args.sources == "shared")
         per_rank = [r["rows"] for r in world.run(_rank_profile, args.repeats)]
     vps, walls = sw._median_of_max([[x["wall"] for x in rows] for rows in per_rank])
     floor, floors = sw._median_of_max([[x["floor"] for x in rows] for rows in per_rank])

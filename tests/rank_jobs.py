@@ -47,13 +47,17 @@ def bare_gloo_group():
 
 
 def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 1 << 20,
-                   ranks_per_node: int | None = None, bare_group: bool = False) -> dict:
+                   ranks_per_node: int | None = None, bare_group: bool = False, shared: bool = False) -> dict:
     """Fill ``src`` from seeded global tensors, move into garbage-filled ``dst`` buffers, and
     compare bit for bit with a direct construction of ``dst``. Padding must stay untouched,
-    and the source must be unchanged."""
+    and the source must be unchanged. ``shared``: the source buffers in shared memory
+    (``same_host.share``), so same-host peers read them through mappings."""
     rank = dist.get_rank()
     tensor_of = tensor_source(src, seed)
     src_bufs = materialize(src, rank, tensor_of)
+    if shared:
+        from rlhf_switch.routing import same_host
+        same_host.share(src_bufs.values())
     src_copy = {n: t.clone() for n, t in src_bufs.items()}
     dst_bufs = garbage_like(allocate(dst, rank, fill=None), seed + 1000 + rank)
     before = {n: t.clone() for n, t in dst_bufs.items()}
@@ -362,3 +366,33 @@ def move_at_storage_offsets(src: Layout, dst: Layout, seed: int = 0, budget_byte
         if not torch.equal(bits(t), bits(src_copy[n])):
             wrong.append(f"source {n} changed")
     return {"wrong": wrong, "report": report}
+
+
+def mappings_held() -> list[int]:
+    """Per peer this rank reads from: how many of its storages this rank keeps mapped."""
+    from rlhf_switch.routing import same_host
+    states = [st for _, st in same_host._GROUPS.values() if st is not None]
+    return sorted(len(r.maps.maps) for st in states for r in st._readers.values())
+
+
+def channel_moves(src: Layout, dst: Layout, moves: int, share_sources: bool) -> dict:
+    """``moves`` moves over one weight channel from the same source buffers, each into garbage
+    and checked bit for bit; per move its receives copied through mappings, and the channel's stats."""
+    from rlhf_switch.engines.channel import ChannelEnd
+    rank = dist.get_rank()
+    tensor_of = tensor_source(src, 0)
+    src_bufs = materialize(src, rank, tensor_of)
+    expected, masks = materialize(dst, rank, tensor_of), coverage_masks(dst, rank)
+    channel = ChannelEnd.over(share_sources=share_sources)
+    channel.set_layouts(src, dst)
+    mapped, wrong = [], []
+    try:
+        for i in range(moves):
+            dst_bufs = garbage_like(allocate(dst, rank, fill=None), 1000 + i + rank)
+            mapped.append(channel.move(src_bufs, dst_bufs).mapped_messages)
+            wrong += [f"move {i}: {n}" for n, t in dst_bufs.items()
+                      if not torch.equal(bits(t)[masks[n]], bits(expected[n])[masks[n]])]
+        return {"mapped": mapped, "wrong": wrong, "stats": channel.stats(),
+                "shared": all(t.untyped_storage().is_shared() for t in src_bufs.values())}
+    finally:
+        channel.close()

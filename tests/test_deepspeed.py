@@ -40,6 +40,15 @@ def test_zero3_on_a_subset_of_the_world(world4):
     assert results[0].get("n_state") is None and results[2]["n_state"] > 0
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_engine_with_its_buffers_in_shared_memory_trains_alike(world4, stage):
+    """``same_host.share`` on a live engine's weights and state (what a weight channel does with
+    its senders' buffers, for mapped reads) moves storages under DeepSpeed: its steps must not
+    notice — the same losses, weights and moments bit for bit, the buffers still shared."""
+    for r in world4.run(jobs.trains_alike_when_shared, stage, timeout=300):
+        assert r["losses"][0] == r["losses"][1] and r["differ"] == [] and r["shared"], r
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_pure_zero_layout_is_deepspeeds_partitioning(world4, stage):
     problems = world4.run(jobs.pure_layout_matches, stage, 4, timeout=300)

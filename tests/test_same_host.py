@@ -103,6 +103,60 @@ def test_a_sender_that_casts_offers_packed_messages_instead(copies_world):
         assert rep.read_messages == 0 and rep.same_host_messages == rep.messages > 0, str(rep)
 
 
+@pytest.mark.parametrize("budget", [1 << 20, 8 << 10])
+def test_shared_sources_are_read_through_mappings_with_nothing_packed(copies_world, budget):
+    """FSDP DP4 -> TP4 from sources in shared memory (``same_host.share``): every read message is
+    copied by its receiver straight out of the sender's mapped buffers, the 64 B runs a sender
+    would otherwise pack included; bit for bit. A receiver keeps one mapping per storage of a
+    peer, and a later move from new storages drops the mappings of the freed ones."""
+    src = build_layout(READS_SPEC, ParallelConfig(dp=4, dp_shard="fsdp"))
+    dst = build_layout(READS_SPEC, ParallelConfig(tp=4))
+    held = []
+    for seed in (0, 1):  # each move from freshly made (and shared) source buffers
+        reports = run_move(copies_world, src, dst, seed=seed, budget_bytes=budget, shared=True)
+        for rep in reports:
+            assert rep.read_messages == rep.messages and 2 * rep.mapped_messages == rep.messages > 0, str(rep)
+        held.append(copies_world.run(rank_jobs.mappings_held))
+    assert held[0] == held[1] and all(n > 0 for per_rank in held[1] for n in per_rank), held
+
+
+def test_whole_messages_from_shared_memory_are_mapped_too(copies_world):
+    """The mixed pair above from shared sources: its ordinary messages sent straight from a source
+    buffer are copied through a mapping as well, its staged ones by ``process_vm_readv``; bit for bit."""
+    spec = synthetic_spec([("a.row", (64, 16), "float32", "row"), ("b.column", (256, 64), "float32", "column")],
+                          num_layers=2, name="mixed")
+    reports = run_move(copies_world, build_layout(spec, ParallelConfig(tp=4)),
+                       build_layout(spec, ParallelConfig(tp=2, pp=2)), shared=True)
+    reads = sum(rep.read_messages for rep in reports) // 2
+    assert reads < sum(rep.mapped_messages for rep in reports) <= sum(rep.messages for rep in reports) // 2, reports
+
+
+@pytest.mark.parametrize("share_sources", [True, False])
+def test_a_weight_channel_shares_its_sources_after_the_first_move(copies_world, share_sources):
+    """A weight channel told to (``share_sources``, as a weight sync is): its first move reads by
+    ``process_vm_readv`` and then moves the senders' buffers into shared memory, once; every later
+    move from them is mapped reads. Untold, nothing is shared; bit for bit either way."""
+    src = build_layout(READS_SPEC, ParallelConfig(dp=4, dp_shard="fsdp"))
+    dst = build_layout(READS_SPEC, ParallelConfig(tp=4))
+    for r, res in enumerate(copies_world.run(rank_jobs.channel_moves, src, dst, 3, share_sources)):
+        assert res["wrong"] == [], (r, res["wrong"])
+        if share_sources:
+            assert res["mapped"][0] == 0 and res["mapped"][1] == res["mapped"][2] == 3, (r, res["mapped"])
+            assert res["shared"] and res["stats"]["shared_bytes"] > 0, (r, res["stats"])
+        else:
+            assert res["mapped"] == [0, 0, 0] and not res["shared"] and res["stats"]["shared_bytes"] == 0
+
+
+def test_switched_off_mappings_leave_shared_sources_to_process_vm_readv(layouts4, monkeypatch):
+    monkeypatch.setenv(same_host.MAP_ENV, "0")
+    monkeypatch.setenv(same_host.MIN_BYTES_ENV, "1")
+    with LocalWorld(4, timeout=120) as world:
+        src = build_layout(READS_SPEC, ParallelConfig(dp=4, dp_shard="fsdp"))
+        dst = build_layout(READS_SPEC, ParallelConfig(tp=4))
+        for rep in run_move(world, src, dst, shared=True):
+            assert rep.read_messages == rep.messages > 0 and rep.mapped_messages == 0, str(rep)
+
+
 def test_read_runs_continue_a_call_that_copied_part(monkeypatch):
     """``read_runs`` from this process into itself, two runs per call and lists cut unalike, so
     calls stop inside runs on either side and are continued from there."""

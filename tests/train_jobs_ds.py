@@ -163,3 +163,29 @@ def per_expert(truth: dict) -> dict:
         for tensor, e, lo, hi in stacked_experts(name, tuple(t.shape)) or ():
             out[(tensor, field_)] = t[e, lo:hi]
     return out
+
+
+def trains_alike_when_shared(stage: int, steps: int = 3) -> dict:
+    """Two engines built alike; one has its weights and (after its first step) its state moved
+    into shared memory in place (``same_host.share``, as a weight channel does with its senders').
+    Every step's loss and the final weights and state, by DeepSpeed's own gathers, must be equal
+    bit for bit, and the buffers still shared after the steps (DeepSpeed kept them)."""
+    from rlhf_switch.routing import same_host
+
+    runs = []
+    for share in (False, True):
+        trainer = zero(stage)
+        if share:
+            assert same_host.share(trainer.adapter.weights().tensors.values()) > 0
+        losses = []
+        for step in range(steps):
+            losses.append(trainer.train_step(batch(step)))
+            if share and step == 0:  # Adam's moments exist from the first step on
+                assert same_host.share(trainer.adapter.state().tensors.values()) > 0
+        shared = [t.untyped_storage().is_shared() for t in trainer.adapter.state().merge(
+            trainer.adapter.weights()).tensors.values()]
+        runs.append((losses, full_state(trainer), full_weights(trainer), shared))
+        del trainer
+    (la, sa, wa, _), (lb, sb, wb, shared) = runs
+    differ = [f"{k}" for k in sa if not torch.equal(sa[k], sb[k])] + [f"{k}" for k in wa if not torch.equal(wa[k], wb[k])]
+    return {"losses": (la, lb), "differ": differ, "shared": all(shared) and len(shared) > 0}

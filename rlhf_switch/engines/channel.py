@@ -50,6 +50,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from ..routing import same_host as _same_host
 from ..routing.comm import GroupComm, as_comm, bare_group, comm_device
 from ..routing.executor import DEFAULT_BUDGET, Deadlines, MoveError, MoveReport, move
 from ..routing.verify import DEFAULT_FRACTION, check_mode
@@ -150,6 +151,8 @@ class ChannelStats:
     handoff: str = "p2p"
     handles_sent: int = 0          # ipc: bucket handles handed to colocated workers, over all moves
     handles_received: int = 0
+    shared_bytes: int = 0          # sources moved into shared memory for mapped reads (share_sources), once each
+    mapped_messages: int = 0       # receives copied through a mapping of the sender's memory, over all moves
     extra: dict = field(default_factory=dict)
 
 
@@ -197,7 +200,8 @@ class ChannelEnd:
                  timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET, open_s: float = 0.0,
                  standby_s: float | None = None, deadline: Deadlines | None = None,
                  verify: str = "off", verify_fraction: float = DEFAULT_FRACTION,
-                 handoff: str = "p2p", colocated: Sequence = (), backend: str = "gloo"):
+                 handoff: str = "p2p", colocated: Sequence = (), backend: str = "gloo",
+                 share_sources: bool = False):
         check_mode(verify, verify_fraction)
         if handoff not in ("p2p", "ipc"):
             raise ValueError(f"a channel's handoff is p2p or ipc (resolve 'auto' first), not {handoff!r}")
@@ -222,6 +226,10 @@ class ChannelEnd:
                                   standby_s if standby_s is not None else base.arrival_s, base.census_s)
         self.budget_bytes = budget_bytes
         self.verify, self.verify_fraction = verify, verify_fraction
+        # after a move, this member's CPU sources into shared memory where a peer of its host can
+        # map them: later moves are mapped reads (routing/same_host.py). For a channel whose moves
+        # repeat from the same buffers (a weight sync); a one-off move would only pay the copy
+        self.share_sources = share_sources
         self._attempts = 0  # moves attempted: the default seed of a sampled verification
         self.src: Layout | None = None
         self.dst: Layout | None = None
@@ -232,7 +240,7 @@ class ChannelEnd:
              timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET,
              standby_s: float = 3600.0, verify: str = "off",
              verify_fraction: float = DEFAULT_FRACTION, handoff: str = "p2p",
-             colocated: Sequence = (), backend: str = "gloo") -> "ChannelEnd":
+             colocated: Sequence = (), backend: str = "gloo", share_sources: bool = False) -> "ChannelEnd":
         """Join the channel's own group (``backend``: gloo, or nccl for CUDA weights; collective
         over its ``world_size`` members) over the TCPStore at ``host:port`` (``store``: the store
         itself, on the member that hosts it).
@@ -250,12 +258,12 @@ class ChannelEnd:
         return cls(group, rank, world_size, store=store, timeout_s=timeout_s, budget_bytes=budget_bytes,
                    open_s=time.perf_counter() - t0, standby_s=max(timeout_s, standby_s),
                    verify=verify, verify_fraction=verify_fraction, handoff=handoff, colocated=colocated,
-                   backend=backend)
+                   backend=backend, share_sources=share_sources)
 
     @classmethod
     def over(cls, ranks: list[int] | None = None, *, timeout_s: float = 300.0,
              budget_bytes: int = DEFAULT_BUDGET, verify: str = "off",
-             verify_fraction: float = DEFAULT_FRACTION) -> "ChannelEnd":
+             verify_fraction: float = DEFAULT_FRACTION, share_sources: bool = False) -> "ChannelEnd":
         """A channel inside an existing world (trainer and rollout engine in the same processes):
         its own group of that world's ``ranks`` (all by default; collective over the world)."""
         global GROUPS_CREATED
@@ -266,7 +274,8 @@ class ChannelEnd:
         if dist.get_rank() not in ranks:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the channel over {ranks}")
         return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout_s, budget_bytes=budget_bytes,
-                   open_s=time.perf_counter() - t0, verify=verify, verify_fraction=verify_fraction)
+                   open_s=time.perf_counter() - t0, verify=verify, verify_fraction=verify_fraction,
+                   share_sources=share_sources)
 
     @property
     def comm(self):
@@ -323,6 +332,9 @@ class ChannelEnd:
                       verify_seed=seed)
         report.phases["entered_at"] = t_enter
         self._count(report)
+        near = self._comm.same_host
+        if self.share_sources and report.same_host_messages and near is not None and near.mapped_by_peers():
+            self._stats.shared_bytes += _same_host.share(src_buffers.values())
         return report
 
     def _count(self, report: MoveReport) -> None:
@@ -331,6 +343,7 @@ class ChannelEnd:
         s.pieces_verified += report.pieces_verified
         s.bytes_sent += report.bytes_sent
         s.bytes_received += report.bytes_received
+        s.mapped_messages += report.mapped_messages
         s.last_move_s = report.seconds
         if isinstance(report, ChannelReport) and report.handoff == "ipc":
             if self.rank in self.colocated:

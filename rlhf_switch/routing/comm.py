@@ -40,7 +40,7 @@ class P2P(NamedTuple):
     tag: int = 0
     # a read message (``same_host``): sending, its offer (int64 addresses and bytes; ``tensor``
     # is the packed block kept alive until the receiver has read it); receiving, (its
-    # ``schedule.ReadRuns``, its destination buffers' addresses)
+    # ``schedule.ReadRuns``, its destination buffers)
     read: object = None
 
 

@@ -26,7 +26,8 @@
    mis-match on NCCL — and that was no faster: ``tests/test_posting_order.py``, README);
    Between ranks of one host a direction may instead be one or a few *read messages*
    (``same_host.py``): the receiver copies the pieces out of the sender's buffers and packed
-   block straight into its destination views, with nothing to unpack.
+   block straight into its destination views, with nothing to unpack — and where the sender's
+   buffers are in shared memory, out of its mapped views, with nothing packed (mapped reads).
    The program runs compiled (``Schedule.program``, built once with the cached schedule): per
    message its buffer range or its staging block and copies, per piece two ``as_strided`` views
    and one ``copy_`` — no planning arithmetic in the timed move;
@@ -64,6 +65,7 @@ from ..vps.materialize import torch_dtype
 from ..vps.planner import RankPlan, check_pair, plan_rank
 from ..vps.spec import itemsize
 from .comm import P2P, Comm, as_comm
+from . import same_host as _same_host
 from .same_host import SameHost
 from .schedule import Batch, Schedule, build_schedule, can_read
 from .verify import DEFAULT_FRACTION, VerifyError, check_mode, verify_move  # noqa: F401 - re-exported
@@ -162,6 +164,7 @@ class MoveReport:
     pieces_verified: int = 0  # pieces this rank checked as their destination (local ones included)
     same_host_messages: int = 0  # of ``messages``: sent or received as single copies (routing/same_host.py)
     read_messages: int = 0  # of those: read messages (a direction in one or a few reads: schedule._read_chunks)
+    mapped_messages: int = 0  # receives copied through a mapping of the sender's shared memory (same_host)
 
     def __str__(self) -> str:
         return (f"rank {self.rank}: {self.transition}: sent {self.bytes_sent} B, received "
@@ -257,11 +260,12 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
         if schedule is None or error is not None:
             agree()  # raises MoveError on every rank
         near = comm.same_host
-        before = (near.messages, near.read_messages) if near is not None else None
+        before = (near.messages, near.read_messages, near.mapped_messages) if near is not None else None
         report = _run(schedule, batches, src_buffers, dst_buffers, comm, deadline, agree)
         if near is not None:
             report.same_host_messages = near.messages - before[0]
             report.read_messages = near.read_messages - before[1]
+            report.mapped_messages = near.mapped_messages - before[2]
     except _WaitFailed as f:
         raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     report.phases = dict(prepare=t_prep - t_start, **report.phases)
@@ -497,13 +501,15 @@ class _Bound:
     """This move's buffers and staging pool, for the compiled program's copies: one
     ``as_strided`` view per side of a copy, nothing else per piece."""
 
-    __slots__ = ("src", "dst", "pool", "typed")
+    __slots__ = ("src", "dst", "pool", "typed", "same_host", "rank", "where")
 
-    def __init__(self, src_buffers, dst_buffers, pool):
+    def __init__(self, src_buffers, dst_buffers, pool, same_host=None, rank: int = -1):
         self.src = {n: (t, t.storage_offset()) for n, t in src_buffers.items()}
         self.dst = {n: (t, t.storage_offset()) for n, t in dst_buffers.items()}
         self.pool = pool
         self.typed: dict[str, torch.Tensor] = {}
+        self.same_host, self.rank = same_host, rank
+        self.where: dict[str, tuple[int, ...]] = {}  # per source buffer: where peers can map it
 
     def _side(self, side, name, offset, strides, shape, dtype):
         if name is None:  # the staging pool, viewed as the transfer's dtype
@@ -518,23 +524,40 @@ class _Bound:
         self._side(self.dst, c.dst_buffer, c.dst_offset, c.dst_strides, c.shape, c.dtype).copy_(
             self._side(self.src, c.src_buffer, c.src_offset, c.src_strides, c.shape, c.dtype))
 
+    def mapped(self, op) -> list[int] | None:
+        """For a read message's send: where the receiver can map each of its source buffers, when
+        it can map them all (``same_host``, mapped reads: nothing is packed); else None."""
+        if self.same_host is None or not self.same_host.maps(self.rank, op.peer):
+            return None
+        out: list[int] = []
+        for n in op.read.sources:
+            w = self.where.get(n)
+            if w is None:
+                w = self.where[n] = _same_host.mapping_of(self.src[n][0])
+            if not w[0]:
+                return None
+            out += w
+        return out
+
     def p2p(self, op, packed: bool = False) -> P2P:
         """What ``op`` posts: its message tensor, or for a read message its offer (the addresses
-        of the sender's packed block and of its buffers read in place, then the bytes) / the
-        receiver's runs and its buffers' addresses (``same_host``)."""
+        of the sender's packed block and of its buffers read in place, where each source buffer
+        can be mapped, then the bytes) / the receiver's runs and its destination buffers
+        (``same_host``)."""
         if op.read is None:
             return P2P(op.send, self.message(op, packed), op.peer, MESSAGE_TAG)
         if op.send:
+            where = self.mapped(op)
             block = _NOTHING
-            if op.offset >= 0:
+            if op.offset >= 0 and where is None:
                 if not packed:
                     self.pack(op)
                 block = self.pool[op.offset:op.offset + op.chunk.packed]
-            offer = [block.data_ptr() if op.offset >= 0 else 0]
-            offer += [self.src[n][0].data_ptr() for n in op.read]
+            offer = [block.data_ptr() if block.numel() else 0]
+            offer += [self.src[n][0].data_ptr() for n in op.read.in_place]
+            offer += where or [0] * (_same_host.MAP_FIELDS * len(op.read.sources))
             return P2P(True, block, op.peer, MESSAGE_TAG, torch.tensor(offer + [op.nbytes], dtype=torch.int64))
-        bases = torch.tensor([self.dst[n][0].data_ptr() for n in op.read.dst_names], dtype=torch.int64)
-        return P2P(False, _NOTHING, op.peer, MESSAGE_TAG, (op.read, bases))
+        return P2P(False, _NOTHING, op.peer, MESSAGE_TAG, (op.read, tuple(self.dst[n][0] for n in op.read.dst_names)))
 
     def message(self, op, packed: bool = False) -> torch.Tensor:
         """The tensor ``op`` is sent from / received into (packed first when it is a staged send,
@@ -683,7 +706,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
         side, name = prog.pool_on
         device = (dst_buffers if side == "dst" else src_buffers)[name].device
         pool = _take_pool(device, prog.pool_bytes, schedule.budget_bytes)  # NCCL needs it on the GPU
-    bound = _Bound(src_buffers, dst_buffers, pool)
+    bound = _Bound(src_buffers, dst_buffers, pool, comm.same_host, comm.rank)
     packed: set[int] = set()  # id() of the staged sends packed ahead
     t_pack = 0.0
 
@@ -694,7 +717,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
             if batch.retire:  # its pool blocks are not free yet
                 break
             for op in batch.ops:
-                if op.send and op.step >= 0:
+                if op.send and op.step >= 0 and not (op.read is not None and bound.mapped(op)):
                     if done():
                         t_pack = time.perf_counter() - tp
                         return

@@ -28,13 +28,23 @@ twice, became 6.) Smaller directions stay on gloo: at 10M the same switch's dire
 ~490 KB ran at 73–75 % of the floor as read messages and at 98–103 % over gloo (the reader
 thread's wake-ups and the acknowledgement cost more than the few TCP messages they replace).
 
+*Mapped reads.* A sender whose source buffers live in shared memory (``share``: the storage moved
+there in place, every view following) offers, with each read message, where each of them can be
+mapped (its file descriptor, seen by peers as ``/proc/<pid>/fd/<n>``). The receiver maps each
+storage once and keeps the mapping while the sender keeps the storage, and copies the message as
+strided ``copy_``s straight from the sender's views into its own: one copy of every byte, done by
+the receiver, with neither packing on the sender (short runs: a row-parallel split of FSDP's row
+shards is 768 B runs at 100M) nor the page pinning ``process_vm_readv`` does for every remote run.
+The GPU counterpart is a CUDA IPC handle; gloo's same-host copies are CPU-only.
+
 Which peers a rank can read is found once per process group, by every rank together at its first
-move (``for_group``): each rank shows a random token in its memory, every rank tries to read its
-peers' tokens, and the verdicts are gathered, so both ends of every pair agree on the way each
+move (``for_group``): each rank shows a random token in its memory (and in a shared-memory page), every rank
+tries to read (and to map) its peers' tokens, and the verdicts are gathered, so both ends of every pair agree on the way each
 message goes. Anything that fails the probe — another host, another PID namespace, a seccomp
 profile without ``process_vm_readv``, a non-Linux system — stays on gloo. Control, acknowledgement
 and failures are gloo's: a lost peer closes the connection the reader waits on, and the reader
-reports gloo's text. ``RLHF_SWITCH_SAME_HOST_COPY=0`` turns it off (every pair stays on gloo).
+reports gloo's text. ``RLHF_SWITCH_SAME_HOST_COPY=0`` turns it off (every pair stays on gloo);
+``RLHF_SWITCH_SAME_HOST_MAP=0`` turns mapped reads off (``process_vm_readv`` for everything).
 """
 from __future__ import annotations
 
@@ -56,6 +66,7 @@ MIN_BYTES_ENV = "RLHF_SWITCH_SAME_HOST_MIN_BYTES"  # tests: 1 sends every messag
 CONTROL_TAG = (1 << 20) - 5  # tags no move's messages use (the executor's are 1 << 20)
 ACK_TAG = (1 << 20) - 3
 ENV = "RLHF_SWITCH_SAME_HOST_COPY"
+MAP_ENV = "RLHF_SWITCH_SAME_HOST_MAP"  # 0: no mapped reads (process_vm_readv for everything)
 
 
 class _Iovec(ctypes.Structure):
@@ -146,6 +157,95 @@ def read_from(pid: int, address: int, into: int, nbytes: int) -> None:
         done += got
 
 
+def share(tensors, shm: str = "/dev/shm") -> int:
+    """Move each CPU tensor's storage into shared memory, in place (every view of it, an engine's
+    parameters into a flat buffer included, follows), so that same-host peers can map it and read
+    it with mapped reads (module docstring); returns the bytes moved. Costs one copy of each
+    storage, once; the memory then counts as shared memory (``shm``). A storage that is shared
+    already is left as it is, and so is one that would leave ``shm`` less than a quarter free (a
+    full ``/dev/shm`` is a SIGBUS at the first write, not an error): it stays on ``process_vm_readv``."""
+    moved = 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if t.device.type != "cpu" or s.is_shared() or not s.nbytes():
+            continue
+        try:
+            st = os.statvfs(shm)
+        except OSError:
+            return moved
+        if s.nbytes() > st.f_bavail * st.f_frsize - st.f_blocks * st.f_frsize // 4:
+            continue
+        s.share_memory_()
+        moved += s.nbytes()
+    return moved
+
+
+MAP_FIELDS = 4  # per source buffer of a read message's offer: fd, inode, byte offset, storage bytes
+_UNMAPPED = (0, 0, 0, 0)
+
+
+def mapping_of(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """Where a peer on this host can map ``t``: (its storage's file descriptor, that file's inode,
+    ``t``'s byte offset in the storage, the storage's bytes); zeros when it cannot (not in shared
+    memory, not on the CPU, or shared by file name rather than descriptor)."""
+    if t.device.type != "cpu":
+        return _UNMAPPED
+    s = t.untyped_storage()
+    if not s.is_shared():
+        return _UNMAPPED
+    try:
+        fd, size = s._share_fd_cpu_()  # a shared storage's own descriptor (nothing is moved)
+        inode = os.fstat(fd).st_ino
+    except (RuntimeError, OSError):
+        return _UNMAPPED
+    offset = t.data_ptr() - s.data_ptr()
+    if offset % t.element_size():
+        return _UNMAPPED
+    return fd, inode, offset, size
+
+
+class _Mappings:
+    """The storages of one peer this rank has mapped, by inode. A mapping is kept while the peer
+    keeps the storage: mapping costs a page fault per 4 KiB page on first touch, which a switch
+    that maps anew every time would pay every time. A miss first drops the mappings of storages
+    the peer has let go (its descriptor gone or now another file), so a peer's freed buffers are
+    not held here."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.maps: dict[int, tuple[int, torch.Tensor]] = {}  # inode -> (fd, the storage's bytes)
+
+    def _path(self, fd: int) -> str:
+        return f"/proc/{self.pid}/fd/{fd}"
+
+    def get(self, fd: int, inode: int, size: int) -> torch.Tensor:
+        hit = self.maps.get(inode)
+        if hit is not None and hit[0] == fd and hit[1].numel() == size:
+            return hit[1]
+        self.sweep()
+        # the sender holds the storage until this rank acknowledges, so the descriptor is that file
+        m = torch.from_file(self._path(fd), shared=True, size=size, dtype=torch.uint8)
+        if os.stat(self._path(fd)).st_ino != inode:
+            raise RuntimeError(f"pid {self.pid}'s descriptor {fd} is no longer the storage it offered")
+        self.maps[inode] = (fd, m)
+        return m
+
+    def sweep(self) -> None:
+        for inode, (fd, _) in list(self.maps.items()):
+            try:
+                alive = os.stat(self._path(fd)).st_ino == inode
+            except OSError:
+                alive = False
+            if not alive:
+                del self.maps[inode]
+
+
+def _mapped_view(m: torch.Tensor, offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of a mapped storage from ``offset`` on, as ``dtype``."""
+    per = torch.empty((), dtype=dtype).element_size()
+    return m[offset:offset + (m.numel() - offset) // per * per].view(dtype)
+
+
 class _SendWork:
     """The sends of one offer: complete once the receiver acknowledges its copies."""
 
@@ -165,7 +265,7 @@ class _RecvWork:
     offer it takes is (address, bytes): one contiguous range of the sender's."""
 
     __slots__ = ("tensor", "nbytes", "done", "error", "peer")
-    control_numel = 2
+    control_numel = 2 + MAP_FIELDS
 
     def __init__(self, tensor, peer):
         self.tensor, self.peer = tensor, peer
@@ -185,32 +285,58 @@ class _RecvWork:
         if nbytes != self.nbytes:  # both ends follow one plan: a mismatch here is a bug, never silent
             raise RuntimeError(f"same-host copy from rank {self.peer}: {nbytes} B offered, {self.nbytes} B expected")
 
-    def copy(self, pid: int, offer: list[int]) -> None:
-        address, nbytes = offer
+    def copy(self, pid: int, offer: list[int], maps: _Mappings) -> bool:
+        """Copy the offered bytes in; whether they were read through a mapping."""
+        address, nbytes, fd, inode, offset, size = offer
         self._offered(nbytes)
+        if fd:  # the sender's bytes are in shared memory: copied out of its storage, mapped
+            mine = self.tensor.view(-1).view(torch.uint8)
+            mine.copy_(maps.get(fd, inode, size)[offset:offset + nbytes])
+            return True
         read_from(pid, address, self.tensor.data_ptr(), nbytes)
+        return False
 
 
 class _ReadWork(_RecvWork):
     """A read message's receive (``schedule.ReadRuns``): its offer is the addresses of the
-    sender's packed block and of its buffers read in place, then the bytes; the runs go from
-    there straight into this rank's destination views."""
+    sender's packed block and of its buffers read in place, where each of its source buffers can
+    be mapped, then the bytes; the runs go from there straight into this rank's destination views
+    — or, where the sender mapped them all, the copies go from its views into them."""
 
-    __slots__ = ("runs", "bases", "control_numel")
+    __slots__ = ("runs", "dsts", "control_numel")
 
-    def __init__(self, runs, bases: torch.Tensor, peer: int):
-        self.runs, self.bases, self.peer = runs, bases, peer
+    def __init__(self, runs, dsts: tuple, peer: int):
+        self.runs, self.dsts, self.peer = runs, dsts, peer
         self.tensor, self.nbytes = None, runs.nbytes
-        self.control_numel = 2 + len(runs.src_names)
+        self.control_numel = 2 + len(runs.src_names) + MAP_FIELDS * len(runs.sources)
         self.done = threading.Event()
         self.error = None
 
-    def copy(self, pid: int, offer: list[int]) -> None:
+    def copy(self, pid: int, offer: list[int], maps: _Mappings) -> bool:
         self._offered(offer[-1])
+        where = offer[1 + len(self.runs.src_names):-1]
+        if where and where[0]:  # the sender mapped every source buffer and packed nothing
+            self._copy_mapped(where, maps)
+            return True
         remote, local = self.runs.remote, self.runs.local
-        theirs = torch.tensor(offer[:-1], dtype=torch.int64)
+        bases = torch.tensor([t.data_ptr() for t in self.dsts], dtype=torch.int64)
+        theirs = torch.tensor(offer[:1 + len(self.runs.src_names)], dtype=torch.int64)
         read_runs(pid, torch.stack([theirs[remote[:, 0]] + remote[:, 1], remote[:, 2]], 1),
-                  torch.stack([self.bases[local[:, 0]] + local[:, 1], local[:, 2]], 1))
+                  torch.stack([bases[local[:, 0]] + local[:, 1], local[:, 2]], 1))
+        return False
+
+    def _copy_mapped(self, where: list[int], maps: _Mappings) -> None:
+        srcs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        dsts = dict(zip(self.runs.dst_names, self.dsts))
+        for c in self.runs.copies:
+            dst = dsts[c.dst_buffer]
+            src = srcs.get((c.src_buffer, dst.dtype))
+            if src is None:
+                k = MAP_FIELDS * self.runs.sources.index(c.src_buffer)
+                fd, inode, offset, size = where[k:k + MAP_FIELDS]
+                src = srcs[c.src_buffer, dst.dtype] = _mapped_view(maps.get(fd, inode, size), offset, dst.dtype)
+            torch.as_strided(dst, c.shape, c.dst_strides, dst.storage_offset() + c.dst_offset).copy_(
+                torch.as_strided(src, c.shape, c.src_strides, src.storage_offset() + c.src_offset))
 
 
 class _Reader:
@@ -222,6 +348,8 @@ class _Reader:
         self.comm, self.peer, self.pid = comm, peer, pid
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.error: str | None = None
+        self.maps = _Mappings(pid)
+        self.mapped = 0  # receives copied through a mapping (only this thread counts)
         self.thread = threading.Thread(target=self._loop, name=f"same-host-reader-{peer}", daemon=True)
         self.thread.start()
 
@@ -235,7 +363,7 @@ class _Reader:
                 try:
                     offer = torch.empty(job.control_numel, dtype=torch.int64)  # where the peer's bytes are
                     self.comm.irecv(offer, self.peer, CONTROL_TAG).wait()
-                    job.copy(self.pid, offer.tolist())
+                    self.mapped += job.copy(self.pid, offer.tolist(), self.maps)
                     job.done.set()
                     self.comm.isend(ack, self.peer, ACK_TAG).wait()
                     continue
@@ -255,18 +383,35 @@ class SameHost:
     """Which peers of a gloo group this rank reads from and which read from it; one reader per
     peer it reads from."""
 
-    def __init__(self, comm, pids: list[int], can_read: list[int], min_bytes: int = MIN_BYTES):
+    def __init__(self, comm, pids: list[int], can_read: list[int], min_bytes: int = MIN_BYTES,
+                 can_map: list[int] | None = None):
         self.rank = comm.rank
         self.min_bytes = min_bytes
         self.pids = pids
         self.can_read = can_read  # per rank: bitmask of the ranks whose memory it can read
+        self.can_map = can_map or [0] * len(pids)  # per rank: ... whose shared memory it can map
         self._readers: dict[int, _Reader] = {}
         self.messages = 0  # posted as same-host copies (sends and receives) so far
         self.read_messages = 0  # of those: read messages
 
+    @property
+    def mapped_messages(self) -> int:
+        """Receives copied through a mapping of the sender's shared memory so far (complete for
+        every receive this rank has waited for)."""
+        return sum(r.mapped for r in self._readers.values())
+
     def reads(self, sender: int, receiver: int) -> bool:
         """Whether ``receiver`` can read ``sender``'s memory (the same answer on every rank)."""
         return bool(self.can_read[receiver] >> sender & 1)
+
+    def maps(self, sender: int, receiver: int) -> bool:
+        """Whether ``receiver`` can map ``sender``'s shared memory (mapped reads; the same answer
+        on every rank, so a sender offers a mapping only where it will be taken)."""
+        return bool(self.can_map[receiver] >> sender & 1)
+
+    def mapped_by_peers(self) -> bool:
+        """Whether some peer can map this rank's shared memory (``share`` is then worth its copy)."""
+        return any(m >> self.rank & 1 for r, m in enumerate(self.can_map) if r != self.rank)
 
     def used(self, op_send: bool, peer: int, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` to / from ``peer`` goes by a same-host copy (both ends
@@ -302,7 +447,9 @@ class SameHost:
         """Offer ``tensor``'s bytes (or, for a read message, the addresses in ``control``); the
         send completes once the receiver acknowledges its copy."""
         if control is None:
-            control = torch.tensor([tensor.data_ptr(), tensor.numel() * tensor.element_size()], dtype=torch.int64)
+            where = mapping_of(tensor) if self.maps(self.rank, peer) else _UNMAPPED
+            control = torch.tensor([tensor.data_ptr(), tensor.numel() * tensor.element_size(), *where],
+                                   dtype=torch.int64)
         ack = torch.empty(1, dtype=torch.int64)
         return _SendWork(comm.isend(control, peer, CONTROL_TAG), comm.irecv(ack, peer, ACK_TAG),
                          (tensor, control, ack))
@@ -315,6 +462,11 @@ class SameHost:
             raise RuntimeError(f"an earlier same-host copy from rank {peer} failed: {reader.error}")
         reader.jobs.put(work)
         return work
+
+    def forget_mappings(self) -> None:
+        """Unmap every peer storage mapped so far (call between moves, never during one)."""
+        for r in self._readers.values():
+            r.maps.maps.clear()
 
     def stop(self) -> None:
         """End the readers, each after the copies already asked of it."""
@@ -339,15 +491,23 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
     if hit is not None and hit[0]() is key:
         return hit[1]
     enabled = os.environ.get(ENV, "1") not in ("0", "false", "no") and _readv() is not None
+    mapping = enabled and os.environ.get(MAP_ENV, "1") not in ("0", "false", "no")
     token = secrets.randbits(62) + 1 if enabled else 0
     probe = torch.tensor([token], dtype=torch.int64)
+    shown = torch.tensor([token], dtype=torch.int64)
+    if mapping:
+        try:
+            shown.share_memory_()
+        except RuntimeError:
+            pass
+    fd, inode, _, size = mapping_of(shown) if mapping else _UNMAPPED
     # the threshold travels too: both ends of a message must take the same way
     min_bytes = int(os.environ.get(MIN_BYTES_ENV, MIN_BYTES))
-    rows = comm.all_gather_ints([os.getpid(), probe.data_ptr(), token, min_bytes], timeout)
-    mine = 0
+    rows = comm.all_gather_ints([os.getpid(), probe.data_ptr(), token, min_bytes, fd, inode, size], timeout)
+    mine = mapped = 0
     if enabled:
         got = torch.zeros(1, dtype=torch.int64)
-        for r, (pid, address, theirs, _) in enumerate(rows):
+        for r, (pid, address, theirs, _, fd, inode, size) in enumerate(rows):
             if r == comm.rank or theirs == 0:
                 continue
             try:
@@ -355,14 +515,31 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
                 read_from(pid, address, got.data_ptr(), 8)
             except OSError:
                 continue
-            if int(got) == theirs:  # that PID here is that rank (same host, same PID namespace)
-                mine |= 1 << r
-    verdicts = [row[0] for row in comm.all_gather_ints([mine], timeout)]  # no peer reads `probe` after this
-    state = (SameHost(comm, [row[0] for row in rows], verdicts, max(row[3] for row in rows))
-             if any(verdicts) else None)
+            if int(got) != theirs:  # that PID here is not that rank (another host or PID namespace)
+                continue
+            mine |= 1 << r
+            if mapping and fd:
+                try:
+                    seen = int(_Mappings(pid).get(fd, inode, size).view(torch.int64)[0])
+                except (RuntimeError, OSError):
+                    continue
+                mapped |= (seen == theirs) << r
+    # no peer reads `probe` or maps `shown` after this
+    verdicts = comm.all_gather_ints([mine, mapped], timeout)
+    state = (SameHost(comm, [row[0] for row in rows], [v[0] for v in verdicts], max(row[3] for row in rows),
+                      [v[1] for v in verdicts])
+             if any(v[0] for v in verdicts) else None)
     _GROUPS[id(key)] = (weakref.ref(key), state)
     weakref.finalize(key, _forget, id(key), state)
     return state
+
+
+def forget_mappings() -> None:
+    """Every group's ``SameHost.forget_mappings``: a process about to free its peers' old buffers'
+    memory for good (a benchmark between cases) need not wait for the next move to drop them."""
+    for _, state in list(_GROUPS.values()):
+        if state is not None:
+            state.forget_mappings()
 
 
 def _forget(key: int, state: SameHost | None) -> None:

@@ -143,9 +143,18 @@ class Op(NamedTuple):
     copies: tuple[Copy, ...]  # staged: packed before the send / unpacked after the receive
     step: int  # the staged step (index into ``Schedule.staged[0]``) it belongs to; -1: none
     chunk: "Chunk"  # what it carries (for tests' hooks and error messages)
-    # a read message: sending, the source buffers it offers in place (``read_names``); receiving,
-    # where its bytes are on both sides (``ReadRuns``); None: a message like any other
-    read: "tuple[str, ...] | ReadRuns | None" = None
+    # a read message: sending, the source buffers it offers (``ReadSend``); receiving, where its
+    # bytes are on both sides (``ReadRuns``); None: a message like any other
+    read: "ReadSend | ReadRuns | None" = None
+
+
+class ReadSend(NamedTuple):
+    """What the sender of a read message offers: the addresses of the buffers read in place
+    (``in_place``, ``read_names``), and where every source buffer of the message can be mapped
+    (``sources``, ``source_names``) — when all of them can, it packs nothing (``same_host``)."""
+
+    in_place: tuple[str, ...]
+    sources: tuple[str, ...]
 
 
 class ReadRuns(NamedTuple):
@@ -161,6 +170,11 @@ class ReadRuns(NamedTuple):
     remote: torch.Tensor  # int64 [n, 3]: (base, byte offset, bytes)
     local: torch.Tensor  # int64 [m, 3]
     nbytes: int
+    # where the sender's buffers can be mapped (``same_host``, mapped reads): the message as
+    # strided copies straight from ``sources`` (its source buffers, ``source_names``) into
+    # ``dst_names``, one per run of pieces that continue each other
+    sources: tuple[str, ...] = ()
+    copies: tuple[Copy, ...] = ()
 
 
 class ProgramBatch(NamedTuple):
@@ -525,17 +539,22 @@ def read_names(chunk: Chunk) -> tuple[str, ...]:
     return tuple(names)
 
 
+def source_names(chunk: Chunk) -> tuple[str, ...]:
+    """Every source buffer of a read message, in the order its offer says where each can be mapped."""
+    return tuple(dict.fromkeys(p.transfer.src_buffer for p in chunk.pieces))
+
+
 def _read_op(send: bool, peer: int, chunk: Chunk, step: "StagedStep | None", si: int) -> "Op":
     """A read message compiled: the sender packs its packed pieces into its block of the pool
     (``step``) and offers that block's and its buffers' addresses; the receiver's runs."""
     if send:
+        offer = ReadSend(read_names(chunk), source_names(chunk))
         if step is None:
-            return Op(True, peer, chunk.nbytes, None, -1, 0, (), -1, chunk, read_names(chunk))
+            return Op(True, peer, chunk.nbytes, None, -1, 0, (), -1, chunk, offer)
         base = step.offset + step.recv_bytes
         packed = [(p, o) for p, o in zip(chunk.pieces, chunk.offsets) if o >= 0]
         sub = Chunk(tuple(p for p, _ in packed), tuple(o for _, o in packed), chunk.packed, True, False)
-        return Op(True, peer, chunk.nbytes, None, base, 0, _stage_copies(sub, base, True), si, chunk,
-                  read_names(chunk))
+        return Op(True, peer, chunk.nbytes, None, base, 0, _stage_copies(sub, base, True), si, chunk, offer)
     return Op(False, peer, chunk.nbytes, None, -1, 0, (), -1, chunk, read_runs_of(chunk))
 
 
@@ -543,10 +562,13 @@ def read_runs_of(chunk: Chunk) -> ReadRuns:
     """Where a read message's bytes are, on both sides (``ReadRuns``)."""
     src_names = read_names(chunk)
     dst_names: dict[str, int] = {}
-    remote, local = [], []
+    remote, local, copies = [], [], []
     for p, o in zip(chunk.pieces, chunk.offsets):
         t = p.transfer
         per = itemsize(t.dtype)
+        (so, ss), (do, ds) = p.src_view(), p.dst_view()
+        shape, (ss, ds) = coalesce(p.box.shape, (ss, ds))
+        copies.append(Copy(t.src_buffer, so, ss, t.dst_buffer, do, ds, shape, t.dtype))
         if o >= 0:  # packed: one run of the sender's block, in the box's row-major order
             remote.append((0, torch.tensor([o], dtype=torch.int64), p.nbytes))
         else:
@@ -554,7 +576,8 @@ def read_runs_of(chunk: Chunk) -> ReadRuns:
             remote.append((1 + src_names.index(t.src_buffer),) + _view_runs(p.box.shape, strides, off, per))
         off, strides = p.dst_view()
         local.append((dst_names.setdefault(t.dst_buffer, len(dst_names)),) + _view_runs(p.box.shape, strides, off, per))
-    return ReadRuns(src_names, tuple(dst_names), _merged_runs(remote), _merged_runs(local), chunk.nbytes)
+    return ReadRuns(src_names, tuple(dst_names), _merged_runs(remote), _merged_runs(local), chunk.nbytes,
+                    source_names(chunk), tuple(merge_copies(copies)))
 
 
 def _view_runs(shape: Sequence[int], strides: Sequence[int], offset: int, per: int) -> tuple[torch.Tensor, int]:
