@@ -614,7 +614,7 @@ def _meta(args, budget: int, total: float) -> dict:
             "world": WORLD, "backend": "gloo", "threads_per_rank": 1, "cpu_count": os.cpu_count(),
             "machine": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "budget_bytes": budget, "repeats": args.repeats, "wall_s": total,
-            "sources": getattr(args, "sources", "shared"),
+            "sources": args.sources,
             "loadavg_at_end": os.getloadavg(),
             "timing": "per repeat: barrier, time on every rank, barrier; repeat time = slowest rank; "
                       "median over repeats (a first untimed run verifies correctness)",

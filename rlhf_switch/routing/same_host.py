@@ -240,10 +240,10 @@ class _Mappings:
                 del self.maps[inode]
 
 
-def _mapped_view(m: torch.Tensor, offset: int, dtype: torch.dtype) -> torch.Tensor:
-    """The bytes of a mapped storage from ``offset`` on, as ``dtype``."""
-    per = torch.empty((), dtype=dtype).element_size()
-    return m[offset:offset + (m.numel() - offset) // per * per].view(dtype)
+def _mapped_view(m: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of a mapped storage from ``offset`` on, as ``like``'s dtype."""
+    per = like.element_size()
+    return m[offset:offset + (m.numel() - offset) // per * per].view(like.dtype)
 
 
 class _SendWork:
@@ -334,7 +334,7 @@ class _ReadWork(_RecvWork):
             if src is None:
                 k = MAP_FIELDS * self.runs.sources.index(c.src_buffer)
                 fd, inode, offset, size = where[k:k + MAP_FIELDS]
-                src = srcs[c.src_buffer, dst.dtype] = _mapped_view(maps.get(fd, inode, size), offset, dst.dtype)
+                src = srcs[c.src_buffer, dst.dtype] = _mapped_view(maps.get(fd, inode, size), offset, dst)
             torch.as_strided(dst, c.shape, c.dst_strides, dst.storage_offset() + c.dst_offset).copy_(
                 torch.as_strided(src, c.shape, c.src_strides, src.storage_offset() + c.src_offset))
 
@@ -494,13 +494,12 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
     mapping = enabled and os.environ.get(MAP_ENV, "1") not in ("0", "false", "no")
     token = secrets.randbits(62) + 1 if enabled else 0
     probe = torch.tensor([token], dtype=torch.int64)
-    shown = torch.tensor([token], dtype=torch.int64)
-    if mapping:
+    if mapping:  # in shared memory, the same token can be read and mapped
         try:
-            shown.share_memory_()
+            probe.share_memory_()
         except RuntimeError:
             pass
-    fd, inode, _, size = mapping_of(shown) if mapping else _UNMAPPED
+    fd, inode, _, size = mapping_of(probe)  # zeros where it is not shared
     # the threshold travels too: both ends of a message must take the same way
     min_bytes = int(os.environ.get(MIN_BYTES_ENV, MIN_BYTES))
     rows = comm.all_gather_ints([os.getpid(), probe.data_ptr(), token, min_bytes, fd, inode, size], timeout)
@@ -524,7 +523,7 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
                 except (RuntimeError, OSError):
                     continue
                 mapped |= (seen == theirs) << r
-    # no peer reads `probe` or maps `shown` after this
+    # no peer reads or maps `probe` after this
     verdicts = comm.all_gather_ints([mine, mapped], timeout)
     state = (SameHost(comm, [row[0] for row in rows], [v[0] for v in verdicts], max(row[3] for row in rows),
                       [v[1] for v in verdicts])
