@@ -396,3 +396,13 @@ def channel_moves(src: Layout, dst: Layout, moves: int, share_sources: bool) -> 
                 "shared": all(t.untyped_storage().is_shared() for t in src_bufs.values())}
     finally:
         channel.close()
+
+
+def board_agreements() -> int | None:
+    """How many agreements the default group has written on its same-host board (None: it has none)."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    from rlhf_switch.routing import same_host
+    hit = same_host._GROUPS.get(id(_get_default_group()))
+    board = hit[1].board if hit is not None and hit[1] is not None else None
+    return None if board is None else board.seq

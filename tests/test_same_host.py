@@ -262,3 +262,130 @@ def test_ranks_whose_readers_copied_exit_without_an_abort(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "terminate called" not in out.stderr, out.stderr[-3000:]
+
+
+# --- the agreement in shared memory (same_host._Board) -------------------------------------------
+
+def _boards(n: int, pids=None):
+    """``n`` boards of one process, each mapping the others' tensors (their peers' pages shared
+    the way ``for_group`` maps them, without processes)."""
+    pages = [torch.zeros(same_host._Board.NUMEL, dtype=torch.int64).share_memory_() for _ in range(n)]
+    pids = pids or [os.getpid()] * n
+    return [same_host._Board(r, pids, pages[r], {p: pages[p] for p in range(n) if p != r}) for r in range(n)]
+
+
+needs_board = pytest.mark.skipif(same_host._futex() is None, reason="the board needs futex(2) on x86-64 Linux")
+
+
+@needs_board
+def test_a_board_gathers_every_row_across_threads_and_keeps_two_agreements_apart():
+    import threading
+    from datetime import timedelta
+    boards = _boards(3)
+    got = {}
+
+    def rank(r):
+        for k in range(1, 6):
+            fin = boards[r].start([r, k, -r, 1 << 60])
+            got[r, k] = fin(timedelta(seconds=10))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    rank(0)
+    for t in threads:
+        t.join(10)
+    for r in range(3):
+        for k in range(1, 6):
+            assert got[r, k] == [[q, k, -q, 1 << 60] for q in range(3)], (r, k)
+
+
+@needs_board
+def test_a_board_wait_names_a_peer_that_closed_exited_or_never_came():
+    import subprocess
+    import sys
+    from datetime import timedelta
+    boards = _boards(2)
+    boards[1].close()
+    with pytest.raises(same_host.PeerGone, match="rank 1 closed") as e:
+        boards[0].start([0] * 4)(timedelta(seconds=5))
+    assert e.value.peer == 1
+    with pytest.raises(RuntimeError, match="closed its group"):
+        boards[1].start([0] * 4)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    boards = _boards(2, [os.getpid(), gone.pid])
+    with pytest.raises(same_host.PeerGone, match=f"rank 1's process \\({gone.pid}\\) has exited"):
+        boards[0].start([0] * 4)(timedelta(seconds=5))
+    boards = _boards(2)
+    fin = boards[0].start([0] * 4)
+    assert not fin.done()
+    with pytest.raises(RuntimeError, match="Timed out"):
+        fin(timedelta(seconds=0.3))
+
+
+def test_every_move_agrees_once_on_the_board(copies_world, layouts4):
+    src, dst = layouts4["fsdp"], layouts4["tp4"]
+    copies_world.run(rank_jobs.move_and_check, src, dst)  # the group's probe has run: its board is up
+    before = copies_world.run(rank_jobs.board_agreements)
+    for seed in range(2):
+        for r, res in enumerate(copies_world.run(rank_jobs.move_and_check, src, dst, seed=seed)):
+            assert res["wrong"] == [], f"rank {r}: {res['wrong']}"
+    after = copies_world.run(rank_jobs.board_agreements)
+    if same_host._futex() is None:
+        assert after == [None] * 4
+    else:
+        assert None not in before and [a - b for a, b in zip(after, before)] == [2] * 4, (before, after)
+
+
+def test_a_refused_move_is_refused_everywhere_through_the_board(copies_world, layouts4):
+    src, dst = layouts4["fsdp"], layouts4["tp4"]
+    copies_world.run(rank_jobs.move_and_check, src, dst)
+    before = copies_world.run(rank_jobs.board_agreements)
+    results = copies_world.run(rank_jobs.move_with_bad_buffer_on, 2, src, dst)
+    for r, res in enumerate(results):
+        assert res["error"] is not None and res["error"].startswith("MoveError"), (r, res)
+        assert "rank 2" in res["error"], res["error"]
+    after = copies_world.run(rank_jobs.board_agreements)
+    if same_host._futex() is not None:
+        assert [a - b for a, b in zip(after, before)] == [1] * 4, (before, after)
+    for r, res in enumerate(copies_world.run(rank_jobs.move_and_check, src, dst)):
+        assert res["wrong"] == [], f"after the refusal: rank {r}: {res['wrong']}"
+
+
+def test_switched_off_the_agreement_stays_on_gloo(layouts4):
+    patch = pytest.MonkeyPatch()
+    patch.setenv(same_host.BOARD_ENV, "0")
+    try:
+        with LocalWorld(4, timeout=120) as world:
+            for r, res in enumerate(world.run(rank_jobs.move_and_check, layouts4["fsdp"], layouts4["tp4"])):
+                assert res["wrong"] == [], f"rank {r}: {res['wrong']}"
+            assert world.run(rank_jobs.board_agreements) == [None] * 4
+    finally:
+        patch.undo()
+
+
+@pytest.mark.slow
+@needs_board
+def test_a_rank_dead_before_the_agreement_is_named_without_waiting_for_the_deadline(copies_world, layouts4):
+    """Rank 3 dies just before its move: the others, waiting for its row on the board, see its
+    process gone (checked every ``_Board.POLL_S``) and raise PeerLost naming it well inside the
+    deadline; after it is replaced, the new world agrees on a new board and moves exactly."""
+    src, dst = layouts4["fsdp"], layouts4["tp4"]
+    deadline = Deadlines(floor_s=20.0, min_rate=50e6, ceiling_s=60.0, arrival_s=20.0, census_s=4.0)
+    copies_world.run(rank_jobs.move_and_check, src, dst)  # the probe is done: the board is up
+    outcome = copies_world.run_all(fault_jobs.move_with_a_death, 3, "before_move", src, dst, deadline, 1 << 20)
+    assert outcome.dead == [3] and not outcome.failures, outcome
+    for r in (0, 1, 2):
+        res = outcome.results[r]
+        print(f"rank {r}: {res['elapsed_s']:.2f} s: {res['error'][:160]}")
+        assert res["error"] is not None and res["error"].startswith("PeerLost: move "), res
+        assert res["lost"] == [3] and "lost rank 3" in res["error"], res["error"]
+        assert same_host.PEER_GONE in res["error"], res["error"]
+        # named at once (0.10-0.13 s here): neither the 20 s arrival deadline nor the census
+        assert res["elapsed_s"] < deadline.census_s, res
+        assert res["source_intact"]
+    copies_world.replace(3)
+    for r, res in enumerate(copies_world.run(rank_jobs.move_and_check, src, dst)):
+        assert res["wrong"] == [], f"after replacing rank 3: rank {r}: {res['wrong']}"
+    assert None not in copies_world.run(rank_jobs.board_agreements)

@@ -99,6 +99,15 @@ class Comm:
         finish.done = work.is_completed  # whether ``finish`` would return at once
         return finish
 
+    def start_agreement(self, values: list[int]):
+        """``start_all_gather_ints`` for a move's agreement (``executor._agree``: 4 int64s a rank,
+        once per move, every rank of the group in the same order): by the group's same-host board
+        where every rank maps every other (``same_host._Board``), else the gloo collective."""
+        board = self.same_host.board if self.same_host is not None else None
+        if board is not None:
+            return board.start(values)
+        return self.start_all_gather_ints(values)
+
     def all_gather_object(self, obj, timeout: timedelta | None = None) -> list:
         """Every rank's ``obj`` (pickled). On gloo both steps — the sizes, then the payloads padded
         to the longest — are all-to-alls of the rank's own part repeated per rank, as in
@@ -130,6 +139,8 @@ class Comm:
         peer"). So: one receive nobody sends, on a tag no move uses, waited for 1 ms."""
         if not self.gloo or self.size < 2:
             return
+        if self.same_host is not None and self.same_host.board is not None:
+            self.same_host.board.close()  # peers waiting at the agreement stop too
         try:
             self.irecv(torch.empty(1, dtype=torch.uint8), (self.rank + 1) % self.size, CLOSE_TAG).wait(
                 timedelta(milliseconds=1))

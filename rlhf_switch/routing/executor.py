@@ -6,8 +6,9 @@
    the schedule is cached per (both layouts' digests, rank, budget, which ranks of the group can
    read each other's memory — found at the group's first move, ``same_host.for_group``), so a
    repeated switch (the RL loop's every iteration) only re-checks the buffers;
-2. one small all-gather of (error flag, plan digest, a signed sum of the per-peer digests): if
-   every rank is fine and they agree, go; otherwise one ``all_gather_object`` of (plan digest,
+2. one small all-gather of (error flag, plan digest, a signed sum of the per-peer digests) — by
+   shared memory where every rank of the group maps every other (``same_host._Board``), else a
+   gloo collective: if every rank is fine and they agree, go; otherwise one ``all_gather_object`` of (plan digest,
    per-peer digests, error) and *every* rank raises the same ``MoveError`` — before a byte has
    moved. While the gather is in flight, the staged sends of the first batches are packed into
    this rank's own staging pool (nothing a peer or the destination sees);
@@ -445,7 +446,7 @@ def _agree(plan: RankPlan | None, pair_digests: dict[int, int], error: str | Non
     it is in (the work then stops: it must not delay the posting)."""
     rank, world = comm.rank, comm.size
     what = f"agreement gather ({4 * 8} B per rank)"
-    finish = _waiting(lambda t: comm.start_all_gather_ints(_agreement_row(plan, pair_digests, error, rank)),
+    finish = _waiting(lambda t: comm.start_agreement(_agreement_row(plan, pair_digests, error, rank)),
                       deadline.arrival, what, None)
     if meanwhile is not None:
         meanwhile(finish.done)
@@ -604,6 +605,7 @@ def _waiting(fn, deadline_s: float, what: str, peer: int | None, pending=None):
     try:
         return fn(timedelta(seconds=deadline_s))
     except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError, with its text
+        peer = getattr(e, "peer", peer)  # a wait on every rank that knows whom it lost (PeerGone)
         raise _WaitFailed(what, peer, f"{type(e).__name__}: {e}", deadline_s,
                           [what] + [d for d in (pending() if pending else []) if d != what]) from None
 

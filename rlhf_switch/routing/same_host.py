@@ -37,6 +37,12 @@ the receiver, with neither packing on the sender (short runs: a row-parallel spl
 shards is 768 B runs at 100M) nor the page pinning ``process_vm_readv`` does for every remote run.
 The GPU counterpart is a CUDA IPC handle; gloo's same-host copies are CPU-only.
 
+*The agreement.* Where every rank of the group can map every other, the move's agreement (its
+one all-gather of 4 int64s a rank before anything moves) is written into shared memory, each rank
+into its own page, and waited for with futexes (``_Board``), instead of a gloo all-to-all whose
+rows reached the other ranks 2–4 ms (up to 16 ms) after the last was posted on this loaded box.
+``RLHF_SWITCH_SAME_HOST_BOARD=0`` keeps it on gloo.
+
 Which peers a rank can read is found once per process group, by every rank together at its first
 move (``for_group``): each rank shows a random token in its memory (and in a shared-memory page), every rank
 tries to read (and to map) its peers' tokens, and the verdicts are gathered, so both ends of every pair agree on the way each
@@ -51,6 +57,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import platform
 import queue
 import secrets
 import sys
@@ -67,6 +74,7 @@ CONTROL_TAG = (1 << 20) - 5  # tags no move's messages use (the executor's are 1
 ACK_TAG = (1 << 20) - 3
 ENV = "RLHF_SWITCH_SAME_HOST_COPY"
 MAP_ENV = "RLHF_SWITCH_SAME_HOST_MAP"  # 0: no mapped reads (process_vm_readv for everything)
+BOARD_ENV = "RLHF_SWITCH_SAME_HOST_BOARD"  # 0: the agreement stays a gloo collective
 
 
 class _Iovec(ctypes.Structure):
@@ -379,6 +387,139 @@ class _Reader:
         self.thread.join(max(0.0, by - time.monotonic()))
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+# futex(2): the one kernel call a wait on another process's word needs (no Python binding).
+# x86-64 only: its stores are seen in program order (TSO), which the board relies on to publish a
+# row before its sequence number without a fence Python cannot issue
+_SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not _PRIVATE): the word is in a file mapped by several processes
+_libc = None
+
+
+def _futex():
+    global _libc
+    if _SYS_FUTEX is None or not sys.platform.startswith("linux"):
+        return None
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.syscall  # noqa: B018 - present, or no futex
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc or None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+class _Board:
+    """The move's agreement (``executor._agree``: a row of ``WIDTH`` int64s from every rank) as
+    writes into shared memory instead of a gloo collective, where every rank of the group maps
+    every other. Each rank owns a small shared tensor (the probe's, ``for_group``): its token,
+    a sequence word, and its row of the last two agreements (by parity). A rank writes its row,
+    then the agreement's number into its sequence word, and wakes whoever sleeps on that word
+    (futex); it reads a peer's row once the peer's word has reached the same number.
+
+    Why: a gloo all-to-all completes only after every rank's gloo thread has run again after the
+    last rank posted — on 2 cores shared by 4 ranks that already copy, the last row landed on the
+    other ranks 0.5–16 ms (median 2–4 ms) after it was posted (100M FSDP -> vLLM TP4, a tenth of
+    the move). Here a row is there as soon as it is written, and a sleeping rank is woken by the
+    writer's own call.
+
+    Parity is enough: a rank finishes agreement k only once every rank has written k, i.e. has
+    read every row of k - 1; so no rank writes k + 1's slot (k - 1's) while a peer may read it.
+    A peer that dies never writes: the waits check, every ``POLL_S``, that the peers they wait
+    for still run (``PEER_GONE``); ``close`` (a failed move: ``Comm.close``) marks this rank's
+    word closed, and the peers waiting on it stop at once, as gloo's waits do on a closed pair."""
+
+    TOKEN, SEQ, ROWS = 0, 1, 2  # int64 slots: token, sequence (its low int32 is the futex word), rows
+    WIDTH = 4
+    NUMEL = ROWS + 2 * WIDTH
+    CLOSED = -1
+    POLL_S = 0.1
+
+    def __init__(self, rank: int, pids: list[int], mine: torch.Tensor, peers: dict[int, torch.Tensor]):
+        self.rank, self.pids = rank, pids
+        self.keep = [mine, *peers.values()]  # the mappings the addresses below point into
+        base = {rank: mine.data_ptr(), **{p: t.data_ptr() for p, t in peers.items()}}
+        self.seq_words = {r: ctypes.c_int32.from_address(a + 8 * self.SEQ) for r, a in base.items()}
+        self.seq_addrs = {r: a + 8 * self.SEQ for r, a in base.items()}
+        self.rows = {r: [(ctypes.c_int64 * self.WIDTH).from_address(a + 8 * (self.ROWS + self.WIDTH * i))
+                         for i in (0, 1)] for r, a in base.items()}
+        self.seq = 0  # the last agreement this rank has written
+
+    def start(self, values: list[int]):
+        """Write this rank's row of the next agreement; returns ``finish(timeout)`` (the rows of
+        every rank, in rank order) with ``finish.done()``, as ``Comm.start_all_gather_ints``."""
+        if self.seq_words[self.rank].value == self.CLOSED:
+            raise RuntimeError("this rank closed its group after a failed move")
+        k = self.seq = self.seq + 1
+        self.rows[self.rank][k & 1][:] = values
+        self.seq_words[self.rank].value = k  # after the row: x86 publishes stores in order
+        _futex().syscall(_SYS_FUTEX, ctypes.c_void_p(self.seq_addrs[self.rank]), _FUTEX_WAKE,
+                         0x7FFFFFFF, None, None, 0)
+        peers = [r for r in sorted(self.seq_words) if r != self.rank]
+
+        def done() -> bool:
+            return all(self.seq_words[p].value >= k for p in peers)
+
+        def finish(timeout: timedelta | None = None) -> list[list[int]]:
+            end = None if timeout is None else time.monotonic() + timeout.total_seconds()
+            for p in peers:
+                self._wait(p, k, end, timeout)
+            return [list(self.rows[r][k & 1]) for r in sorted(self.rows)]
+        finish.done = done
+        return finish
+
+    def _wait(self, peer: int, k: int, end: float | None, timeout) -> None:
+        word, ts = self.seq_words[peer], _Timespec()
+        while True:
+            seen = word.value
+            if seen == self.CLOSED:
+                raise PeerGone(f"{PEER_GONE}: rank {peer} closed the group (its move failed) "
+                               f"before the agreement", peer)
+            if seen >= k:
+                return
+            left = self.POLL_S if end is None else min(self.POLL_S, end - time.monotonic())
+            if left <= 0:
+                raise RuntimeError(f"Timed out after {timeout} waiting for rank {peer}'s row of the "
+                                   f"agreement (same-host board)")
+            ts.tv_sec, ts.tv_nsec = int(left), int(left % 1 * 1e9)
+            # sleeps only while the word still holds `seen`: a write in between returns at once
+            _futex().syscall(_SYS_FUTEX, ctypes.c_void_p(self.seq_addrs[peer]), _FUTEX_WAIT,
+                             ctypes.c_int32(seen), ctypes.byref(ts), None, 0)
+            if word.value == seen and not _alive(self.pids[peer]):
+                raise PeerGone(f"{PEER_GONE}: rank {peer}'s process ({self.pids[peer]}) has "
+                               f"exited before the agreement", peer)
+
+    def close(self) -> None:
+        """Mark this rank's word closed and wake its waiters (they raise ``PEER_GONE``)."""
+        self.seq_words[self.rank].value = self.CLOSED
+        _futex().syscall(_SYS_FUTEX, ctypes.c_void_p(self.seq_addrs[self.rank]), _FUTEX_WAKE,
+                         0x7FFFFFFF, None, None, 0)
+
+
+PEER_GONE = "Connection closed (same-host board)"  # what executor._lost reads as a closed peer
+
+
+class PeerGone(RuntimeError):
+    """A board wait that stopped because ``peer`` exited or closed the group."""
+
+    def __init__(self, message: str, peer: int):
+        super().__init__(message)
+        self.peer = peer
+
+
 class SameHost:
     """Which peers of a gloo group this rank reads from and which read from it; one reader per
     peer it reads from."""
@@ -391,6 +532,7 @@ class SameHost:
         self.can_read = can_read  # per rank: bitmask of the ranks whose memory it can read
         self.can_map = can_map or [0] * len(pids)  # per rank: ... whose shared memory it can map
         self._readers: dict[int, _Reader] = {}
+        self.board: _Board | None = None  # the agreement in shared memory (``for_group`` sets it)
         self.messages = 0  # posted as same-host copies (sends and receives) so far
         self.read_messages = 0  # of those: read messages
 
@@ -493,17 +635,21 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
     enabled = os.environ.get(ENV, "1") not in ("0", "false", "no") and _readv() is not None
     mapping = enabled and os.environ.get(MAP_ENV, "1") not in ("0", "false", "no")
     token = secrets.randbits(62) + 1 if enabled else 0
-    probe = torch.tensor([token], dtype=torch.int64)
+    probe = torch.zeros(_Board.NUMEL, dtype=torch.int64)  # the token, then this rank's board
+    probe[_Board.TOKEN] = token
     if mapping:  # in shared memory, the same token can be read and mapped
         try:
             probe.share_memory_()
         except RuntimeError:
             pass
-    fd, inode, _, size = mapping_of(probe)  # zeros where it is not shared
+    fd, inode, offset, size = mapping_of(probe)  # zeros where it is not shared
+    if offset:
+        fd = inode = size = 0
     # the threshold travels too: both ends of a message must take the same way
     min_bytes = int(os.environ.get(MIN_BYTES_ENV, MIN_BYTES))
     rows = comm.all_gather_ints([os.getpid(), probe.data_ptr(), token, min_bytes, fd, inode, size], timeout)
     mine = mapped = 0
+    maps: dict[int, torch.Tensor] = {}  # peer -> its probe, mapped
     if enabled:
         got = torch.zeros(1, dtype=torch.int64)
         for r, (pid, address, theirs, _, fd, inode, size) in enumerate(rows):
@@ -519,15 +665,23 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
             mine |= 1 << r
             if mapping and fd:
                 try:
-                    seen = int(_Mappings(pid).get(fd, inode, size).view(torch.int64)[0])
+                    theirs_mapped = _Mappings(pid).get(fd, inode, size)[:8 * _Board.NUMEL].view(torch.int64)
                 except (RuntimeError, OSError):
                     continue
-                mapped |= (seen == theirs) << r
-    # no peer reads or maps `probe` after this
+                if int(theirs_mapped[_Board.TOKEN]) == theirs:
+                    mapped |= 1 << r
+                    maps[r] = theirs_mapped
     verdicts = comm.all_gather_ints([mine, mapped], timeout)
     state = (SameHost(comm, [row[0] for row in rows], [v[0] for v in verdicts], max(row[3] for row in rows),
                       [v[1] for v in verdicts])
              if any(v[0] for v in verdicts) else None)
+    everyone = (1 << comm.size) - 1
+    if (state is not None and _futex() is not None and len(rows) == comm.size
+            and all(v[1] | 1 << r == everyone for r, v in enumerate(verdicts))
+            and os.environ.get(BOARD_ENV, "1") not in ("0", "false", "no")):
+        # every rank maps every other (the same verdicts on every rank): the agreement goes by
+        # the board; `probe` and the peers' stay mapped for it (otherwise nobody touches them again)
+        state.board = _Board(comm.rank, state.pids, probe, maps)
     _GROUPS[id(key)] = (weakref.ref(key), state)
     weakref.finalize(key, _forget, id(key), state)
     return state
