@@ -62,6 +62,7 @@ def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 
     dst_bufs = garbage_like(allocate(dst, rank, fill=None), seed + 1000 + rank)
     before = {n: t.clone() for n, t in dst_bufs.items()}
     group, _store = bare_gloo_group() if bare_group else (None, None)
+    move_and_check.last_group = group  # a test looks at the group's same-host state afterwards
     report = move(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes, ranks_per_node=ranks_per_node,
                   group=group)
     expected = materialize(dst, rank, tensor_of)
@@ -406,3 +407,23 @@ def board_agreements() -> int | None:
     hit = same_host._GROUPS.get(id(_get_default_group()))
     board = hit[1].board if hit is not None and hit[1] is not None else None
     return None if board is None else board.seq
+
+
+def move_on_a_new_group_with_the_board_off_on(odd_rank: int, src: Layout, dst: Layout) -> dict:
+    """``move_and_check`` over a fresh bare group, with ``RLHF_SWITCH_SAME_HOST_BOARD=0`` on
+    ``odd_rank`` only (while the group is probed); and whether that group got a board here."""
+    import os
+
+    from rlhf_switch.routing import same_host
+    was = os.environ.get(same_host.BOARD_ENV)
+    if dist.get_rank() == odd_rank:
+        os.environ[same_host.BOARD_ENV] = "0"
+    try:
+        res = move_and_check(src, dst, bare_group=True)
+    finally:
+        if was is None:
+            os.environ.pop(same_host.BOARD_ENV, None)
+        else:
+            os.environ[same_host.BOARD_ENV] = was
+    state = same_host._GROUPS[id(move_and_check.last_group)][1]
+    return {**res, "board": state is not None and state.board is not None}

@@ -365,6 +365,16 @@ def test_switched_off_the_agreement_stays_on_gloo(layouts4):
         patch.undo()
 
 
+def test_the_board_switched_off_on_one_rank_keeps_the_whole_group_on_gloo(copies_world, layouts4):
+    """Each rank says in the probe whether it would use a board: one that would not keeps every
+    rank on the gloo collective (split, half the group would wait on rows never written)."""
+    results = copies_world.run(rank_jobs.move_on_a_new_group_with_the_board_off_on, 1,
+                               layouts4["fsdp"], layouts4["tp4"])
+    for r, res in enumerate(results):
+        assert res["wrong"] == [], f"rank {r}: {res['wrong']}"
+        assert res["board"] is False, r
+
+
 @pytest.mark.slow
 @needs_board
 def test_a_rank_dead_before_the_agreement_is_named_without_waiting_for_the_deadline(copies_world, layouts4):

@@ -233,7 +233,7 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
         # messages) and before the agreement
         try:
             _waiting(comm.use_same_host_copies, deadline.arrival,
-                     "same-host probe (two gathers of 8-32 B per rank)", None)
+                     "same-host probe (two gathers of 24-56 B per rank)", None)
         except _WaitFailed as f:
             raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     schedule, error = None, None

@@ -671,14 +671,16 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
                 if int(theirs_mapped[_Board.TOKEN]) == theirs:
                     mapped |= 1 << r
                     maps[r] = theirs_mapped
-    verdicts = comm.all_gather_ints([mine, mapped], timeout)
+    # whether this rank would take the agreement by a board (with every rank's word: the env
+    # switch set on one rank only must not split the group between the board and gloo)
+    board_ok = int(_futex() is not None and os.environ.get(BOARD_ENV, "1") not in ("0", "false", "no"))
+    verdicts = comm.all_gather_ints([mine, mapped, board_ok], timeout)
     state = (SameHost(comm, [row[0] for row in rows], [v[0] for v in verdicts], max(row[3] for row in rows),
                       [v[1] for v in verdicts])
              if any(v[0] for v in verdicts) else None)
     everyone = (1 << comm.size) - 1
-    if (state is not None and _futex() is not None and len(rows) == comm.size
-            and all(v[1] | 1 << r == everyone for r, v in enumerate(verdicts))
-            and os.environ.get(BOARD_ENV, "1") not in ("0", "false", "no")):
+    if (state is not None and all(v[2] for v in verdicts)
+            and all(v[1] | 1 << r == everyone for r, v in enumerate(verdicts))):
         # every rank maps every other (the same verdicts on every rank): the agreement goes by
         # the board; `probe` and the peers' stay mapped for it (otherwise nobody touches them again)
         state.board = _Board(comm.rank, state.pids, probe, maps)
