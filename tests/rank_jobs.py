@@ -373,7 +373,7 @@ def mappings_held() -> list[int]:
     """Per peer this rank reads from: how many of its storages this rank keeps mapped."""
     from rlhf_switch.routing import same_host
     states = [st for _, st in same_host._GROUPS.values() if st is not None]
-    return sorted(len(r.maps.maps) for st in states for r in st._readers.values())
+    return sorted(r.maps.held() for st in states for r in st._readers.values())
 
 
 def channel_moves(src: Layout, dst: Layout, moves: int, share_sources: bool) -> dict:

@@ -399,3 +399,16 @@ def test_a_rank_dead_before_the_agreement_is_named_without_waiting_for_the_deadl
     for r, res in enumerate(copies_world.run(rank_jobs.move_and_check, src, dst)):
         assert res["wrong"] == [], f"after replacing rank 3: rank {r}: {res['wrong']}"
     assert None not in copies_world.run(rank_jobs.board_agreements)
+
+
+def test_rank_bitmasks_of_large_groups_cross_the_gather_in_int64_words():
+    """The probe's verdicts (per rank: which ranks it reads, which it maps) travel as int64s; a
+    group of more than 63 ranks on hosts that read each other would overflow one (before: the
+    probe raised at the first move of such a group)."""
+    for world in (1, 4, 62, 63, 64, 200, 1024):
+        words = same_host._mask_words(world)
+        for mask in (0, 1, (1 << world) - 1, (1 << world) - 1 - (1 << (world - 1)), 0x5555 % (1 << world)):
+            parts = same_host._to_words(mask, words)
+            assert len(parts) == words and all(0 <= p < 1 << 63 for p in parts), (world, parts)
+            assert torch.tensor(parts, dtype=torch.int64).tolist() == parts
+            assert same_host._from_words(parts) == mask, (world, mask)

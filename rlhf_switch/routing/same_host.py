@@ -238,6 +238,14 @@ class _Mappings:
         self.maps[inode] = (fd, m)
         return m
 
+    def clear(self) -> None:
+        """Unmap every storage of the peer mapped so far."""
+        self.maps.clear()
+
+    def held(self) -> int:
+        """How many of the peer's storages are mapped here."""
+        return len(self.maps)
+
     def sweep(self) -> None:
         for inode, (fd, _) in list(self.maps.items()):
             try:
@@ -608,7 +616,7 @@ class SameHost:
     def forget_mappings(self) -> None:
         """Unmap every peer storage mapped so far (call between moves, never during one)."""
         for r in self._readers.values():
-            r.maps.maps.clear()
+            r.maps.clear()
 
     def stop(self) -> None:
         """End the readers, each after the copies already asked of it."""
@@ -674,19 +682,38 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
     # whether this rank would take the agreement by a board (with every rank's word: the env
     # switch set on one rank only must not split the group between the board and gloo)
     board_ok = int(_futex() is not None and os.environ.get(BOARD_ENV, "1") not in ("0", "false", "no"))
-    verdicts = comm.all_gather_ints([mine, mapped, board_ok], timeout)
-    state = (SameHost(comm, [row[0] for row in rows], [v[0] for v in verdicts], max(row[3] for row in rows),
-                      [v[1] for v in verdicts])
-             if any(v[0] for v in verdicts) else None)
+    words = _mask_words(comm.size)
+    gathered = comm.all_gather_ints([board_ok, *_to_words(mine, words), *_to_words(mapped, words)], timeout)
+    can_read = [_from_words(v[1:1 + words]) for v in gathered]
+    can_map = [_from_words(v[1 + words:]) for v in gathered]
+    state = (SameHost(comm, [row[0] for row in rows], can_read, max(row[3] for row in rows), can_map)
+             if any(can_read) else None)
     everyone = (1 << comm.size) - 1
-    if (state is not None and all(v[2] for v in verdicts)
-            and all(v[1] | 1 << r == everyone for r, v in enumerate(verdicts))):
+    if (state is not None and all(v[0] for v in gathered)
+            and all(m | 1 << r == everyone for r, m in enumerate(can_map))):
         # every rank maps every other (the same verdicts on every rank): the agreement goes by
         # the board; `probe` and the peers' stay mapped for it (otherwise nobody touches them again)
         state.board = _Board(comm.rank, state.pids, probe, maps)
     _GROUPS[id(key)] = (weakref.ref(key), state)
     weakref.finalize(key, _forget, id(key), state)
     return state
+
+
+_MASK_BITS = 62  # bits of a rank bitmask per int64 of the verdicts' gather (no sign, no overflow)
+
+
+def _mask_words(world: int) -> int:
+    return max(1, -(-world // _MASK_BITS))
+
+
+def _to_words(mask: int, words: int) -> list[int]:
+    """A bitmask of ranks as ``words`` int64s of ``_MASK_BITS`` bits each (a group of more than 63
+    ranks overflows one int64)."""
+    return [mask >> (_MASK_BITS * i) & ((1 << _MASK_BITS) - 1) for i in range(words)]
+
+
+def _from_words(words: list[int]) -> int:
+    return sum(w << (_MASK_BITS * i) for i, w in enumerate(words))
 
 
 def forget_mappings() -> None:
