@@ -420,6 +420,18 @@ def _futex():
     return _libc or None
 
 
+def _futex_wake(addr: int) -> None:
+    """Wake every process sleeping on the int32 at ``addr``."""
+    _futex().syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+def _futex_wait(addr: int, seen: int, seconds: float) -> None:
+    """Sleep up to ``seconds`` while the int32 at ``addr`` still holds ``seen`` (a write in
+    between returns at once)."""
+    ts = _Timespec(int(seconds), int(seconds % 1 * 1e9))
+    _futex().syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_int32(seen), ctypes.byref(ts), None, 0)
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie, killed and not yet reaped, does not)."""
     try:
@@ -460,10 +472,11 @@ class _Board:
         self.rank, self.pids = rank, pids
         self.keep = [mine, *peers.values()]  # the mappings the addresses below point into
         base = {rank: mine.data_ptr(), **{p: t.data_ptr() for p, t in peers.items()}}
-        self.seq_words = {r: ctypes.c_int32.from_address(a + 8 * self.SEQ) for r, a in base.items()}
-        self.seq_addrs = {r: a + 8 * self.SEQ for r, a in base.items()}
+        self.seq_addrs = {r: a + 8 * self.SEQ for r, a in sorted(base.items())}
+        self.seq_words = {r: ctypes.c_int32.from_address(a) for r, a in self.seq_addrs.items()}
         self.rows = {r: [(ctypes.c_int64 * self.WIDTH).from_address(a + 8 * (self.ROWS + self.WIDTH * i))
-                         for i in (0, 1)] for r, a in base.items()}
+                         for i in (0, 1)] for r, a in sorted(base.items())}
+        self.peers = [r for r in self.rows if r != rank]  # in rank order
         self.seq = 0  # the last agreement this rank has written
 
     def start(self, values: list[int]):
@@ -474,23 +487,21 @@ class _Board:
         k = self.seq = self.seq + 1
         self.rows[self.rank][k & 1][:] = values
         self.seq_words[self.rank].value = k  # after the row: x86 publishes stores in order
-        _futex().syscall(_SYS_FUTEX, ctypes.c_void_p(self.seq_addrs[self.rank]), _FUTEX_WAKE,
-                         0x7FFFFFFF, None, None, 0)
-        peers = [r for r in sorted(self.seq_words) if r != self.rank]
+        _futex_wake(self.seq_addrs[self.rank])
 
         def done() -> bool:
-            return all(self.seq_words[p].value >= k for p in peers)
+            return all(self.seq_words[p].value >= k for p in self.peers)
 
         def finish(timeout: timedelta | None = None) -> list[list[int]]:
             end = None if timeout is None else time.monotonic() + timeout.total_seconds()
-            for p in peers:
+            for p in self.peers:
                 self._wait(p, k, end, timeout)
-            return [list(self.rows[r][k & 1]) for r in sorted(self.rows)]
+            return [list(row[k & 1]) for row in self.rows.values()]
         finish.done = done
         return finish
 
     def _wait(self, peer: int, k: int, end: float | None, timeout) -> None:
-        word, ts = self.seq_words[peer], _Timespec()
+        word = self.seq_words[peer]
         while True:
             seen = word.value
             if seen == self.CLOSED:
@@ -502,10 +513,7 @@ class _Board:
             if left <= 0:
                 raise RuntimeError(f"Timed out after {timeout} waiting for rank {peer}'s row of the "
                                    f"agreement (same-host board)")
-            ts.tv_sec, ts.tv_nsec = int(left), int(left % 1 * 1e9)
-            # sleeps only while the word still holds `seen`: a write in between returns at once
-            _futex().syscall(_SYS_FUTEX, ctypes.c_void_p(self.seq_addrs[peer]), _FUTEX_WAIT,
-                             ctypes.c_int32(seen), ctypes.byref(ts), None, 0)
+            _futex_wait(self.seq_addrs[peer], seen, left)
             if word.value == seen and not _alive(self.pids[peer]):
                 raise PeerGone(f"{PEER_GONE}: rank {peer}'s process ({self.pids[peer]}) has "
                                f"exited before the agreement", peer)
@@ -513,8 +521,7 @@ class _Board:
     def close(self) -> None:
         """Mark this rank's word closed and wake its waiters (they raise ``PEER_GONE``)."""
         self.seq_words[self.rank].value = self.CLOSED
-        _futex().syscall(_SYS_FUTEX, ctypes.c_void_p(self.seq_addrs[self.rank]), _FUTEX_WAKE,
-                         0x7FFFFFFF, None, None, 0)
+        _futex_wake(self.seq_addrs[self.rank])
 
 
 PEER_GONE = "Connection closed (same-host board)"  # what executor._lost reads as a closed peer
@@ -640,8 +647,8 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
     hit = _GROUPS.get(id(key))
     if hit is not None and hit[0]() is key:
         return hit[1]
-    enabled = os.environ.get(ENV, "1") not in ("0", "false", "no") and _readv() is not None
-    mapping = enabled and os.environ.get(MAP_ENV, "1") not in ("0", "false", "no")
+    enabled = _switched_on(ENV) and _readv() is not None
+    mapping = enabled and _switched_on(MAP_ENV)
     token = secrets.randbits(62) + 1 if enabled else 0
     probe = torch.zeros(_Board.NUMEL, dtype=torch.int64)  # the token, then this rank's board
     probe[_Board.TOKEN] = token
@@ -650,9 +657,7 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
             probe.share_memory_()
         except RuntimeError:
             pass
-    fd, inode, offset, size = mapping_of(probe)  # zeros where it is not shared
-    if offset:
-        fd = inode = size = 0
+    fd, inode, _, size = mapping_of(probe)  # zeros where it is not shared (a fresh tensor: offset 0)
     # the threshold travels too: both ends of a message must take the same way
     min_bytes = int(os.environ.get(MIN_BYTES_ENV, MIN_BYTES))
     rows = comm.all_gather_ints([os.getpid(), probe.data_ptr(), token, min_bytes, fd, inode, size], timeout)
@@ -681,7 +686,7 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
                     maps[r] = theirs_mapped
     # whether this rank would take the agreement by a board (with every rank's word: the env
     # switch set on one rank only must not split the group between the board and gloo)
-    board_ok = int(_futex() is not None and os.environ.get(BOARD_ENV, "1") not in ("0", "false", "no"))
+    board_ok = int(_futex() is not None and _switched_on(BOARD_ENV))
     words = _mask_words(comm.size)
     gathered = comm.all_gather_ints([board_ok, *_to_words(mine, words), *_to_words(mapped, words)], timeout)
     can_read = [_from_words(v[1:1 + words]) for v in gathered]
@@ -697,6 +702,11 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
     _GROUPS[id(key)] = (weakref.ref(key), state)
     weakref.finalize(key, _forget, id(key), state)
     return state
+
+
+def _switched_on(env: str) -> bool:
+    """Whether the switch ``env`` (on unless "0", "false" or "no") is on."""
+    return os.environ.get(env, "1") not in ("0", "false", "no")
 
 
 _MASK_BITS = 62  # bits of a rank bitmask per int64 of the verdicts' gather (no sign, no overflow)
