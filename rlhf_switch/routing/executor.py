@@ -782,6 +782,15 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
     inflight: deque = deque()  # staged steps in flight, oldest first: [tokens, staged recv op, size]
     direct: list[int] = []  # tokens of the messages that use no staging
 
+    # read messages' receives first, in one batch: each is copied by this rank's reader of its
+    # sender (``same_host``) as soon as its offer is there — which, on the board, is now — and
+    # waits for no message of this rank's (a direction is all read messages or none, so each
+    # reader's jobs keep their order)
+    reads = [op for batch in prog.batches for op in batch.ops if op.read is not None and not op.send]
+    if reads:
+        direct += out.post_batch([bound.p2p(op) for op in reads], [op.nbytes for op in reads])
+        messages += len(reads)
+
     def retire():
         nonlocal alive_bytes
         tokens, recv, size = inflight.popleft()
@@ -807,6 +816,8 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
                 raise AssertionError(f"staging holds {alive_bytes} B over the {budget} B budget")
         ops, sizes, owners = [], [], []
         for op in batch.ops:
+            if op.read is not None and not op.send:
+                continue  # posted above
             ops.append(bound.p2p(op, id(op) in packed))
             sizes.append(op.nbytes)
             if op.step >= 0:  # staged on this side: retired with its step
