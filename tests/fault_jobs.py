@@ -12,7 +12,9 @@ executor calls there (test-only; the executor has no hook for this):
 * ``after_sends``: it posts its receives nowhere (they are held back), waits until every send it
   posted has completed (those that can: ``_HeldBack``), then dies with its receives outstanding;
 * ``mid_copy``: right after posting its first large send as a same-host copy
-  (``routing/same_host.py``), while its receiver copies out of its memory.
+  (``routing/same_host.py``), while its receiver copies out of its memory;
+* ``taking_a_board_offer``: as its reader takes the first read message offered on the board
+  (sources in shared memory), so its senders wait for acknowledgements that never come.
 
 The gloo points patch gloo's send/recv: their tests run with same-host copies off.
 """
@@ -96,18 +98,23 @@ def _arm(point: str) -> None:
             _die()
             return work
         same_host.SameHost._offer = offer
+    elif point == "taking_a_board_offer":
+        same_host._Board.offer = lambda *a, **k: _die()
     elif point != "before_move":
         raise ValueError(point)
 
 
 def move_with_a_death(dying: int, point: str, src: Layout, dst: Layout, deadline: Deadlines,
-                      budget_bytes: int, seed: int = 0) -> dict:
+                      budget_bytes: int, seed: int = 0, shared: bool = False) -> dict:
     """Every rank moves ``src`` -> ``dst``; rank ``dying`` dies at ``point``. Returns, per surviving
     rank, what its move raised and how long it took, whether its source buffers are bit-identical
-    to before, and how much of what the dead rank was sending it arrived intact."""
+    to before, and how much of what the dead rank was sending it arrived intact. ``shared``:
+    sources in shared memory (``same_host.share``: mapped reads, offers on the board)."""
     rank = dist.get_rank()
     tensor_of = tensor_source(src, seed)
     src_bufs = materialize(src, rank, tensor_of)
+    if shared:
+        same_host.share(src_bufs.values())
     src_copy = {n: t.clone() for n, t in src_bufs.items()}
     dst_bufs = garbage_like(allocate(dst, rank, fill=None), seed + 1000 + rank)
     if rank == dying:

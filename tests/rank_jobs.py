@@ -47,15 +47,16 @@ def bare_gloo_group():
 
 
 def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 1 << 20,
-                   ranks_per_node: int | None = None, bare_group: bool = False, shared: bool = False) -> dict:
+                   ranks_per_node: int | None = None, bare_group: bool = False, shared: bool | tuple = False) -> dict:
     """Fill ``src`` from seeded global tensors, move into garbage-filled ``dst`` buffers, and
     compare bit for bit with a direct construction of ``dst``. Padding must stay untouched,
     and the source must be unchanged. ``shared``: the source buffers in shared memory
-    (``same_host.share``), so same-host peers read them through mappings."""
+    (``same_host.share``), so same-host peers read them through mappings — on every rank, or on
+    the ranks a tuple names."""
     rank = dist.get_rank()
     tensor_of = tensor_source(src, seed)
     src_bufs = materialize(src, rank, tensor_of)
-    if shared:
+    if shared is True or (shared and rank in shared):
         from rlhf_switch.routing import same_host
         same_host.share(src_bufs.values())
     src_copy = {n: t.clone() for n, t in src_bufs.items()}

@@ -116,8 +116,24 @@ def test_shared_sources_are_read_through_mappings_with_nothing_packed(copies_wor
         reports = run_move(copies_world, src, dst, seed=seed, budget_bytes=budget, shared=True)
         for rep in reports:
             assert rep.read_messages == rep.messages and 2 * rep.mapped_messages == rep.messages > 0, str(rep)
+            # their offers went on the board with the agreement (x86-64 Linux), not over gloo
+            assert rep.board_messages == (rep.read_messages if same_host._futex() else 0), str(rep)
         held.append(copies_world.run(rank_jobs.mappings_held))
     assert held[0] == held[1] and all(n > 0 for per_rank in held[1] for n in per_rank), held
+
+
+def test_read_messages_offered_on_the_board_and_over_gloo_mix_in_one_move(copies_world):
+    """Sources in shared memory on ranks 0 and 2 only: their read messages are offered on the
+    board, ranks 1 and 3's over gloo (their receivers learn which from the board), in one move,
+    twice (the board's two slots); bit for bit."""
+    src = build_layout(READS_SPEC, ParallelConfig(dp=4, dp_shard="fsdp"))
+    dst = build_layout(READS_SPEC, ParallelConfig(tp=4))
+    for seed in (0, 1):
+        reports = run_move(copies_world, src, dst, seed=seed, shared=(0, 2))
+        for r, rep in enumerate(reports):
+            assert rep.read_messages == rep.messages == 6, str(rep)  # 3 sends, 3 receives
+            if same_host._futex() is not None:  # 3 sends on the board (0, 2) or none, + 1 or 2 receives
+                assert rep.board_messages == (3 if r in (0, 2) else 0) + (1 if r in (0, 2) else 2), str(rep)
 
 
 def test_whole_messages_from_shared_memory_are_mapped_too(copies_world):
@@ -269,7 +285,7 @@ def test_ranks_whose_readers_copied_exit_without_an_abort(tmp_path):
 def _boards(n: int, pids=None):
     """``n`` boards of one process, each mapping the others' tensors (their peers' pages shared
     the way ``for_group`` maps them, without processes)."""
-    pages = [torch.zeros(same_host._Board.NUMEL, dtype=torch.int64).share_memory_() for _ in range(n)]
+    pages = [torch.zeros(same_host._Board.numel(n), dtype=torch.int64).share_memory_() for _ in range(n)]
     pids = pids or [os.getpid()] * n
     return [same_host._Board(r, pids, pages[r], {p: pages[p] for p in range(n) if p != r}) for r in range(n)]
 
@@ -322,6 +338,43 @@ def test_a_board_wait_names_a_peer_that_closed_exited_or_never_came():
     assert not fin.done()
     with pytest.raises(RuntimeError, match="Timed out"):
         fin(timedelta(seconds=0.3))
+
+
+@needs_board
+def test_offers_on_the_board_reach_their_receivers_and_are_acknowledged_by_count():
+    """Rank 0 writes its read messages' offers (one marked as going over gloo) before its row;
+    once the agreement is in, each receiver finds its own, in order, and its acknowledgements
+    complete the sender's waits. Offers too many for the page go over gloo, all of them."""
+    import threading
+    from datetime import timedelta
+    boards = _boards(3)
+    offers = {1: [[11, 12, 13], None, [14]], 2: [[21] * 40]}
+    assert boards[0].post_offers(offers)
+    fins = [b.start([0] * 4) for b in boards]
+    for f in fins:
+        f(timedelta(seconds=5))
+    k = boards[1].seq
+    assert [boards[1].offer(0, k, j) for j in range(3)] == offers[1]
+    assert boards[2].offer(0, k, 0) == offers[2][0]
+    with pytest.raises(RuntimeError, match="offered 3 read messages to rank 1"):
+        boards[1].offer(0, k, 3)
+    with pytest.raises(RuntimeError, match="Timed out .* acknowledgement"):
+        boards[0].wait_acknowledged(1, 1, timedelta(seconds=0.2))
+    later = threading.Timer(0.1, lambda: [boards[1].acknowledge(0) for _ in range(2)])
+    later.start()
+    boards[0].wait_acknowledged(1, 2, timedelta(seconds=5))  # woken by the second count
+    later.join()
+    boards[2].acknowledge(0)
+    boards[0].wait_acknowledged(2, 1, timedelta(seconds=5))
+    # the next move's offers go in the other slot; too many: all over gloo
+    assert not boards[0].post_offers({1: [[7] * same_host._Board.OFFERS_NUMEL]})
+    for f in [b.start([0] * 4) for b in boards]:
+        f(timedelta(seconds=5))
+    assert boards[1].offer(0, k + 1, 0) is None
+    boards[2].close()
+    with pytest.raises(same_host.PeerGone, match="rank 2 closed .* acknowledgement") as e:
+        boards[0].wait_acknowledged(2, 2, timedelta(seconds=5))
+    assert e.value.peer == 2
 
 
 def test_every_move_agrees_once_on_the_board(copies_world, layouts4):
@@ -399,6 +452,34 @@ def test_a_rank_dead_before_the_agreement_is_named_without_waiting_for_the_deadl
     for r, res in enumerate(copies_world.run(rank_jobs.move_and_check, src, dst)):
         assert res["wrong"] == [], f"after replacing rank 3: rank {r}: {res['wrong']}"
     assert None not in copies_world.run(rank_jobs.board_agreements)
+
+
+@pytest.mark.slow
+@needs_board
+def test_a_receiver_dead_before_it_acknowledges_a_board_offer_is_named_at_once(copies_world):
+    """Rank 3 dies as it takes a read message offered on the board: its senders, waiting on the
+    board for its acknowledgement (no gloo message to close), see its process gone within
+    ``_Board.POLL_S`` and raise PeerLost naming it, well inside their deadlines; their sources are
+    intact, and after rank 3 is replaced the new world moves exactly."""
+    src = build_layout(READS_SPEC, ParallelConfig(dp=4, dp_shard="fsdp"))
+    dst = build_layout(READS_SPEC, ParallelConfig(tp=4))
+    deadline = Deadlines(floor_s=20.0, min_rate=50e6, ceiling_s=60.0, arrival_s=20.0, census_s=4.0)
+    copies_world.run(rank_jobs.move_and_check, src, dst)
+    outcome = copies_world.run_all(fault_jobs.move_with_a_death, 3, "taking_a_board_offer", src, dst,
+                                   deadline, 1 << 20, shared=True)
+    assert outcome.dead == [3] and not outcome.failures, outcome
+    for r in (0, 1, 2):
+        res = outcome.results[r]
+        print(f"rank {r}: {res['elapsed_s']:.2f} s: {res['error'][:200]}")
+        assert res["error"] is not None and res["error"].startswith("PeerLost: move "), res
+        assert res["lost"] == [3] and "lost rank 3" in res["error"], res["error"]
+        assert "acknowledgement of a read message" in res["error"], res["error"]
+        assert res["elapsed_s"] < deadline.census_s, res
+        assert res["source_intact"]
+    copies_world.replace(3)
+    for r, res in enumerate(copies_world.run(rank_jobs.move_and_check, src, dst, shared=True)):
+        assert res["wrong"] == [], f"after replacing rank 3: rank {r}: {res['wrong']}"
+        assert res["report"].board_messages > 0, str(res["report"])
 
 
 def test_rank_bitmasks_of_large_groups_cross_the_gather_in_int64_words():

@@ -28,7 +28,9 @@
    Between ranks of one host a direction may instead be one or a few *read messages*
    (``same_host.py``): the receiver copies the pieces out of the sender's buffers and packed
    block straight into its destination views, with nothing to unpack — and where the sender's
-   buffers are in shared memory, out of its mapped views, with nothing packed (mapped reads).
+   buffers are in shared memory, out of its mapped views, with nothing packed (mapped reads);
+   with the board of step 2, the offers of those go with the agreement (``_Bound.offer_on_board``)
+   and they cross no gloo message at all.
    The program runs compiled (``Schedule.program``, built once with the cached schedule): per
    message its buffer range or its staging block and copies, per piece two ``as_strided`` views
    and one ``copy_`` — no planning arithmetic in the timed move;
@@ -166,6 +168,7 @@ class MoveReport:
     same_host_messages: int = 0  # of ``messages``: sent or received as single copies (routing/same_host.py)
     read_messages: int = 0  # of those: read messages (a direction in one or a few reads: schedule._read_chunks)
     mapped_messages: int = 0  # receives copied through a mapping of the sender's shared memory (same_host)
+    board_messages: int = 0  # read messages (sends and receives) offered on the board, no gloo message (same_host)
 
     def __str__(self) -> str:
         return (f"rank {self.rank}: {self.transition}: sent {self.bytes_sent} B, received "
@@ -261,12 +264,14 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
         if schedule is None or error is not None:
             agree()  # raises MoveError on every rank
         near = comm.same_host
-        before = (near.messages, near.read_messages, near.mapped_messages) if near is not None else None
+        before = ((near.messages, near.read_messages, near.mapped_messages, near.board_messages)
+                  if near is not None else None)
         report = _run(schedule, batches, src_buffers, dst_buffers, comm, deadline, agree)
         if near is not None:
             report.same_host_messages = near.messages - before[0]
             report.read_messages = near.read_messages - before[1]
             report.mapped_messages = near.mapped_messages - before[2]
+            report.board_messages = near.board_messages - before[3]
     except _WaitFailed as f:
         raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     report.phases = dict(prepare=t_prep - t_start, **report.phases)
@@ -498,11 +503,14 @@ def _view(buffers, name: str, offset: int, shape, strides) -> torch.Tensor:
 STAGED_RECEIVE_HOOK = None
 
 
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+
+
 class _Bound:
     """This move's buffers and staging pool, for the compiled program's copies: one
     ``as_strided`` view per side of a copy, nothing else per piece."""
 
-    __slots__ = ("src", "dst", "pool", "typed", "same_host", "rank", "where")
+    __slots__ = ("src", "dst", "pool", "typed", "same_host", "rank", "where", "on_board")
 
     def __init__(self, src_buffers, dst_buffers, pool, same_host=None, rank: int = -1):
         self.src = {n: (t, t.storage_offset()) for n, t in src_buffers.items()}
@@ -511,6 +519,7 @@ class _Bound:
         self.typed: dict[str, torch.Tensor] = {}
         self.same_host, self.rank = same_host, rank
         self.where: dict[str, tuple[int, ...]] = {}  # per source buffer: where peers can map it
+        self.on_board: set[int] = set()  # id() of the read messages' sends offered on the board
 
     def _side(self, side, name, offset, strides, shape, dtype):
         if name is None:  # the staging pool, viewed as the transfer's dtype
@@ -548,17 +557,44 @@ class _Bound:
         if op.read is None:
             return P2P(op.send, self.message(op, packed), op.peer, MESSAGE_TAG)
         if op.send:
+            if id(op) in self.on_board:  # its offer went with the agreement (``offer_on_board``)
+                return P2P(True, _NOTHING, op.peer, MESSAGE_TAG, _same_host.ON_BOARD)
             where = self.mapped(op)
             block = _NOTHING
             if op.offset >= 0 and where is None:
                 if not packed:
                     self.pack(op)
                 block = self.pool[op.offset:op.offset + op.chunk.packed]
-            offer = [block.data_ptr() if block.numel() else 0]
-            offer += [self.src[n][0].data_ptr() for n in op.read.in_place]
-            offer += where or [0] * (_same_host.MAP_FIELDS * len(op.read.sources))
-            return P2P(True, block, op.peer, MESSAGE_TAG, torch.tensor(offer + [op.nbytes], dtype=torch.int64))
+            return P2P(True, block, op.peer, MESSAGE_TAG, torch.tensor(self.offer(op, where, block), dtype=torch.int64))
         return P2P(False, _NOTHING, op.peer, MESSAGE_TAG, (op.read, tuple(self.dst[n][0] for n in op.read.dst_names)))
+
+    def offer(self, op, where: list[int] | None, block: torch.Tensor = _NOTHING) -> list[int]:
+        """A read message's offer: the addresses of the packed block and of the buffers read in
+        place, where each source buffer can be mapped (zeros: nowhere), the bytes."""
+        out = [block.data_ptr() if block.numel() else 0]
+        out += [self.src[n][0].data_ptr() for n in op.read.in_place]
+        out += where or [0] * (_same_host.MAP_FIELDS * len(op.read.sources))
+        return out + [op.nbytes]
+
+    def offer_on_board(self, prog) -> None:
+        """Where the group has a board (``same_host._Board``): write this rank's read messages'
+        offers there for the next agreement to publish — each one whose sources the receiver maps
+        (nothing to pack: ready now), the others marked as offered over gloo — and remember which."""
+        board = self.same_host.board if self.same_host is not None else None
+        if board is None:
+            return
+        offers: dict[int, list[list[int] | None]] = {}
+        ids = set()
+        for batch in prog.batches:
+            for op in batch.ops:
+                if op.read is None or not op.send:
+                    continue
+                where = self.mapped(op)
+                offers.setdefault(op.peer, []).append(None if where is None else self.offer(op, where))
+                if where is not None:
+                    ids.add(id(op))
+        if offers and board.post_offers(offers):
+            self.on_board = ids
 
     def message(self, op, packed: bool = False) -> torch.Tensor:
         """The tensor ``op`` is sent from / received into (packed first when it is a staged send,
@@ -582,7 +618,6 @@ class _Bound:
 
 
 MESSAGE_TAG = 1 << 20  # every message: one tag, so gloo matches by posting order, as NCCL does
-_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 # test-only (tests/test_posting_order.py): called with (peer, send?, bytes) for every message this
 # rank posts, in posting order — a test records both ends of every pair. Never set otherwise.
@@ -728,6 +763,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
         t_pack = time.perf_counter() - tp
 
     if agree is not None:
+        bound.offer_on_board(prog)  # before the agreement, which publishes them
         agree(pack_ahead)
     t0 = time.perf_counter()
     t_local = 0.0
@@ -745,6 +781,15 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
     budget = schedule.budget_bytes
     inflight: deque = deque()  # staged steps in flight, oldest first: [tokens, staged recv op, size]
     direct: list[int] = []  # tokens of the messages that use no staging
+
+    # read messages' receives first, in one batch: each is copied by this rank's reader of its
+    # sender (``same_host``) as soon as its offer is there — which, on the board, is now — and
+    # waits for no message of this rank's (a direction is all read messages or none, so each
+    # reader's jobs keep their order)
+    reads = [op for batch in prog.batches for op in batch.ops if op.read is not None and not op.send]
+    if reads:
+        direct += out.post_batch([bound.p2p(op) for op in reads], [op.nbytes for op in reads])
+        messages += len(reads)
 
     def retire():
         nonlocal alive_bytes
@@ -771,6 +816,8 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
                 raise AssertionError(f"staging holds {alive_bytes} B over the {budget} B budget")
         ops, sizes, owners = [], [], []
         for op in batch.ops:
+            if op.read is not None and not op.send:
+                continue  # posted above
             ops.append(bound.p2p(op, id(op) in packed))
             sizes.append(op.nbytes)
             if op.step >= 0:  # staged on this side: retired with its step

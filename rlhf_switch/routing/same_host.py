@@ -41,15 +41,18 @@ The GPU counterpart is a CUDA IPC handle; gloo's same-host copies are CPU-only.
 one all-gather of 4 int64s a rank before anything moves) is written into shared memory, each rank
 into its own page, and waited for with futexes (``_Board``), instead of a gloo all-to-all whose
 rows reached the other ranks 2–4 ms (up to 16 ms) after the last was posted on this loaded box.
-``RLHF_SWITCH_SAME_HOST_BOARD=0`` keeps it on gloo.
+With a board, a read message whose sources peers map needs no gloo message either: its offer
+is ready when the move starts, so the sender writes it on the board before its row, and the
+receiver acknowledges by a count in its own page that the sender sleeps on (``_Board``).
+``RLHF_SWITCH_SAME_HOST_BOARD=0`` keeps both on gloo.
 
 Which peers a rank can read is found once per process group, by every rank together at its first
 move (``for_group``): each rank shows a random token in its memory (and in a shared-memory page), every rank
 tries to read (and to map) its peers' tokens, and the verdicts are gathered, so both ends of every pair agree on the way each
 message goes. Anything that fails the probe — another host, another PID namespace, a seccomp
 profile without ``process_vm_readv``, a non-Linux system — stays on gloo. Control, acknowledgement
-and failures are gloo's: a lost peer closes the connection the reader waits on, and the reader
-reports gloo's text. ``RLHF_SWITCH_SAME_HOST_COPY=0`` turns it off (every pair stays on gloo);
+and failures are gloo's (but for offers on the board): a lost peer closes the connection the
+reader waits on, and the reader reports gloo's text; a board wait checks that its peer still runs. ``RLHF_SWITCH_SAME_HOST_COPY=0`` turns it off (every pair stays on gloo);
 ``RLHF_SWITCH_SAME_HOST_MAP=0`` turns mapped reads off (``process_vm_readv`` for everything).
 """
 from __future__ import annotations
@@ -74,7 +77,8 @@ CONTROL_TAG = (1 << 20) - 5  # tags no move's messages use (the executor's are 1
 ACK_TAG = (1 << 20) - 3
 ENV = "RLHF_SWITCH_SAME_HOST_COPY"
 MAP_ENV = "RLHF_SWITCH_SAME_HOST_MAP"  # 0: no mapped reads (process_vm_readv for everything)
-BOARD_ENV = "RLHF_SWITCH_SAME_HOST_BOARD"  # 0: the agreement stays a gloo collective
+BOARD_ENV = "RLHF_SWITCH_SAME_HOST_BOARD"  # 0: the agreement (and read messages' offers) stay on gloo
+ON_BOARD = "on the board"  # ``P2P.read`` of a read message's send whose offer is on the board (_Board)
 
 
 class _Iovec(ctypes.Structure):
@@ -262,6 +266,20 @@ def _mapped_view(m: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tens
     return m[offset:offset + (m.numel() - offset) // per * per].view(like.dtype)
 
 
+class _BoardSendWork:
+    """A read message's send offered on the board: complete once the receiver's count of this
+    rank's messages reaches it (``_Board.wait_acknowledged``)."""
+
+    __slots__ = ("board", "peer", "count")
+
+    def __init__(self, board, peer: int, count: int):
+        self.board, self.peer, self.count = board, peer, count
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.board.wait_acknowledged(self.peer, self.count, timeout)
+        return True
+
+
 class _SendWork:
     """The sends of one offer: complete once the receiver acknowledges its copies."""
 
@@ -280,11 +298,12 @@ class _RecvWork:
     """A receive: complete once this rank's reader for ``peer`` has copied the bytes in. The
     offer it takes is (address, bytes): one contiguous range of the sender's."""
 
-    __slots__ = ("tensor", "nbytes", "done", "error", "peer")
+    __slots__ = ("tensor", "nbytes", "done", "error", "peer", "slot")
     control_numel = 2 + MAP_FIELDS
 
     def __init__(self, tensor, peer):
         self.tensor, self.peer = tensor, peer
+        self.slot: tuple[int, int] | None = None  # (move, index): where its offer is on the board
         self.nbytes = tensor.numel() * tensor.element_size()
         self.done = threading.Event()
         self.error: str | None = None
@@ -324,6 +343,7 @@ class _ReadWork(_RecvWork):
     def __init__(self, runs, dsts: tuple, peer: int):
         self.runs, self.dsts, self.peer = runs, dsts, peer
         self.tensor, self.nbytes = None, runs.nbytes
+        self.slot = None
         self.control_numel = 2 + len(runs.src_names) + MAP_FIELDS * len(runs.sources)
         self.done = threading.Event()
         self.error = None
@@ -360,12 +380,13 @@ class _Reader:
     the peer's next offer only once this rank has posted a receive the offer can be for, so no
     gloo receive is left pending between moves."""
 
-    def __init__(self, comm, peer: int, pid: int):
-        self.comm, self.peer, self.pid = comm, peer, pid
+    def __init__(self, comm, peer: int, pid: int, board: _Board | None = None):
+        self.comm, self.peer, self.pid, self.board = comm, peer, pid, board
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.error: str | None = None
         self.maps = _Mappings(pid)
         self.mapped = 0  # receives copied through a mapping (only this thread counts)
+        self.on_board = 0  # receives whose offer was on the board (only this thread counts)
         self.thread = threading.Thread(target=self._loop, name=f"same-host-reader-{peer}", daemon=True)
         self.thread.start()
 
@@ -377,6 +398,13 @@ class _Reader:
                 return
             if self.error is None:
                 try:
+                    offer = self.board.offer(self.peer, *job.slot) if job.slot is not None else None
+                    if offer is not None:  # offered on the board: no gloo message either way
+                        self.mapped += job.copy(self.pid, offer, self.maps)
+                        self.on_board += 1
+                        job.done.set()
+                        self.board.acknowledge(self.peer)
+                        continue
                     offer = torch.empty(job.control_numel, dtype=torch.int64)  # where the peer's bytes are
                     self.comm.irecv(offer, self.peer, CONTROL_TAG).wait()
                     self.mapped += job.copy(self.pid, offer.tolist(), self.maps)
@@ -446,9 +474,11 @@ class _Board:
     """The move's agreement (``executor._agree``: a row of ``WIDTH`` int64s from every rank) as
     writes into shared memory instead of a gloo collective, where every rank of the group maps
     every other. Each rank owns a small shared tensor (the probe's, ``for_group``): its token,
-    a sequence word, and its row of the last two agreements (by parity). A rank writes its row,
-    then the agreement's number into its sequence word, and wakes whoever sleeps on that word
-    (futex); it reads a peer's row once the peer's word has reached the same number.
+    a sequence word, its row of the last two agreements (by parity), its acknowledgements of
+    read messages (one count per sender) and its offers of the last two moves (by parity). A
+    rank writes its offers and its row, then the agreement's number into its sequence word, and
+    wakes whoever sleeps on that word (futex); it reads a peer's row once the peer's word has
+    reached the same number.
 
     Why: a gloo all-to-all completes only after every rank's gloo thread has run again after the
     last rank posted — on 2 cores shared by 4 ranks that already copy, the last row landed on the
@@ -456,28 +486,107 @@ class _Board:
     the move). Here a row is there as soon as it is written, and a sleeping rank is woken by the
     writer's own call.
 
+    *Offers on the board.* A read message whose sources peers map (nothing packed) is ready when
+    its move starts, so its offer — where the receiver maps each source buffer — needs no message
+    of its own: the sender writes the offers of all its read messages of the move (``post_offers``,
+    in posting order per receiver; ``None`` for one it offers over gloo) before its row, and a
+    receiver takes the j-th offer for it (``offer``) once the agreement is in. It acknowledges by
+    counting, in its own page, the messages it has read from that sender (``acknowledge``); the
+    sender's send completes when the count reaches it (``wait_acknowledged``). A read message
+    then costs no gloo message at all — the offer's gloo hop took 3–5 ms to reach the reader on
+    this loaded box, the acknowledgement's as long back (10M TP2·DP2 -> vLLM TP4's critical path).
+
     Parity is enough: a rank finishes agreement k only once every rank has written k, i.e. has
-    read every row of k - 1; so no rank writes k + 1's slot (k - 1's) while a peer may read it.
-    A peer that dies never writes: the waits check, every ``POLL_S``, that the peers they wait
-    for still run (``PEER_GONE``); ``close`` (a failed move: ``Comm.close``) marks this rank's
-    word closed, and the peers waiting on it stop at once, as gloo's waits do on a closed pair."""
+    finished move k - 1 (read every row and every offer of k - 1); so no rank writes k + 1's
+    slots (k - 1's) while a peer may read them. The counts only grow: a group whose move failed
+    is closed and carries no other. A peer that dies never writes: the waits check, every
+    ``POLL_S``, that the peers they wait for still run (``PEER_GONE``); ``close`` (a failed move:
+    ``Comm.close``) marks this rank's word closed, and the peers waiting on it stop at once, as
+    gloo's waits do on a closed pair."""
 
     TOKEN, SEQ, ROWS = 0, 1, 2  # int64 slots: token, sequence (its low int32 is the futex word), rows
     WIDTH = 4
-    NUMEL = ROWS + 2 * WIDTH
+    ACKS = ROWS + 2 * WIDTH  # then one count per sender (low int32: futex word), then the offers
+    OFFERS_NUMEL = 4096  # int64s per parity: [words used (-1: too many, all over gloo), entries]
     CLOSED = -1
     POLL_S = 0.1
 
+    @classmethod
+    def numel(cls, world: int) -> int:
+        """The int64s of one rank's page in a group of ``world`` ranks."""
+        return cls.ACKS + world + 2 * cls.OFFERS_NUMEL
+
     def __init__(self, rank: int, pids: list[int], mine: torch.Tensor, peers: dict[int, torch.Tensor]):
         self.rank, self.pids = rank, pids
-        self.keep = [mine, *peers.values()]  # the mappings the addresses below point into
-        base = {rank: mine.data_ptr(), **{p: t.data_ptr() for p, t in peers.items()}}
-        self.seq_addrs = {r: a + 8 * self.SEQ for r, a in sorted(base.items())}
+        pages = dict(sorted({rank: mine, **peers}.items()))
+        self.keep = list(pages.values())  # the mappings the addresses below point into
+        base = {r: t.data_ptr() for r, t in pages.items()}
+        self.seq_addrs = {r: a + 8 * self.SEQ for r, a in base.items()}
         self.seq_words = {r: ctypes.c_int32.from_address(a) for r, a in self.seq_addrs.items()}
         self.rows = {r: [(ctypes.c_int64 * self.WIDTH).from_address(a + 8 * (self.ROWS + self.WIDTH * i))
-                         for i in (0, 1)] for r, a in sorted(base.items())}
+                         for i in (0, 1)] for r, a in base.items()}
+        world = len(pids)
+        # the count rank r keeps of this rank's messages it has read (this rank waits on it), and
+        # the ones this rank keeps of each sender's
+        self.acked_addrs = {r: a + 8 * (self.ACKS + rank) for r, a in base.items() if r != rank}
+        self.acked = {r: ctypes.c_int32.from_address(a) for r, a in self.acked_addrs.items()}
+        self.ack_addrs = {s: base[rank] + 8 * (self.ACKS + s) for s in base if s != rank}
+        self.acks = {s: ctypes.c_int32.from_address(a) for s, a in self.ack_addrs.items()}
+        first = self.ACKS + world
+        self.boxes = {r: [t[first + i * self.OFFERS_NUMEL:first + (i + 1) * self.OFFERS_NUMEL] for i in (0, 1)]
+                      for r, t in pages.items()}
+        self.read_offers: dict[int, tuple[int, list | None]] = {}  # sender -> (move, its offers to this rank)
         self.peers = [r for r in self.rows if r != rank]  # in rank order
         self.seq = 0  # the last agreement this rank has written
+
+    def post_offers(self, offers: dict[int, list[list[int] | None]]) -> bool:
+        """Write this rank's offers of the next move (per receiver, its read messages in posting
+        order: the offer's int64s, or ``None`` where it goes over gloo), before ``start``;
+        whether they fit (if not, every read message of this rank's move goes over gloo)."""
+        flat: list[int] = []
+        for receiver, entries in offers.items():
+            for e in entries:
+                flat += [receiver, 0] if e is None else [receiver, len(e), *e]
+        box = self.boxes[self.rank][(self.seq + 1) & 1]
+        fits = len(flat) < self.OFFERS_NUMEL
+        if fits and flat:
+            box[1:1 + len(flat)] = torch.tensor(flat, dtype=torch.int64)
+        box[0] = len(flat) if fits else -1
+        return fits
+
+    def offer(self, sender: int, k: int, j: int) -> list[int] | None:
+        """``sender``'s offer of its ``j``-th read message to this rank in move ``k`` (agreement
+        ``k`` is in: the offers were written before it); ``None``: it comes over gloo."""
+        hit = self.read_offers.get(sender)  # only the reader of ``sender`` asks: one thread
+        if hit is None or hit[0] != k:
+            box = self.boxes[sender][k & 1]
+            n = int(box[0])
+            mine: list | None = None
+            if n >= 0:
+                flat, mine, i = box[1:1 + n].tolist(), [], 0
+                while i < n:
+                    receiver, length = flat[i], flat[i + 1]
+                    if receiver == self.rank:
+                        mine.append(flat[i + 2:i + 2 + length] if length else None)
+                    i += 2 + length
+            hit = self.read_offers[sender] = (k, mine)
+        if hit[1] is None:
+            return None
+        if j >= len(hit[1]):  # both ends follow one plan: a bug, never silent
+            raise RuntimeError(f"rank {sender} offered {len(hit[1])} read messages to rank {self.rank} "
+                               f"in move {k}; a {j + 1}th was expected")
+        return hit[1][j]
+
+    def acknowledge(self, sender: int) -> None:
+        """One more of ``sender``'s board-offered read messages read (its source may be reused)."""
+        self.acks[sender].value += 1
+        _futex_wake(self.ack_addrs[sender])
+
+    def wait_acknowledged(self, receiver: int, count: int, timeout: timedelta | None) -> None:
+        """Until ``receiver`` has read ``count`` of this rank's board-offered read messages."""
+        end = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        self._wait(receiver, self.acked[receiver], self.acked_addrs[receiver], count, end, timeout,
+                   "acknowledgement of a read message")
 
     def start(self, values: list[int]):
         """Write this rank's row of the next agreement; returns ``finish(timeout)`` (the rows of
@@ -486,7 +595,7 @@ class _Board:
             raise RuntimeError("this rank closed its group after a failed move")
         k = self.seq = self.seq + 1
         self.rows[self.rank][k & 1][:] = values
-        self.seq_words[self.rank].value = k  # after the row: x86 publishes stores in order
+        self.seq_words[self.rank].value = k  # after the row and offers: x86 publishes stores in order
         _futex_wake(self.seq_addrs[self.rank])
 
         def done() -> bool:
@@ -495,33 +604,36 @@ class _Board:
         def finish(timeout: timedelta | None = None) -> list[list[int]]:
             end = None if timeout is None else time.monotonic() + timeout.total_seconds()
             for p in self.peers:
-                self._wait(p, k, end, timeout)
+                self._wait(p, self.seq_words[p], self.seq_addrs[p], k, end, timeout, "row of the agreement")
             return [list(row[k & 1]) for row in self.rows.values()]
         finish.done = done
         return finish
 
-    def _wait(self, peer: int, k: int, end: float | None, timeout) -> None:
-        word = self.seq_words[peer]
+    def _wait(self, peer: int, word, addr: int, k: int, end: float | None, timeout, what: str) -> None:
+        """Until ``word`` (an int32 of ``peer``'s page, at ``addr``) reaches ``k``."""
+        closed = self.seq_words[peer]
         while True:
-            seen = word.value
-            if seen == self.CLOSED:
+            if closed.value == self.CLOSED:
                 raise PeerGone(f"{PEER_GONE}: rank {peer} closed the group (its move failed) "
-                               f"before the agreement", peer)
+                               f"before its {what}", peer)
+            seen = word.value
             if seen >= k:
                 return
             left = self.POLL_S if end is None else min(self.POLL_S, end - time.monotonic())
             if left <= 0:
-                raise RuntimeError(f"Timed out after {timeout} waiting for rank {peer}'s row of the "
-                                   f"agreement (same-host board)")
-            _futex_wait(self.seq_addrs[peer], seen, left)
+                raise RuntimeError(f"Timed out after {timeout} waiting for rank {peer}'s {what} "
+                                   f"(same-host board)")
+            _futex_wait(addr, seen, left)
             if word.value == seen and not _alive(self.pids[peer]):
                 raise PeerGone(f"{PEER_GONE}: rank {peer}'s process ({self.pids[peer]}) has "
-                               f"exited before the agreement", peer)
+                               f"exited before its {what}", peer)
 
     def close(self) -> None:
-        """Mark this rank's word closed and wake its waiters (they raise ``PEER_GONE``)."""
+        """Mark this rank's word closed and wake its waiters (they raise ``PEER_GONE``), those
+        waiting for its acknowledgements too."""
         self.seq_words[self.rank].value = self.CLOSED
-        _futex_wake(self.seq_addrs[self.rank])
+        for addr in (self.seq_addrs[self.rank], *self.ack_addrs.values()):
+            _futex_wake(addr)
 
 
 PEER_GONE = "Connection closed (same-host board)"  # what executor._lost reads as a closed peer
@@ -549,6 +661,8 @@ class SameHost:
         self._readers: dict[int, _Reader] = {}
         self.board: _Board | None = None  # the agreement in shared memory (``for_group`` sets it)
         self.messages = 0  # posted as same-host copies (sends and receives) so far
+        self._board_sent: dict[int, int] = {}  # per receiver: read messages offered on the board so far
+        self._reads: tuple[int, dict[int, int]] = (0, {})  # (move, per sender: read receives posted in it)
         self.read_messages = 0  # of those: read messages
 
     @property
@@ -556,6 +670,12 @@ class SameHost:
         """Receives copied through a mapping of the sender's shared memory so far (complete for
         every receive this rank has waited for)."""
         return sum(r.mapped for r in self._readers.values())
+
+    @property
+    def board_messages(self) -> int:
+        """Read messages (sends and receives) offered on the board so far (complete for every
+        receive this rank has waited for)."""
+        return sum(self._board_sent.values()) + sum(r.on_board for r in self._readers.values())
 
     def reads(self, sender: int, receiver: int) -> bool:
         """Whether ``receiver`` can read ``sender``'s memory (the same answer on every rank)."""
@@ -590,8 +710,16 @@ class SameHost:
             if op.read is not None:  # a read message (schedule._read_chunks): this way always
                 self.messages += 1
                 self.read_messages += 1
-                works[i] = (self._offer(comm, op.peer, op.tensor, op.read) if op.send
-                            else self._expect(comm, op.peer, _ReadWork(*op.read, op.peer)))
+                if op.read is ON_BOARD:
+                    n = self._board_sent[op.peer] = self._board_sent.get(op.peer, 0) + 1
+                    works[i] = _BoardSendWork(self.board, op.peer, n)
+                elif op.send:
+                    works[i] = self._offer(comm, op.peer, op.tensor, op.read)
+                else:
+                    work = _ReadWork(*op.read, op.peer)
+                    if self.board is not None:  # the sender lists every read message on the board
+                        work.slot = self._read_slot(op.peer)
+                    works[i] = self._expect(comm, op.peer, work)
                 continue
             if not self.used(op.send, op.peer, op.tensor.numel() * op.tensor.element_size()):
                 continue
@@ -611,10 +739,19 @@ class SameHost:
         return _SendWork(comm.isend(control, peer, CONTROL_TAG), comm.irecv(ack, peer, ACK_TAG),
                          (tensor, control, ack))
 
+    def _read_slot(self, sender: int) -> tuple[int, int]:
+        """(this move, how many read messages from ``sender`` it posted before this one)."""
+        k = self.board.seq
+        if self._reads[0] != k:
+            self._reads = (k, {})
+        j = self._reads[1].get(sender, 0)
+        self._reads[1][sender] = j + 1
+        return k, j
+
     def _expect(self, comm, peer: int, work: _RecvWork) -> _RecvWork:
         reader = self._readers.get(peer)
         if reader is None:
-            reader = self._readers[peer] = _Reader(comm, peer, self.pids[peer])
+            reader = self._readers[peer] = _Reader(comm, peer, self.pids[peer], self.board)
         if reader.error is not None:
             raise RuntimeError(f"an earlier same-host copy from rank {peer} failed: {reader.error}")
         reader.jobs.put(work)
@@ -650,7 +787,7 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
     enabled = _switched_on(ENV) and _readv() is not None
     mapping = enabled and _switched_on(MAP_ENV)
     token = secrets.randbits(62) + 1 if enabled else 0
-    probe = torch.zeros(_Board.NUMEL, dtype=torch.int64)  # the token, then this rank's board
+    probe = torch.zeros(_Board.numel(comm.size), dtype=torch.int64)  # the token, then this rank's board
     probe[_Board.TOKEN] = token
     if mapping:  # in shared memory, the same token can be read and mapped
         try:
@@ -678,7 +815,7 @@ def for_group(comm, key, timeout: timedelta | None = None) -> SameHost | None:
             mine |= 1 << r
             if mapping and fd:
                 try:
-                    theirs_mapped = _Mappings(pid).get(fd, inode, size)[:8 * _Board.NUMEL].view(torch.int64)
+                    theirs_mapped = _Mappings(pid).get(fd, inode, size)[:8 * probe.numel()].view(torch.int64)
                 except (RuntimeError, OSError):
                     continue
                 if int(theirs_mapped[_Board.TOKEN]) == theirs:
