@@ -576,23 +576,21 @@ class _Bound:
         out += where or [0] * (_same_host.MAP_FIELDS * len(op.read.sources))
         return out + [op.nbytes]
 
-    def offer_on_board(self, prog) -> None:
-        """Where the group has a board (``same_host._Board``): write this rank's read messages'
-        offers there for the next agreement to publish — each one whose sources the receiver maps
-        (nothing to pack: ready now), the others marked as offered over gloo — and remember which."""
+    def offer_on_board(self, sends) -> None:
+        """Where the group has a board (``same_host._Board``): write the offers of this rank's read
+        messages' ``sends`` (in posting order) there for the next agreement to publish — each one
+        whose sources the receiver maps (nothing to pack: ready now), the others marked as offered
+        over gloo — and remember which."""
         board = self.same_host.board if self.same_host is not None else None
         if board is None:
             return
         offers: dict[int, list[list[int] | None]] = {}
         ids = set()
-        for batch in prog.batches:
-            for op in batch.ops:
-                if op.read is None or not op.send:
-                    continue
-                where = self.mapped(op)
-                offers.setdefault(op.peer, []).append(None if where is None else self.offer(op, where))
-                if where is not None:
-                    ids.add(id(op))
+        for op in sends:
+            where = self.mapped(op)
+            offers.setdefault(op.peer, []).append(None if where is None else self.offer(op, where))
+            if where is not None:
+                ids.add(id(op))
         if offers and board.post_offers(offers):
             self.on_board = ids
 
@@ -762,8 +760,9 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
                     packed.add(id(op))
         t_pack = time.perf_counter() - tp
 
+    read_ops = [op for batch in prog.batches for op in batch.ops if op.read is not None]
     if agree is not None:
-        bound.offer_on_board(prog)  # before the agreement, which publishes them
+        bound.offer_on_board([op for op in read_ops if op.send])  # before the agreement, which publishes them
         agree(pack_ahead)
     t0 = time.perf_counter()
     t_local = 0.0
@@ -786,7 +785,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
     # sender (``same_host``) as soon as its offer is there — which, on the board, is now — and
     # waits for no message of this rank's (a direction is all read messages or none, so each
     # reader's jobs keep their order)
-    reads = [op for batch in prog.batches for op in batch.ops if op.read is not None and not op.send]
+    reads = [op for op in read_ops if not op.send]
     if reads:
         direct += out.post_batch([bound.p2p(op) for op in reads], [op.nbytes for op in reads])
         messages += len(reads)
