@@ -29,6 +29,7 @@ import torch.distributed as dist
 from rlhf_switch.engines.base import TrainingContext, TrainingEngine, training_engine
 from rlhf_switch.engines.optim import AdamWConfig
 from rlhf_switch.models import load_trunk, value_model, value_spec  # noqa: F401 - the critic's model, re-exported
+from rlhf_switch.rl.algorithm import loss_weight
 from rlhf_switch.rl.algorithms import Aggregation, value_loss
 
 TIMEOUT = timedelta(seconds=120)
@@ -114,7 +115,7 @@ class Critic:
         mask = mask.float()
 
         def weight(m: torch.Tensor) -> torch.Tensor:
-            return m.sum() if aggregation == "token-mean" else (m.sum(-1) > 0).sum().float()
+            return loss_weight(m, aggregation)
 
         # global weight and token count; and the same number of micro-batches everywhere (sharded
         # engines gather inside each forward: unequal counts would hang, so refuse on every rank)

@@ -21,9 +21,11 @@ The weights reach the rollout engine through the run's weight channel (``engines
 opened once (``channel_open``): every sync is ``sync_send`` — one VPS move from the trainer's
 compute weights (``adapter.weights()``) into the rollout buffers (``rollout.handoff: ipc``: into
 shared buckets that this rank hands its colocated vLLM worker by handle). The trainer keeps its optimizer
-state in place unless ``train.offload`` says otherwise (below). ``train_on`` first
-recomputes the log-probs of the generated tokens with the trainer (the *old* log-probs) and
-compares them with what the rollout engine reported — the stale-weights check — then updates.
+state in place unless ``train.offload`` says otherwise (below). ``logprobs`` recomputes the
+log-probs of the generated tokens with the trainer (the *old* log-probs) and compares them with
+what the rollout engine reported — the stale-weights check, which the driver reads before it
+asks for the ``update``. The RL maths of both is the run's ``rl.algorithm.Algorithm``: this worker
+only slices the batch, calls its engines and keeps what passes between the two calls.
 
 Memory at the phase boundary (``train.offload``, ``engines/offload.py``): after the sync,
 ``offload`` parks the trainer's optimizer state (``all``: its weights too) in host buffers and
@@ -33,7 +35,6 @@ GPU; on CPU the largest number of bytes the trainer's state buffers held in the 
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from datetime import timedelta
@@ -44,23 +45,11 @@ import torch
 import torch.distributed as dist
 
 from rlhf_switch.device import CPU, DeviceSpec
-from rlhf_switch.rl.algorithms import aggregate, kl_penalty, masked_mean, policy_loss
+from rlhf_switch.families import context_length
+from rlhf_switch.rl.algorithm import Algorithm
 from rlhf_switch.rl.config import RunConfig, load_config, longest_sequence_tokens
 
 TIMEOUT = timedelta(seconds=120)
-
-
-def _pad_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int):
-    """Right-padded ``prompt + response`` ids ``[B, T]``, the shifted targets ``ids[:, 1:]`` and the
-    mask ``[B, T-1]`` of the positions whose logits predict a response token."""
-    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), T - 1), dtype=torch.float32)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
-        ids[b, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        mask[b, len(p) - 1: len(p) - 1 + len(r)] = 1.0
-    return ids, ids[:, 1:], mask
 
 
 class ChannelStale(RuntimeError):
@@ -77,6 +66,7 @@ class HybridWorker:
         self.channel = None
         self._offload = None
         self._cpu_peak = 0  # CPU: the most bytes the trainer's state buffers held since the last mark
+        self._prepared = None  # what ``logprobs`` computed for the ``update`` after it
         self.device = CPU
 
     def devices_seen(self) -> dict:
@@ -128,7 +118,7 @@ class HybridWorker:
         optim = AdamWConfig(lr=alg.lr, weight_decay=alg.weight_decay, max_grad_norm=alg.max_grad_norm or 0.0)
         hf = hf_config_of(cfg)
         # the pipeline engine pads every batch to this length: the run's longest sequence, not the context
-        seq_len = longest_sequence_tokens(cfg, int(hf.get("max_position_embeddings", 2048)))
+        seq_len = longest_sequence_tokens(cfg, context_length(hf))
         return TrainingContext(hf, cfg.seed, tuple(range(self.world)), optim, micro_batch=alg.micro_batch_size,
                                outputs_batch=alg.logprob_micro_batch_size, seq_len=seq_len, timeout=TIMEOUT,
                                device=self.device)
@@ -144,7 +134,7 @@ class HybridWorker:
         from rlhf_switch.engines.base import training_engine
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
-        self.cfg = cfg
+        self.cfg, self.algorithm = cfg, Algorithm(cfg.algorithm)
         t0 = time.perf_counter()
         self.trainer = training_engine(cfg.train.engine).build(cfg.train, self._training_context(cfg))
         self.trainer.adapter.prepare_state()  # done here, in the background, not in the stop-the-world
@@ -170,7 +160,7 @@ class HybridWorker:
         from rlhf_switch.engines.base import training_engine
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
-        self.cfg = cfg
+        self.cfg, self.algorithm = cfg, Algorithm(cfg.algorithm)
         self.device = device or self.device  # what the engines run on (the recipe checked them)
         hf = hf_config_of(cfg)
         ctx = self._training_context(cfg)
@@ -237,7 +227,7 @@ class HybridWorker:
                 if tp > 1 else [None] * self.replicas
             self.rollout = self.rollout_cls.build(RolloutContext(
                 hf, self.spec, init_dir, tp, self.replicas, self.replica, cfg.seed,
-                int(hf.get("max_position_embeddings", 2048)), tp_rank=self.tp_rank, group=groups[self.replica],
+                context_length(hf), tp_rank=self.tp_rank, group=groups[self.replica],
                 device=self.device))
 
     def _load_weights(self, path: str, engine) -> None:
@@ -361,8 +351,8 @@ class HybridWorker:
     # collective until the gloo timeout. Reading the host copy there races nothing: a refresh runs
     # only in the main thread, called by the driver between steps and never during a recovery, so
     # the only one that can be running then is one the loss interrupted — and it left the copy
-    # ``torn`` (refused, ``HostCopy.source``). The usual stuck call is ``train_on``, which reads and
-    # writes the engines' buffers only, never ``_host_copies``.
+    # ``torn`` (refused, ``HostCopy.source``). The usual stuck calls are ``logprobs`` and ``update``,
+    # which read and write the engines' buffers only, never ``_host_copies``.
     def pid(self) -> int:
         """This actor's process id (a liveness probe; the test that kills one finds it here)."""
         return os.getpid()
@@ -534,106 +524,50 @@ class HybridWorker:
         return {"replica": self.replica, "lead": self.tp_rank == 0, "tokens": tokens, "logprobs": logprobs,
                 "seconds": time.perf_counter() - t0}
 
-    def train_on(self, batch: dict) -> dict:
-        """One GRPO or PPO update on the global ``batch`` (every rank gets all of it and takes its
-        DP slice): stale-weights check, old and reference log-probs, then ``epochs`` passes in
-        mini-batches of ``mini_batch_size`` sequences, micro-batches of ``micro_batch_size``.
+    def logprobs(self, batch: dict) -> dict:
+        """The log-probs phase on this rank's DP share of the global ``batch`` (every rank gets all
+        of it): the trainer's log-probs of the generated tokens with the weights that generated
+        them (the old policy), the reference's, and the critic's values where the algorithm uses a
+        critic — kept for ``update``. Returns the stale-weights check's number: the largest
+        difference between the trainer's and the rollout engine's log-probs.
 
-        ``batch``: ``prompts``, ``responses`` (token ids), ``rollout_logprobs`` (per token) and
-        either ``advantages`` (GRPO: one per sequence; the KL to the reference is in the loss) or
-        ``scores`` (PPO: one per sequence; the critic's values, per-token rewards with the KL
-        penalty and GAE give the advantages here, and the critic is updated on each mini-batch
-        after the policy)."""
-        alg, trainer = self.cfg.algorithm, self.trainer
-        dp = trainer.dp
-        B = len(batch["prompts"])
-        mini = alg.train_batch_size
-        if B % mini or mini % dp:
-            raise ValueError(f"batch {B}, mini-batch {mini} and DP {dp} do not divide")
-        per = B // dp
-        lo, hi = trainer.dp_rank * per, (trainer.dp_rank + 1) * per
-        prompts, responses = batch["prompts"][lo:hi], batch["responses"][lo:hi]
-        dev = self.device.torch_device()  # the batch goes where the engines compute (a no-op on CPU)
-        ids, _, mask = (t.to(dev) for t in _pad_batch(prompts, responses, self.pad_id))
-        ppo = "scores" in batch
-        if ppo and self.critic is None:
-            raise ValueError("a PPO batch (scores) for a worker without a critic")
-        rollout_lp = torch.zeros_like(mask)
-        for b, lps in enumerate(batch["rollout_logprobs"][lo:hi]):
-            p = len(prompts[b])
-            rollout_lp[b, p - 1: p - 1 + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        local_mini, micro = mini // dp, min(alg.micro_batch_size, mini // dp)
-        if local_mini % micro:
-            raise ValueError(f"micro_batch_size {micro} does not divide the per-rank mini-batch {local_mini}")
+        ``batch``: ``prompts``, ``responses`` (token ids), ``rollout_logprobs`` (per token) and what
+        the algorithm makes of the rewards (``Algorithm.batch_fields``: ``advantages`` per sequence,
+        or the ``scores`` a per-token estimator turns into advantages with the critic)."""
+        from rlhf_switch.rl.algorithm import OldPolicy, RankBatch
 
-        # old log-probs (the trainer's current weights = what was just synced) and the check
         t0 = time.perf_counter()
-        old_lp = trainer.outputs(ids) * mask
-        ref_lp = self.reference.outputs(ids) * mask if self.reference is not None else old_lp
-        stale_diff = float(((old_lp - rollout_lp).abs() * mask).max()) if mask.any() else 0.0
-        ppo_stats = {}
-        if ppo:
-            from rlhf_switch.rl.algorithms import ppo_batch
+        trainer = self.trainer
+        if self.algorithm.needs_critic and self.critic is None:
+            raise ValueError(f"{self.algorithm.name} needs a critic; this worker has none")
+        rows = RankBatch.of(batch, trainer.dp, trainer.dp_rank, self.pad_id, self.cfg.algorithm,
+                            self.device.torch_device())  # the batch goes where the engines compute
+        mask = rows.mask
+        old = trainer.outputs(rows.ids) * mask
+        ref = self.reference.outputs(rows.ids) * mask if self.reference is not None else None
+        values = self.critic.values(rows.ids) * mask if self.algorithm.needs_critic else None
+        stale = float(((old - rows.rollout_logprobs).abs() * mask).max()) if mask.any() else 0.0
+        self._prepared = (rows, OldPolicy(old, ref, values))
+        return {"stale_logprob_diff": stale, "logprob_seconds": time.perf_counter() - t0}
 
-            values = self.critic.values(ids) * mask
-            scores = torch.tensor(batch["scores"][lo:hi], dtype=torch.float32, device=dev)
-            pb = ppo_batch(old_lp, ref_lp if self.reference is not None else None, values, scores, mask,
-                           kl_coef=alg.kl_coef, kl_estimator=alg.kl_estimator, gamma=alg.gamma, lam=alg.lam,
-                           whiten=alg.whiten_advantages, group=self.critic.dp_group)
-            adv, returns = pb["advantages"], pb["returns"]
-            ppo_stats = {"value_mean": float(masked_mean(values, mask)), "return_mean": float(masked_mean(returns, mask))}
-        else:
-            adv = torch.tensor(batch["advantages"][lo:hi], dtype=torch.float32, device=dev)[:, None] * mask
-        logprob_seconds = time.perf_counter() - t0
-
-        # the update
+    def update(self) -> dict:
+        """The update phase: the algorithm's optimizer steps on what ``logprobs`` prepared
+        (``Algorithm.update``: ``epochs`` passes in mini-batches of ``mini_batch_size`` sequences,
+        micro-batches of ``micro_batch_size``; the critic after the policy where there is one)."""
+        if self._prepared is None:
+            raise RuntimeError("update without a logprobs call before it: nothing to train on")
+        rows, old = self._prepared
+        self._prepared = None
         t0 = time.perf_counter()
-        stats: dict[str, list[float]] = {"policy_loss": [], "kl": [], "clipfrac": [], "grad_norm": [],
-                                         "vf_loss": [], "vf_clipfrac": []}
-        kl_in_loss = alg.kl_coef > 0 and self.reference is not None and not ppo  # PPO: KL is in the reward
-        # each micro-batch's loss weighted by its share of the whole mini-batch across the DP ranks
-        # (tokens for token-mean, sequences otherwise), times DP because the engines average
-        # gradients over DP: the step is the one-process full-batch step even when ranks and
-        # micro-batches hold different numbers of tokens. Every mini-batch's total from the whole
-        # batch every rank holds (mini_batch_totals: no all-reduce)
-        starts = range(0, per, local_mini)
-        totals = mini_batch_totals(batch["prompts"], batch["responses"], self.pad_id, dp, local_mini,
-                                   alg.loss_aggregation)
-        for _ in range(alg.epochs):
-            for start, total in zip(starts, totals.tolist()):
-                m = slice(start, start + local_mini)
-                scale = dp / max(total, 1.0)
-
-                def loss_fn(lp, s, m=m, scale=scale):
-                    rows = slice(m.start + s.start, m.start + s.stop)
-                    pl, st = policy_loss(lp, old_lp[rows], adv[rows], mask[rows], clip_eps=alg.clip_eps,
-                                         clip_eps_high=alg.clip_eps_high, aggregation=alg.loss_aggregation)
-                    kl_mean = aggregate(kl_penalty(lp, ref_lp[rows], getattr(alg, "kl_estimator", "k3")),
-                                        mask[rows], alg.loss_aggregation)
-                    loss = pl + alg.kl_coef * kl_mean if kl_in_loss else pl
-                    return loss * (_weight(mask[rows], alg.loss_aggregation) * scale), {
-                        "policy_loss": float(pl.detach()), "kl": float(kl_mean.detach()),
-                        "clipfrac": float(st["clipfrac"])}
-
-                step = trainer.train_step(ids[m], micro, loss_fn)
-                for st in step["stats"]:
-                    for k, v in st.items():
-                        stats[k].append(v)
-                if step["grad_norm"] == step["grad_norm"]:
-                    stats["grad_norm"].append(step["grad_norm"])
-                if ppo:
-                    vs = self.critic.update(ids[m], mask[m], returns[m], values[m], clip_eps=alg.value_clip_eps,
-                                            micro_batch=micro, aggregation=alg.loss_aggregation)
-                    stats["vf_loss"].append(vs["vf_loss"])
-                    stats["vf_clipfrac"].append(vs["vf_clipfrac"])
-                self.train_steps += 1
-        out = {k: (sum(v) / len(v) if v else float("nan")) for k, v in stats.items() if v or k not in ("vf_loss", "vf_clipfrac")}
-        out.update(ppo_stats)
-        out.update(stale_logprob_diff=stale_diff, logprob_seconds=logprob_seconds,
-                   update_seconds=time.perf_counter() - t0, tokens=int(mask.sum()),
-                   old_vs_ref_kl=float(masked_mean(kl_penalty(old_lp, ref_lp, "k3"), mask)) if mask.any() else 0.0,
-                   steps=self.train_steps)
+        out = self.algorithm.update(self.trainer, self.critic, rows, old)
+        self.train_steps += self.cfg.algorithm.epochs * len(rows.totals)
+        out.update(update_seconds=time.perf_counter() - t0, steps=self.train_steps)
         return out
+
+    def train_on(self, batch: dict) -> dict:
+        """``logprobs`` then ``update`` in one call (what the elastic tests and benches drive)."""
+        checked = self.logprobs(batch)
+        return {**checked, **self.update()}
 
     def shutdown(self) -> None:
         if self.channel is not None:
@@ -643,30 +577,9 @@ class HybridWorker:
             dist.destroy_process_group()
 
 
-def mini_batch_totals(prompts: Sequence, responses: Sequence, pad_id: int, dp: int, local_mini: int,
-                      aggregation: str) -> torch.Tensor:
-    """Each mini-batch's weight over all ``dp`` ranks (``_weight`` of every rank's rows of it,
-    summed in float64), from the whole batch every rank is given: the integer counts an
-    all-reduce of each rank's own totals would sum — exact in any order — without the collective
-    (a gloo round trip per ``train_on``). Rank ``r`` holds rows ``[r·per, (r+1)·per)``."""
-    mask = _pad_batch(prompts, responses, pad_id)[2]  # a row's mask does not depend on the padding
-    per = len(prompts) // dp
-    return torch.stack([sum(_weight(mask[r * per + s:r * per + s + local_mini], aggregation).double()
-                            for r in range(dp)) for s in range(0, per, local_mini)])
-
-
-def _weight(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """How much a (micro-)batch counts in an aggregated loss: its tokens for ``token-mean``, its
-    sequences with tokens for the ``seq-mean-*`` aggregations."""
-    return mask.sum() if aggregation == "token-mean" else (mask.sum(-1) > 0).sum().float()
-
-
 def hf_config_of(cfg: RunConfig) -> dict:
-    """The model's HF config fields (its ``model_type`` names the family): the config's inline dict or
-    ``model.path``'s config.json."""
-    if cfg.model.hf_config is not None:
-        return dict(cfg.model.hf_config)
-    return json.loads((Path(cfg.model.path) / "config.json").read_text())
+    """The model's HF config fields (``ModelConfig.hf_dict``)."""
+    return cfg.model.hf_dict()
 
 
 def tokenizer_dir_of(cfg: RunConfig) -> str | None:

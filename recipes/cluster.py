@@ -247,7 +247,7 @@ class Cluster:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from actors.hybrid import hf_config_of, remote_class
-        from recipes.common import world_device
+        from rlhf_switch.problems import world_device
         from rlhf_switch.engines.base import rollout_engine
 
         self.cfg, self.quiet, self.ray = cfg, quiet, ray
@@ -341,11 +341,12 @@ class Cluster:
     def _replica_context(self, cfg, init_dir, replica: int):
         """The ``RolloutContext`` replica ``replica`` of ``cfg``'s rollout layout starts from."""
         from rlhf_switch.engines.base import RolloutContext
+        from rlhf_switch.families import context_length
         from rlhf_switch.models import model_spec
 
         tp = cfg.rollout.tp
         return RolloutContext(self.hf, model_spec(self.hf), str(init_dir), tp, cfg.world_size // tp, replica,
-                              cfg.seed, int(self.hf.get("max_position_embeddings", 2048)), device=self.device,
+                              cfg.seed, context_length(self.hf), device=self.device,
                               memory_utilization=cfg.rollout.memory_utilization)
 
     def _gpus_of(self, res: Resources) -> list[list[str]]:

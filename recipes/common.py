@@ -1,6 +1,7 @@
 """What the GRPO and PPO recipes share besides the actors (``recipes/cluster.py``) and the user's
-view (``recipes/run_log.py``): what the loop runs, the warm start, held-out evaluation, the
-prompts and seeds of an iteration, checkpoints to keep and to resume from, fault injection.
+view (``recipes/run_log.py``): the warm start, held-out evaluation, the prompts and seeds of an
+iteration, the run's config as it follows it, checkpoints to keep and to resume from, fault
+injection. (What a config is checked for before anything starts: ``rlhf_switch.problems``.)
 """
 from __future__ import annotations
 
@@ -11,112 +12,6 @@ from typing import Sequence
 
 class StaleWeightsError(RuntimeError):
     """The rollout engine generated with weights other than the trainer's."""
-
-
-def loop_problems(cfg) -> list[str]:
-    """What the config asks for that this loop cannot run, checked before anything starts: each
-    phase's engine is resolved through the registry (a registered name or ``module:Class``) and
-    asked whether it runs that phase's layout."""
-    from rlhf_switch.engines.base import EngineError, phase_engine_problems, rollout_engine, training_engine
-    from rlhf_switch.rl.config import ConfigError, model_dims
-
-    try:
-        dims = model_dims(cfg.model)
-    except ConfigError:
-        dims = None  # check_fits reports it
-    problems = []
-    for phase, layout in cfg.phases().items():
-        problems += phase_engine_problems(phase, layout, dims)
-    if cfg.train.offload != "none":
-        try:
-            if not training_engine(cfg.train.engine).can_offload:
-                problems.append(f"train.offload: {cfg.train.offload} — engine {cfg.train.engine} cannot park its "
-                                f"state in host memory (engines that can: deepspeed, fsdp2); use offload: none")
-        except EngineError:
-            pass  # reported above
-    try:
-        if cfg.rollout.handoff == "ipc" and rollout_engine(cfg.rollout.engine).placement != "replica":
-            problems.append(f"rollout.handoff: ipc hands buckets to rollout workers in processes of their own; "
-                            f"engine {cfg.rollout.engine!r} runs inside the trainer's processes (use p2p or auto)")
-    except EngineError:
-        pass  # reported above
-    if cfg.critic is not None and cfg.critic.dp != cfg.train.dp:
-        problems.append(f"critic: dp={cfg.critic.dp} must equal train.dp={cfg.train.dp} (the critic and the "
-                        f"actor take the same share of each batch)")
-    if not cfg.rollout.colocate:
-        try:
-            if rollout_engine(cfg.rollout.engine).placement != "replica":
-                problems.append(f"rollout.colocate: false needs a rollout engine of its own actors (placement "
-                                f"'replica', e.g. vllm); engine {cfg.rollout.engine} runs inside the trainer's "
-                                f"processes, on their devices")
-        except EngineError:
-            pass  # named above
-    # the devices this machine's embedded Ray would hand the actors; a joined cluster's are its own
-    problems += device_problems(cfg, None if cfg.ray_address else _cuda_visible())
-    return problems
-
-
-def _cuda_visible() -> bool:
-    from rlhf_switch.device import cuda_available
-
-    return cuda_available()
-
-
-def device_problems(cfg, cuda_available: bool | None) -> list[str]:
-    """What ``cfg.device`` and ``model.dtype`` ask for that cannot run where the actors see
-    (``cuda_available``) or do not see a GPU; ``None``: not known before Ray (a cluster joined at
-    ``ray_address``) — then ``device: cuda`` is taken at its word and ``auto`` waits for the actors
-    (``world_device``). Pure but for the engines' registry."""
-    from rlhf_switch.device import DeviceUnavailable, resolve_device
-
-    if cuda_available is None:
-        if cfg.device == "auto":
-            return []
-        cuda_available = cfg.device == "cuda"
-    try:
-        device = resolve_device(cfg.device, cuda_available, cfg.model.dtype)
-    except DeviceUnavailable as e:
-        return [str(e)]
-    return dtype_problems(cfg, device)
-
-
-def dtype_problems(cfg, device) -> list[str]:
-    """The compute dtype ``device`` resolved to, against each phase's engine: on CPU the loop
-    computes in float32 (bf16 is ~26× slower there and not run); on CUDA each engine says which
-    compute dtypes it runs beside a float32 master (``compute_dtypes``)."""
-    from rlhf_switch.engines.base import EngineError, rollout_engine, training_engine
-
-    if not device.is_cuda:
-        return [] if device.compute_dtype == "float32" else \
-            [f"model.dtype: {device.compute_dtype} — the CPU loop trains in float32"]
-    problems = []
-    why = "model.dtype" if cfg.model.dtype else "model.dtype unset: device cuda's default"
-    for phase, layout in cfg.phases().items():
-        try:
-            cls = rollout_engine(layout.engine) if phase == "rollout" else training_engine(layout.engine)
-        except EngineError:
-            continue  # loop_problems names it
-        if device.compute_dtype not in cls.compute_dtypes:
-            problems.append(f"{phase}: engine {layout.engine} computes in {'/'.join(cls.compute_dtypes)}, not "
-                            f"{device.compute_dtype} ({why}); set model.dtype: float32 or use an engine that "
-                            f"does")
-    return problems
-
-
-def world_device(cfg, cuda_available: bool):
-    """The run's ``DeviceSpec``, resolved once when the world starts from what its actors see
-    (``cuda_available``, asked in an actor on its bundle); ``ConfigError`` where it cannot run."""
-    from rlhf_switch.device import DeviceUnavailable, resolve_device
-    from rlhf_switch.rl.config import ConfigError
-
-    try:
-        device = resolve_device(cfg.device, cuda_available, cfg.model.dtype)
-    except DeviceUnavailable as e:
-        raise ConfigError("device", [str(e)]) from None
-    problems = dtype_problems(cfg, device)
-    if problems:
-        raise ConfigError(f"the loop cannot run this config on {device.kind}", problems)
-    return device
 
 
 # --- the warm start and held-out evaluation --------------------------------------------------------
@@ -184,6 +79,14 @@ def sample_seeds(cfg, iteration: int, n: int) -> list[int]:
     """One sampling seed per sequence: independent of the rollout layout (TP, replicas)."""
     base = (cfg.seed * 1_000_003 + iteration) * 65_536
     return [base + i for i in range(n)]
+
+
+def write_run_config(out_dir: Path, cfg) -> None:
+    """``<output_dir>/config.yaml``: the config the run follows, accepted resize requests
+    included as ``elastic.schedule`` entries (``--resume`` with it takes the same resizes)."""
+    import yaml
+
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:

@@ -39,6 +39,14 @@ from typing import Any, Mapping
 from .vps.spec import AttentionGeometry, FusedGroup, ModelSpec, TensorSpec, config_dtype
 
 DEFAULT_MODEL_TYPE = "llama"  # the configs written before families existed carry no model_type
+# transformers' LlamaConfig default for ``max_position_embeddings``: the context of a config dict
+# that leaves the field out
+DEFAULT_CONTEXT = 2048
+
+
+def context_length(hf_config: Mapping[str, Any]) -> int:
+    """The model's context (``max_position_embeddings``; transformers' Llama default when unset)."""
+    return int(hf_config.get("max_position_embeddings") or DEFAULT_CONTEXT)
 
 
 @dataclass(frozen=True)

@@ -71,22 +71,19 @@ def on_world(ctx, job, *args) -> list[str]:
 
 
 def fit(cfg: dict) -> list[str]:
-    """``check_fits``'s problems (exactly what a run refuses with, before Ray)."""
-    from rlhf_switch.rl.config import fit_problems, load_config
-
-    return fit_problems(load_config(cfg))
-
-
-def loop(cfg: dict) -> list[str]:
-    from recipes.common import loop_problems
+    """The pre-start checks' problems (exactly what a run refuses with, before Ray)."""
+    from rlhf_switch.problems import run_problems
     from rlhf_switch.rl.config import load_config
 
-    return loop_problems(load_config(cfg))
+    return run_problems(load_config(cfg))
+
+
+loop = fit  # the engines' refusals are pre-start checks too
 
 
 def devices(cfg: dict, cuda_available: bool) -> list[str]:
     """The device checks before Ray, where the actors would (not) see a GPU."""
-    from recipes.common import device_problems
+    from rlhf_switch.problems import device_problems
     from rlhf_switch.rl.config import load_config
 
     return device_problems(load_config(cfg), cuda_available)

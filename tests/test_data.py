@@ -102,11 +102,12 @@ def test_hf_tokenizer_interface(model_dir, tmp_path):
 
 
 def test_load_splits_renders_drops_and_counts(model_dir):
-    from rlhf_switch.rl.config import check_fits, load_config
+    from rlhf_switch.problems import check_run
+    from rlhf_switch.rl.config import load_config
     from rlhf_switch.rl.data import load_splits
 
     cfg = load_config(data_config(model_dir, num_heldout=50))
-    check_fits(cfg)
+    check_run(cfg)
     splits, line = load_splits(cfg)
     assert len(splits.train) == 2000 and len(splits.heldout) == 50
     first = json.loads((DATA / "train.jsonl").read_text().splitlines()[0])

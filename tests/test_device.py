@@ -1,5 +1,5 @@
 """Device, backend and dtype as data (``rlhf_switch.device``), the checks on them before anything
-starts (``recipes.common.device_problems``) and the bundles and actor slots a config asks for
+starts (``rlhf_switch.problems.device_problems``) and the bundles and actor slots a config asks for
 (``recipes.cluster.resources``) — pure functions, so every GPU combination is checked on CPU."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from test_loop_inputs import config, write
 from recipes.cluster import Slot, resources, resources_for
-from recipes.common import device_problems, loop_problems, world_device
+from rlhf_switch.problems import device_problems, run_problems, world_device
 from rlhf_switch.device import CPU, DeviceSpec, DeviceUnavailable, resolve_device
 from rlhf_switch.rl.config import ConfigError, load_config
 
@@ -105,7 +105,7 @@ def resolve_refusal() -> str:
 
 
 def test_a_rollout_engine_inside_the_trainer_cannot_leave_its_devices():
-    problems = loop_problems(load_config(config(**{"rollout.colocate": False})))
+    problems = run_problems(load_config(config(**{"rollout.colocate": False})))
     assert any(p.startswith("rollout.colocate: false needs a rollout engine of its own actors") for p in problems)
 
 
@@ -145,7 +145,7 @@ def test_device_cuda_without_a_gpu_exits_2_before_ray_with_one_message(tmp_path)
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
     assert out.stderr.count(CUDA_REFUSAL) == 1, out.stderr
-    assert out.stderr.startswith("error: the loop cannot run this config: 1 problem"), out.stderr
+    assert out.stderr.startswith("error: the config cannot run on world_size=2: 1 problem"), out.stderr
     assert "ray" not in out.stderr.lower() and not (tmp_path / "run").exists()
 
 

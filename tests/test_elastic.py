@@ -233,7 +233,8 @@ def test_grpo_with_an_elastic_schedule_continues_as_the_new_layout_from_that_ite
 
 
 def test_a_bad_elastic_schedule_is_one_config_error(tmp_path):
-    from rlhf_switch.rl.config import ConfigError, check_fits, load_config
+    from rlhf_switch.problems import check_run
+    from rlhf_switch.rl.config import ConfigError, load_config
 
     cfg = _config(tmp_path, 4)
     dp2 = _config(tmp_path, 2)
@@ -247,7 +248,7 @@ def test_a_bad_elastic_schedule_is_one_config_error(tmp_path):
     text = str(e.value) + " ".join(e.value.problems)
     assert "increasing iteration order" in text and "a resize does not change the engine" in text
     with pytest.raises(ConfigError) as e:  # a layout that does not fit the entry's own world
-        check_fits(load_config({**cfg, "elastic": {"schedule": [{**entry, "world_size": 3}]}}))
+        check_run(load_config({**cfg, "elastic": {"schedule": [{**entry, "world_size": 3}]}}))
     assert any(p.startswith("elastic.schedule[0]:") for p in e.value.problems), e.value.problems
 
 
@@ -313,12 +314,13 @@ def test_an_elastic_schedule_with_vllm_changes_the_rollout_layout(tmp_path):
     world or with it (tests/test_elastic_combined.py runs one); one that changes the engine is
     refused before Ray; the device count is checked as for every entry (a replica of TP t takes t
     devices of the world)."""
-    from rlhf_switch.rl.config import ConfigError, check_fits, load_config
+    from rlhf_switch.problems import check_run
+    from rlhf_switch.rl.config import ConfigError, load_config
 
     cfg = {**_config(tmp_path, 2), "rollout": {"engine": "vllm", "tp": 1, "dp": 2}}
     tp2 = {"iteration": 2, "world_size": 2, "train": cfg["train"], "rollout": {"engine": "vllm", "tp": 2, "dp": 1}}
     ok = load_config({**cfg, "elastic": {"schedule": [tp2, {**tp2, "iteration": 3, "rollout": cfg["rollout"]}]}})
-    check_fits(ok)
+    check_run(ok)
     assert [(ok.at_iteration(i).rollout.tp, ok.at_iteration(i).rollout.dp) for i in (1, 2, 3)] == [(1, 2), (2, 1), (1, 2)]
     dp4 = _config(tmp_path, 4)  # the trainer world beside the replicas: accepted (one combined resize)
     load_config({**cfg, "elastic": {"schedule": [{**tp2, "world_size": 4, "train": dp4["train"],
@@ -330,7 +332,7 @@ def test_an_elastic_schedule_with_vllm_changes_the_rollout_layout(tmp_path):
             load_config({**cfg, "elastic": {"schedule": [entry]}})
         assert any(p.startswith(want) for p in e.value.problems), (want, e.value.problems)
     with pytest.raises(ConfigError) as e:  # 4 devices of TP1 replicas on a world of 2
-        check_fits(load_config({**cfg, "elastic": {"schedule": [{**tp2, "rollout": {"engine": "vllm", "tp": 1,
+        check_run(load_config({**cfg, "elastic": {"schedule": [{**tp2, "rollout": {"engine": "vllm", "tp": 1,
                                                                                        "dp": 4}}]}}))
     assert any(p.startswith("elastic.schedule[0]: rollout: tp·pp·dp = 1·1·4 = 4, but world_size = 2")
                for p in e.value.problems), e.value.problems

@@ -130,15 +130,16 @@ def test_a_combined_entry_is_checked_before_ray(tmp_path):
     """A schedule entry (or a resize request) that changes the trainer world beside vLLM replicas
     is accepted; one whose replicas do not fit the new world is one ConfigError before Ray."""
     from rlhf_switch.elastic.requests import checked_request
-    from rlhf_switch.rl.config import ConfigError, check_fits, load_config
+    from rlhf_switch.problems import check_run
+    from rlhf_switch.rl.config import ConfigError, load_config
 
     cfg = _config(tmp_path / "run")
     ok = load_config(cfg)
-    check_fits(ok)
+    check_run(ok)
     assert [(ok.at_iteration(i).world_size, ok.at_iteration(i).rollout.dp) for i in (0, 1, 3)] == [(2, 2), (1, 1), (1, 1)]
     bad = {**cfg["elastic"]["schedule"][1], "rollout": {"engine": "vllm", "tp": 2, "dp": 1}}  # TP2 on 1 device
     with pytest.raises(ConfigError) as e:
-        check_fits(load_config({**cfg, "elastic": {"schedule": [bad]}}))
+        check_run(load_config({**cfg, "elastic": {"schedule": [bad]}}))
     assert e.value.problems == ["elastic.schedule[0]: rollout: tp·pp·dp = 2·1·1 = 2, but world_size = 1 (every "
                                 "phase is colocated on all devices)"], e.value.problems
     run = load_config({**cfg, "elastic": {}})

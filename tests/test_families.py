@@ -208,37 +208,40 @@ def test_torch_rollout_refuses_a_spec_with_tensors_its_forward_does_not_read():
 
 
 def test_config_check_names_an_unknown_model_type():
-    from rlhf_switch.rl.config import ModelConfig, _family_problems
+    from rlhf_switch.problems import family_problems_of
+    from rlhf_switch.rl.config import ModelConfig
 
-    (msg,) = _family_problems(ModelConfig(hf_config=dict(tiny_config("llama"), model_type="gemma")))
+    (msg,) = family_problems_of(ModelConfig(hf_config=dict(tiny_config("llama"), model_type="gemma")))
     assert msg.startswith("model: model_type 'gemma' is not supported")
-    assert _family_problems(ModelConfig(hf_config=tiny_config("qwen3_moe"))) == []
+    assert family_problems_of(ModelConfig(hf_config=tiny_config("qwen3_moe"))) == []
 
 
 def test_config_check_splits_the_experts_width_by_tp():
     """TP splits the MoE experts' ``moe_intermediate_size`` as it splits a dense MLP: a TP that
     does not divide it is refused by the config check (before any layout is built)."""
-    from rlhf_switch.rl.config import ModelDims, RolloutLayout, _model_split_problems
+    from rlhf_switch.problems import model_split_problems
+    from rlhf_switch.rl.config import ModelDims, RolloutLayout
 
     dims = ModelDims.from_hf_config(tiny_config("qwen3_moe", moe_intermediate_size=6, num_key_value_heads=4,
                                                 num_attention_heads=4))
     layout = RolloutLayout(engine="vllm", tp=4, pp=1, dp=1)
-    assert _model_split_problems("rollout", layout, dims) == [
+    assert model_split_problems("rollout", layout, dims) == [
         "rollout: tp=4 does not divide moe_intermediate_size=6"]
-    assert _model_split_problems("rollout", RolloutLayout(engine="vllm", tp=2, pp=1, dp=1), dims) == []
+    assert model_split_problems("rollout", RolloutLayout(engine="vllm", tp=2, pp=1, dp=1), dims) == []
 
 
 def test_weights_check_reads_a_family_checkpoint(tmp_path):
     """``model.path`` with a qwen3_moe checkpoint: the per-expert tensors it holds are the spec's."""
     import json
 
-    from rlhf_switch.rl.config import ModelConfig, _weights_problems
+    from rlhf_switch.problems import weights_problems
+    from rlhf_switch.rl.config import ModelConfig
 
     save_tiny_model("qwen3_moe", str(tmp_path))
-    assert _weights_problems(ModelConfig(path=str(tmp_path))) == []
+    assert weights_problems(ModelConfig(path=str(tmp_path))) == []
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=64)))
-    problems = _weights_problems(ModelConfig(path=str(tmp_path)))
+    problems = weights_problems(ModelConfig(path=str(tmp_path)))
     assert any("experts.0.gate_proj.weight of shape [32, 64], config.json implies [64, 64]" in p for p in problems)
 
 

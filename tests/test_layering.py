@@ -1,5 +1,7 @@
 """Imports point downwards: the package never imports the layers above it (``recipes``, ``actors``),
-and ``rlhf_switch.compat`` imports neither DeepSpeed nor vLLM until a patch is applied."""
+each layer of the package only the layers below it, no two modules import each other (directly or
+round a longer cycle, at module level or inside a function), and ``rlhf_switch.compat`` imports
+neither DeepSpeed nor vLLM until a patch is applied."""
 from __future__ import annotations
 
 import ast
@@ -41,9 +43,12 @@ def test_compat_imports_no_third_party_engine_at_module_level():
 LAYERS = {"device": set(), "vps": set(), "routing": {"vps"}, "families": {"vps"}, "models": {"vps", "families"},
           "testing": {"vps", "families", "models", "rl"}, "rl": {"vps", "families", "models"},
           "engines": {"vps", "routing", "families", "models", "rl", "compat", "launch", "device"},
-          "elastic": {"vps", "routing", "families", "models", "rl", "compat", "launch", "engines", "device"},
+          # the pre-start checks ask the config, the engines' registry and the device
+          "problems": {"vps", "families", "models", "rl", "engines", "device"},
+          "elastic": {"vps", "routing", "families", "models", "rl", "compat", "launch", "engines", "device",
+                      "problems"},
           # the cost model asks the engine registry which layouts each engine runs (no process group)
-          "tune": {"vps", "families", "models", "rl", "engines", "device"}}
+          "tune": {"vps", "families", "models", "rl", "engines", "device", "problems"}}
 
 
 def package_imports(path: Path) -> list[tuple[int, str]]:
@@ -75,3 +80,79 @@ def test_layers_inside_the_package_point_down():
             upward += [f"{path.relative_to(REPO)}:{line} imports rlhf_switch.{sub}"
                        for line, sub in package_imports(path) if sub != layer and sub not in below]
     assert upward == []
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the package, ``recipes`` and ``actors`` -> the modules of those it imports
+    (at any depth; ``from pkg import name`` resolved to the submodule ``pkg.name`` where there is
+    one; a package's own ``__init__`` is not counted as an import of its parent)."""
+    modules = {}
+    for root in ("rlhf_switch",) + ABOVE_THE_PACKAGE:
+        for path in (REPO / root).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        package = path.relative_to(REPO).with_suffix("").parts[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = (".".join(package[:len(package) - node.level + 1] + ((node.module,) if node.module else ()))
+                        if node.level else node.module)
+                found = [f"{base}.{a.name}" for a in node.names] + [base]
+            else:
+                continue
+            deps |= {m for m in map(known, found) if m}
+        graph[name] = {d for d in deps if d != name and not name.startswith(d + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(module_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle():
+    """The check itself: a two-module cycle and a function-level import are found."""
+    graph = module_graph()
+    assert graph["rlhf_switch.rl.algorithm"] >= {"rlhf_switch.rl.algorithms"}
+    graph["rlhf_switch.rl.algorithms"] = graph["rlhf_switch.rl.algorithms"] | {"rlhf_switch.rl.algorithm"}
+    assert ["rlhf_switch.rl.algorithm", "rlhf_switch.rl.algorithms"] in cycles(graph)

@@ -1,6 +1,6 @@
 """The loop-overhead changes of issue 18 keep the numbers: FSDP2 gathered once per call, AdamW on
 the local shards, the batched gradient norm, one FSDP2 unit for a small model (2 gloo ranks, a tiny
-untied Llama whose FSDP2 shards are uneven); train_on's mini-batch weights without an all-reduce; ZeRO-3 with persistent parameters trains bit-identically to plain ZeRO-3 and a write
+untied Llama whose FSDP2 shards are uneven); the update's mini-batch weights without an all-reduce; ZeRO-3 with persistent parameters trains bit-identically to plain ZeRO-3 and a write
 of its partitions reaches its forward; and the TRL baseline's tokenizer gives TRL the loop's ids
 (no TRL needed)."""
 from __future__ import annotations
@@ -98,9 +98,9 @@ def _grpo_tiny() -> dict:
 @pytest.mark.parametrize("dp,local_mini", [(1, 4), (2, 4), (4, 2)])
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_mini_batch_totals_equal_the_all_reduced_per_rank_totals(dp, local_mini, aggregation):
-    """``train_on``'s mini-batch weights from the whole batch equal what the all-reduce of every
+    """The update's mini-batch weights from the whole batch equal what the all-reduce of every
     rank's own (padded to its own length) summed before: uneven prompts, responses, one empty."""
-    from actors.hybrid import _pad_batch, _weight, mini_batch_totals
+    from rlhf_switch.rl.algorithm import loss_weight as _weight, mini_batch_totals, pad_batch as _pad_batch
 
     g = torch.Generator().manual_seed(3)
     n = 16

@@ -171,11 +171,12 @@ def test_vllm_pads_the_vocabulary_to_64_not_128(tp, per, last_rows):
 
 
 def _fit(name: str = "grpo_tiny_fsdp.yaml", **changes) -> list[str]:
-    from rlhf_switch.rl.config import fit_problems, load_config
+    from rlhf_switch.problems import run_problems
+    from rlhf_switch.rl.config import load_config
 
     if name == "grpo_tiny_fsdp.yaml":  # the rules below are stated for one rollout replica (its TP2 layout then)
         changes.setdefault("rollout", {"engine": "torch", "tp": 2})
-    return fit_problems(load_config(config(name, **changes)), load_reward=False)
+    return run_problems(load_config(config(name, **changes)), skip=("reward",))
 
 
 TP2 = {"engine": "torch_tp", "tp": 2}

@@ -3,7 +3,7 @@
 
 - ``rlhf_switch.elastic.nodes`` (pure): two snapshots of ``ray.nodes()`` compared; the request a
   grown cluster makes (layouts scaled along DP), checked by ``requests.checked_request``.
-- The loop's watch (``recipes.loop._watch_nodes``) on plain ``ray.nodes()``-shaped lists: every
+- The loop's watch (``recipes.elastic_control.watch_nodes``) on plain ``ray.nodes()``-shaped lists: every
   change an ``event`` record, a node added a request in the run's mailbox (or not, and why).
 - A real Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``, 2 CPUs and 2
   logical GPUs each; slow): GRPO (ZeRO-3 DP2, torch rollout) starts on the head's two devices;
@@ -90,7 +90,7 @@ def test_the_grown_request_scales_dp_and_goes_through_the_request_checks(tmp_pat
 
 
 class Nodes:
-    """What ``_watch_nodes`` asks of Ray: ``nodes()``, here a list the test sets."""
+    """What ``watch_nodes`` asks of Ray: ``nodes()``, here a list the test sets."""
 
     def __init__(self, *entries):
         self.entries = list(entries)
@@ -100,7 +100,7 @@ class Nodes:
 
 
 def test_the_loop_watch_records_every_change_and_requests_a_resize_for_a_node_added(tmp_path):
-    from recipes.loop import _watch_nodes
+    from recipes.elastic_control import watch_nodes
     from rlhf_switch.elastic import requests
     from rlhf_switch.rl.config import load_config
 
@@ -112,10 +112,10 @@ def test_the_loop_watch_records_every_change_and_requests_a_resize_for_a_node_ad
         cfg = load_config({**_config(out, 2), "elastic": {"on_node_change": mode}})
         seen = snapshot(ray.nodes())
         ray.entries = [node(A, cpus=2)]
-        seen, notes = _watch_nodes(out, cfg, seen, ray, 1, said.append, "grpo")
+        seen, notes = watch_nodes(out, cfg, seen, ray, 1, said.append)
         assert notes == []
         ray.entries = [node(A, cpus=2), node(B, cpus=2)]
-        seen, notes = _watch_nodes(out, cfg, seen, ray, 1, said.append, "grpo")
+        seen, notes = watch_nodes(out, cfg, seen, ray, 1, said.append)
         (ev,) = [n["event"] for n in notes if n["iteration"] == 1]
         assert (ev["kind"], ev["node_id"], ev["devices"], ev["cluster_devices"]) == ("node_added", B, 2, 4)
         assert (ev["old"], ev["new"]) == ("2 devices", "4 devices")
@@ -127,7 +127,7 @@ def test_the_loop_watch_records_every_change_and_requests_a_resize_for_a_node_ad
             assert (pending["reason"], pending["world_size"], pending["train"]["dp"], pending["rollout"]["dp"]) == (
                 "node_added", 4, 4, 4)
         ray.entries = [node(A, cpus=2), node(B, alive=False)]
-        seen, notes = _watch_nodes(out, cfg, seen, ray, 2, said.append, "grpo")
+        seen, notes = watch_nodes(out, cfg, seen, ray, 2, said.append)
         (ev,) = [n["event"] for n in notes]
         assert ev["kind"] == "node_lost" and "redundancy: host" in ev["action"] and ev["cluster_devices"] == 2
         assert requests.take_request(out) is None  # a node lost is only recorded
@@ -136,7 +136,7 @@ def test_the_loop_watch_records_every_change_and_requests_a_resize_for_a_node_ad
     requests.request_resize(out, world_size=2, train={"engine": "deepspeed", "zero_stage": 3, "dp": 2},
                             rollout={"engine": "torch", "tp": 1, "dp": 2})
     ray.entries = [node(A, cpus=2), node(C, cpus=2)]
-    _, notes = _watch_nodes(out, cfg, snapshot([node(A, cpus=2)]), ray, 1, said.append, "grpo")
+    _, notes = watch_nodes(out, cfg, snapshot([node(A, cpus=2)]), ray, 1, said.append)
     assert notes[0]["event"]["action"].startswith("no resize:") and "still waiting" in notes[0]["event"]["action"]
     assert any("node added before iteration 1" in s for s in said)
 

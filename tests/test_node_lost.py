@@ -68,7 +68,7 @@ def test_devices_renumber_keeps_the_world_on_0_to_n():
 
 
 def test_the_node_lost_record_says_what_the_recovery_did(tmp_path):
-    from recipes.loop import _watch_nodes
+    from recipes.elastic_control import watch_nodes
     from rlhf_switch.elastic.nodes import snapshot
     from rlhf_switch.rl.config import load_config
     from test_node_events import Nodes, node
@@ -79,12 +79,12 @@ def test_the_node_lost_record_says_what_the_recovery_did(tmp_path):
     seen = snapshot([node(a, cpus=2), node(b, cpus=2)])
     recovered = [{"kind": "trainer_lost", "lost_ranks": [1, 3], "lost_nodes": [f"10.0.0.2 {b[:8]}"],
                   "action": "recovered to 2 devices from the host copies (a smaller world)"}]
-    _, notes = _watch_nodes(tmp_path, cfg, seen, ray, 1, lambda s: None, "grpo", recovered)
+    _, notes = watch_nodes(tmp_path, cfg, seen, ray, 1, lambda s: None, recovered)
     (ev,) = [n["event"] for n in notes]
     assert ev["kind"] == "node_lost" and ev["node_id"] == b and ev["cluster_devices"] == 2
     assert ev["action"] == "trainer rank(s) [1, 3] lost with it: recovered to 2 devices from the host copies " \
                           "(a smaller world)"
-    _, notes = _watch_nodes(tmp_path, cfg, seen, ray, 1, lambda s: None, "grpo", [])  # no trainer of it
+    _, notes = watch_nodes(tmp_path, cfg, seen, ray, 1, lambda s: None, [])  # no trainer of it
     assert notes[0]["event"]["action"].startswith("recorded")
 
 

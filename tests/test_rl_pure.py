@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from rlhf_switch.rl import algorithms as A
-from rlhf_switch.rl.config import (Aggregation, ConfigError, KLEstimator, RunConfig, check_fits, fit_problems,
-                                   load_config)
+from rlhf_switch.problems import check_run, run_problems
+from rlhf_switch.rl.config import Aggregation, ConfigError, KLEstimator, RunConfig, load_config
 from rlhf_switch.rl.rewards import (RewardError, exact_match, load_reward_fn, partial_credit, score_samples)
 from rlhf_switch.rl.tasks import (TASKS, CharTokenizer, build_task, encode_prompt, longest_answer_tokens,
                                   longest_prompt_tokens, make_splits)
@@ -369,7 +369,7 @@ def _shipped(name: str = "grpo_tiny.yaml") -> dict:
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs_load_and_fit(name):
     cfg = load_config(CONFIGS / name)
-    check_fits(cfg)
+    check_run(cfg)
     assert cfg.world_size == 2 and cfg.task.reward_fn == "rlhf_switch.rl.rewards:exact_match"
     assert load_config(cfg.model_dump()) == cfg  # a saved config reloads to the same run
 
@@ -435,9 +435,9 @@ def test_impossible_layout_lists_every_problem():
     data["algorithm"]["prompts_per_iteration"] = 6
     data["algorithm"]["mini_batch_size"] = 32
     with pytest.raises(ConfigError) as info:
-        check_fits(load_config(data))
+        check_run(load_config(data))
     message = str(info.value)
-    assert message.startswith("the config does not fit world_size=4:")
+    assert message.startswith("the config cannot run on world_size=4:")
     expected = [
         "train: tp·pp·dp = 3·1·1 = 3, but world_size = 4",
         "train: tp=3 does not divide num_attention_heads=4",
@@ -451,9 +451,8 @@ def test_impossible_layout_lists_every_problem():
         assert line in message, line
     assert len(info.value.problems) == len(message.splitlines()) - 1
     # what each engine runs is the engine's to say (asked through the registry by the loop)
-    from recipes.common import loop_problems
 
-    engine_problems = loop_problems(load_config(data))
+    engine_problems = run_problems(load_config(data))
     for line in ["train: engine deepspeed is ZeRO data parallelism (tp=1, pp=1)",
                  "rollout: rollout engines run tensor parallel replicas only; pp=2 must be 1",
                  "reference: engine fsdp2 runs zero_stage=0 only (got zero_stage=2; for zero_stage > 0 use "
@@ -468,14 +467,14 @@ def test_tp_versus_kv_heads_per_engine():
     data["train"] = {"engine": "torch_tp", "tp": 2, "dp": 2}
     data["reference"] = {"engine": "torch_tp", "tp": 2, "dp": 2}
     data["rollout"] = {"engine": "vllm", "tp": 4}
-    check_fits(load_config(data))
+    check_run(load_config(data))
     data["train"] = {"engine": "torch_tp", "tp": 4}   # a training engine splits KV heads: 4 ∤ 2
     data["model"]["hf_config"]["num_key_value_heads"] = 4
     data["model"]["hf_config"]["num_attention_heads"] = 12
     data["rollout"] = {"engine": "vllm", "tp": 4}
-    assert fit_problems(load_config(data)) == []
+    assert run_problems(load_config(data)) == []
     data["model"]["hf_config"]["num_key_value_heads"] = 3
-    problems = fit_problems(load_config(data))
+    problems = run_problems(load_config(data))
     assert "train: tp=4 does not divide num_key_value_heads=3" in problems
     assert "rollout: tp=4 is above num_key_value_heads=3 and must then be a multiple of it" in problems
 
@@ -486,7 +485,7 @@ def test_model_task_and_reward_fit():
     data["algorithm"]["max_new_tokens"] = 3
     data["task"]["reward_fn"] = "no_such_module_xyz:score"
     data["task"]["num_train"] = 20000
-    problems = fit_problems(load_config(data))
+    problems = run_problems(load_config(data))
     assert problems == [
         "task: addition with max_len=2 has 10000 distinct prompts; num_train + num_heldout = 20200",
         "algorithm.max_new_tokens=3 cannot hold the task's longest answer (4 tokens with <eos>)",
@@ -498,16 +497,16 @@ def test_model_task_and_reward_fit():
     ]
     data["model"]["hf_config"].update(max_position_embeddings=9)
     assert ("model: the task's longest prompt is 7 tokens; with max_new_tokens=3 that is 10 > "
-            "max_position_embeddings=9") in fit_problems(load_config(data), load_reward=False)
+            "max_position_embeddings=9") in run_problems(load_config(data), skip=("reward",))
 
 
 def test_model_path_is_read_without_transformers(tmp_path):
     data = _shipped()
     (tmp_path / "config.json").write_text(json.dumps(data["model"]["hf_config"]))
     data["model"] = {"path": str(tmp_path)}
-    assert fit_problems(load_config(data)) == []
+    assert run_problems(load_config(data)) == []
     data["model"] = {"path": str(tmp_path / "missing")}
-    assert f"model.path: no config.json at {tmp_path / 'missing' / 'config.json'}" in fit_problems(load_config(data))
+    assert f"model.path: no config.json at {tmp_path / 'missing' / 'config.json'}" in run_problems(load_config(data))
 
 
 def test_yaml_file_errors(tmp_path):

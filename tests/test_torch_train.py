@@ -13,7 +13,8 @@ import torch
 
 import train_jobs_torch as jobs
 from rlhf_switch.engines.optim import AdamWConfig
-from rlhf_switch.engines.torch_train import build_tp, build_tp_dp, build_tp_pp, check_tp
+from rlhf_switch.engines.pipeline import build_tp_pp
+from rlhf_switch.engines.torch_train import build_tp, build_tp_dp, check_tp
 from rlhf_switch.vps import ADAM_FIELDS, PARAM, ParallelConfig, build_layout, fsdp, llama_spec
 
 TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

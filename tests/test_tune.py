@@ -43,8 +43,7 @@ def cpu():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_enumerated_combination_passes_trains_own_checks(grpo, world):
-    from recipes.common import loop_problems
-    from rlhf_switch.rl.config import fit_problems
+    from rlhf_switch.problems import run_problems
     from rlhf_switch.tune import Combination, enumerate_combinations
     from rlhf_switch.tune.enumerate import combination_problems
 
@@ -60,7 +59,7 @@ def test_every_enumerated_combination_passes_trains_own_checks(grpo, world):
     assert len(legal) >= 8
     for combo in legal:
         run = combo.apply(cfg)
-        assert fit_problems(run, load_reward=False) == [] and loop_problems(run) == [], combo
+        assert run_problems(run, skip=("reward",)) == [], combo
 
 
 def test_the_shipped_layouts_are_enumerated_and_illegal_ones_are_not(grpo):
@@ -200,16 +199,16 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_out_is_a_config_train_accepts(tmp_path):
-    from recipes.common import loop_problems
-    from rlhf_switch.rl.config import check_fits, load_config
+    from rlhf_switch.problems import check_run, run_problems
+    from rlhf_switch.rl.config import load_config
 
     out = tmp_path / "best.yaml"
     p = run_cli("configs/grpo_tiny.yaml", "--world-size", "4", "--top", "3", "--out", str(out))
     assert p.returncode == 0, p.stderr
     assert "total s" in p.stdout and len([line for line in p.stdout.splitlines() if line[:2] in ("1 ", "2 ", "3 ")]) == 3
     best = load_config(out)
-    check_fits(best)
-    assert best.world_size == 4 and loop_problems(best) == []
+    check_run(best)
+    assert best.world_size == 4 and run_problems(best) == []
 
 
 def test_cli_a_world_that_cannot_hold_the_model(tmp_path):

@@ -12,7 +12,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from rlhf_switch.engines import torch_train
+from rlhf_switch.engines import pipeline, torch_train
 from rlhf_switch.engines.deepspeed_zero import build_zero_trainer
 from rlhf_switch.engines.train_switch import switch_training
 from rlhf_switch.routing import MoveError
@@ -21,8 +21,8 @@ from rlhf_switch.vps import MASTER, PARAM, llama_spec
 from train_jobs_ds import BATCH, MODEL, OPTIM, batch, mismatches, read_back, tiny_llama
 
 TORCH_BUILDERS = {"fsdp2": torch_train.build_fsdp2, "tp": torch_train.build_tp,
-                  "tp_dp": torch_train.build_tp_dp, "pp": torch_train.build_pp,
-                  "tp_pp": torch_train.build_tp_pp}
+                  "tp_dp": torch_train.build_tp_dp, "pp": pipeline.build_pp,
+                  "tp_pp": pipeline.build_tp_pp}
 
 
 def build(recipe: tuple, seed: int, **model_overrides):

@@ -12,7 +12,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from rlhf_switch.engines import torch_train
+from rlhf_switch.engines import pipeline, torch_train
 from rlhf_switch.engines.dtensor_adapter import MOMENTS, is_dtensor
 from rlhf_switch.engines.optim import AdamWConfig
 from rlhf_switch.engines.train_state import gather_layouts
@@ -23,8 +23,8 @@ from rlhf_switch.vps import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM, StateKey
 from rlhf_switch.vps.materialize import fragment_view
 
 BUILDERS = {"fsdp2": torch_train.build_fsdp2, "tp": torch_train.build_tp,
-            "tp_dp": torch_train.build_tp_dp, "pp": torch_train.build_pp,
-            "tp_pp": torch_train.build_tp_pp}
+            "tp_dp": torch_train.build_tp_dp, "pp": pipeline.build_pp,
+            "tp_pp": pipeline.build_tp_pp}
 
 
 def build(cfg: dict, seed: int, plan: tuple) -> torch_train.TorchTrainer | None:
@@ -186,7 +186,7 @@ def refusals(cfg: dict) -> list[str]:
     final all_reduce over the world shows."""
     world = list(range(dist.get_world_size()))
     attempts = [lambda: torch_train.build_tp_dp(cfg, 0, world, tp=4),        # 4 does not divide 2 KV heads
-                lambda: torch_train.build_pp(cfg, 0, world[::-1][:2]),      # stages on descending ranks
+                lambda: pipeline.build_pp(cfg, 0, world[::-1][:2]),      # stages on descending ranks
                 lambda: torch_train.build_fsdp2(cfg, 0, [world[-1], world[0]])]
     errors = []
     for attempt in attempts:

@@ -105,10 +105,12 @@ def wait_answer(output_dir, rid: str, statuses=FINAL + ("accepted",), timeout_s:
 def checked_request(cfg, request: Mapping, iteration: int, last: int, devices_held: int | None):
     """The run's config with ``request`` as the ``elastic.schedule`` entry at ``iteration`` (the
     one after the boundary it was taken at), checked like a schedule entry in the config: the
-    config's validators, ``check_fits`` of the world it makes, and the ``devices_held`` Ray can
+    config's validators, the pre-start checks of the world it makes (``rlhf_switch.problems``; its
+    reward already ran), and the ``devices_held`` Ray can
     give (None: the run has no elastic device manager). Returns (config, entry); raises one
     ``ConfigError`` listing every problem."""
-    from ..rl.config import ConfigError, check_fits, load_config
+    from ..problems import check_run
+    from ..rl.config import ConfigError, load_config
 
     where = "resize request"
 
@@ -137,7 +139,7 @@ def checked_request(cfg, request: Mapping, iteration: int, last: int, devices_he
                        "schedule": sorted(schedule + [entry], key=lambda e: e["iteration"])}
     try:
         new = load_config(data)
-        check_fits(new, load_reward=False)
+        check_run(new, skip=("reward",))
     except ConfigError as e:
         raise refuse(problems + (e.problems or [str(e)])) from None
     (accepted,) = [e for e in new.elastic.schedule if e.iteration == iteration]
@@ -151,16 +153,17 @@ def checked_request(cfg, request: Mapping, iteration: int, last: int, devices_he
 def scaled_config(cfg, world: int):
     """The run's config on ``world`` devices, its train, rollout and reference layouts scaled
     along DP (``nodes.scaled_request``): the world a lost node leaves (``recovery.recover``).
-    Checked as the config is: its validators and ``check_fits``; raises one ``ConfigError``
+    Checked as the config is: its validators and the pre-start checks; raises one ``ConfigError``
     (e.g. a TP that does not divide ``world``, a batch the new DP does not divide)."""
-    from ..rl.config import ConfigError, check_fits, load_config
+    from ..problems import check_run
+    from ..rl.config import ConfigError, load_config
     from .nodes import scaled_request
 
     data = cfg.model_dump()
     data.update(scaled_request(data, world))
     try:
         new = load_config(data)
-        check_fits(new, load_reward=False)
+        check_run(new, skip=("reward",))
     except ConfigError as e:
         raise ConfigError(f"no {world}-device world with the run's layouts scaled along DP",
                           e.problems or [str(e)]) from None

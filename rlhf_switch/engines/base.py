@@ -35,6 +35,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 
 from ..device import CPU, DeviceSpec
+from ..families import DEFAULT_CONTEXT, context_length
 from ..vps.layout import Layout
 from ..vps.spec import ModelSpec
 from .optim import AdamWConfig
@@ -68,7 +69,7 @@ class TrainingContext:
 
     @property
     def context(self) -> int:
-        return int(self.seq_len or self.hf_config.get("max_position_embeddings", 2048))
+        return int(self.seq_len or context_length(self.hf_config))
 
 
 class TrainingEngine(ABC):
@@ -179,7 +180,7 @@ class RolloutContext:
     replicas: int
     replica: int
     seed: int = 0
-    max_model_len: int = 2048
+    max_model_len: int = DEFAULT_CONTEXT
     tp_rank: int = 0                  # placement "worker": this rank's place in its replica
     group: Any = None                 # placement "worker": the replica's TP group (None at TP 1)
     options: Mapping[str, Any] = field(default_factory=dict)

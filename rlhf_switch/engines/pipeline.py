@@ -52,10 +52,18 @@ from torch import nn
 from ..device import CPU, DeviceSpec
 from ..models import model_spec
 from ..vps.layouts.pipeline import stage_bounds
+from ..vps.spec import config_value
 from .dtensor_adapter import TorchTrainAdapter
 from .optim import AdamWConfig
-from .torch_train import (DEFAULT_TIMEOUT, TorchTrainer, _cfg, _check_ranks, _groups, _tensor_parallel,
-                          check_tp, hf_model)
+from .torch_train import (
+    DEFAULT_TIMEOUT,
+    TorchTrainer,
+    apply_tensor_parallel,
+    check_ranks,
+    check_tp,
+    hf_model,
+    rank_groups,
+)
 
 LossFn = Callable[[torch.Tensor, slice], tuple[torch.Tensor, dict]]
 
@@ -118,14 +126,14 @@ def _stage(hf_config: Any, seed: int, ranks: Sequence[int], tp: int, stage_layer
         raise ValueError(f"TP={tp} must divide the engine's {len(ranks)} ranks")
     pp = len(ranks) // tp
     name = f"TP{tp}·PP{pp}" if tp > 1 else f"PP{pp}"
-    if _cfg(hf_config, "tie_word_embeddings", False) and pp > 1:
+    if config_value(hf_config, "tie_word_embeddings", False) and pp > 1:
         raise NotImplementedError("PP with tied embeddings (the head on the last stage shares the "
                                   "first stage's embedding) is not implemented")
-    bounds = stage_bounds(int(_cfg(hf_config, "num_hidden_layers")), pp, stage_layers)
-    grid = torch.tensor(_check_ranks(ranks, len(ranks), name)).view(pp, tp)
+    bounds = stage_bounds(int(config_value(hf_config, "num_hidden_layers")), pp, stage_layers)
+    grid = torch.tensor(check_ranks(ranks, len(ranks), name)).view(pp, tp)
     engine = dist.new_group(list(ranks), timeout=timeout) if engine_group else None
-    group = _groups(grid, 0, timeout)
-    tp_group = _groups(grid, 1, timeout) if tp > 1 else None
+    group = rank_groups(grid, 0, timeout)
+    tp_group = rank_groups(grid, 1, timeout) if tp > 1 else None
     if dist.get_rank() not in ranks:
         return None, None
     s, t = divmod(list(ranks).index(dist.get_rank()), tp)
@@ -133,7 +141,7 @@ def _stage(hf_config: Any, seed: int, ranks: Sequence[int], tp: int, stage_layer
     module = LlamaStage(hf, *bounds[s], first=s == 0, last=s == pp - 1).to(device.torch_device())
     del hf
     if tp > 1:
-        _tensor_parallel(module, DeviceMesh.from_group(tp_group, device.kind, mesh_dim_names=("tp",)))
+        apply_tensor_parallel(module, DeviceMesh.from_group(tp_group, device.kind, mesh_dim_names=("tp",)))
     return _Stage(module, name, s, pp, t, group, int(grid[pp - 1, t])), engine
 
 
@@ -152,7 +160,7 @@ def build_tp_pp(hf_config: Any, seed: int, ranks: Sequence[int], *, tp: int, mic
                 timeout: timedelta = DEFAULT_TIMEOUT) -> TorchTrainer | None:
     """Pipeline stages with DTensor TP inside each (PP = len(ranks) // tp): stage ``s``, TP rank
     ``t`` is ``ranks[s · tp + t]`` (Megatron order). Each stage's decoder layers get
-    ``_tensor_parallel``'s plan on the stage's TP group; its embedding / norm / LM head stay
+    ``apply_tensor_parallel``'s plan on the stage's TP group; its embedding / norm / LM head stay
     plain replicated tensors."""
     return _build_pipeline(hf_config, seed, ranks, tp, microbatches, stage_layers, optim, timeout)
 

@@ -146,7 +146,7 @@ class FSDP2Engine(_TorchTrainerEngine):
 class TorchTPEngine(_TorchTrainerEngine):
     """DTensor TP (Megatron-style plan on every decoder layer), with FSDP2 over DP when dp > 1.
     The dense families: qwen2's q/k/v biases split with their weights, qwen3's per-head q/k norms
-    replicated with their gradients summed over TP (``torch_train._tensor_parallel``). Not
+    replicated with their gradients summed over TP (``torch_train.apply_tensor_parallel``). Not
     qwen3_moe: its stacked experts have no TP plan here."""
 
     @classmethod

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch import nn
 from ..device import CPU, DeviceSpec
 from ..models import causal_lm as hf_model  # noqa: F401 - the name tests and benches import
 from ..models import model_spec
+from ..vps.spec import config_value
 from .dtensor_adapter import TorchTrainAdapter
 from .optim import AdamWConfig
 
@@ -141,11 +142,7 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids, labels=input_ids).loss
 
 
-def _cfg(hf_config: Any, name: str, default: Any = None) -> Any:
-    return hf_config.get(name, default) if isinstance(hf_config, Mapping) else getattr(hf_config, name, default)
-
-
-def _groups(grid: torch.Tensor, dim: int, timeout: timedelta) -> dist.ProcessGroup | None:
+def rank_groups(grid: torch.Tensor, dim: int, timeout: timedelta) -> dist.ProcessGroup | None:
     """Create the groups along mesh dim ``dim`` of ``grid`` (world ranks) — ``new_group`` is
     collective over the WORLD, so every rank creates every group — and return this rank's."""
     mine = None
@@ -165,7 +162,7 @@ def device_mesh(ranks: Sequence[int], shape: Sequence[int], names: tuple[str, ..
     Built from our own groups (``DeviceMesh.from_group``), not by ``DeviceMesh(...)``: that one
     also calls ``new_group`` on every world rank but with gloo's default 30-minute timeout."""
     grid = torch.tensor(list(ranks), dtype=torch.int).view(*shape)
-    groups = [_groups(grid, d, timeout) for d in range(len(shape))]
+    groups = [rank_groups(grid, d, timeout) for d in range(len(shape))]
     if dist.get_rank() not in ranks:
         return None
     from torch.distributed.device_mesh import DeviceMesh
@@ -178,16 +175,16 @@ def device_mesh(ranks: Sequence[int], shape: Sequence[int], names: tuple[str, ..
 def check_tp(hf_config: Any, tp: int) -> None:
     """TP splits heads, KV heads and the MLP width evenly (Colwise/Rowwise): refuse, before
     anything is built, a TP that does not divide them."""
-    nh = int(_cfg(hf_config, "num_attention_heads"))
-    nkv = int(_cfg(hf_config, "num_key_value_heads") or nh)
-    inter = int(_cfg(hf_config, "intermediate_size"))
+    nh = int(config_value(hf_config, "num_attention_heads"))
+    nkv = int(config_value(hf_config, "num_key_value_heads") or nh)
+    inter = int(config_value(hf_config, "intermediate_size"))
     bad = [f"{n}={v}" for n, v in (("num_attention_heads", nh), ("num_key_value_heads", nkv),
                                    ("intermediate_size", inter)) if v % tp]
     if tp < 1 or bad:
         raise ValueError(f"TP={tp} must divide {', '.join(bad) or 'the model'}: a TP engine cannot take this layout")
 
 
-def _check_ranks(ranks: Sequence[int], size: int, what: str) -> list[int]:
+def check_ranks(ranks: Sequence[int], size: int, what: str) -> list[int]:
     """``ranks`` must be ascending: ``new_group`` numbers a group's members in ascending order,
     and DTensor collectives and pipeline peers follow that numbering, so a mesh or stage order
     that is not ascending would put shards and stages on the wrong ranks."""
@@ -221,7 +218,7 @@ def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamW
     while the sharded parameters — what the optimizer steps and the adapter describes — stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp = len(_check_ranks(ranks, len(ranks), "FSDP2"))
+    dp = len(check_ranks(ranks, len(ranks), "FSDP2"))
     mesh = device_mesh(ranks, (dp,), ("dp",), timeout, device)
     if mesh is None:
         return None
@@ -271,7 +268,7 @@ def _head_norm_forward(norm: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
     return _SumGradOverTP.apply(norm.weight, group) * x.to(dtype)
 
 
-def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     """Megatron-style TP of every decoder layer: q/k/v/gate/up column-parallel, o/down
     row-parallel (one all-reduce each). Embedding, norms and LM head stay plain replicated
     tensors: they see replicated activations and replicated (all-reduced) gradients, so they
@@ -298,11 +295,11 @@ def build_tp(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWCon
     """DTensor TP over ``ranks`` (TP = len(ranks), no DP), on ``device``."""
     tp = len(ranks)
     check_tp(hf_config, tp)
-    mesh = device_mesh(_check_ranks(ranks, tp, f"TP{tp}"), (tp,), ("tp",), timeout, device)
+    mesh = device_mesh(check_ranks(ranks, tp, f"TP{tp}"), (tp,), ("tp",), timeout, device)
     if mesh is None:
         return None
     model = hf_model(hf_config, seed).to(device.torch_device())
-    _tensor_parallel(model, mesh)
+    apply_tensor_parallel(model, mesh)
     return TorchTrainer(model, f"TP{tp}", model_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)), None, 1, 0)
 
@@ -319,30 +316,14 @@ def build_tp_dp(hf_config: Any, seed: int, ranks: Sequence[int], *, tp: int,
     if tp < 1 or len(ranks) % tp:
         raise ValueError(f"TP={tp} must divide the engine's {len(ranks)} ranks")
     dp = len(ranks) // tp
-    mesh = device_mesh(_check_ranks(ranks, len(ranks), f"TP{tp}·DP{dp}"), (dp, tp), ("dp", "tp"), timeout, device)
+    mesh = device_mesh(check_ranks(ranks, len(ranks), f"TP{tp}·DP{dp}"), (dp, tp), ("dp", "tp"), timeout, device)
     if mesh is None:
         return None
     model = hf_model(hf_config, seed).to(device.torch_device())
-    _tensor_parallel(model, mesh["tp"])
+    apply_tensor_parallel(model, mesh["tp"])
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     return TorchTrainer(model, f"TP{tp}·DP{dp}", model_spec(model.config), optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)),
                         mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
-
-
-# --- pipeline stages: in ``pipeline.py`` ------------------------------------------------------------
-
-_PIPELINE = ("LlamaStage", "build_pp", "build_tp_pp", "_build_pipeline")
-
-
-def __getattr__(name: str):
-    """``build_pp``, ``build_tp_pp``, ``LlamaStage`` (and ``_build_pipeline``) live in
-    ``engines/pipeline.py``, which builds on this module; re-exported here lazily (PEP 562) so
-    importing either module first works."""
-    if name in _PIPELINE:
-        from . import pipeline
-
-        return getattr(pipeline, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,14 +14,9 @@ the critic's values, ``masked_whiten`` of the advantages, ``policy_loss`` and ``
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-KLEstimator = Literal["k1", "k2", "k3"]
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from .choices import AGGREGATIONS, KL_ESTIMATORS, Aggregation, KLEstimator  # noqa: F401 - re-exported
 
 
 def _check_same_shape(**tensors: torch.Tensor) -> None:

@@ -15,11 +15,10 @@ One YAML file per run (see ``configs/``)::
 
 ``load_config(path_or_dict)`` returns a ``RunConfig`` or raises one ``ConfigError`` listing every
 bad field by its path (``train.zero_stage: ...``); an unknown field is an error (typos must not
-be silently ignored), with the closest known name suggested. ``check_fits(config)`` then checks
-what types cannot: every phase's layout covers the world and divides the model (heads, KV heads,
-MLP width, layers) and the batch, the tokenizer fits the model's vocabulary, the task's longest
-prompt plus ``max_new_tokens`` fits its context (``data:``: every file reads, with its keys, and
-some prompts fit), and the reward function loads — again one error listing every problem.
+be silently ignored), with the closest known name suggested. What types cannot check — every
+phase's layout covers the world and divides the model and the batch, the tokenizer fits the
+model, the engines run their layouts, the reward function runs — the pre-start checks do
+(``rlhf_switch.problems.check_run``), again with one error listing every problem.
 
 Layout rule: each phase spans the whole world: ``tp·pp·dp == world_size`` for ``train``,
 ``rollout``, ``reference`` and ``critic`` alike — all colocated on the same devices, unless
@@ -38,20 +37,17 @@ from typing import Annotated, Any, Literal, Mapping, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .rewards import DEFAULT_MATH_REWARD, DEFAULT_REWARDS, RewardError, load_reward_fn, parse_reward_spec
-from .tasks import CharTokenizer, build_task, longest_answer_tokens, longest_prompt_tokens
+from ..families import context_length
+from .choices import Aggregation, KLEstimator
+from .rewards import DEFAULT_MATH_REWARD, DEFAULT_REWARDS, parse_reward_spec
+from .tasks import CharTokenizer, build_task, longest_prompt_tokens
 
 # an engine is a registered name (training: deepspeed, fsdp2, torch_tp, torch_pp; rollout: vllm,
 # torch) or "module:Class" — a user's own engine. Which names exist and which layouts each engine
 # runs is the engines' registry's to say (rlhf_switch.engines.base), asked before anything starts
-# (recipes.common.loop_problems); here only the form is checked, so loading a config imports no engine.
+# (rlhf_switch.problems); here only the form is checked, so loading a config imports no engine.
 EngineName = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")]
-# the names rlhf_switch.rl.algorithms accepts (kept here so loading a config never imports torch)
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-KLEstimator = Literal["k1", "k2", "k3"]
 PHASES = ("train", "rollout", "reference", "critic")
-# LlamaConfig's defaults for the fields a config dict may leave out
-LLAMA_DEFAULT_CONTEXT = 2048
 
 
 class ConfigError(ValueError):
@@ -161,6 +157,16 @@ class ModelConfig(Strict):
         if (self.hf_config is None) == (self.path is None):
             raise ValueError("model: give exactly one of hf_config (a dict) or path (a directory)")
         return self
+
+    def hf_dict(self) -> dict[str, Any]:
+        """The model's HF config fields (its ``model_type`` names the family): the inline dict, or
+        ``path``'s ``config.json`` read as JSON (nothing downloaded, transformers not imported)."""
+        if self.hf_config is not None:
+            return dict(self.hf_config)
+        config_json = Path(self.path) / "config.json"
+        if not config_json.is_file():
+            raise ConfigError("model", [f"model.path: no config.json at {config_json}"])
+        return json.loads(config_json.read_text())
 
 
 class TaskConfig(Strict):
@@ -546,7 +552,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any]) -> RunConfig:
         raise ConfigError(f"{name}: {len(problems)} problem{'s' * (len(problems) != 1)}", problems) from None
 
 
-# ---------------------------------------------------------------- does it fit the world?
+# ---------------------------------------------------------------- the model's and the task's sizes
 
 
 @dataclass(frozen=True)
@@ -574,7 +580,7 @@ class ModelDims:
         return cls(hidden_size=int(cfg["hidden_size"]), num_layers=int(cfg["num_hidden_layers"]),
                    num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                    intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
-                   max_context=int(cfg.get("max_position_embeddings") or LLAMA_DEFAULT_CONTEXT),
+                   max_context=context_length(cfg),
                    special_ids={k: cfg[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")
                                 if cfg.get(k) is not None},
                    tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -583,127 +589,12 @@ class ModelDims:
 
 
 def model_dims(model: ModelConfig) -> ModelDims:
-    """From the inline dict, or ``config.json`` in a local ``path`` (read as JSON: nothing is
-    downloaded and transformers is not imported)."""
-    if model.hf_config is not None:
-        return ModelDims.from_hf_config(model.hf_config)
-    config_json = Path(model.path) / "config.json"
-    if not config_json.is_file():
-        raise ConfigError("model", [f"model.path: no config.json at {config_json}"])
-    cfg = json.loads(config_json.read_text())
+    """The dimensions of the run's model (``ModelConfig.hf_dict``)."""
+    cfg = model.hf_dict()
     missing = [k for k in ModelDims.REQUIRED if k not in cfg]
     if missing:
-        raise ConfigError("model", [f"model.path: {config_json} lacks {', '.join(missing)}"])
+        raise ConfigError("model", [f"model.path: {Path(model.path) / 'config.json'} lacks {', '.join(missing)}"])
     return ModelDims.from_hf_config(cfg)
-
-
-def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a ``.safetensors`` file's JSON header (the weights are not read)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-
-
-def _family_problems(model: ModelConfig) -> list[str]:
-    """The model family's refusals (``families.family_problems``: an unknown ``model_type``, …)."""
-    from ..families import family_problems
-
-    cfg = model.hf_config if model.hf_config is not None else \
-        json.loads((Path(model.path) / "config.json").read_text())
-    return [f"model: {p}" for p in family_problems(cfg)]
-
-
-def _weights_problems(model: ModelConfig) -> list[str]:
-    """``model.path``: the weights beside ``config.json`` must be the model it describes (names
-    and shapes from the safetensors header, against the VPS spec of the config)."""
-    if model.path is None:
-        return []
-    root = Path(model.path)
-    weights = root / "model.safetensors"
-    if not weights.is_file():
-        return []  # no weights: the run starts from the config's seeded initial model
-    from ..families import derive_spec, family_problems
-
-    hf_config = json.loads((root / "config.json").read_text())
-    if family_problems(hf_config):
-        return []  # fit_problems reports the family's own problems; there is no spec to compare with
-    spec = derive_spec(hf_config, name=str(root))
-    try:
-        held = safetensors_shapes(weights)
-    except (OSError, ValueError, KeyError) as e:
-        return [f"model.path: {weights} is not a readable safetensors file ({e})"]
-    problems = []
-    for t in spec.tensors:
-        if t.name not in held:
-            problems.append(f"model.path: {weights} lacks {t.name} {list(t.shape)} that config.json implies")
-        elif held[t.name] != t.shape:
-            problems.append(f"model.path: {weights} has {t.name} of shape {list(held[t.name])}, "
-                            f"config.json implies {list(t.shape)}")
-    extra = sorted(n for n in held if n not in spec and not n.endswith("rotary_emb.inv_freq"))
-    if extra:
-        problems.append(f"model.path: {weights} holds tensors config.json does not describe: "
-                        f"{', '.join(extra[:5])}" + (f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""))
-    return problems
-
-
-def _layout_problems(phase: str, layout: PhaseLayout, world_size: int) -> list[str]:
-    """Every phase is colocated on the whole world. (What each engine runs — ZeRO stages, TP, PP —
-    its own ``layout_problems`` says: ``recipes.common.loop_problems``.)"""
-    if layout.size != world_size:
-        return [f"{phase}: tp·pp·dp = {layout.tp}·{layout.pp}·{layout.dp} = {layout.size}, but "
-                f"world_size = {world_size} (every phase is colocated on all devices)"]
-    return []
-
-
-def _model_split_problems(phase: str, layout: PhaseLayout, dims: ModelDims) -> list[str]:
-    """TP must split heads and the MLP evenly; PP needs a layer per stage."""
-    tp, problems = layout.tp, []
-    if dims.num_heads % tp:
-        problems.append(f"{phase}: tp={tp} does not divide num_attention_heads={dims.num_heads}")
-    kv = dims.num_kv_heads
-    if isinstance(layout, RolloutLayout) and tp > kv:
-        # vLLM (and the torch rollout, in vLLM's layout) replicate KV heads when TP exceeds them
-        if tp % kv:
-            problems.append(f"{phase}: tp={tp} is above num_key_value_heads={kv} and must then be a "
-                            f"multiple of it")
-    elif kv % tp:
-        problems.append(f"{phase}: tp={tp} does not divide num_key_value_heads={kv}")
-    if dims.intermediate_size % tp:
-        problems.append(f"{phase}: tp={tp} does not divide intermediate_size={dims.intermediate_size}")
-    if dims.moe_intermediate_size and dims.moe_intermediate_size % tp:
-        problems.append(f"{phase}: tp={tp} does not divide moe_intermediate_size={dims.moe_intermediate_size}")
-    if layout.pp > dims.num_layers:
-        problems.append(f"{phase}: pp={layout.pp} is more stages than num_hidden_layers={dims.num_layers}")
-    return problems
-
-
-def _batch_problems(cfg: RunConfig) -> list[str]:
-    algo = cfg.algorithm
-    rollout_batch, train_batch = algo.rollout_batch_size, algo.train_batch_size
-    problems = []
-    if algo.prompts_per_iteration % cfg.rollout.dp:
-        problems.append(f"rollout: dp={cfg.rollout.dp} does not divide algorithm.prompts_per_iteration="
-                        f"{algo.prompts_per_iteration} (each replica takes whole groups of prompts)")
-    if rollout_batch % train_batch:
-        problems.append(f"algorithm.mini_batch_size={train_batch} does not divide the rollout batch "
-                        f"prompts_per_iteration·group_size = {rollout_batch}")
-    if train_batch % cfg.train.dp:
-        problems.append(f"train: dp={cfg.train.dp} does not divide algorithm.mini_batch_size={train_batch}")
-    elif (train_batch // cfg.train.dp) % algo.micro_batch_size:
-        problems.append(f"algorithm.micro_batch_size={algo.micro_batch_size} does not divide the per-rank "
-                        f"mini batch {train_batch}/{cfg.train.dp} = {train_batch // cfg.train.dp}")
-    if cfg.reference is not None and rollout_batch % cfg.reference.dp:
-        problems.append(f"reference: dp={cfg.reference.dp} does not divide the rollout batch {rollout_batch}")
-    if cfg.critic is not None and train_batch % cfg.critic.dp:
-        problems.append(f"critic: dp={cfg.critic.dp} does not divide algorithm.mini_batch_size={train_batch}")
-    if cfg.eval.num_prompts % cfg.rollout.dp:
-        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is not divisible by rollout.dp={cfg.rollout.dp}")
-    if cfg.task is not None and cfg.eval.num_prompts > cfg.task.num_heldout:
-        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than task.num_heldout={cfg.task.num_heldout}")
-    if cfg.sft is not None and cfg.sft.batch_size % cfg.train.dp:
-        problems.append(f"sft: batch_size={cfg.sft.batch_size} is not divisible by train.dp={cfg.train.dp}")
-    return problems
 
 
 def task_prompt_tokens(cfg: RunConfig) -> int:
@@ -723,122 +614,3 @@ def longest_sequence_tokens(cfg: RunConfig, max_context: int) -> int:
 
         prompt = prompt_token_limit(cfg.data, new, max_context)
     return min(max_context, prompt + new)
-
-
-def _task_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
-    task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
-    tokenizer = CharTokenizer()
-    problems = []
-    wanted, space = cfg.task.num_train + cfg.task.num_heldout, task.space_size()
-    if wanted > space:
-        problems.append(f"task: {cfg.task.name} with max_len={cfg.task.max_len} has {space} distinct prompts; "
-                        f"num_train + num_heldout = {wanted}")
-    answer = longest_answer_tokens(task, tokenizer)
-    if answer > cfg.algorithm.max_new_tokens:
-        problems.append(f"algorithm.max_new_tokens={cfg.algorithm.max_new_tokens} cannot hold the task's longest "
-                        f"answer ({answer} tokens with <eos>)")
-    if dims is None:
-        return problems
-    prompt = longest_prompt_tokens(task, tokenizer)
-    if prompt + cfg.algorithm.max_new_tokens > dims.max_context:
-        problems.append(f"model: the task's longest prompt is {prompt} tokens; with max_new_tokens="
-                        f"{cfg.algorithm.max_new_tokens} that is {prompt + cfg.algorithm.max_new_tokens} "
-                        f"> max_position_embeddings={dims.max_context}")
-    if tokenizer.vocab_size > dims.vocab_size:
-        problems.append(f"model: vocab_size={dims.vocab_size} is smaller than the tokenizer's "
-                        f"{tokenizer.vocab_size} ids")
-    expected = {"pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    for key, value in dims.special_ids.items():
-        if value != expected[key]:
-            problems.append(f"model: {key}={value}, but the tokenizer's is {expected[key]}")
-    return problems
-
-
-def _data_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
-    """A ``data:`` run: its tokenizer loads and fits the model's vocabulary (and has a chat
-    template when asked to use one), every file reads with its keys, and some prompts of each
-    split fit; every bad file is named."""
-    from .data import DataError, load_data_splits, prompt_token_limit, read_records
-    from .tokenizer import TokenizerError, load_tokenizer
-
-    data = cfg.data
-    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-    try:
-        tokenizer = load_tokenizer(cfg)
-    except TokenizerError as e:
-        return [f"{field}: {e}"]
-    problems = []
-    if dims is not None and tokenizer.vocab_size > dims.vocab_size:
-        problems.append(f"model: vocab_size={dims.vocab_size} is smaller than the tokenizer's "
-                        f"{tokenizer.vocab_size} ids ({tokenizer.path})")
-    if dims is not None and dims.special_ids.get("eos_token_id") != tokenizer.eos_id:
-        # the engines stop generating at config.json's eos; SFT and decode use the tokenizer's
-        problems.append(f"model: eos_token_id={dims.special_ids.get('eos_token_id')} in the model's config, but "
-                        f"the tokenizer's eos is {tokenizer.eos_id} ({tokenizer.hf.eos_token!r}): responses "
-                        f"would not stop where answers end")
-    if data.chat_template and not tokenizer.has_chat_template:
-        problems.append(f"data.chat_template: the tokenizer at {tokenizer.path} has no chat template")
-    for split in ("train_files", "heldout_files"):
-        for i, path in enumerate(getattr(data, split)):
-            try:
-                read_records(path, data.prompt_key, data.answer_key)
-            except DataError as e:
-                problems.append(f"data.{split}[{i}]: {e}")
-    max_ctx = dims.max_context if dims is not None else LLAMA_DEFAULT_CONTEXT
-    limit = prompt_token_limit(data, cfg.algorithm.max_new_tokens, max_ctx)
-    if limit < 1:
-        problems.append(f"algorithm.max_new_tokens={cfg.algorithm.max_new_tokens} leaves no room for a prompt "
-                        f"in the model's context of {max_ctx} tokens")
-    if problems:
-        return problems
-    try:
-        splits, _ = load_data_splits(data, tokenizer, limit)
-    except (DataError, TokenizerError) as e:
-        return [str(e)]
-    if cfg.eval.num_prompts > len(splits.heldout):
-        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than the {len(splits.heldout)} "
-                        f"held-out prompts data.heldout_files give")
-    return problems
-
-
-def fit_problems(cfg: RunConfig, load_reward: bool = True) -> list[str]:
-    """Every reason ``cfg`` cannot run on its world; empty when it can."""
-    problems: list[str] = []
-    try:
-        dims: ModelDims | None = model_dims(cfg.model)
-    except ConfigError as e:
-        problems += e.problems
-        dims = None
-    if dims is not None:
-        problems += _family_problems(cfg.model)
-        problems += _weights_problems(cfg.model)
-    for phase, layout in cfg.phases().items():
-        problems += _layout_problems(phase, layout, cfg.world_size)
-        if dims is not None:
-            problems += _model_split_problems(phase, layout, dims)
-    problems += _batch_problems(cfg)
-    for i, e in enumerate(cfg.elastic.schedule if cfg.elastic else []):  # each world the run will use
-        then = cfg.at_iteration(e.iteration)
-        for phase, layout in then.phases().items():
-            problems += [f"elastic.schedule[{i}]: {p}" for p in _layout_problems(phase, layout, then.world_size)
-                         + (_model_split_problems(phase, layout, dims) if dims is not None else [])]
-        problems += [f"elastic.schedule[{i}]: {p}" for p in _batch_problems(then)]
-    if cfg.task is not None:
-        problems += _task_problems(cfg, dims)
-    else:
-        problems += _data_problems(cfg, dims)
-    if load_reward:
-        try:
-            load_reward_fn(cfg.reward_fn)
-        except RewardError as e:
-            problems.append(f"{cfg.prompt_source}.reward_fn: {e}")
-    return problems
-
-
-def check_fits(cfg: RunConfig, load_reward: bool = True) -> None:
-    """Raise one ``ConfigError`` listing every problem ``fit_problems`` finds; call it before
-    any process, actor or engine starts."""
-    problems = fit_problems(cfg, load_reward)
-    if problems:
-        raise ConfigError(f"the config does not fit world_size={cfg.world_size}: "
-                          f"{len(problems)} problem{'s' * (len(problems) != 1)}", problems)

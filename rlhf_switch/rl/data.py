@@ -140,7 +140,7 @@ def load_data_splits(data_cfg: Any, tokenizer, max_tokens: int) -> tuple[Splits,
 def load_splits(cfg: Any, tokenizer=None) -> tuple[Splits, str]:
     """The run's samples, from ``cfg.task`` (generated) or ``cfg.data`` (files), and a one-line
     summary for the start-up output. ``tokenizer``: the run's (``load_tokenizer(cfg)`` when None)."""
-    from .config import model_dims
+    from ..families import context_length
     from .tasks import build_task, make_splits
 
     if cfg.task is not None:
@@ -151,6 +151,6 @@ def load_splits(cfg: Any, tokenizer=None) -> tuple[Splits, str]:
         from .tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg)
-    limit = prompt_token_limit(cfg.data, cfg.algorithm.max_new_tokens, model_dims(cfg.model).max_context)
+    limit = prompt_token_limit(cfg.data, cfg.algorithm.max_new_tokens, context_length(cfg.model.hf_dict()))
     splits, summary = load_data_splits(cfg.data, tokenizer, limit)
     return splits, summary.line()

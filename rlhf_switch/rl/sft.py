@@ -46,7 +46,9 @@ def build_initial_model(hf_config: Mapping[str, Any], seed: int) -> torch.nn.Mod
 
 
 def _max_context(model: torch.nn.Module) -> int:
-    return int(getattr(model.config, "max_position_embeddings", None) or 2048)
+    from ..families import context_length
+
+    return context_length(model.config.to_dict())
 
 
 # ---------------------------------------------------------------- SFT

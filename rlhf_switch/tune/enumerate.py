@@ -1,6 +1,6 @@
 """The legal per-phase layouts of a run: what ``rlhf-switch train`` would accept, phase by phase.
 
-A layout is legal for a phase when the config's own rules accept it (``rl.config``: it covers the
+A layout is legal for a phase when the pre-start checks accept it (``rlhf_switch.problems``: it covers the
 world, TP divides heads, KV heads and MLP width, PP has a layer per stage, DP divides the batch)
 and the phase's engine runs it (the engine registry's ``layout_problems``: DeepSpeed is ZeRO 1–3
 DP only, ``torch_pp`` has ``dp`` 1, the critic needs an engine with a value head, …). Nothing here
@@ -13,6 +13,7 @@ from itertools import product
 from typing import Iterable, Sequence
 
 from ..engines.base import phase_engine_problems, rollout_engine_names, training_engine_names
+from ..problems import batch_problems, layout_problems, model_split_problems
 from ..rl import config as rlconfig
 from ..rl.config import PhaseLayout, RolloutLayout, RunConfig, TrainerLayout, TrainLayout
 
@@ -49,9 +50,9 @@ def divisors(n: int) -> list[int]:
 
 def phase_problems(phase: str, layout: PhaseLayout, world: int, dims) -> list[str]:
     """Why ``layout`` cannot run ``phase`` on ``world`` devices for the model ``dims``."""
-    problems = rlconfig._layout_problems(phase, layout, world)
+    problems = layout_problems(phase, layout, world)
     if dims is not None:
-        problems += rlconfig._model_split_problems(phase, layout, dims)
+        problems += model_split_problems(phase, layout, dims)
     return problems + phase_engine_problems(phase, layout, dims)
 
 
@@ -72,12 +73,8 @@ def phase_layouts(phase: str, world: int, dims, engines: Iterable[str]) -> list[
 
 
 def combination_problems(cfg: RunConfig, combo: Combination) -> list[str]:
-    """The rules that tie phases and the batch together (``rl.config._batch_problems``, the
-    loop's critic/actor DP rule)."""
-    problems = rlconfig._batch_problems(combo.apply(cfg))
-    if combo.critic is not None and combo.critic.dp != combo.train.dp:
-        problems.append(f"critic: dp={combo.critic.dp} must equal train.dp={combo.train.dp}")
-    return problems
+    """The rules that tie phases and the batch together (``problems.batch_problems``)."""
+    return batch_problems(combo.apply(cfg))
 
 
 def enumerate_combinations(cfg: RunConfig, world: int | None = None,

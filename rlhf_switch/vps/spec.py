@@ -141,7 +141,8 @@ class ModelSpec:
                          self.num_layers, self.attention, self.fused, self.tied_lm_head, self.num_experts)
 
 
-def _cfg(config: Any, name: str, default: Any = None) -> Any:
+def config_value(config: Any, name: str, default: Any = None) -> Any:
+    """A field of a HF config given as a dict or as a ``PretrainedConfig``."""
     if isinstance(config, Mapping):
         return config.get(name, default)
     return getattr(config, name, default)
@@ -151,7 +152,7 @@ def config_dtype(config: Any) -> str:
     """The parameter dtype a config names (``float32`` when it names none)."""
     # transformers 5 calls it `dtype` (reading `torch_dtype` warns); older configs, dicts: torch_dtype
     if isinstance(config, Mapping) or not hasattr(config, "dtype"):
-        found = _cfg(config, "dtype") or _cfg(config, "torch_dtype")
+        found = config_value(config, "dtype") or config_value(config, "torch_dtype")
     else:
         found = config.dtype
     return str(found or "float32").replace("torch.", "")
@@ -160,16 +161,16 @@ def config_dtype(config: Any) -> str:
 def llama_spec(config: Any, dtype: str | None = None, name: str = "llama") -> ModelSpec:
     """Spec of a Hugging Face ``LlamaForCausalLM`` (and Llama-shaped models: Qwen2, Mistral)
     from its config object or dict. Names and order equal ``model.named_parameters()``."""
-    H = int(_cfg(config, "hidden_size"))
-    L = int(_cfg(config, "num_hidden_layers"))
-    nh = int(_cfg(config, "num_attention_heads"))
-    nkv = int(_cfg(config, "num_key_value_heads") or nh)
-    hd = int(_cfg(config, "head_dim") or H // nh)
-    inter = int(_cfg(config, "intermediate_size"))
-    V = int(_cfg(config, "vocab_size"))
-    tied = bool(_cfg(config, "tie_word_embeddings", False))
-    attn_bias = bool(_cfg(config, "attention_bias", False))
-    mlp_bias = bool(_cfg(config, "mlp_bias", False))
+    H = int(config_value(config, "hidden_size"))
+    L = int(config_value(config, "num_hidden_layers"))
+    nh = int(config_value(config, "num_attention_heads"))
+    nkv = int(config_value(config, "num_key_value_heads") or nh)
+    hd = int(config_value(config, "head_dim") or H // nh)
+    inter = int(config_value(config, "intermediate_size"))
+    V = int(config_value(config, "vocab_size"))
+    tied = bool(config_value(config, "tie_word_embeddings", False))
+    attn_bias = bool(config_value(config, "attention_bias", False))
+    mlp_bias = bool(config_value(config, "mlp_bias", False))
     dtype = dtype or config_dtype(config)
     itemsize(dtype)
 
@@ -223,16 +224,16 @@ def qwen3_moe_spec(config: Any, dtype: str | None = None, name: str = "qwen3-moe
     layout, not a different state). Every layer is sparse (Qwen3-235B-A22B: 94 layers × 128
     experts). vLLM stacks a layer's experts into ``w13_weight`` = per expert ``[gate_t; up_t]``
     and ``w2_weight`` = per expert ``down_t``: fused groups here."""
-    H = int(_cfg(config, "hidden_size"))
-    L = int(_cfg(config, "num_hidden_layers"))
-    nh = int(_cfg(config, "num_attention_heads"))
-    nkv = int(_cfg(config, "num_key_value_heads") or nh)
-    hd = int(_cfg(config, "head_dim") or H // nh)
-    inter = int(_cfg(config, "moe_intermediate_size"))
-    E = int(_cfg(config, "num_experts"))
-    V = int(_cfg(config, "vocab_size"))
-    tied = bool(_cfg(config, "tie_word_embeddings", False))
-    dtype = dtype or str(_cfg(config, "dtype") or _cfg(config, "torch_dtype") or "float32").replace("torch.", "")
+    H = int(config_value(config, "hidden_size"))
+    L = int(config_value(config, "num_hidden_layers"))
+    nh = int(config_value(config, "num_attention_heads"))
+    nkv = int(config_value(config, "num_key_value_heads") or nh)
+    hd = int(config_value(config, "head_dim") or H // nh)
+    inter = int(config_value(config, "moe_intermediate_size"))
+    E = int(config_value(config, "num_experts"))
+    V = int(config_value(config, "vocab_size"))
+    tied = bool(config_value(config, "tie_word_embeddings", False))
+    dtype = dtype or str(config_value(config, "dtype") or config_value(config, "torch_dtype") or "float32").replace("torch.", "")
     tensors = [TensorSpec("model.embed_tokens.weight", (V, H), dtype, "vocab", anchor="first")]
     fused: list[FusedGroup] = []
     for i in range(L):

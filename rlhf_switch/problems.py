@@ -1,0 +1,418 @@
+"""Every check a run must pass before anything starts, in one registry.
+
+A check is a function ``(config, facts) -> [problem, ...]`` registered under a name with
+``@check(name)``; ``run_problems(config)`` runs them all, in registration order, and
+``check_run(config)`` raises one ``ConfigError`` listing every problem they found — before Ray,
+any process or any engine starts. ``facts`` (``Facts``) holds what several checks need and is
+worked out once: the model's dimensions and whether the actors will see a GPU.
+
+=============  ==================================================================================
+``model``      the model's config reads; its family is one the VPS describes; ``model.path``'s
+               weights are the model ``config.json`` describes
+``layouts``    every phase's layout covers the world and splits the model (heads, KV heads, MLP
+               width, layers), in every world of an ``elastic.schedule`` too
+``batch``      the batch sizes divide over the replicas and DP ranks, in every world
+``prompts``    ``task:`` — its prompts and answers fit the model and tokenizer; ``data:`` — the
+               tokenizer loads and fits, every file reads with its keys, some prompts fit
+``engines``    each phase's engine (a registered name or ``module:Class``) runs that phase's
+               layout; offload, handoff and placement options the engines support
+``device``     the device and compute dtype resolve where the actors run (``rlhf_switch.device``)
+``reward``     the reward function loads and runs on a held-out sample
+=============  ==================================================================================
+
+The rules themselves live where their subject does: an engine's in its ``layout_problems``, a
+family's in ``families.family_problems``, a config field's form in its pydantic type; this module
+asks them all and is the one place that says what a run is checked for.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .device import DeviceUnavailable, resolve_device
+from .engines.base import EngineError, phase_engine_problems, rollout_engine, training_engine
+from .families import DEFAULT_CONTEXT, derive_spec, family_problems
+from .rl.config import ConfigError, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig, model_dims
+from .rl.data import DataError, load_data_splits, prompt_token_limit, read_records
+from .rl.tasks import CharTokenizer, build_task, longest_answer_tokens, longest_prompt_tokens
+from .rl.tokenizer import TokenizerError, load_tokenizer
+
+LOCAL = "local"  # cuda_available: ask this machine (an embedded Ray's actors see what it sees)
+
+
+@dataclass
+class Facts:
+    """What several checks need, worked out once per run of the checks: the model's dimensions
+    (None when its config cannot be read: the ``model`` check says why), whether the actors will
+    see a GPU (None: not known before Ray — a cluster joined at ``ray_address``), and the problems
+    found so far (a check that needs a sound config, e.g. one that runs the reward, skips itself
+    when there are some)."""
+
+    dims: ModelDims | None
+    cuda_available: bool | None
+    found: list[str] = field(default_factory=list)
+
+
+Check = Callable[[RunConfig, Facts], "list[str]"]
+CHECKS: dict[str, Check] = {}
+
+
+def check(name: str) -> Callable[[Check], Check]:
+    """Register a check under ``name`` (run in registration order)."""
+    def register(fn: Check) -> Check:
+        if name in CHECKS:
+            raise ValueError(f"a check named {name!r} is registered already")
+        CHECKS[name] = fn
+        return fn
+    return register
+
+
+def run_problems(cfg: RunConfig, *, cuda_available: bool | None | str = LOCAL, skip: tuple[str, ...] = ()) -> list[str]:
+    """Every problem the registered checks find in ``cfg`` (empty: it can run). ``skip``: names of
+    checks not to run (an elastic request re-checks a config whose reward already ran)."""
+    unknown = sorted(set(skip) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"no such checks: {', '.join(unknown)}; known: {', '.join(CHECKS)}")
+    if cuda_available == LOCAL:
+        from .device import cuda_available as local_cuda
+
+        cuda_available = None if cfg.ray_address else local_cuda()
+    try:
+        dims = model_dims(cfg.model)
+        found: list[str] = []
+    except ConfigError as e:
+        dims, found = None, list(e.problems)
+    facts = Facts(dims, cuda_available, found)
+    for name, fn in CHECKS.items():
+        if name not in skip:
+            facts.found += fn(cfg, facts)
+    return facts.found
+
+
+def check_run(cfg: RunConfig, **kwargs) -> None:
+    """Raise one ``ConfigError`` listing every problem ``run_problems`` finds; call it before any
+    process, actor or engine starts."""
+    problems = run_problems(cfg, **kwargs)
+    if problems:
+        raise ConfigError(f"the config cannot run on world_size={cfg.world_size}: "
+                          f"{len(problems)} problem{'s' * (len(problems) != 1)}", problems)
+
+
+# --- the rules, one function each -----------------------------------------------------------------
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a ``.safetensors`` file's JSON header (the weights are not read)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def family_problems_of(model: ModelConfig) -> list[str]:
+    """The model family's refusals (``families.family_problems``: an unknown ``model_type``, …)."""
+    return [f"model: {p}" for p in family_problems(model.hf_dict())]
+
+
+def weights_problems(model: ModelConfig) -> list[str]:
+    """``model.path``: the weights beside ``config.json`` must be the model it describes (names
+    and shapes from the safetensors header, against the VPS spec of the config)."""
+    if model.path is None:
+        return []
+    root = Path(model.path)
+    weights = root / "model.safetensors"
+    if not weights.is_file():
+        return []  # no weights: the run starts from the config's seeded initial model
+    hf_config = json.loads((root / "config.json").read_text())
+    if family_problems(hf_config):
+        return []  # family_problems_of reports the family's own problems; there is no spec to compare with
+    spec = derive_spec(hf_config, name=str(root))
+    try:
+        held = safetensors_shapes(weights)
+    except (OSError, ValueError, KeyError) as e:
+        return [f"model.path: {weights} is not a readable safetensors file ({e})"]
+    problems = []
+    for t in spec.tensors:
+        if t.name not in held:
+            problems.append(f"model.path: {weights} lacks {t.name} {list(t.shape)} that config.json implies")
+        elif held[t.name] != t.shape:
+            problems.append(f"model.path: {weights} has {t.name} of shape {list(held[t.name])}, "
+                            f"config.json implies {list(t.shape)}")
+    extra = sorted(n for n in held if n not in spec and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        problems.append(f"model.path: {weights} holds tensors config.json does not describe: "
+                        f"{', '.join(extra[:5])}" + (f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""))
+    return problems
+
+
+def layout_problems(phase: str, layout: PhaseLayout, world_size: int) -> list[str]:
+    """Every phase is colocated on the whole world. (What each engine runs — ZeRO stages, TP, PP —
+    its own ``layout_problems`` says: ``engine_problems``.)"""
+    if layout.size != world_size:
+        return [f"{phase}: tp·pp·dp = {layout.tp}·{layout.pp}·{layout.dp} = {layout.size}, but "
+                f"world_size = {world_size} (every phase is colocated on all devices)"]
+    return []
+
+
+def model_split_problems(phase: str, layout: PhaseLayout, dims: ModelDims) -> list[str]:
+    """TP must split heads and the MLP evenly; PP needs a layer per stage."""
+    tp, problems = layout.tp, []
+    if dims.num_heads % tp:
+        problems.append(f"{phase}: tp={tp} does not divide num_attention_heads={dims.num_heads}")
+    kv = dims.num_kv_heads
+    if isinstance(layout, RolloutLayout) and tp > kv:
+        # vLLM (and the torch rollout, in vLLM's layout) replicate KV heads when TP exceeds them
+        if tp % kv:
+            problems.append(f"{phase}: tp={tp} is above num_key_value_heads={kv} and must then be a "
+                            f"multiple of it")
+    elif kv % tp:
+        problems.append(f"{phase}: tp={tp} does not divide num_key_value_heads={kv}")
+    if dims.intermediate_size % tp:
+        problems.append(f"{phase}: tp={tp} does not divide intermediate_size={dims.intermediate_size}")
+    if dims.moe_intermediate_size and dims.moe_intermediate_size % tp:
+        problems.append(f"{phase}: tp={tp} does not divide moe_intermediate_size={dims.moe_intermediate_size}")
+    if layout.pp > dims.num_layers:
+        problems.append(f"{phase}: pp={layout.pp} is more stages than num_hidden_layers={dims.num_layers}")
+    return problems
+
+
+def batch_problems(cfg: RunConfig) -> list[str]:
+    algo = cfg.algorithm
+    rollout_batch, train_batch = algo.rollout_batch_size, algo.train_batch_size
+    problems = []
+    if algo.prompts_per_iteration % cfg.rollout.dp:
+        problems.append(f"rollout: dp={cfg.rollout.dp} does not divide algorithm.prompts_per_iteration="
+                        f"{algo.prompts_per_iteration} (each replica takes whole groups of prompts)")
+    if rollout_batch % train_batch:
+        problems.append(f"algorithm.mini_batch_size={train_batch} does not divide the rollout batch "
+                        f"prompts_per_iteration·group_size = {rollout_batch}")
+    if train_batch % cfg.train.dp:
+        problems.append(f"train: dp={cfg.train.dp} does not divide algorithm.mini_batch_size={train_batch}")
+    elif (train_batch // cfg.train.dp) % algo.micro_batch_size:
+        problems.append(f"algorithm.micro_batch_size={algo.micro_batch_size} does not divide the per-rank "
+                        f"mini batch {train_batch}/{cfg.train.dp} = {train_batch // cfg.train.dp}")
+    if cfg.reference is not None and rollout_batch % cfg.reference.dp:
+        problems.append(f"reference: dp={cfg.reference.dp} does not divide the rollout batch {rollout_batch}")
+    if cfg.critic is not None and cfg.critic.dp != cfg.train.dp:
+        problems.append(f"critic: dp={cfg.critic.dp} must equal train.dp={cfg.train.dp} (the critic and the "
+                        f"actor take the same share of each batch)")
+    if cfg.critic is not None and train_batch % cfg.critic.dp:
+        problems.append(f"critic: dp={cfg.critic.dp} does not divide algorithm.mini_batch_size={train_batch}")
+    if cfg.eval.num_prompts % cfg.rollout.dp:
+        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is not divisible by rollout.dp={cfg.rollout.dp}")
+    if cfg.task is not None and cfg.eval.num_prompts > cfg.task.num_heldout:
+        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than task.num_heldout={cfg.task.num_heldout}")
+    if cfg.sft is not None and cfg.sft.batch_size % cfg.train.dp:
+        problems.append(f"sft: batch_size={cfg.sft.batch_size} is not divisible by train.dp={cfg.train.dp}")
+    return problems
+
+
+def task_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
+    task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
+    tokenizer = CharTokenizer()
+    problems = []
+    wanted, space = cfg.task.num_train + cfg.task.num_heldout, task.space_size()
+    if wanted > space:
+        problems.append(f"task: {cfg.task.name} with max_len={cfg.task.max_len} has {space} distinct prompts; "
+                        f"num_train + num_heldout = {wanted}")
+    answer = longest_answer_tokens(task, tokenizer)
+    if answer > cfg.algorithm.max_new_tokens:
+        problems.append(f"algorithm.max_new_tokens={cfg.algorithm.max_new_tokens} cannot hold the task's longest "
+                        f"answer ({answer} tokens with <eos>)")
+    if dims is None:
+        return problems
+    prompt = longest_prompt_tokens(task, tokenizer)
+    if prompt + cfg.algorithm.max_new_tokens > dims.max_context:
+        problems.append(f"model: the task's longest prompt is {prompt} tokens; with max_new_tokens="
+                        f"{cfg.algorithm.max_new_tokens} that is {prompt + cfg.algorithm.max_new_tokens} "
+                        f"> max_position_embeddings={dims.max_context}")
+    if tokenizer.vocab_size > dims.vocab_size:
+        problems.append(f"model: vocab_size={dims.vocab_size} is smaller than the tokenizer's "
+                        f"{tokenizer.vocab_size} ids")
+    expected = {"pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    for key, value in dims.special_ids.items():
+        if value != expected[key]:
+            problems.append(f"model: {key}={value}, but the tokenizer's is {expected[key]}")
+    return problems
+
+
+def data_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
+    """A ``data:`` run: its tokenizer loads and fits the model's vocabulary (and has a chat
+    template when asked to use one), every file reads with its keys, and some prompts of each
+    split fit; every bad file is named."""
+    data = cfg.data
+    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    try:
+        tokenizer = load_tokenizer(cfg)
+    except TokenizerError as e:
+        return [f"{field}: {e}"]
+    problems = []
+    if dims is not None and tokenizer.vocab_size > dims.vocab_size:
+        problems.append(f"model: vocab_size={dims.vocab_size} is smaller than the tokenizer's "
+                        f"{tokenizer.vocab_size} ids ({tokenizer.path})")
+    if dims is not None and dims.special_ids.get("eos_token_id") != tokenizer.eos_id:
+        # the engines stop generating at config.json's eos; SFT and decode use the tokenizer's
+        problems.append(f"model: eos_token_id={dims.special_ids.get('eos_token_id')} in the model's config, but "
+                        f"the tokenizer's eos is {tokenizer.eos_id} ({tokenizer.hf.eos_token!r}): responses "
+                        f"would not stop where answers end")
+    if data.chat_template and not tokenizer.has_chat_template:
+        problems.append(f"data.chat_template: the tokenizer at {tokenizer.path} has no chat template")
+    for split in ("train_files", "heldout_files"):
+        for i, path in enumerate(getattr(data, split)):
+            try:
+                read_records(path, data.prompt_key, data.answer_key)
+            except DataError as e:
+                problems.append(f"data.{split}[{i}]: {e}")
+    max_ctx = dims.max_context if dims is not None else DEFAULT_CONTEXT
+    limit = prompt_token_limit(data, cfg.algorithm.max_new_tokens, max_ctx)
+    if limit < 1:
+        problems.append(f"algorithm.max_new_tokens={cfg.algorithm.max_new_tokens} leaves no room for a prompt "
+                        f"in the model's context of {max_ctx} tokens")
+    if problems:
+        return problems
+    try:
+        splits, _ = load_data_splits(data, tokenizer, limit)
+    except (DataError, TokenizerError) as e:
+        return [str(e)]
+    if cfg.eval.num_prompts > len(splits.heldout):
+        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than the {len(splits.heldout)} "
+                        f"held-out prompts data.heldout_files give")
+    return problems
+
+
+# --- the registered checks ------------------------------------------------------------------------
+
+@check("model")
+def _model(cfg: RunConfig, facts: Facts) -> list[str]:
+    if facts.dims is None:
+        return []  # run_problems reported why the model's config does not read
+    return family_problems_of(cfg.model) + weights_problems(cfg.model)
+
+
+def _worlds(cfg: RunConfig):
+    """(prefix, config) of every world the run uses: its own and each ``elastic.schedule`` entry's."""
+    yield "", cfg
+    for i, e in enumerate(cfg.elastic.schedule if cfg.elastic else []):
+        yield f"elastic.schedule[{i}]: ", cfg.at_iteration(e.iteration)
+
+
+@check("layouts")
+def _layouts(cfg: RunConfig, facts: Facts) -> list[str]:
+    return [prefix + p for prefix, world in _worlds(cfg) for phase, layout in world.phases().items()
+            for p in layout_problems(phase, layout, world.world_size)
+            + (model_split_problems(phase, layout, facts.dims) if facts.dims is not None else [])]
+
+
+@check("batch")
+def _batch(cfg: RunConfig, facts: Facts) -> list[str]:
+    return [prefix + p for prefix, world in _worlds(cfg) for p in batch_problems(world)]
+
+
+@check("prompts")
+def _prompts(cfg: RunConfig, facts: Facts) -> list[str]:
+    return task_problems(cfg, facts.dims) if cfg.task is not None else data_problems(cfg, facts.dims)
+
+
+@check("engines")
+def engine_problems(cfg: RunConfig, facts: Facts | None = None) -> list[str]:
+    """What the config asks of its engines that they cannot do: each phase's engine is resolved
+    through the registry and asked whether it runs that phase's layout (``phase_engine_problems``);
+    offload, the ipc handoff and a rollout of its own devices need engines that support them."""
+    dims = facts.dims if facts is not None else None
+    problems = []
+    for phase, layout in cfg.phases().items():
+        problems += phase_engine_problems(phase, layout, dims)
+    try:
+        if cfg.train.offload != "none" and not training_engine(cfg.train.engine).can_offload:
+            problems.append(f"train.offload: {cfg.train.offload} — engine {cfg.train.engine} cannot park its "
+                            f"state in host memory (engines that can: deepspeed, fsdp2); use offload: none")
+    except EngineError:
+        pass  # reported above
+    try:
+        placement = rollout_engine(cfg.rollout.engine).placement
+    except EngineError:
+        placement = None  # reported above
+    if placement is not None and cfg.rollout.handoff == "ipc" and placement != "replica":
+        problems.append(f"rollout.handoff: ipc hands buckets to rollout workers in processes of their own; "
+                        f"engine {cfg.rollout.engine!r} runs inside the trainer's processes (use p2p or auto)")
+    if placement is not None and not cfg.rollout.colocate and placement != "replica":
+        problems.append(f"rollout.colocate: false needs a rollout engine of its own actors (placement "
+                        f"'replica', e.g. vllm); engine {cfg.rollout.engine} runs inside the trainer's "
+                        f"processes, on their devices")
+    return problems
+
+
+@check("device")
+def _device(cfg: RunConfig, facts: Facts) -> list[str]:
+    return device_problems(cfg, facts.cuda_available)
+
+
+@check("reward")
+def _reward(cfg: RunConfig, facts: Facts) -> list[str]:
+    """The reward function loads; on a config without other problems it is also called once on a
+    held-out sample (the right answer and an empty response), so a function that cannot run is
+    refused before any actor starts."""
+    from .rl.data import load_splits
+    from .rl.rewards import RewardError, load_reward_fn, score_samples
+
+    try:
+        fn = load_reward_fn(cfg.reward_fn)
+        if not facts.found:
+            s = load_splits(cfg)[0].heldout[0]
+            score_samples(fn, [s.prompt] * 2, [s.answer, ""], [s.answer] * 2)
+    except RewardError as e:
+        return [f"{cfg.prompt_source}.reward_fn: {e}"]
+    return []
+
+
+# --- the device: checked before Ray, resolved when the world starts -------------------------------
+
+def device_problems(cfg: RunConfig, cuda_available: bool | None) -> list[str]:
+    """What ``cfg.device`` and ``model.dtype`` ask for that cannot run where the actors see
+    (``cuda_available``) or do not see a GPU; ``None``: not known before Ray (a cluster joined at
+    ``ray_address``) — then ``device: cuda`` is taken at its word and ``auto`` waits for the actors
+    (``world_device``)."""
+    if cuda_available is None:
+        if cfg.device == "auto":
+            return []
+        cuda_available = cfg.device == "cuda"
+    try:
+        device = resolve_device(cfg.device, cuda_available, cfg.model.dtype)
+    except DeviceUnavailable as e:
+        return [str(e)]
+    return dtype_problems(cfg, device)
+
+
+def dtype_problems(cfg: RunConfig, device) -> list[str]:
+    """The compute dtype ``device`` resolved to, against each phase's engine: on CPU the loop
+    computes in float32 (bf16 is ~26× slower there and not run); on CUDA each engine says which
+    compute dtypes it runs beside a float32 master (``compute_dtypes``)."""
+    if not device.is_cuda:
+        return [] if device.compute_dtype == "float32" else \
+            [f"model.dtype: {device.compute_dtype} — the CPU loop trains in float32"]
+    problems = []
+    why = "model.dtype" if cfg.model.dtype else "model.dtype unset: device cuda's default"
+    for phase, layout in cfg.phases().items():
+        try:
+            cls = rollout_engine(layout.engine) if phase == "rollout" else training_engine(layout.engine)
+        except EngineError:
+            continue  # the engines check names it
+        if device.compute_dtype not in cls.compute_dtypes:
+            problems.append(f"{phase}: engine {layout.engine} computes in {'/'.join(cls.compute_dtypes)}, not "
+                            f"{device.compute_dtype} ({why}); set model.dtype: float32 or use an engine that "
+                            f"does")
+    return problems
+
+
+def world_device(cfg: RunConfig, cuda_available: bool):
+    """The run's ``DeviceSpec``, resolved once when the world starts from what its actors see
+    (``cuda_available``, asked in an actor on its bundle); ``ConfigError`` where it cannot run."""
+    try:
+        device = resolve_device(cfg.device, cuda_available, cfg.model.dtype)
+    except DeviceUnavailable as e:
+        raise ConfigError("device", [str(e)]) from None
+    problems = dtype_problems(cfg, device)
+    if problems:
+        raise ConfigError(f"the config cannot run on {device.kind}", problems)
+    return device
