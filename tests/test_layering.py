@@ -156,3 +156,12 @@ def test_the_cycle_check_sees_a_cycle():
     assert graph["rlhf_switch.rl.algorithm"] >= {"rlhf_switch.rl.algorithms"}
     graph["rlhf_switch.rl.algorithms"] = graph["rlhf_switch.rl.algorithms"] | {"rlhf_switch.rl.algorithm"}
     assert ["rlhf_switch.rl.algorithm", "rlhf_switch.rl.algorithms"] in cycles(graph)
+
+
+def test_no_function_of_the_loop_is_over_80_lines():
+    """The loop reads as its phases: each of its functions fits on a screen (``recipes/loop.py``)."""
+    path = REPO / "recipes" / "loop.py"
+    long = [f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+    assert long == []
