@@ -20,7 +20,7 @@ beyond one contiguous copy of the same bytes, per run. The buffers are warm (the
 repeat); inside a switch the sources are cold and packing costs more (13 MB of 768 B runs: ~1.3 ms
 here, 3.4–3.6 ms of a rank's CPU in the 4-rank switch at 100M c). The schedule's
 READ_RUN_BYTES (schedule.py) is where "read, remote runs" meets "pack + read"; the write ways
-were measured for issue 18 as a way to skip the sender's packing and found dearer than packing.
+were measured as a way to skip the sender's packing and found dearer than packing.
 """
 from __future__ import annotations
 

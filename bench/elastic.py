@@ -43,7 +43,7 @@ from actors.hybrid import HybridWorker
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-# published by the reference system (issue 15); its public code handles Megatron layouts only
+# published by the reference system; its public code handles Megatron layouts only
 REFERENCE = {"70B": "< 2 s (70B dense)", "235B": "4.36 s (235B MoE)",
              "offload": "~33 s (30B MoE, CPU-offloaded optimizer)"}
 

@@ -1,4 +1,4 @@
-"""One elastic resize that changes both the trainer world and the vLLM replicas' layout (issue 15).
+"""One elastic resize that changes both the trainer world and the vLLM replicas' layout.
 
 During the iteration before the entry, both are built in the background: the new trainer world
 (``rlhf_switch.elastic.manager.start_world``: its actors and empty engines on the new world's

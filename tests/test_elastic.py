@@ -1,4 +1,4 @@
-"""Elastic resize of a running trainer world over Ray (issue 15, first slice): real Ray actors
+"""Elastic resize of a running trainer world over Ray: real Ray actors
 (``HybridWorker``), real DeepSpeed ZeRO-3 engines, the module's Ray session (4 logical devices).
 
 ZeRO-3 DP4 -> DP2 -> DP4. Each resize builds the new world's actors and engines (empty, in their

@@ -1,4 +1,4 @@
-"""One elastic resize that changes both the trainer world and the vLLM replicas (issue 15): real Ray
+"""One elastic resize that changes both the trainer world and the vLLM replicas: real Ray
 (the module's session, logical devices), real DeepSpeed ZeRO-3 trainers, real vLLM CPU engines.
 
 One GRPO run of 6 iterations, world 2 (ZeRO-3 DP2, vLLM TP1×2), with two schedule entries to

@@ -1,4 +1,4 @@
-"""PPO's critic in the elastic paths (issue 15): a resize and a lost trainer's recovery move the
+"""PPO's critic in the elastic paths: a resize and a lost trainer's recovery move the
 critic's whole training state (fp32 master, Adam moments, step, LR schedule, RNG) with the
 trainer's — real Ray actors, real DeepSpeed engines (actor ZeRO-3, critic ZeRO-2), the loop.
 

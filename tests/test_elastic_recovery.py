@@ -1,4 +1,4 @@
-"""A lost trainer without a checkpoint (issue 15, ``elastic.redundancy: host``).
+"""A lost trainer without a checkpoint (``elastic.redundancy: host``).
 
 Pure part: the buddy layout (``vps/layouts/buddy.py``) — every rank's own share and its buddy's,
 packed in host buffers; any single lost rank's share survives, both an owner and its holder lost

@@ -1,4 +1,4 @@
-"""Elastic resize of the rollout side (issue 15): the vLLM replicas of a running GRPO loop change
+"""Elastic resize of the rollout side: the vLLM replicas of a running GRPO loop change
 their layout (TP1×2 -> TP2×1 on the same 2-device trainer world) at an iteration boundary — real
 Ray (the module's session, logical devices), real DeepSpeed ZeRO-3 trainers, real vLLM CPU engines.
 

@@ -1,4 +1,4 @@
-"""Every family beyond llama through a real multi-process vLLM TP2 engine (issue 14).
+"""Every family beyond llama through a real multi-process vLLM TP2 engine.
 
 For mistral, qwen2, qwen3 and qwen3_moe: one ``VLLMRollout(tp=2)`` (mp backend, its two workers
 in their own processes) started from a tiny random checkpoint (weights A, ``save_tiny_model``);

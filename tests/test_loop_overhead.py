@@ -1,4 +1,4 @@
-"""The loop-overhead changes of issue 18 keep the numbers: FSDP2 gathered once per call, AdamW on
+"""The loop's overhead cuts keep the numbers: FSDP2 gathered once per call, AdamW on
 the local shards, the batched gradient norm, one FSDP2 unit for a small model (2 gloo ranks, a tiny
 untied Llama whose FSDP2 shards are uneven); the update's mini-batch weights without an all-reduce; ZeRO-3 with persistent parameters trains bit-identically to plain ZeRO-3 and a write
 of its partitions reaches its forward; and the TRL baseline's tokenizer gives TRL the loop's ids

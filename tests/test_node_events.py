@@ -1,4 +1,4 @@
-"""Nodes added to or lost from Ray during a run (issue 15): events, and with
+"""Nodes added to or lost from Ray during a run: events, and with
 ``elastic.on_node_change: resize`` a node added grows the run through the resize-request path.
 
 - ``rlhf_switch.elastic.nodes`` (pure): two snapshots of ``ray.nodes()`` compared; the request a

@@ -1,4 +1,4 @@
-"""A node lost with trainers on it (issue 15): ``elastic.redundancy: host`` restores them onto
+"""A node lost with trainers on it: ``elastic.redundancy: host`` restores them onto
 the devices left — a smaller world, the layouts scaled along DP — when theirs are gone.
 
 - Pure: the scaled request for fewer devices (``nodes.scaled_request``), the config it makes,

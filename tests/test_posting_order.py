@@ -48,7 +48,7 @@ def ordered_posts(schedule, batches=None) -> Posts:
 
 
 def tagged_posts(schedule) -> Posts:
-    """What the executor posted before issue 13 (the "tagged" discipline, each message of a pair
+    """What the executor once posted (the "tagged" discipline, each message of a pair
     under its own tag): every direct message at once, then the staged ones in the staging
     program's order — the two ends of a message staged on one side only at different places."""
     out = []

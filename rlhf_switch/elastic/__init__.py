@@ -1,4 +1,4 @@
-"""Elastic resize of the trainer world (issue 15, first slice): a new world of trainer actors is
+"""Elastic resize of the trainer world: a new world of trainer actors is
 built in the background while the old one trains, then one VPS plan over the union of old and
 new ranks moves the training state across, and the old actors leave.
 

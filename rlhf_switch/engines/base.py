@@ -1,10 +1,11 @@
 """The two engine interfaces — a training engine and a rollout engine — and one registry for each.
 
-The loop, the weight channel and (later) the elastic manager talk only to these interfaces. A
+The loop, the weight channel and the elastic manager talk only to these interfaces. A
 config's ``engine:`` names a registered engine (``deepspeed``, ``fsdp2``, ``torch_tp``, ``torch_pp``;
 ``vllm``, ``torch``) or ``module:Class`` — a user's own engine, imported by name like
-``task.reward_fn``, so adding one needs no edit of this package. Config validation asks the
-engine class which layouts it runs (``layout_problems``) instead of a hard-coded list.
+``task.reward_fn``, so adding one needs no edit of this package. The pre-start checks
+(``rlhf_switch.problems``) ask the engine class which layouts it runs (``layout_problems``)
+instead of a hard-coded list.
 
 Training engine (the trainer, the reference and the PPO critic alike — the critic is a training
 engine whose model has a value head, ``head="value"``)::

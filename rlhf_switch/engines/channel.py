@@ -68,7 +68,7 @@ def node_address() -> str:
     """This process's node address as its peers on other nodes reach it: the node IP Ray reports
     (``ray.util.get_node_ip_address``, in a Ray actor or driver), else the address the host name
     resolves to. There is no loopback fallback: a store whose address only this host can reach
-    would let a one-node test pass and strand every rank on another node (issue 13), so an
+    would let a one-node test pass and strand every rank on another node, so an
     unresolvable host name is an error here, before anyone waits on the store."""
     try:
         import ray
