@@ -26,13 +26,18 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from rlhf_switch.engines.base import TrainingContext, TrainingEngine, training_engine
+from rlhf_switch.engines.base import (
+    DEFAULT_TIMEOUT,
+    TrainingContext,
+    TrainingEngine,
+    training_engine,
+)
 from rlhf_switch.engines.optim import AdamWConfig
 from rlhf_switch.models import load_trunk, value_model, value_spec  # noqa: F401 - the critic's model, re-exported
 from rlhf_switch.rl.algorithm import loss_weight
 from rlhf_switch.rl.algorithms import Aggregation, value_loss
 
-TIMEOUT = timedelta(seconds=120)
+TIMEOUT = DEFAULT_TIMEOUT
 
 
 @dataclass(frozen=True)

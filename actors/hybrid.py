@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
@@ -45,11 +44,10 @@ import torch
 import torch.distributed as dist
 
 from rlhf_switch.device import CPU, DeviceSpec
+from rlhf_switch.engines.base import DEFAULT_TIMEOUT as TIMEOUT  # the world's deadline
 from rlhf_switch.families import context_length
 from rlhf_switch.rl.algorithm import Algorithm
 from rlhf_switch.rl.config import RunConfig, load_config, longest_sequence_tokens
-
-TIMEOUT = timedelta(seconds=120)
 
 
 class ChannelStale(RuntimeError):

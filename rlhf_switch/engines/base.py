@@ -46,6 +46,12 @@ from .optim import AdamWConfig
 LossFn = Callable[[torch.Tensor, slice], "tuple[torch.Tensor, dict[str, float]]"]
 
 
+# the deadline of an engine's process groups and collectives (and of the loop's actors' world)
+# unless a caller gives one: long enough for a slow first forward on a loaded CPU, short enough that
+# a lost peer is an error within minutes rather than gloo's default half hour
+DEFAULT_TIMEOUT = timedelta(seconds=120)
+
+
 class EngineError(ValueError):
     """An engine name that cannot be resolved, or a class that is not an engine."""
 
@@ -65,7 +71,7 @@ class TrainingContext:
     seq_len: int = 0                  # the longest sequence it will see (prompt + response); 0: the model's context
     head: str = "lm"                  # "lm" (causal LM) or "value" (scalar value head: the critic)
     init_from: str | None = None      # head "value": an actor checkpoint whose trunk the critic starts from
-    timeout: timedelta = timedelta(seconds=120)
+    timeout: timedelta = DEFAULT_TIMEOUT
     device: DeviceSpec = CPU          # the run's device, backend and dtypes (rlhf_switch.device)
 
     @property

@@ -30,10 +30,9 @@ from ..device import CPU, DeviceSpec
 from ..models import causal_lm as hf_model  # noqa: F401 - the name tests and benches import
 from ..models import model_spec
 from ..vps.spec import config_value
+from .base import DEFAULT_TIMEOUT
 from .dtensor_adapter import TorchTrainAdapter
 from .optim import AdamWConfig
-
-DEFAULT_TIMEOUT = timedelta(seconds=120)
 
 
 class TorchTrainer:
@@ -276,7 +275,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     their gradients are summed over TP (``_SumGradOverTP``). q/k/v biases (qwen2) are split with
     their weights by ``ColwiseParallel``. ``model`` is an HF model or a ``LlamaStage`` (whose
     ``model.layers`` is a ``ModuleDict`` of this stage's layers only)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
