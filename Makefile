@@ -29,7 +29,7 @@ run: venv
 demo: venv
 	$(PY) -m recipes.switch_demo
 
-# the README's tables (~30 min on 2 cores); bench-full adds the 300M model and bf16 (much longer)
+# docs/benchmarks.md's tables (~12 min on an idle 2-core machine); bench-full adds the 300M model and bf16 (much longer)
 bench: venv
 	$(PY) -m bench.plan_scale
 	$(PY) -m bench.train_switch
@@ -50,5 +50,13 @@ bench-trl: venv
 	test -d .trl/trl || $(PY) -m pip install --no-deps --target .trl $(TRL_PKGS)
 	$(PY) -m bench.loop_vs_trl $(BENCH_ARGS)
 
+# the documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or anchor.
+# Needs only mkdocs (in the test extra too), so it does not install the whole project
+.PHONY: docs
+docs:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import mkdocs" 2>/dev/null || $(PY) -m pip install 'mkdocs>=1.6'
+	$(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .trl .pytest_cache .hypothesis
+	rm -rf $(VENV) .trl .pytest_cache .hypothesis site
