@@ -1,6 +1,6 @@
 """Phase-switch benchmark on CPU: VPS moves against what the field does, on the same buffers.
 
-    python -m bench.switch --quick          # 10M,100M params, fp32 (~20 min on a busy 2-core box)
+    python -m bench.switch --quick          # 10M,100M params, fp32 (tens of minutes on a 2-core machine; make bench runs it)
     python -m bench.switch                  # 10M,100M,300M params, fp32 and bf16 (hours there)
     python -m bench.switch --sizes 10M --dtypes bf16 --cases a,d --methods vps,dcp_shm --repeats 7
     python -m bench.switch --quick --methods vps,raw_p2p --paired --repeats 15   # a busy machine

@@ -44,9 +44,9 @@ CASES = {
     "ds_z2_torch_tp2":       ("grpo_tiny", 2, _ds(2, 2), _t("torch", tp=2), _ds(2, 2), None),
     # what `rlhf-switch tune configs/grpo_tiny.yaml` recommended with the first calibrated CPU profile
     "ds_z2_vllm_tp1x2":      ("grpo_tiny", 2, _ds(2, 2), _t("vllm", dp=2), _ds(2, 2), None),
-    # ... and with the 2026-12-01 23:13 one
+    # ... and with a later calibration
     "ds_z1_torch_tp1x2":     ("grpo_tiny", 2, _ds(1, 2), _t("torch", dp=2), _ds(1, 2), None),
-    # ... and with the 2026-12-02 01:42 one (median repeats): the pipeline engine at TP2, PP1
+    # ... and with the median-repeat calibration: the pipeline engine at TP2, PP1
     "pp_tp2_torch_tp1x2_ref_z2": ("grpo_tiny", 2, _t("torch_pp", tp=2), _t("torch", dp=2), _ds(2, 2), None),
     # ... and once the pipeline engine's TP stages pay the TP engine's fixed costs too
     "pp2_torch_tp1x2_ref_z2": ("grpo_tiny", 2, _t("torch_pp", pp=2), _t("torch", dp=2), _ds(2, 2), None),

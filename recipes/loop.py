@@ -423,7 +423,7 @@ def channel_summary(cluster) -> dict:
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The loop's options (``rlhf-switch train`` and ``python -m recipes.grpo|ppo``)."""
     ap.add_argument("config", metavar="CONFIG",
-                    help="the run's YAML (configs/README.md); its algorithm.name picks GRPO or PPO")
+                    help="the run's YAML (docs/configuration.md); its algorithm.name picks GRPO or PPO")
     ap.add_argument("--iterations", type=int, metavar="N",
                     help="the run's TOTAL number of iterations (0 .. N-1), also with --resume: a resumed run "
                          "stops where the uninterrupted one stops (default: the config's algorithm.iterations)")

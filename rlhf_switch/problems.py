@@ -12,6 +12,7 @@ worked out once: the model's dimensions and whether the actors will see a GPU.
 ``layouts``    every phase's layout covers the world and splits the model (heads, KV heads, MLP
                width, layers), in every world of an ``elastic.schedule`` too
 ``batch``      the batch sizes divide over the replicas and DP ranks, in every world
+``sampling``   the rollout engines sample as the algorithm block asks
 ``prompts``    ``task:`` — its prompts and answers fit the model and tokenizer; ``data:`` — the
                tokenizer loads and fits, every file reads with its keys, some prompts fit
 ``engines``    each phase's engine (a registered name or ``module:Class``) runs that phase's
@@ -307,6 +308,17 @@ def _layouts(cfg: RunConfig, facts: Facts) -> list[str]:
 @check("batch")
 def _batch(cfg: RunConfig, facts: Facts) -> list[str]:
     return [prefix + p for prefix, world in _worlds(cfg) for p in batch_problems(world)]
+
+
+@check("sampling")
+def _sampling(cfg: RunConfig, facts: Facts) -> list[str]:
+    """What the rollout engines' sampling does not do: they sample from the whole distribution at
+    ``temperature`` (the stale-weights check compares their log-probs of exactly that), so a
+    ``top_p`` below 1 would be accepted and silently ignored."""
+    if cfg.algorithm.top_p != 1.0:
+        return [f"algorithm.top_p: {cfg.algorithm.top_p} — the rollout engines sample from the whole "
+                f"distribution; only top_p 1.0 runs"]
+    return []
 
 
 @check("prompts")

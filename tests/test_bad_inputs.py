@@ -1,7 +1,7 @@
 """Bad input, one table: every row is refused before any byte moves, with its message asserted.
 
 Layouts and plans, buffers, the executor's agreement on real ranks, checkpoints, run configs and
-task data. ``python tests/test_bad_inputs.py`` prints the table as the README shows it.
+task data. ``python tests/test_bad_inputs.py`` prints the table as docs/reliability.md shows it.
 
 Executor rows run on the module's 4-rank ``LocalWorld`` (every rank must raise and leave its
 destination untouched); the others run in this process (``move(..., dry_run=True)`` checks the
@@ -164,7 +164,7 @@ TP3 = ParallelConfig(tp=3)
 @dataclass
 class Bad:
     id: str
-    what: str  # the input, as the README's table says it
+    what: str  # the input, as docs/reliability.md's table says it
     run: Callable  # run(ctx) -> error text(s), or raises
     message: str  # must appear in the error (in every rank's error for world rows)
     exc: type | None = Exception  # what run raises (None: run returns the problems)
@@ -315,6 +315,9 @@ CASES = [
         "eval.num_prompts=199 is not divisible by rollout.dp=2", None),
     Bad("sft-dp", "sft.batch_size 31 on train dp 2", lambda ctx: fit(config(**{"sft.batch_size": 31})),
         "sft: batch_size=31 is not divisible by train.dp=2", None),
+    Bad("top-p", "algorithm.top_p 0.9 (the rollout engines would ignore it)",
+        lambda ctx: fit(config(**{"algorithm.top_p": 0.9})),
+        "algorithm.top_p: 0.9 — the rollout engines sample from the whole distribution; only top_p 1.0 runs", None),
     # ---- run configs: layouts, engines, fields
     Bad("phase-world", "rollout tp·pp·dp = 3 on a world of 2",
         lambda ctx: fit(config(**{"rollout.tp": 3, "rollout.dp": 1})),

@@ -1,5 +1,5 @@
 """The benchmarks run, end to end, at a size CI affords: every method's destination bit-exact,
-bytes moved = the plan's minimum, and the JSON they write holds what the README's tables quote.
+bytes moved = the plan's minimum, and the JSON they write holds what docs/benchmarks.md quotes.
 
 Times are never asserted (``make bench`` reports them); these tests only keep the benchmarks
 from rotting between the sessions that run them in full. Each bench runs as its own process,

@@ -104,7 +104,7 @@ def test_grpo_raises_heldout_math_accuracy_on_the_real_path(ray_session, tmp_pat
     ``model.path`` with the locally trained BPE tokenizer, the generated GSM8K-format data in the
     chat template, SFT warm start (600 steps), then 15 GRPO iterations of 64 prompts × 8 samples:
     held-out greedy ``math_answer`` accuracy on 200 problems rises by at least 0.025 (measured
-    2026-12-01 over run seeds 0-3: 0.39 -> 0.445, 0.375 -> 0.46, 0.445 -> 0.475, 0.375 -> 0.46)."""
+    over run seeds 0-3: 0.39 -> 0.445, 0.375 -> 0.46, 0.445 -> 0.475, 0.375 -> 0.46)."""
     from recipes.grpo import run
     from rlhf_switch.testing.tiny_models import build_model_dir
 

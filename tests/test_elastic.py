@@ -37,7 +37,7 @@ def _config(out: Path, world: int) -> dict:
 
     cfg = small("grpo_tiny.yaml", out, world=world, train={"engine": "deepspeed", "zero_stage": 3, "dp": world},
                 rollout={"engine": "torch", "tp": 1, "dp": world}, checkpoint={"save_every": 0})
-    cfg.pop("reference")  # the resize moves the trainer only (see the README): no KL, no reference
+    cfg.pop("reference")  # the resize moves the trainer only (docs/elastic.md): no KL, no reference
     cfg["algorithm"]["kl_coef"] = 0.0
     return cfg
 

@@ -31,7 +31,7 @@ pytestmark = [
 set_vllm_env_defaults()
 
 # fp32 on both sides; TP2's row-parallel all-reduce changes only the summation order. Measured
-# (2026-12-01, every family, weights A and B): max |vLLM - HF| log-prob 4.8e-7 = 1 ulp at |lp| ~ 5
+# (every family, weights A and B): max |vLLM - HF| log-prob 4.8e-7 = 1 ulp at |lp| ~ 5
 # (log-probs -4.6..-5.1 here, logit std ~0.4: a real distribution, not a flat one); 1e-5 is ~20 ulp
 LOGPROB_ATOL = 1e-5
 PROMPTS = [[1, 5, 9, 13, 200], [1] + list(range(100, 140)), [1, 300, 7, 7, 42, 8]]

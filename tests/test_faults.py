@@ -18,7 +18,7 @@ from rlhf_switch.vps.planner import plan_rank
 # short deadlines keep the module quick: 3 s + 1 s per 50 MB in flight. The census outlasts the
 # floor: a live rank still blocked in its own wait (a ring neighbour of the dead one) hits its
 # deadline and reports before the census ends, so only the dead rank is named (with a 1 s census
-# a live rank descheduled on the loaded box was named too: CI, 2026-12-02)
+# a live rank descheduled on the loaded box was named too, in a CI run)
 DEADLINE = Deadlines(floor_s=3.0, min_rate=50e6, ceiling_s=60.0, census_s=4.0)
 SLACK_S = 1.0  # scheduling noise on a loaded 2-core host
 

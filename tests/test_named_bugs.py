@@ -1,5 +1,5 @@
 """Tests aimed at bugs an outside mutation test found the suite blind to; each test names the
-rule it guards, and the README lists the mutations of that rule it was checked to kill.
+rule it guards, and docs/tests.md lists the mutations of that rule it was checked to kill.
 
 - engine-like buffers: views at non-zero storage offsets inside one flat tensor per dtype (as
   vLLM and DeepSpeed hand them out), strided pieces, staged and direct messages mixed, casts;

@@ -361,7 +361,7 @@ def test_the_switch_fixed_cost_is_a_runs_median_sync_less_its_modelled_bytes_per
 
 def test_a_pipeline_with_tp_stages_pays_the_tp_engines_fixed_costs_too(grpo, cpu):
     """The pipeline engine at TP > 1 runs DTensor TP inside its stages: its fixed costs are the
-    pipeline's plus the TP engine's (the 2026-12-02 validation: torch_pp TP2 measured 3x its
+    pipeline's plus the TP engine's (the validation run: torch_pp TP2 measured 3x its
     prediction without them)."""
     from rlhf_switch.rl.config import TrainLayout
     from rlhf_switch.tune.cost import engine_pass

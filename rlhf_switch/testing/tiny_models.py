@@ -64,10 +64,10 @@ def save_tiny_model(model_type: str, out_dir: str, vocab_size: int = 384, seed: 
     return model
 
 
-# a model to train on the GSM8K-format data. Measured 2026-12-01: at hidden 64 / 2 heads (seed 0,
-# 16 prompts × 8 per iteration, lr 1e-4) GRPO moved held-out accuracy only +0.02 to +0.035 from a
-# 0.085-0.415 start; at this size, with configs/gsm8k_tiny.yaml's 64 prompts × 8, +0.03 to +0.085
-# over seeds 0-3 (README)
+# a model to train on the GSM8K-format data: at hidden 64 / 2 heads (seed 0, 16 prompts × 8 per
+# iteration, lr 1e-4) GRPO moved held-out accuracy only +0.02 to +0.035 from a 0.085-0.415 start;
+# at this size, with configs/gsm8k_tiny.yaml's 64 prompts × 8, +0.03 to +0.085 over seeds 0-3
+# (measured on a 2-core CPU machine; docs/models-and-data.md)
 TRAINABLE = dict(hidden_size=128, num_attention_heads=4, intermediate_size=256)
 
 
