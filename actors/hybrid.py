@@ -132,7 +132,7 @@ class HybridWorker:
         from rlhf_switch.engines.base import training_engine
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
-        self.cfg, self.algorithm = cfg, Algorithm(cfg.algorithm)
+        self.cfg, self.algorithm = cfg, Algorithm.build(cfg.algorithm)
         t0 = time.perf_counter()
         self.trainer = training_engine(cfg.train.engine).build(cfg.train, self._training_context(cfg))
         self.trainer.adapter.prepare_state()  # done here, in the background, not in the stop-the-world
@@ -158,7 +158,7 @@ class HybridWorker:
         from rlhf_switch.engines.base import training_engine
 
         cfg = config if isinstance(config, RunConfig) else load_config(config)
-        self.cfg, self.algorithm = cfg, Algorithm(cfg.algorithm)
+        self.cfg, self.algorithm = cfg, Algorithm.build(cfg.algorithm)
         self.device = device or self.device  # what the engines run on (the recipe checked them)
         hf = hf_config_of(cfg)
         ctx = self._training_context(cfg)
@@ -540,7 +540,7 @@ class HybridWorker:
             raise ValueError(f"{self.algorithm.name} needs a critic; this worker has none")
         rows = RankBatch.of(batch, trainer.dp, trainer.dp_rank, self.pad_id, self.cfg.algorithm,
                             self.device.torch_device())  # the batch goes where the engines compute
-        mask = rows.mask
+        mask = rows.response_mask
         old = trainer.outputs(rows.ids) * mask
         ref = self.reference.outputs(rows.ids) * mask if self.reference is not None else None
         values = self.critic.values(rows.ids) * mask if self.algorithm.needs_critic else None

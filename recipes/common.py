@@ -75,10 +75,25 @@ def draw_prompts(cfg, splits, iteration: int):
     return picked
 
 
-def sample_seeds(cfg, iteration: int, n: int) -> list[int]:
-    """One sampling seed per sequence: independent of the rollout layout (TP, replicas)."""
-    base = (cfg.seed * 1_000_003 + iteration) * 65_536
-    return [base + i for i in range(n)]
+def draw_extra_prompts(cfg, splits, iteration: int, draw: int):
+    """Dynamic sampling's ``draw``-th extra round of an iteration (``draw`` >= 1):
+    ``prompts_per_iteration`` train prompts from a stream seeded by (seed, iteration, draw) alone,
+    apart from the epoch walk ``draw_prompts`` makes, so a resumed run draws the same."""
+    k = cfg.algorithm.prompts_per_iteration
+    rng = random.Random(f"{cfg.algorithm.name}:{cfg.seed}:iteration{iteration}:draw{draw}")
+    return [splits.train[i] for i in rng.sample(range(len(splits.train)), min(k, len(splits.train)))]
+
+
+SEEDS_PER_ITERATION = 65_536
+
+
+def sample_seeds(cfg, iteration: int, n: int, first: int = 0) -> list[int]:
+    """One sampling seed per sequence: independent of the rollout layout (TP, replicas).
+    ``first``: where this batch's seeds start among the iteration's (dynamic sampling's extra rounds)."""
+    if first + n > SEEDS_PER_ITERATION:
+        raise ValueError(f"{first + n} samples in one iteration: more than its {SEEDS_PER_ITERATION} seeds")
+    base = (cfg.seed * 1_000_003 + iteration) * SEEDS_PER_ITERATION
+    return [base + first + i for i in range(n)]
 
 
 def write_run_config(out_dir: Path, cfg) -> None:

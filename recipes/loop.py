@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recipes.cluster import Cluster, start_ray
-from recipes.common import (Evaluator, RunFinished, StaleWeightsError, draw_prompts, fault, prune_checkpoints,
-                            resolve_resume, sample_seeds, warm_start, write_run_config)
+from recipes.common import (Evaluator, RunFinished, StaleWeightsError, draw_extra_prompts, draw_prompts, fault,
+                            prune_checkpoints, resolve_resume, sample_seeds, warm_start, write_run_config)
 from recipes.run_log import MetricsLog, is_iteration_record, plot_run
 
 __all__ = ["run", "main", "StaleWeightsError"]
@@ -88,14 +88,31 @@ class Faults:
 
 @dataclass
 class Rollout:
-    """One iteration's samples as the phases after the rollout see them."""
+    """One iteration's samples as the phases after the rollout see them (``group_size`` samples
+    of each prompt in a row)."""
 
     samples: list            # the drawn prompts (rl.tasks.Sample), each generated group_size times
     prompts: list            # token ids, one per sequence
     responses: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)   # the rollout engine's, per generated token
     texts: list = field(default_factory=list)      # the decoded responses
-    scores: list = field(default_factory=list)     # the reward of each sequence
+    scores: list = field(default_factory=list)     # the reward of each sequence (shaped)
+    truncated: list = field(default_factory=list)  # cut at max_new_tokens before the end token
+    gen_seconds: float = 0.0
+    dynamic_sampling: dict | None = None           # what dynamic sampling kept, drew and filled
+
+    FIELDS = ("samples", "prompts", "responses", "logprobs", "texts", "scores", "truncated")
+
+    def groups(self, size: int) -> list["Rollout"]:
+        """Each prompt's samples as a rollout of its own."""
+        return [Rollout(**{f: getattr(self, f)[i:i + size] for f in self.FIELDS})
+                for i in range(0, len(self.samples), size)]
+
+    @staticmethod
+    def join(parts: list["Rollout"], gen_seconds: float) -> "Rollout":
+        """Rollouts one after the other, generated in ``gen_seconds``."""
+        return Rollout(**{f: [x for p in parts for x in getattr(p, f)] for f in Rollout.FIELDS},
+                       gen_seconds=gen_seconds)
 
 
 class Loop:
@@ -109,7 +126,7 @@ class Loop:
 
         self.cfg, self.name, self.last, self.first = cfg, cfg.algorithm.name, iterations - 1, first
         self.iterations, self.resume_dir, self.stale_tol, self.quiet = iterations, resume_dir, stale_tol, quiet
-        self.faults, self.algorithm = faults, Algorithm(cfg.algorithm)
+        self.faults, self.algorithm = faults, Algorithm.build(cfg.algorithm)
         self.out_dir = Path(cfg.output_dir)
         self.records: list[dict] = []
         self.cluster = self.log = self.evaluator = None
@@ -155,7 +172,8 @@ class Loop:
         self.splits, read_line = load_splits(cfg, self.tok)  # prompts rendered (chat template), too-long dropped
         self.say(read_line)
         self.reward_fn = load_reward_fn(cfg.reward_fn)
-        self.max_ctx = context_length(cfg.model.hf_dict())
+        hf = cfg.model.hf_dict()
+        self.max_ctx, self.eos_id = context_length(hf), hf.get("eos_token_id")
         write_run_config(self.out_dir, cfg)
         self.init_dir = warm_start(cfg, self.out_dir / "init", self.quiet)
         self.say(f"warm start: {self.init_dir} ({time.perf_counter() - t_start:.1f} s)")
@@ -187,9 +205,13 @@ class Loop:
         if it == self.first and (it == 0 or (self.cfg.eval.every and it % self.cfg.eval.every == 0)):
             self.evaluate(it, "before")  # where the uninterrupted run evaluated before this iteration
         with self.timed("rollout"):
-            roll, gen_s, back = self.rollout(it, peak)
+            roll = self.rollout(it, draw_prompts(self.cfg, self.splits, it))
         with self.timed("reward"):
             self.reward(roll)
+        if getattr(self.cfg.algorithm, "dynamic_sampling", None) is not None:
+            with self.timed("dynamic_sampling"):
+                roll = self.resample(it, roll)
+        back = self.rollout_done(it, peak)
         with self.timed("advantages"):
             batch = self.advantages(roll)
         self.faults.hook(it, "train", self.cluster)
@@ -200,7 +222,7 @@ class Loop:
         if stale <= self.stale_tol:
             with self.timed("update"):
                 stats = self.update(peak)
-        rec = self.record(it, roll, sync, copied, off, back, gen_s, checked, stats, peak, t_it)
+        rec = self.record(it, roll, sync, copied, off, back, checked, stats, peak, t_it)
         if stats is None:
             raise StaleWeightsError(
                 f"iteration {it}: the trainer's log-probs of the generated tokens differ from the rollout "
@@ -223,35 +245,64 @@ class Loop:
         peak = {"sync": self.cluster.memory_mark(wait=False)}  # read with the record (no round trip here)
         return sync, copied, off, peak
 
-    def rollout(self, it: int, peak: dict):
-        """``group_size`` samples of each of the iteration's prompts, then the parked state back."""
+    def rollout(self, it: int, drawn: list, draw: int = 0) -> Rollout:
+        """``group_size`` samples of each prompt ``drawn`` (``draw``: the extra round of dynamic
+        sampling; its samples take seeds of their own)."""
         from rlhf_switch.rl.tasks import encode_prompt
 
         alg = self.cfg.algorithm
-        samples = [s for s in draw_prompts(self.cfg, self.splits, it) for _ in range(alg.group_size)]
+        samples = [s for s in drawn for _ in range(alg.group_size)]
         roll = Rollout(samples, [encode_prompt(self.tok, s.prompt, alg.max_new_tokens, self.max_ctx) for s in samples])
         t0 = time.perf_counter()
-        roll.responses, roll.logprobs = self.cluster.generate(roll.prompts, sample_seeds(self.cfg, it, len(samples)),
-                                                              alg.max_new_tokens, alg.temperature)
-        gen_s = time.perf_counter() - t0
+        seeds = sample_seeds(self.cfg, it, len(samples), first=draw * len(samples))
+        roll.responses, roll.logprobs = self.cluster.generate(roll.prompts, seeds, alg.max_new_tokens, alg.temperature)
+        roll.gen_seconds = time.perf_counter() - t0
+        return roll
+
+    def rollout_done(self, it: int, peak: dict) -> dict:
+        """The rollout engines are done until the next sync: they stand by for it, the phase's
+        memory mark, the parked trainer state back (``train.offload``)."""
         fault(self.faults.crash_at, it, "after generation")
         if it + 1 not in self.faults.skip_sync_at:  # a sync comes before the rollout engines are used again
             self.cluster.stand_by()
         peak["generate"] = self.cluster.memory_mark(wait=False)
-        return roll, gen_s, self.cluster.reload()
+        return self.cluster.reload()
 
     def reward(self, roll: Rollout) -> None:
+        """The reward of every sample, shaped by the algorithm (DAPO's overlong punishment)."""
         from rlhf_switch.rl.rewards import score_samples
 
         roll.texts = [self.tok.decode(r) for r in roll.responses]
-        roll.scores = score_samples(self.reward_fn, [s.prompt for s in roll.samples], roll.texts,
-                                    [s.answer for s in roll.samples])
+        raw = score_samples(self.reward_fn, [s.prompt for s in roll.samples], roll.texts,
+                            [s.answer for s in roll.samples])
+        roll.truncated = self.algorithm.truncated(roll.responses, self.eos_id)
+        roll.scores = self.algorithm.shape_scores(raw, roll.responses)
+
+    def resample(self, it: int, roll: Rollout) -> Rollout:
+        """Dynamic sampling: the groups without signal (every sample the same reward) dropped and
+        more prompts drawn, generated and scored until the batch is full of groups with signal or
+        ``max_draws`` rounds are spent (then filled with dropped groups)."""
+        alg = self.cfg.algorithm
+        kept, dropped, draws, gen_s = [], [], 0, 0.0
+        while True:
+            gen_s += roll.gen_seconds
+            for g in roll.groups(alg.group_size):
+                (kept if self.algorithm.has_signal(g.scores) else dropped).append(g)
+            if len(kept) >= alg.prompts_per_iteration or draws == alg.dynamic_sampling.max_draws:
+                break
+            draws += 1
+            roll = self.rollout(it, draw_extra_prompts(self.cfg, self.splits, it, draws), draw=draws)
+            self.reward(roll)
+        filled = max(0, alg.prompts_per_iteration - len(kept))
+        out = Rollout.join(kept[:alg.prompts_per_iteration] + dropped[:filled], gen_s)
+        out.dynamic_sampling = {"groups_with_signal": len(kept), "draws": draws, "filled_with_dropped": filled}
+        return out
 
     def advantages(self, roll: Rollout) -> dict:
         """The batch every trainer rank gets: the sequences, the rollout engine's log-probs and
         what the algorithm makes of the scores (``Algorithm.batch_fields``)."""
         return {"prompts": roll.prompts, "responses": roll.responses, "rollout_logprobs": roll.logprobs,
-                **self.algorithm.batch_fields(roll.scores)}
+                **self.algorithm.batch_fields(roll.scores, roll.truncated)}
 
     def logprobs(self, batch: dict) -> list[dict]:
         """Every trainer rank's old/reference log-probs (PPO: values) of its share, and its part
@@ -264,10 +315,10 @@ class Loop:
         peak["train"] = self.cluster.memory_mark(wait=False)
         return self.cluster.collect(calls, "train")
 
-    def record(self, it, roll, sync, copied, off, back, gen_s, checked, stats, peak, t_it) -> dict:
+    def record(self, it, roll, sync, copied, off, back, checked, stats, peak, t_it) -> dict:
         """The iteration's record (``metrics.jsonl``; ``run_metrics``), its rollouts and one line."""
         peak = {p: read() for p, read in peak.items()}
-        rec = run_metrics(it, roll, sync, copied, off, back, gen_s, checked, stats, peak, self.timings,
+        rec = run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, self.timings,
                           self.stale_tol, time.perf_counter() - t_it)
         self.emit(rec, it)
         self.log.write_rollouts(it, roll.prompts, roll.responses, roll.logprobs, roll.scores,
@@ -306,12 +357,11 @@ class Loop:
                  f"per member process: {channel['groups_per_member']}")
 
 
-def run_metrics(it, roll, sync, copied, off, back, gen_s, checked, stats, peak, timings, stale_tol,
-                seconds) -> dict:
+def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings, stale_tol, seconds) -> dict:
     """One iteration's record: rewards, losses, timings, bytes and memory per phase. ``stats``:
     the update's per-rank reports (None when the stale-weights check stopped it)."""
     stale = max(s["stale_logprob_diff"] for s in checked)
-    n_tokens = sum(len(r) for r in roll.responses)
+    n_tokens, gen_s = sum(len(r) for r in roll.responses), roll.gen_seconds
     first = stats[0] if stats else {}
     rec = {"iteration": it, "reward_mean": sum(roll.scores) / len(roll.scores)}
     if stats:
@@ -343,7 +393,9 @@ def run_metrics(it, roll, sync, copied, off, back, gen_s, checked, stats, peak, 
     if stats:
         rec.update(update_seconds=max(s["update_seconds"] for s in stats), optimizer_steps=first["steps"],
                    **{k: first[k] for k in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean") if k in first})
-    rec.update(phase_seconds=dict(timings), iteration_seconds=seconds,
+    if roll.dynamic_sampling is not None:
+        rec["dynamic_sampling"] = roll.dynamic_sampling
+    rec.update(truncated=sum(roll.truncated), phase_seconds=dict(timings), iteration_seconds=seconds,
                example={"prompt": roll.samples[0].prompt, "response": roll.texts[0], "answer": roll.samples[0].answer})
     return rec
 

@@ -12,6 +12,7 @@ worked out once: the model's dimensions and whether the actors will see a GPU.
 ``layouts``    every phase's layout covers the world and splits the model (heads, KV heads, MLP
                width, layers), in every world of an ``elastic.schedule`` too
 ``batch``      the batch sizes divide over the replicas and DP ranks, in every world
+``algorithm``  the algorithm and its pieces resolve (a user's ``module:Class`` imports)
 ``sampling``   the rollout engines sample as the algorithm block asks
 ``prompts``    ``task:`` — its prompts and answers fit the model and tokenizer; ``data:`` — the
                tokenizer loads and fits, every file reads with its keys, some prompts fit
@@ -308,6 +309,21 @@ def _layouts(cfg: RunConfig, facts: Facts) -> list[str]:
 @check("batch")
 def _batch(cfg: RunConfig, facts: Facts) -> list[str]:
     return [prefix + p for prefix, world in _worlds(cfg) for p in batch_problems(world)]
+
+
+@check("algorithm")
+def _algorithm(cfg: RunConfig, facts: Facts) -> list[str]:
+    """The algorithm resolves (a user's ``module:Class`` or pieces import) and has what it needs."""
+    from .rl.algorithm import Algorithm
+
+    try:
+        algorithm = Algorithm.build(cfg.algorithm)
+    except ValueError as e:
+        return [str(e)]
+    if algorithm.needs_critic and cfg.critic is None:
+        return [f"algorithm: {cfg.algorithm.name}'s advantage estimator uses a critic, and only algorithm.name: "
+                f"ppo has a critic block"]
+    return []
 
 
 @check("sampling")

@@ -25,13 +25,17 @@ collective is needed for them.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .algorithms import aggregate, grpo_advantages, kl_penalty, masked_mean, policy_loss, ppo_batch
-from .choices import Aggregation
+from .algorithms import (aggregate, cispo_loss, discounted_returns, global_masked_whiten, grpo_advantages, gspo_loss,
+                         kl_penalty, masked_mean, masked_whiten, overlong_penalty, policy_loss, ppo_batch,
+                         rloo_advantages, token_rewards)
+from .choices import ALGORITHMS, ESTIMATOR_NEEDS, Aggregation
+from .choices import POLICY_LOSSES as LOSS_NAMES
 
 
 # --- the batch, as one trainer rank holds it ------------------------------------------------------
@@ -56,12 +60,14 @@ def loss_weight(mask: torch.Tensor, aggregation: Aggregation) -> torch.Tensor:
 
 
 def mini_batch_totals(prompts: Sequence, responses: Sequence, pad_id: int, dp: int, local_mini: int,
-                      aggregation: Aggregation) -> torch.Tensor:
+                      aggregation: Aggregation, keep: Sequence[float] | None = None) -> torch.Tensor:
     """Each mini-batch's weight over all ``dp`` ranks (``loss_weight`` of every rank's rows of it,
     summed in float64), from the whole batch every rank is given: the integer counts an
     all-reduce of each rank's own totals would sum — exact in any order — without the collective.
     Rank ``r`` holds rows ``[r·per, (r+1)·per)``."""
     mask = pad_batch(prompts, responses, pad_id)[2]  # a row's mask does not depend on the padding
+    if keep is not None:
+        mask = mask * torch.tensor(keep, dtype=torch.float32)[:, None]
     per = len(prompts) // dp
     return torch.stack([sum(loss_weight(mask[r * per + s:r * per + s + local_mini], aggregation).double()
                             for r in range(dp)) for s in range(0, per, local_mini)])
@@ -70,18 +76,24 @@ def mini_batch_totals(prompts: Sequence, responses: Sequence, pad_id: int, dp: i
 @dataclass
 class RankBatch:
     """One trainer rank's DP share of a rollout batch, as tensors on its device: ``ids [b, T]``,
-    ``mask`` and the rollout engine's per-token log-probs ``[b, T-1]``, the driver's
+    the masks and the rollout engine's per-token log-probs ``[b, T-1]``, the driver's
     per-sequence ``advantages`` or ``scores`` (``[b]``; whichever the estimator uses), and each
-    mini-batch's weight over all ranks (``totals``)."""
+    mini-batch's weight over all ranks (``totals``). The batch's ``keep`` (per sequence, 0 or 1:
+    overlong filtering) takes a sequence out of the loss, not out of the stale-weights check."""
 
     ids: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor                # the tokens the loss counts: the response's, less any masked sequence
     rollout_logprobs: torch.Tensor
     totals: torch.Tensor
     local_mini: int
     micro: int
+    response_mask: torch.Tensor | None = None  # every generated token (the stale-weights check's)
     advantages: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.response_mask is None:
+            self.response_mask = self.mask
 
     @classmethod
     def of(cls, batch: dict, dp: int, dp_rank: int, pad_id: int, cfg: Any, device: torch.device) -> "RankBatch":
@@ -103,8 +115,11 @@ class RankBatch:
             raise ValueError(f"micro_batch_size {micro} does not divide the per-rank mini-batch {local_mini}")
         per_sequence = {k: torch.tensor(batch[k][lo:hi], dtype=torch.float32, device=device)
                         for k in ("advantages", "scores") if k in batch}
-        totals = mini_batch_totals(batch["prompts"], batch["responses"], pad_id, dp, local_mini, cfg.loss_aggregation)
-        return cls(ids, mask, rollout_lp, totals, local_mini, micro, **per_sequence)
+        keep = batch.get("keep")
+        totals = mini_batch_totals(batch["prompts"], batch["responses"], pad_id, dp, local_mini, cfg.loss_aggregation,
+                                   keep)
+        loss_mask = mask if keep is None else mask * torch.tensor(keep[lo:hi], dtype=torch.float32, device=device)[:, None]
+        return cls(ids, loss_mask, rollout_lp, totals, local_mini, micro, response_mask=mask, **per_sequence)
 
 
 @dataclass
@@ -120,18 +135,66 @@ class OldPolicy:
 
 
 # --- the registered pieces ------------------------------------------------------------------------
+# An estimator turns scores into advantages: ``sequence(scores, cfg)`` in the driver (None: nothing
+# there) and ``tokens(batch, old, cfg, actor, critic)`` on each trainer rank -> (advantages [b, T-1],
+# the critic's targets or None). A policy loss: ``(lp, old_lp, advantages, mask, cfg) -> (loss,
+# stats)``. ``rl.choices.ESTIMATOR_NEEDS`` says what each estimator needs (groups, a critic, the KL
+# as a reward); a user's own piece (``algorithm.advantage`` / ``policy_loss: module:Name``) has the
+# same form and declares ``needs_critic``/``kl_in_reward`` as attributes where they are true.
+
+def _whiten_over_dp(values: torch.Tensor, mask: torch.Tensor, engine: Any) -> torch.Tensor:
+    """Whitened over the whole batch: every DP rank of ``engine`` holds a share of it."""
+    return masked_whiten(values, mask) if engine.dp == 1 else global_masked_whiten(values, mask, group=engine.dp_group)
+
 
 class GroupAdvantages:
     """GRPO's estimator: each sample's score minus its group's mean, over the group's std + eps
-    when ``norm_adv_by_std`` (``grpo_advantages``). Per sequence, in the driver."""
+    when ``norm_adv_by_std`` (DeepSeekMath; Dr. GRPO drops the std). Per sequence, in the driver,
+    which holds every group."""
 
-    needs_critic = False
+    needs_critic = kl_in_reward = False
 
     def sequence(self, scores: Sequence[float], cfg: Any) -> list[float]:
         return grpo_advantages(torch.tensor(scores), cfg.group_size, cfg.norm_adv_by_std, cfg.adv_eps).tolist()
 
-    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, group: Any) -> tuple[torch.Tensor, None]:
+    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
         return batch.advantages[:, None] * batch.mask, None
+
+
+class RlooAdvantages(GroupAdvantages):
+    """RLOO's estimator: each sample's score minus the mean of the rest of its group."""
+
+    def sequence(self, scores: Sequence[float], cfg: Any) -> list[float]:
+        return rloo_advantages(torch.tensor(scores), cfg.group_size).tolist()
+
+
+class GroupWhitenedAdvantages(GroupAdvantages):
+    """REINFORCE++-baseline's estimator (OpenRLHF; verl's ``reinforce_plus_plus_baseline``): the
+    group's mean subtracted in the driver, then every token's value whitened over the whole batch
+    on the trainer ranks (across DP)."""
+
+    def sequence(self, scores: Sequence[float], cfg: Any) -> list[float]:
+        return grpo_advantages(torch.tensor(scores), cfg.group_size, norm_by_std=False).tolist()
+
+    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
+        return _whiten_over_dp(batch.advantages[:, None] * batch.mask, batch.mask, actor) * batch.mask, None
+
+
+class ReinforcePlusPlusAdvantages:
+    """REINFORCE++'s estimator (Hu 2025): per-token rewards (the score on the last token, the KL
+    penalty ``-kl_coef·KL`` on each), discounted returns (``gamma``), whitened over the whole
+    batch across DP. No critic, no groups. On the trainer ranks."""
+
+    needs_critic, kl_in_reward = False, True
+
+    def sequence(self, scores: Sequence[float], cfg: Any) -> None:
+        return None
+
+    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
+        kl = (kl_penalty(old.old, old.ref, cfg.kl_estimator) * batch.mask if old.ref is not None
+              else torch.zeros_like(batch.mask))
+        returns = discounted_returns(token_rewards(batch.scores, batch.mask, kl, cfg.kl_coef), batch.mask, cfg.gamma)
+        return _whiten_over_dp(returns, batch.mask, actor) * batch.mask, returns
 
 
 class GaeAdvantages:
@@ -139,57 +202,120 @@ class GaeAdvantages:
     GAE on the critic's values, whitened over the critic's DP group (``ppo_batch``). Per token, on
     each trainer rank; returns the advantages and the critic's targets."""
 
-    needs_critic = True
+    needs_critic, kl_in_reward = True, True
 
     def sequence(self, scores: Sequence[float], cfg: Any) -> None:
         return None
 
-    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
         out = ppo_batch(old.old, old.ref, old.values, batch.scores, batch.mask, kl_coef=cfg.kl_coef,
                         kl_estimator=cfg.kl_estimator, gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages,
-                        group=group)
+                        group=critic.dp_group)
         return out["advantages"], out["returns"]
 
 
 def ppo_clip_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: Any):
-    """PPO-clip (``policy_loss``), ``clip_eps_high`` for DAPO's clip-higher."""
+    """PPO-clip (``policy_loss``); ``clip_eps_high`` for DAPO's clip-higher."""
     return policy_loss(lp, old_lp, adv, mask, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
-                       aggregation=cfg.loss_aggregation)
+                       aggregation=cfg.loss_aggregation, norm_len=cfg.max_new_tokens)
 
 
-ESTIMATORS: dict[str, Callable[[], Any]] = {"group": GroupAdvantages, "gae": GaeAdvantages}
-POLICY_LOSSES: dict[str, Callable] = {"ppo_clip": ppo_clip_loss}
-# algorithm.name -> (advantage estimator, policy loss, KL to the reference in the loss)
-ALGORITHMS: dict[str, tuple[str, str, bool]] = {"grpo": ("group", "ppo_clip", True),
-                                                "ppo": ("gae", "ppo_clip", False)}
+def gspo_policy_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: Any):
+    """GSPO's sequence-level ratio (``gspo_loss``), aggregated as the config says."""
+    return gspo_loss(lp, old_lp, adv, mask, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
+                     aggregation=cfg.loss_aggregation, norm_len=cfg.max_new_tokens)
+
+
+def cispo_policy_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: Any):
+    """CISPO's clipped, stop-gradient importance weight (``cispo_loss``)."""
+    return cispo_loss(lp, old_lp, adv, mask, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
+                      aggregation=cfg.loss_aggregation, norm_len=cfg.max_new_tokens)
+
+
+ESTIMATORS: dict[str, Callable[[], Any]] = {"group": GroupAdvantages, "rloo": RlooAdvantages,
+                                            "group_whitened": GroupWhitenedAdvantages,
+                                            "reinforce_pp": ReinforcePlusPlusAdvantages, "gae": GaeAdvantages}
+POLICY_LOSSES: dict[str, Callable] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
+assert set(ESTIMATORS) == set(ESTIMATOR_NEEDS) and set(POLICY_LOSSES) == set(LOSS_NAMES)
+
+
+def import_named(path: str, what: str) -> Any:
+    """A user's ``module:Name``, imported; ``ValueError`` naming ``what`` when it cannot be."""
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what} {path!r} cannot be imported: {type(e).__name__}: {e}") from None
 
 
 # --- the algorithm --------------------------------------------------------------------------------
 
 class Algorithm:
-    """The run's algorithm, from its config block (``rl.config``'s ``algorithm``)."""
+    """The run's algorithm, from its config block (``rl.config``'s ``algorithm``): the estimator
+    and the policy loss ``rl.choices.ALGORITHMS`` names for it, or the block's ``advantage`` /
+    ``policy_loss``. A user's own algorithm (``name: module:Class``) subclasses this and may
+    override any method; ``Algorithm.build(cfg)`` makes whichever the block names."""
+
+    estimator_name, loss_name = "group", "ppo_clip"  # a user's subclass starts from GRPO's pieces
 
     def __init__(self, cfg: Any):
-        if cfg.name not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {cfg.name!r}; known: {', '.join(ALGORITHMS)}")
-        estimator, loss, kl_in_loss = ALGORITHMS[cfg.name]
         self.cfg, self.name = cfg, cfg.name
-        self.estimator = ESTIMATORS[estimator]()
-        self.policy_loss = POLICY_LOSSES[loss]
-        self.kl_in_loss = kl_in_loss
-        self.needs_critic = self.estimator.needs_critic
+        estimator, loss = ALGORITHMS.get(cfg.name, (self.estimator_name, self.loss_name))
+        estimator = getattr(cfg, "advantage", None) or estimator
+        loss = getattr(cfg, "policy_loss", None) or loss
+        self.estimator = (ESTIMATORS[estimator]() if estimator in ESTIMATORS
+                          else import_named(estimator, "algorithm.advantage")())
+        self.policy_loss = POLICY_LOSSES[loss] if loss in POLICY_LOSSES else import_named(loss, "algorithm.policy_loss")
+        self.needs_critic = bool(getattr(self.estimator, "needs_critic", False))
+        # the KL to the reference: a per-token reward of the estimator's, or a term of the loss
+        self.kl_in_loss = not getattr(self.estimator, "kl_in_reward", False)
+
+    @staticmethod
+    def build(cfg: Any) -> "Algorithm":
+        """The algorithm ``cfg.name`` names: a built-in, or a user's ``module:Class``."""
+        if cfg.name in ALGORITHMS:
+            return Algorithm(cfg)
+        cls = import_named(cfg.name, "algorithm.name")
+        if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+            raise ValueError(f"algorithm.name {cfg.name!r} is not a subclass of rlhf_switch.rl.algorithm.Algorithm")
+        return cls(cfg)
 
     # the driver ------------------------------------------------------------------------------------
     def sequence_advantages(self, scores: Sequence[float]) -> list[float] | None:
         """One advantage per sample of the rollout batch (its ``group_size`` samples of each prompt
-        in a row), or None where the estimator works per token on the trainer ranks (``gae``)."""
+        in a row), or None where the estimator works per token on the trainer ranks."""
         return self.estimator.sequence(scores, self.cfg)
 
-    def batch_fields(self, scores: Sequence[float]) -> dict:
+    def batch_fields(self, scores: Sequence[float], truncated: Sequence[bool] = ()) -> dict:
         """What the update needs of the rewards, as the batch sent to the trainer ranks carries it:
-        ``advantages`` (per sequence) or, for a per-token estimator, the ``scores``."""
+        ``advantages`` (per sequence, from the driver's estimator) or the ``scores``; with
+        ``overlong.mask_truncated``, ``keep`` — 0 for a response cut at the length limit."""
         adv = self.sequence_advantages(scores)
-        return {"scores": list(scores)} if adv is None else {"advantages": adv}
+        out = {"scores": list(scores)} if adv is None else {"advantages": adv}
+        overlong = getattr(self.cfg, "overlong", None)
+        if overlong is not None and overlong.mask_truncated:
+            out["keep"] = [0.0 if t else 1.0 for t in truncated]
+        return out
+
+    def truncated(self, responses: Sequence[Sequence[int]], eos_id: int | None) -> list[bool]:
+        """Which responses the length limit cut (``max_new_tokens`` tokens, the last not the end token)."""
+        limit = self.cfg.max_new_tokens
+        return [len(r) >= limit and (not r or r[-1] != eos_id) for r in responses]
+
+    def shape_scores(self, scores: Sequence[float], responses: Sequence[Sequence[int]]) -> list[float]:
+        """The rewards as the estimator sees them: with ``overlong``, DAPO's soft punishment of the
+        responses in the last ``buffer_len`` tokens before the limit added."""
+        overlong = getattr(self.cfg, "overlong", None)
+        if overlong is None or not overlong.penalty:
+            return list(scores)
+        lengths = torch.tensor([len(r) for r in responses])
+        penalty = overlong_penalty(lengths, self.cfg.max_new_tokens, overlong.buffer_len, overlong.penalty)
+        return [float(s) + float(p) for s, p in zip(scores, penalty)]
+
+    @staticmethod
+    def has_signal(group_scores: Sequence[float]) -> bool:
+        """A group whose samples did not all get the same reward (dynamic sampling keeps it)."""
+        return len(set(group_scores)) > 1
 
     # each trainer rank -----------------------------------------------------------------------------
     def update(self, actor: Any, critic: Any, batch: RankBatch, old: OldPolicy) -> dict:
@@ -201,7 +327,7 @@ class Algorithm:
         with_critic = self.needs_critic
         if with_critic and (critic is None or old.values is None):
             raise ValueError(f"{self.name} needs a critic's values")
-        adv, returns = self.estimator.tokens(batch, old, cfg, critic.dp_group if with_critic else None)
+        adv, returns = self.estimator.tokens(batch, old, cfg, actor, critic)
         ref = old.ref if old.ref is not None else old.old
         kl_in_loss = self.kl_in_loss and cfg.kl_coef > 0 and old.ref is not None
         stats: dict[str, list[float]] = {"policy_loss": [], "kl": [], "clipfrac": [], "grad_norm": [],
@@ -216,7 +342,8 @@ class Algorithm:
                     rows = slice(m.start + s.start, m.start + s.stop)
                     mask = batch.mask[rows]
                     pl, st = self.policy_loss(lp, old.old[rows], adv[rows], mask, cfg)
-                    kl_mean = aggregate(kl_penalty(lp, ref[rows], cfg.kl_estimator), mask, cfg.loss_aggregation)
+                    kl_mean = aggregate(kl_penalty(lp, ref[rows], cfg.kl_estimator), mask, cfg.loss_aggregation,
+                                        cfg.max_new_tokens)
                     loss = pl + cfg.kl_coef * kl_mean if kl_in_loss else pl
                     return loss * (loss_weight(mask, cfg.loss_aggregation) * scale), {
                         "policy_loss": float(pl.detach()), "kl": float(kl_mean.detach()),

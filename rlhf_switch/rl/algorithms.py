@@ -1,4 +1,5 @@
-"""The GRPO and PPO math as plain torch functions — the formulas of verl, OpenRLHF and TRL.
+"""The RL maths as plain torch functions — the formulas of verl, OpenRLHF, TRL and the papers each
+names. ``rl/algorithm.py`` assembles them into the algorithm a run uses.
 
 Shapes: per-sequence tensors are ``[B]``; per-token tensors are ``[B, T]`` over the *response*
 tokens only (prompt positions are not included), with ``mask[b, t] = 1`` on a real response token
@@ -6,11 +7,13 @@ and 0 on padding. ``logprobs[b, t]`` is the log-probability of response token ``
 everything before it. Masked positions never count in a result; keep them finite all the same (a
 ``nan`` there would still reach the gradients through ``torch.where``'s backward).
 
-GRPO (DeepSeekMath): ``grpo_advantages`` over groups of samples of one prompt, broadcast to its
-tokens (``per_token``), ``policy_loss`` (PPO clip) plus ``kl_coef · aggregate(kl_penalty(...))``
-in the loss. PPO: per-token rewards with the KL penalty folded in (``token_rewards``), ``gae`` on
-the critic's values, ``masked_whiten`` of the advantages, ``policy_loss`` and ``value_loss``.
-``ppo_batch`` does rewards, GAE and (global, DP-wide: ``global_masked_whiten``) whitening in one call.
+Advantages: ``grpo_advantages`` (a group's mean, and std), ``rloo_advantages`` (leave-one-out
+mean), ``discounted_returns`` (REINFORCE++), ``gae`` on a critic's values (PPO); ``masked_whiten``
+and ``global_masked_whiten`` (over a DP group). Policy losses: ``policy_loss`` (PPO-clip, with
+DAPO's clip-higher), ``gspo_loss`` (a sequence-level ratio), ``cispo_loss`` (a clipped,
+stop-gradient importance weight); ``aggregate`` reduces any of them. The KL to a reference:
+``kl_penalty`` (k1, k2, k3), in the loss or as a per-token reward (``token_rewards``).
+``overlong_penalty``: DAPO's soft punishment of responses near the length limit.
 """
 from __future__ import annotations
 
@@ -79,25 +82,69 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = 
     return centred.reshape(rewards.shape)
 
 
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics"): each sample's reward minus the mean of the
+    *other* samples of its group, ``r_i - (Σ_j r_j - r_i)/(G-1) = G/(G-1)·(r_i - mean)`` (verl's
+    ``compute_rloo_outcome_advantage``). Same layout as ``grpo_advantages``."""
+    if group_size < 2:
+        raise ValueError(f"RLOO needs group_size >= 2 (a leave-one-out baseline), got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.reshape(-1, group_size).float()
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others).reshape(rewards.shape)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """``R_t = r_t + γ·R_{t+1}`` over each row's response tokens (``R`` after the last one is 0),
+    0 off the mask: REINFORCE++'s returns (Hu 2025; verl's
+    ``compute_reinforce_plus_plus_outcome_advantage`` before its whitening)."""
+    _check_same_shape(rewards=rewards, mask=mask)
+    rewards, keep = rewards.float(), mask.bool()
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(keep[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(keep[:, t], running, torch.zeros_like(running))
+    return returns
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 for a response of at most
+    ``max_len - buffer_len`` tokens, then falling linearly to ``-factor`` at ``max_len`` (and
+    staying there): ``factor · ((max_len - buffer_len) - L) / buffer_len``, added to the reward."""
+    if not 0 < buffer_len <= max_len:
+        raise ValueError(f"the overlong buffer must be within the response limit: 0 < {buffer_len} <= {max_len}")
+    over = (lengths.float() - (max_len - buffer_len)).clamp(min=0, max=buffer_len)
+    return -factor * over / buffer_len
+
+
 def per_token(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` -> ``[B, T]``: each sequence's value on every one of its response tokens, 0 on padding."""
     spread = per_sequence[:, None].expand(mask.shape)
     return torch.where(mask.bool(), spread, torch.zeros_like(spread))
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token-mean") -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token-mean",
+              norm_len: int | None = None) -> torch.Tensor:
     """Reduce a ``[B, T]`` per-token loss to a scalar.
 
     ``token-mean``: every token of the batch weighs the same (DAPO; long answers weigh more).
     ``seq-mean-token-mean``: mean per sequence, then over sequences (original GRPO).
-    ``seq-mean-token-sum``: sum per sequence, then mean over sequences (Dr. GRPO uses the sum
-    divided by a constant; divide by it outside). Sequences without tokens are left out of the
-    sequence means."""
+    ``seq-mean-token-sum``: sum per sequence, then mean over sequences.
+    ``seq-mean-token-sum-norm``: sum per sequence over a constant ``norm_len`` (the longest
+    response allowed), then mean over sequences — Dr. GRPO's, which removes the per-response length
+    normalisation (Liu et al. 2025, "Understanding R1-Zero-Like Training"; verl's mode of the same
+    name). Sequences without tokens are left out of the sequence means."""
     if mode == "token-mean":
         return masked_mean(loss, mask)
     per_seq = masked_sum(loss, mask, dim=-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        if not norm_len:
+            raise ValueError("seq-mean-token-sum-norm needs norm_len (the longest response allowed)")
+        per_seq = per_seq / norm_len
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(AGGREGATIONS)}")
     has_tokens = mask.sum(-1) > 0
@@ -106,7 +153,8 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_eps: float = 0.2, clip_eps_high: float | None = None,
-                aggregation: Aggregation = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                aggregation: Aggregation = "token-mean", norm_len: int | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip: ``max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high))`` per token with ``r = exp(logp -
     old_logp)``, aggregated. ``clip_eps_high`` (DAPO's clip-higher) defaults to ``clip_eps``.
     Returns the loss and detached stats: ``clipfrac`` (tokens where the clipped branch was taken),
@@ -118,14 +166,60 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
     per_token_loss = torch.maximum(unclipped, clipped)
-    loss = aggregate(per_token_loss, mask, aggregation)
+    loss = aggregate(per_token_loss, mask, aggregation, norm_len)
+    return loss, _ratio_stats(log_ratio, ratio, clipped > unclipped, mask)
+
+
+def _ratio_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor,
+                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
     with torch.no_grad():
-        stats = {
-            "clipfrac": masked_mean((clipped > unclipped).float(), mask),
-            "approx_kl": masked_mean(-log_ratio, mask),
-            "ratio": masked_mean(ratio, mask),
-        }
-    return loss, stats
+        return {"clipfrac": masked_mean(clipped.float(), mask), "approx_kl": masked_mean(-log_ratio, mask),
+                "ratio": masked_mean(ratio, mask)}
+
+
+def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, clip_eps: float = 3e-4, clip_eps_high: float | None = 4e-4,
+              aggregation: Aggregation = "seq-mean-token-mean", norm_len: int | None = None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in its token form: the
+    importance ratio of a whole sequence, ``s_i = exp(mean_t (logp - old_logp))`` (the geometric
+    mean of its tokens' ratios), clipped to ``[1-ε_low, 1+ε_high]`` in PPO's pessimistic max; each
+    token carries ``s_i`` with the gradient of its own log-prob (``logp - sg(logp) + sg(log s_i)``,
+    the paper's GSPO-token, equal to GSPO for per-sequence advantages). The paper's clip range is
+    tiny (3e-4 / 4e-4) because a sequence ratio moves far less than a token's. The paper and verl
+    aggregate per sequence, then over sequences (``seq-mean-token-mean``, the default here).
+    ``clipfrac``: tokens whose sequence took the clipped branch."""
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    log_ratio = logprobs - old_logprobs
+    seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / mask.sum(-1).clamp(min=1)
+    # every token: the sequence's ratio as its value, its own log-prob's gradient
+    log_s = logprobs - logprobs.detach() + seq_log_ratio.detach()[:, None]
+    ratio = torch.exp(log_s.clamp(max=10.0))  # verl's guard against an overflowing exp
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    per_token_loss = torch.maximum(unclipped, clipped)
+    loss = aggregate(per_token_loss, mask, aggregation, norm_len)
+    return loss, _ratio_stats(log_ratio, ratio, clipped > unclipped, mask)
+
+
+def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+               mask: torch.Tensor, clip_eps: float = 1.0, clip_eps_high: float | None = 0.28,
+               aggregation: Aggregation = "token-mean", norm_len: int | None = None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, Chen et al. 2025): ``-sg(clip(r, 1-ε_low, 1+ε_high)) · A · logp`` per
+    token. The importance weight is clipped and carries no gradient; every token's log-prob keeps
+    its gradient (PPO-clip drops the tokens whose ratio left the range — often the rare tokens that
+    matter for reasoning). The paper sets no lower bound (``clip_eps`` 1.0: the weight is at least
+    0) and tunes ``ε_high``. ``clipfrac``: tokens whose weight was clipped."""
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high).detach()
+    per_token_loss = -advantages * weight * logprobs
+    loss = aggregate(per_token_loss, mask, aggregation, norm_len)
+    return loss, _ratio_stats(log_ratio, ratio, weight != ratio.detach(), mask)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3",

@@ -32,13 +32,15 @@ import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Union
+import re
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from ..families import context_length
-from .choices import Aggregation, KLEstimator
+from .choices import (ALGORITHM_DEFAULTS, ALGORITHMS, CRITIC_FREE, ESTIMATOR_NEEDS, POLICY_LOSSES, Aggregation,
+                      KLEstimator)
 from .rewards import DEFAULT_MATH_REWARD, DEFAULT_REWARDS, parse_reward_spec
 from .tasks import CharTokenizer, build_task, longest_prompt_tokens
 
@@ -47,6 +49,8 @@ from .tasks import CharTokenizer, build_task, longest_prompt_tokens
 # runs is the engines' registry's to say (rlhf_switch.engines.base), asked before anything starts
 # (rlhf_switch.problems); here only the form is checked, so loading a config imports no engine.
 EngineName = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")]
+# a user's own class or function, imported by name: "package.module:Name"
+USER_CLASS = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 PHASES = ("train", "rollout", "reference", "critic")
 
 
@@ -241,7 +245,7 @@ class AlgorithmBase(Strict):
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    clip_eps: float = Field(0.2, gt=0, lt=1)
+    clip_eps: float = Field(0.2, gt=0, le=1)
     clip_eps_high: float | None = Field(None, gt=0)
     loss_aggregation: Aggregation = "token-mean"
     kl_coef: float = Field(0.0, ge=0)
@@ -258,19 +262,113 @@ class AlgorithmBase(Strict):
         return self.mini_batch_size or self.rollout_batch_size
 
 
-class GrpoConfig(AlgorithmBase):
-    """GRPO: group-normalised advantages, KL to the reference in the loss (k3 by default)."""
+class DynamicSampling(Strict):
+    """DAPO's dynamic sampling (Yu et al. 2025): a group whose samples all got the same reward
+    carries no signal for a group estimator, so it is dropped and more prompts are drawn (their own
+    seeded stream, so a run stays a function of its seed) until the batch holds
+    ``prompts_per_iteration`` groups with signal — at most ``max_draws`` extra rounds. Still short
+    then: the batch is filled with dropped groups (zero advantage), and the record says how many."""
 
-    name: Literal["grpo"]
-    group_size: int = Field(8, ge=2)
+    max_draws: int = Field(4, ge=1)
+
+
+class Overlong(Strict):
+    """DAPO's handling of responses at the length limit (``max_new_tokens``): ``buffer_len``
+    (None: a quarter of ``max_new_tokens``) — the soft punishment, a penalty falling linearly from 0
+    to ``-penalty`` over the last ``buffer_len`` tokens, added to the reward (``penalty: 0``: off);
+    ``mask_truncated`` — a response cut at the limit without its end token adds nothing to the loss
+    (overlong filtering)."""
+
+    buffer_len: int | None = Field(None, ge=1)
+    penalty: float = Field(1.0, ge=0)
+    mask_truncated: bool = False
+
+
+class PolicyGradientConfig(AlgorithmBase):
+    """The critic-free algorithms (``rl.choices.ALGORITHMS``: grpo, dr_grpo, dapo, rloo,
+    reinforce_pp, reinforce_pp_baseline, gspo, cispo) and a user's own (``name: module:Class``, a
+    subclass of ``rl.algorithm.Algorithm``). Each algorithm's defaults come from its paper
+    (``rl.choices.ALGORITHM_DEFAULTS``); a field given in the config wins. ``advantage`` and
+    ``policy_loss`` replace the algorithm's pieces by a registered name or ``module:Name``.
+    ``gamma``: REINFORCE++'s discount. ``dynamic_sampling`` and ``overlong``: DAPO's options, usable
+    with any algorithm here."""
+
+    TAG: ClassVar[str] = "policy_gradient"
+
+    name: str
+    advantage: str | None = None
+    policy_loss: str | None = None
+    group_size: int = Field(8, ge=1)
     norm_adv_by_std: bool = True
     adv_eps: float = Field(1e-6, gt=0)
     kl_coef: float = Field(0.001, ge=0)
     kl_estimator: KLEstimator = "k3"
+    gamma: float = Field(1.0, ge=0, le=1)
+    dynamic_sampling: DynamicSampling | None = None
+    overlong: Overlong | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("name") in ALGORITHM_DEFAULTS:
+            return {**ALGORITHM_DEFAULTS[data["name"]], **data}
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _known_or_user_class(cls, name: str) -> str:
+        if name in CRITIC_FREE or USER_CLASS.match(name):
+            return name
+        known = ", ".join(CRITIC_FREE + ("ppo",))
+        close = difflib.get_close_matches(name, CRITIC_FREE + ("ppo",), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown algorithm {name!r}{hint} (known: {known}; or your own as 'module:Class')")
+
+    @field_validator("advantage", "policy_loss")
+    @classmethod
+    def _piece_form(cls, piece: str | None, info) -> str | None:
+        known = tuple(ESTIMATOR_NEEDS) if info.field_name == "advantage" else POLICY_LOSSES
+        if piece is None or piece in known or USER_CLASS.match(piece):
+            return piece
+        raise ValueError(f"unknown {info.field_name.replace('_', ' ')} {piece!r} (known: {', '.join(known)}; "
+                         f"or your own as 'module:Name')")
+
+    @field_validator("norm_adv_by_std", "adv_eps", "gamma")
+    @classmethod
+    def _read_by_the_estimator(cls, value: Any, info) -> Any:
+        """A field the chosen estimator does not read is refused, not ignored (a saved config
+        repeats the defaults: those pass; a user's own estimator may read any)."""
+        by = {"gamma": "reinforce_pp", "norm_adv_by_std": "group", "adv_eps": "group"}[info.field_name]
+        name = info.data.get("name")
+        estimator = info.data.get("advantage") or ALGORITHMS.get(name, (None,))[0]
+        if estimator in ESTIMATOR_NEEDS and estimator != by and value != cls.model_fields[info.field_name].default:
+            raise ValueError(f"the {by} estimator's; {name} uses {estimator}, which does not read it")
+        return value
+
+    @model_validator(mode="after")
+    def _pieces_fit(self) -> "PolicyGradientConfig":
+        estimator = self.advantage or ALGORITHMS.get(self.name, ("group",))[0]
+        needs = ESTIMATOR_NEEDS.get(estimator)
+        if needs is not None and needs["critic"]:
+            raise ValueError(f"algorithm.advantage: {estimator} needs a critic; use algorithm.name: ppo")
+        if needs is not None and needs["groups"] and self.group_size < 2:
+            raise ValueError(f"algorithm.group_size: {self.group_size} — the {estimator} estimator compares the samples of a "
+                             f"prompt with each other: it needs group_size >= 2")
+        if self.dynamic_sampling is not None and needs is not None and not needs["groups"]:
+            raise ValueError(f"algorithm.dynamic_sampling: drops groups whose samples all got the same reward; the "
+                             f"{estimator} estimator does not work on groups")
+        if self.overlong is not None and self.overlong.buffer_len is None:
+            self.overlong.__dict__["buffer_len"] = max(1, self.max_new_tokens // 4)
+        if self.overlong is not None and self.overlong.buffer_len > self.max_new_tokens:
+            raise ValueError(f"algorithm.overlong.buffer_len: {self.overlong.buffer_len} is more than max_new_tokens="
+                             f"{self.max_new_tokens}")
+        return self
 
 
 class PpoConfig(AlgorithmBase):
     """PPO: a critic and GAE; the KL to the reference is a per-token reward (k1 by default)."""
+
+    TAG: ClassVar[str] = "ppo"
 
     name: Literal["ppo"]
     group_size: int = Field(1, ge=1)
@@ -283,7 +381,14 @@ class PpoConfig(AlgorithmBase):
     kl_estimator: KLEstimator = "k1"
 
 
-AlgorithmConfig = Annotated[Union[GrpoConfig, PpoConfig], Field(discriminator="name")]
+def _algorithm_block(data: Any) -> str:
+    name = data.get("name") if isinstance(data, Mapping) else getattr(data, "name", None)
+    return PpoConfig.TAG if name == "ppo" else PolicyGradientConfig.TAG
+
+
+# the block's fields by algorithm: PPO's (a critic), or the critic-free ones
+AlgorithmConfig = Annotated[Union[Annotated[PolicyGradientConfig, Tag(PolicyGradientConfig.TAG)],
+                                  Annotated[PpoConfig, Tag(PpoConfig.TAG)]], Discriminator(_algorithm_block)]
 
 
 class SftConfig(Strict):
@@ -392,8 +497,8 @@ class RunConfig(Strict):
             problems.append("task/data: give exactly one of task (generated prompts) or data (prompt files)")
         if self.algorithm.name == "ppo" and self.critic is None:
             problems.append("critic: PPO needs a critic block (engine and layout of the value model)")
-        if self.algorithm.name == "grpo" and self.critic is not None:
-            problems.append("critic: GRPO has no critic; remove the block")
+        if self.algorithm.name != "ppo" and self.critic is not None:
+            problems.append(f"critic: {self.algorithm.name} has no critic; remove the block")
         if self.algorithm.kl_coef > 0 and self.reference is None:
             problems.append(f"reference: algorithm.kl_coef={self.algorithm.kl_coef} needs a reference "
                             f"block (or set kl_coef: 0)")
@@ -470,6 +575,9 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 
 
 def _tag_of(model: type[BaseModel]) -> Any:
+    """The union tag a model is chosen by: its ``TAG``, else its ``name`` field's one literal."""
+    if getattr(model, "TAG", None):
+        return model.TAG
     field = model.model_fields.get("name")
     args = typing.get_args(field.annotation) if field is not None else ()
     return args[0] if len(args) == 1 else None
@@ -515,7 +623,7 @@ def _format_error(err: Mapping[str, Any]) -> list[str]:
     if kind == "value_error":
         # our own validators: one problem per line, most already starting with their field's path
         lines = str(err["ctx"]["error"]).split("\n")
-        return [line if not path or line.startswith(f"{path}:") else f"{path}: {line}" for line in lines]
+        return [line if not path or line.startswith((f"{path}:", f"{path}.")) else f"{path}: {line}" for line in lines]
     if kind in ("union_tag_not_found", "union_tag_invalid"):
         tags = [str(_tag_of(m)) for m in models]
         got = "" if kind == "union_tag_not_found" else f" (got {_shorten(err['ctx'].get('tag'))})"
