@@ -21,14 +21,12 @@ import torch
 import torch.distributed as dist
 
 from . import same_host as _same_host
+from .tags import CLOSE_TAG, DEFAULT_TAG
 
 
 # torch 2.13 deprecates ``all_gather_into_tensor`` (a FutureWarning per call) in favour of
 # ``all_gather_single``, the same collective: use the new name where it exists
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-CLOSE_TAG = (1 << 20) - 7  # a tag no move uses: the receive that ``close`` lets time out
 
 
 class P2P(NamedTuple):
@@ -37,7 +35,7 @@ class P2P(NamedTuple):
     send: bool
     tensor: torch.Tensor
     peer: int
-    tag: int = 0
+    tag: int = DEFAULT_TAG
     # a read message (``same_host``): sending, its offer (int64 addresses and bytes; ``tensor``
     # is the packed block kept alive until the receiver has read it); receiving, (its
     # ``schedule.ReadRuns``, its destination buffers)
@@ -136,7 +134,8 @@ class Comm:
         closes a group's connections — ``ProcessGroupGloo.abort`` leaves them open — but a wait
         that times out closes every connection of the group ("Application timeout caused pair
         closure"), and the peers' pending operations on it fail at once ("Connection closed by
-        peer"). So: one receive nobody sends, on a tag no move uses, waited for 1 ms."""
+        peer"). So: one receive nobody sends, on a tag nothing else uses (``CLOSE_TAG``), waited for
+        1 ms."""
         if not self.gloo or self.size < 2:
             return
         if self.same_host is not None and self.same_host.board is not None:
@@ -147,10 +146,10 @@ class Comm:
         except Exception:  # noqa: BLE001 - the timeout is the point
             pass
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = DEFAULT_TAG):
         raise NotImplementedError
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = DEFAULT_TAG):
         raise NotImplementedError
 
     def batch(self, ops: list[P2P]) -> list:
@@ -207,12 +206,12 @@ class TorchComm(Comm):
     def _global(self, peer: int) -> int:
         return peer if self.group is None else dist.get_global_rank(self.group, peer)
 
-    def isend(self, tensor, peer, tag=0):
+    def isend(self, tensor, peer, tag=DEFAULT_TAG):
         if self._pg is not None:
             return self._pg.send([tensor], peer, tag)
         return dist.isend(tensor, self._global(peer), group=self.group, tag=tag)
 
-    def irecv(self, tensor, peer, tag=0):
+    def irecv(self, tensor, peer, tag=DEFAULT_TAG):
         if self._pg is not None:
             return self._pg.recv([tensor], peer, tag)
         return dist.irecv(tensor, self._global(peer), group=self.group, tag=tag)
@@ -260,10 +259,10 @@ class GroupComm(Comm):
     def _group_key(self):
         return self.pg
 
-    def isend(self, tensor, peer, tag=0):
+    def isend(self, tensor, peer, tag=DEFAULT_TAG):
         return self.pg.send([tensor], peer, tag)
 
-    def irecv(self, tensor, peer, tag=0):
+    def irecv(self, tensor, peer, tag=DEFAULT_TAG):
         return self.pg.recv([tensor], peer, tag)
 
     def batch(self, ops):

@@ -71,6 +71,7 @@ from .comm import P2P, Comm, as_comm
 from . import same_host as _same_host
 from .same_host import SameHost
 from .schedule import Batch, Schedule, build_schedule, can_read
+from .tags import MESSAGE_TAG
 from .verify import DEFAULT_FRACTION, VerifyError, check_mode, verify_move  # noqa: F401 - re-exported
 
 DEFAULT_BUDGET = 64 << 20
@@ -614,8 +615,6 @@ class _Bound:
         for c in op.copies:
             self.copy(c)
 
-
-MESSAGE_TAG = 1 << 20  # every message: one tag, so gloo matches by posting order, as NCCL does
 
 # test-only (tests/test_posting_order.py): called with (peer, send?, bytes) for every message this
 # rank posts, in posting order — a test records both ends of every pair. Never set otherwise.

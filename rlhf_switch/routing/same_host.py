@@ -8,12 +8,12 @@ implementations do for large intra-node messages. Measured on this 2-core box: t
 400 MB messages take 0.09–0.10 s this way against 0.19–0.28 s over gloo.
 
 A message of at least ``MIN_BYTES`` between two ranks that can read each other's memory goes so:
-the sender posts an offer — one gloo message on ``CONTROL_TAG`` saying where its bytes are and
-how many — and a receive of an 8-byte acknowledgement on ``ACK_TAG``; one reader thread per peer on the
-receiving rank takes that peer's offers in order, copies each message into the receive this
-rank posted for it, and acknowledges the offer. The sender's ``Work`` completes with the
-acknowledgement (its bytes may be reused after that: staging, the source after the move), the
-receiver's when its reader has copied. Readers work apart from the main
+the sender posts an offer — one gloo message on ``SAME_HOST_OFFER_TAG`` saying where its bytes
+are and how many — and a receive of an 8-byte acknowledgement on ``SAME_HOST_ACK_TAG``; one
+reader thread per peer on the receiving rank takes that peer's offers in order, copies each
+message into the receive this rank posted for it, and acknowledges the offer. The sender's
+``Work`` completes with the acknowledgement (its bytes may be reused after that: staging, the
+source after the move), the receiver's when its reader has copied. Readers work apart from the main
 thread's waits, so the order in which a rank waits for its messages cannot deadlock two ranks
 that each wait on a send first (a copy does not wait for the receiver's ``wait``, as with gloo).
 
@@ -71,10 +71,10 @@ from datetime import timedelta
 
 import torch
 
+from .tags import SAME_HOST_ACK_TAG, SAME_HOST_OFFER_TAG
+
 MIN_BYTES = 1 << 20  # below this the two control messages cost more than the copy saves
 MIN_BYTES_ENV = "RLHF_SWITCH_SAME_HOST_MIN_BYTES"  # tests: 1 sends every message this way
-CONTROL_TAG = (1 << 20) - 5  # tags no move's messages use (the executor's are 1 << 20)
-ACK_TAG = (1 << 20) - 3
 ENV = "RLHF_SWITCH_SAME_HOST_COPY"
 MAP_ENV = "RLHF_SWITCH_SAME_HOST_MAP"  # 0: no mapped reads (process_vm_readv for everything)
 BOARD_ENV = "RLHF_SWITCH_SAME_HOST_BOARD"  # 0: the agreement (and read messages' offers) stay on gloo
@@ -406,10 +406,10 @@ class _Reader:
                         self.board.acknowledge(self.peer)
                         continue
                     offer = torch.empty(job.control_numel, dtype=torch.int64)  # where the peer's bytes are
-                    self.comm.irecv(offer, self.peer, CONTROL_TAG).wait()
+                    self.comm.irecv(offer, self.peer, SAME_HOST_OFFER_TAG).wait()
                     self.mapped += job.copy(self.pid, offer.tolist(), self.maps)
                     job.done.set()
-                    self.comm.isend(ack, self.peer, ACK_TAG).wait()
+                    self.comm.isend(ack, self.peer, SAME_HOST_ACK_TAG).wait()
                     continue
                 except Exception as e:  # noqa: BLE001 - gloo's text goes to the waiting rank
                     self.error = f"{type(e).__name__}: {e}"
@@ -736,7 +736,7 @@ class SameHost:
             control = torch.tensor([tensor.data_ptr(), tensor.numel() * tensor.element_size(), *where],
                                    dtype=torch.int64)
         ack = torch.empty(1, dtype=torch.int64)
-        return _SendWork(comm.isend(control, peer, CONTROL_TAG), comm.irecv(ack, peer, ACK_TAG),
+        return _SendWork(comm.isend(control, peer, SAME_HOST_OFFER_TAG), comm.irecv(ack, peer, SAME_HOST_ACK_TAG),
                          (tensor, control, ack))
 
     def _read_slot(self, sender: int) -> tuple[int, int]:

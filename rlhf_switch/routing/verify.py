@@ -52,11 +52,11 @@ import torch
 from ..vps.materialize import torch_dtype
 from ..vps.planner import Transfer
 from .comm import P2P
+from .tags import VERIFY_TAG
 
 Mode = Literal["off", "sample", "full"]
 MODES = ("off", "sample", "full")
 DEFAULT_FRACTION = 0.1
-VERIFY_TAG = (1 << 20) - 7  # not the executor's message tag (MESSAGE_TAG)
 MAX_REPORTED = 8  # mismatches described per rank
 
 
