@@ -58,7 +58,7 @@ from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -178,6 +178,25 @@ class MoveReport:
                 f"{self.budget_bytes} B, {self.seconds * 1e3:.1f} ms")
 
 
+@dataclass(frozen=True)
+class MoveHooks:
+    """Test-only points where a test watches or interferes with one move (``move(hooks=...)``);
+    a real move passes none.
+
+    * ``posting_order(schedule)``: the posting program to use instead of ``schedule.batches``
+      (a deliberately mis-ordered one, which the agreement must refuse);
+    * ``post(peer, send, nbytes)``: called for every message this rank posts, in posting order;
+    * ``staged_receive(chunk, staging)``: called after a staged receive landed and before it is
+      unpacked, with its bytes in the staging pool (to corrupt them in flight)."""
+
+    posting_order: Callable[[Schedule], tuple[Batch, ...]] | None = None
+    post: Callable[[int, bool, int], None] | None = None
+    staged_receive: Callable[[object, torch.Tensor], None] | None = None
+
+
+NO_HOOKS = MoveHooks()
+
+
 @contextmanager
 def gc_paused():
     """Python's cyclic garbage collector held off inside (as it was after). A move is a
@@ -201,7 +220,8 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
          budget_bytes: int = DEFAULT_BUDGET, ranks_per_node: int | None = None,
          timeout: timedelta = DEFAULT_TIMEOUT, deadline: Deadlines | None = None,
          dry_run: bool = False, verify: str = "off", verify_fraction: float = DEFAULT_FRACTION,
-         verify_seed: int = 0, refuse: str | None = None) -> MoveReport | Schedule:
+         verify_seed: int = 0, refuse: str | None = None,
+         hooks: MoveHooks | None = None) -> MoveReport | Schedule:
     """Move everything ``dst`` wants from ``src``'s buffers into ``dst``'s buffers on this rank.
 
     ``group`` is the default world, a registered group, a bare ``ProcessGroup`` (one formed
@@ -219,6 +239,7 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     ``refuse``: this rank's own reason not to go ahead (what it does next with the moved bytes
     cannot work — e.g. a colocated worker's buffers do not fit the handoff): every rank then
     raises ``MoveError`` in the agreement, before a byte moves.
+    ``hooks``: test-only (``MoveHooks``).
     """
     check_mode(verify, verify_fraction)
     t_start = time.perf_counter()
@@ -231,6 +252,7 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     deadline = deadline or DEFAULT_DEADLINES
     if deadline.ceiling_s is None:
         deadline = replace(deadline, ceiling_s=(timeout or DEFAULT_TIMEOUT).total_seconds())
+    hooks = hooks or NO_HOOKS
     if not dry_run:
         # messages between ranks of one host as single copies (routing/same_host.py): found once
         # per group, by every rank here, before planning (which pairs read each other shapes the
@@ -253,8 +275,8 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
             raise MoveError(error)
         return schedule
     batches = schedule.batches if schedule else ()
-    if schedule and POSTING_ORDER_HOOK is not None:  # test-only: see POSTING_ORDER_HOOK
-        batches = POSTING_ORDER_HOOK(schedule)
+    if schedule and hooks.posting_order is not None:
+        batches = hooks.posting_order(schedule)
     t_prep = time.perf_counter()
 
     def agree(meanwhile=None):
@@ -267,7 +289,7 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
         near = comm.same_host
         before = ((near.messages, near.read_messages, near.mapped_messages, near.board_messages)
                   if near is not None else None)
-        report = _run(schedule, batches, src_buffers, dst_buffers, comm, deadline, agree)
+        report = _run(schedule, batches, src_buffers, dst_buffers, comm, deadline, agree, hooks)
         if near is not None:
             report.same_host_messages = near.messages - before[0]
             report.read_messages = near.read_messages - before[1]
@@ -499,11 +521,6 @@ def _view(buffers, name: str, offset: int, shape, strides) -> torch.Tensor:
     return torch.as_strided(buf, shape, strides, buf.storage_offset() + offset)
 
 
-# test-only (tests/verify_jobs.py): called with (chunk, staging bytes) after a staged receive
-# landed and before it is unpacked — a test sets it to corrupt bytes in flight. Never set otherwise.
-STAGED_RECEIVE_HOOK = None
-
-
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
@@ -511,9 +528,9 @@ class _Bound:
     """This move's buffers and staging pool, for the compiled program's copies: one
     ``as_strided`` view per side of a copy, nothing else per piece."""
 
-    __slots__ = ("src", "dst", "pool", "typed", "same_host", "rank", "where", "on_board")
+    __slots__ = ("src", "dst", "pool", "typed", "same_host", "rank", "where", "on_board", "staged_receive")
 
-    def __init__(self, src_buffers, dst_buffers, pool, same_host=None, rank: int = -1):
+    def __init__(self, src_buffers, dst_buffers, pool, same_host=None, rank: int = -1, staged_receive=None):
         self.src = {n: (t, t.storage_offset()) for n, t in src_buffers.items()}
         self.dst = {n: (t, t.storage_offset()) for n, t in dst_buffers.items()}
         self.pool = pool
@@ -521,6 +538,7 @@ class _Bound:
         self.same_host, self.rank = same_host, rank
         self.where: dict[str, tuple[int, ...]] = {}  # per source buffer: where peers can map it
         self.on_board: set[int] = set()  # id() of the read messages' sends offered on the board
+        self.staged_receive = staged_receive  # test-only: ``MoveHooks.staged_receive``
 
     def _side(self, side, name, offset, strides, shape, dtype):
         if name is None:  # the staging pool, viewed as the transfer's dtype
@@ -610,18 +628,10 @@ class _Bound:
             self.copy(c)
 
     def unpack(self, op) -> None:
-        STAGED_RECEIVE_HOOK is not None and STAGED_RECEIVE_HOOK(  # test-only: see above
-            op.chunk, self.pool[op.offset:op.offset + op.nbytes])
+        if self.staged_receive is not None:
+            self.staged_receive(op.chunk, self.pool[op.offset:op.offset + op.nbytes])
         for c in op.copies:
             self.copy(c)
-
-
-# test-only (tests/test_posting_order.py): called with (peer, send?, bytes) for every message this
-# rank posts, in posting order — a test records both ends of every pair. Never set otherwise.
-POST_HOOK = None
-# test-only: called with the schedule, returns the posting program to use instead of
-# ``schedule.batches`` (a test's deliberately mis-ordered one). Never set otherwise.
-POSTING_ORDER_HOOK = None
 
 
 class _WaitFailed(Exception):
@@ -646,8 +656,9 @@ class _Outstanding:
     """The messages this rank has posted and not yet waited for: what a failure was waiting on,
     and the bytes in flight that each wait's deadline is derived from."""
 
-    def __init__(self, comm: Comm, deadline: Deadlines):
+    def __init__(self, comm: Comm, deadline: Deadlines, on_post=None):
         self.comm, self.deadline = comm, deadline
+        self.on_post = on_post  # test-only: ``MoveHooks.post``
         self.works: dict[int, tuple[object, bool, int, int]] = {}  # token -> (work, send?, bytes, peer)
         self.bytes = 0
         self.posted = 0  # tokens handed out (on NCCL the messages of a batch share one work)
@@ -661,9 +672,9 @@ class _Outstanding:
 
     def post_batch(self, ops: list[P2P], sizes: list[int]) -> range:
         """Post ``ops`` (of ``sizes`` bytes) in this order as one batch; tokens to ``wait`` for."""
-        if POST_HOOK is not None:  # test-only: see POST_HOOK
+        if self.on_post is not None:
             for op, n in zip(ops, sizes):
-                POST_HOOK(op.peer, op.send, n)
+                self.on_post(op.peer, op.send, n)
         try:
             works = self.comm.batch(ops)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError, with its text
@@ -720,7 +731,7 @@ def _copy_local(schedule: Schedule, src_buffers, dst_buffers, bound: _Bound | No
 
 
 def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffers, comm: Comm,
-         deadline: Deadlines, agree=None) -> MoveReport:
+         deadline: Deadlines, agree=None, hooks: MoveHooks = NO_HOOKS) -> MoveReport:
     """Steps 2–5 of the module docstring: ``agree(meanwhile)`` (the agreement; ``None``: none),
     then ``batches`` posted in order, each as one batch; staged steps packed into / unpacked from
     the pool at ``Schedule.staged``'s offsets. Runs the compiled program
@@ -733,14 +744,14 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
     refused move has still written nothing a peer or the destination sees."""
     plan = schedule.plan
     prog = schedule.program if batches is schedule.batches else schedule.compile_program(batches)
-    out = _Outstanding(comm, deadline)
+    out = _Outstanding(comm, deadline, hooks.post)
     t_start = time.perf_counter()
     pool = None
     if prog.pool_on is not None:
         side, name = prog.pool_on
         device = (dst_buffers if side == "dst" else src_buffers)[name].device
         pool = _take_pool(device, prog.pool_bytes, schedule.budget_bytes)  # NCCL needs it on the GPU
-    bound = _Bound(src_buffers, dst_buffers, pool, comm.same_host, comm.rank)
+    bound = _Bound(src_buffers, dst_buffers, pool, comm.same_host, comm.rank, hooks.staged_receive)
     packed: set[int] = set()  # id() of the staged sends packed ahead
     t_pack = 0.0
 
