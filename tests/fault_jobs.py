@@ -191,13 +191,14 @@ def close_while_a_peer_sends_checksums() -> str:
     from datetime import timedelta
 
     from rank_jobs import bare_gloo_group
-    from rlhf_switch.routing.comm import P2P, GroupComm
+    from rlhf_switch.routing.comm import GroupComm
     from rlhf_switch.routing.tags import VERIFY_TAG
+    from rlhf_switch.routing.transport import P2P
 
     group, store = bare_gloo_group()
     comm = GroupComm(group, store=store)
     if comm.rank == 1:
-        work = comm.batch([P2P(True, torch.arange(4, dtype=torch.int64).view(2, 2), 0, VERIFY_TAG)])[0]
+        work = comm.post([P2P(True, torch.arange(4, dtype=torch.int64).view(2, 2), 0, VERIFY_TAG)])[0]
         store.set("checksums sent", "1")
         try:
             work.wait(timedelta(seconds=30))

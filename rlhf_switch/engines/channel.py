@@ -340,8 +340,7 @@ class ChannelEnd:
                       verify_seed=seed, hooks=hooks)
         report.phases["entered_at"] = t_enter
         self._count(report)
-        near = self._comm.same_host
-        if self.share_sources and report.same_host_messages and near is not None and near.mapped_by_peers():
+        if self.share_sources and report.same_host_messages and self._comm.transport.mapped_by_peers():
             self._stats.shared_bytes += _same_host.share(src_buffers.values())
         return report
 
