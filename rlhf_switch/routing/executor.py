@@ -166,7 +166,7 @@ class MoveReport:
     phases: dict = field(default_factory=dict)  # seconds per phase (prepare, agree, pack_ahead, post, local, wait, verify)
     verify: str = "off"
     pieces_verified: int = 0  # pieces this rank checked as their destination (local ones included)
-    # what the group's transport carried its own way (``Transport.counts``; the same-host copies')
+    # the same-host transport's counts for this move (``Transport.counts``; 0 on plain point-to-point)
     same_host_messages: int = 0  # of ``messages``: sent or received as single copies
     read_messages: int = 0  # of those: read messages (a direction in one or a few reads: schedule._read_chunks)
     mapped_messages: int = 0  # receives copied through a mapping of the sender's shared memory

@@ -15,8 +15,8 @@ of the wire:
 ``PointToPoint`` is the plain transport: every op a message of the comm's process group (gloo
 or NCCL point-to-point), the agreement one collective, no read messages. ``same_host.SameHost``
 is the other one: single copies between ranks of one host, chosen per group by
-``Comm.choose_transport``. A transport is shared by every ``Comm`` of its group and holds no
-comm; each call is given the one to post over.
+``Comm.choose_transport``. A transport belongs to its group, not to one ``Comm`` of it (a move
+may wrap the same group anew): each call is given the comm to post over.
 """
 from __future__ import annotations
 
