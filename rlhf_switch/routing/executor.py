@@ -26,7 +26,7 @@
    direction may instead be one or a few *read messages* (``schedule._read_chunks``): the
    receiver copies the pieces out of the sender's buffers and packed block straight into its
    destination views, with nothing to unpack; the transport says how each is offered and
-   posted (``Transport.read_messages``: with the agreement, where it can).
+   posted (``Transport.move_reads``: with the agreement, where it can).
    The program runs compiled (``Schedule.program``, built once with the cached schedule): per
    message its buffer range or its staging block and copies, per piece two ``as_strided`` views
    and one ``copy_`` — no planning arithmetic in the timed move;
@@ -520,17 +520,15 @@ def _view(buffers, name: str, offset: int, shape, strides) -> torch.Tensor:
 
 class _Bound:
     """This move's buffers and staging pool, for the compiled program's copies: one
-    ``as_strided`` view per side of a copy, nothing else per piece. ``reads``: the transport's
-    read messages of this move (``Transport.read_messages``), where the program has some."""
+    ``as_strided`` view per side of a copy, nothing else per piece."""
 
-    __slots__ = ("src", "dst", "pool", "typed", "reads", "staged_receive")
+    __slots__ = ("src", "dst", "pool", "typed", "staged_receive")
 
     def __init__(self, src_buffers, dst_buffers, pool, staged_receive=None):
         self.src = {n: (t, t.storage_offset()) for n, t in src_buffers.items()}
         self.dst = {n: (t, t.storage_offset()) for n, t in dst_buffers.items()}
         self.pool = pool
         self.typed: dict[str, torch.Tensor] = {}
-        self.reads = None
         self.staged_receive = staged_receive  # test-only: ``MoveHooks.staged_receive``
 
     def source(self, name: str) -> torch.Tensor:
@@ -553,10 +551,8 @@ class _Bound:
             self._side(self.src, c.src_buffer, c.src_offset, c.src_strides, c.shape, c.dtype))
 
     def p2p(self, op, packed: bool = False) -> P2P:
-        """What ``op`` posts: its message tensor, or what the transport makes of a read message."""
-        if op.read is None:
-            return P2P(op.send, self.message(op, packed), op.peer, MESSAGE_TAG)
-        return self.reads.p2p(op, packed)
+        """What ``op`` (not a read message: ``Transport.move_reads``) posts: its message tensor."""
+        return P2P(op.send, self.message(op, packed), op.peer, MESSAGE_TAG)
 
     def message(self, op, packed: bool = False) -> torch.Tensor:
         """The tensor ``op`` is sent from / received into (packed first when it is a staged send,
@@ -705,8 +701,9 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
         pool = _take_pool(device, prog.pool_bytes, schedule.budget_bytes)  # NCCL needs it on the GPU
     bound = _Bound(src_buffers, dst_buffers, pool, hooks.staged_receive)
     read_ops = [op for batch in prog.batches for op in batch.ops if op.read is not None]
-    if read_ops:
-        bound.reads = comm.transport.read_messages(bound)
+    # the transport's part in this move's read messages (it holds ``bound``; ``bound`` does not
+    # hold it: no reference cycle keeps the buffers or the pool alive after the move)
+    reading = comm.transport.move_reads(bound) if read_ops else None
     packed: set[int] = set()  # id() of the staged sends packed ahead
     t_pack = 0.0
 
@@ -717,7 +714,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
             if batch.retire:  # its pool blocks are not free yet
                 break
             for op in batch.ops:
-                if op.send and op.step >= 0 and (op.read is None or bound.reads.packs(op)):
+                if op.send and op.step >= 0 and (op.read is None or reading.packs(op)):
                     if done():
                         t_pack = time.perf_counter() - tp
                         return
@@ -727,7 +724,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
 
     if agree is not None:
         if read_ops:  # before the agreement, which may carry their offers
-            bound.reads.offer_ahead([op for op in read_ops if op.send])
+            reading.offer_ahead([op for op in read_ops if op.send])
         agree(pack_ahead)
     t0 = time.perf_counter()
     t_local = 0.0
@@ -750,10 +747,10 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
     # offer is there — which, where the offer went with the agreement, is now — and waits for no
     # message of this rank's (a direction is all read messages or none, so the receives from one
     # sender keep their order)
-    reads = [op for op in read_ops if not op.send]
-    if reads:
-        direct += out.post_batch([bound.p2p(op) for op in reads], [op.nbytes for op in reads])
-        messages += len(reads)
+    read_recvs = [op for op in read_ops if not op.send]
+    if read_recvs:
+        direct += out.post_batch([reading.p2p(op) for op in read_recvs], [op.nbytes for op in read_recvs])
+        messages += len(read_recvs)
 
     def retire():
         nonlocal alive_bytes
@@ -782,7 +779,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
         for op in batch.ops:
             if op.read is not None and not op.send:
                 continue  # posted above
-            ops.append(bound.p2p(op, id(op) in packed))
+            ops.append(bound.p2p(op, id(op) in packed) if op.read is None else reading.p2p(op, id(op) in packed))
             sizes.append(op.nbytes)
             if op.step >= 0:  # staged on this side: retired with its step
                 rec = records[op.step]

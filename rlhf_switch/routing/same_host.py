@@ -713,7 +713,7 @@ class SameHost(Transport):
             return self.board.start(values)
         return comm.start_all_gather_ints(values)
 
-    def read_messages(self, bound) -> _MoveReads:
+    def move_reads(self, bound) -> _MoveReads:
         return _MoveReads(self, bound)
 
     def close(self) -> None:
@@ -814,7 +814,7 @@ _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 class _MoveReads(MoveReads):
-    """The read messages of one move on this rank (``SameHost.read_messages``). A send offers
+    """The read messages of one move on this rank (``SameHost.move_reads``). A send offers
     the addresses of the sender's packed block and of its buffers read in place, and where the
     receiver can map each of its source buffers — when it can map them all, nothing is packed,
     and where the group has a board the offer goes with the agreement (``offer_ahead``); a

@@ -8,7 +8,7 @@ of the wire:
 * ``reads`` / ``min_read_bytes`` / ``schedule_key``: which directions may travel as *read
   messages* (the receiver copies the bytes out of the sender's memory: ``schedule._read_chunks``)
   — facts that shape a schedule, so they are part of its cache key;
-* ``read_messages``: per move, how a read message is offered, posted and acknowledged;
+* ``move_reads``: per move, how a read message is offered, posted and acknowledged;
 * ``counts``: what it carried its own way so far (for ``MoveReport``), and ``close`` after a
   failed move.
 
@@ -34,16 +34,18 @@ class P2P(NamedTuple):
     tensor: torch.Tensor
     peer: int
     tag: int = DEFAULT_TAG
-    # a read message (``Transport.read_messages``): what the transport needs to post it
+    # a read message (``Transport.move_reads``): what the transport needs to post it
     read: object = None
 
 
 class MoveReads:
-    """A transport's read messages of one move, on one rank (``Transport.read_messages``).
+    """A transport's read messages of one move, on one rank (``Transport.move_reads``).
 
     ``bound`` (the executor's view of the move's buffers) offers ``source(name)`` and
     ``destination(name)`` (this rank's buffers) and ``packed_block(op, packed)`` (a read send's
-    block of the staging pool, packed now unless ``packed`` ahead)."""
+    block of the staging pool, packed now unless ``packed`` ahead). It may hold ``bound``; nothing
+    of the move holds it back (a cycle would keep the buffers and the pool alive until the next
+    garbage collection, and a move runs with the collector paused)."""
 
     def offer_ahead(self, sends) -> None:
         """Before the agreement: offer what of this rank's read sends (the program's ops, in
@@ -83,7 +85,7 @@ class Transport:
         """Post ``ops`` over ``comm`` as one batch, in this order; one ``Work`` per op."""
         raise NotImplementedError
 
-    def read_messages(self, bound) -> MoveReads:
+    def move_reads(self, bound) -> MoveReads:
         """This move's read messages (only asked where its program has some)."""
         raise RuntimeError(f"a read message on {type(self).__name__}, which reads no peer's memory")
 
