@@ -191,6 +191,7 @@ def close_while_a_peer_sends_checksums() -> str:
     from datetime import timedelta
 
     from rank_jobs import bare_gloo_group
+
     from rlhf_switch.routing.comm import GroupComm
     from rlhf_switch.routing.tags import VERIFY_TAG
     from rlhf_switch.routing.transport import P2P
