@@ -358,7 +358,7 @@ def raw_prepare(S: dict) -> dict:
     # the same transport as the VPS: gloo, and same-host copies for the large messages where the
     # VPS uses them (routing/same_host.py; RLHF_SWITCH_SAME_HOST_COPY=0 turns both off)
     comm = as_comm(None)
-    comm.use_same_host_copies()
+    comm.choose_transport()
     return {"peers": peers, "sbufs": sbufs, "rbufs": rbufs, "alloc": alloc, "local": local,
             "local_bytes": plan.bytes_local - need, "comm": comm}
 
@@ -377,7 +377,7 @@ def raw_run(ctx: dict) -> dict:
             ops.append(P2P(False, ctx["rbufs"][p], p))
         if p in ctx["sbufs"]:
             ops.append(P2P(True, ctx["sbufs"][p], p))
-        for w in comm.batch(ops):
+        for w in comm.transport.batch(comm, ops):
             w.wait()
     t1 = time.perf_counter()
     if ctx.get("copy_local"):

@@ -181,3 +181,32 @@ def channel_move_with_a_death(dying: int | None, src: Layout, dst: Layout, seed:
         time.sleep(3)  # the others' census reads the store it hosts
     return {"error": error, "lost": lost, "elapsed_s": elapsed, "exact": exact,
             "source_intact": all(torch.equal(bits(t), bits(src_copy[n])) for n, t in src_bufs.items())}
+
+
+def close_while_a_peer_sends_checksums() -> str:
+    """On a group of its own: rank 1 sends rank 0 a pair's checksums (``VERIFY_TAG``, as
+    ``verify_move`` does once its own move is done) that rank 0 never receives; rank 0 then
+    closes the group (``Comm.close``, as after a failed move: a receive that must time out).
+    Returns what each rank saw: rank 0 that it closed, rank 1 how its send ended."""
+    from datetime import timedelta
+
+    from rank_jobs import bare_gloo_group
+
+    from rlhf_switch.routing.comm import GroupComm
+    from rlhf_switch.routing.tags import VERIFY_TAG
+    from rlhf_switch.routing.transport import P2P
+
+    group, store = bare_gloo_group()
+    comm = GroupComm(group, store=store)
+    if comm.rank == 1:
+        work = comm.post([P2P(True, torch.arange(4, dtype=torch.int64).view(2, 2), 0, VERIFY_TAG)])[0]
+        store.set("checksums sent", "1")
+        try:
+            work.wait(timedelta(seconds=30))
+            return "send completed"
+        except Exception as e:  # noqa: BLE001 - the test reads gloo's text
+            return f"{type(e).__name__}: {e}"
+    store.wait(["checksums sent"])
+    time.sleep(0.3)  # the checksums are at rank 0 before its close's receive is posted
+    comm.close()
+    return "closed"

@@ -47,12 +47,13 @@ def bare_gloo_group():
 
 
 def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 1 << 20,
-                   ranks_per_node: int | None = None, bare_group: bool = False, shared: bool | tuple = False) -> dict:
+                   ranks_per_node: int | None = None, bare_group: bool = False, shared: bool | tuple = False,
+                   hooks=None) -> dict:
     """Fill ``src`` from seeded global tensors, move into garbage-filled ``dst`` buffers, and
     compare bit for bit with a direct construction of ``dst``. Padding must stay untouched,
     and the source must be unchanged. ``shared``: the source buffers in shared memory
     (``same_host.share``), so same-host peers read them through mappings — on every rank, or on
-    the ranks a tuple names."""
+    the ranks a tuple names. ``hooks``: the move's (``executor.MoveHooks``)."""
     rank = dist.get_rank()
     tensor_of = tensor_source(src, seed)
     src_bufs = materialize(src, rank, tensor_of)
@@ -65,7 +66,7 @@ def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 
     group, _store = bare_gloo_group() if bare_group else (None, None)
     move_and_check.last_group = group  # a test looks at the group's same-host state afterwards
     report = move(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes, ranks_per_node=ranks_per_node,
-                  group=group)
+                  group=group, hooks=hooks)
     expected = materialize(dst, rank, tensor_of)
     masks = coverage_masks(dst, rank)
     wrong = []
@@ -250,34 +251,30 @@ def move_engine_like(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int 
 
 def move_recording_posts(src: Layout, dst: Layout, budget_bytes: int = 1 << 20, seed: int = 0) -> dict:
     """``move_and_check``, recording every message this rank posts, in posting order, as
-    (peer, send?, bytes) (``executor.POST_HOOK``)."""
-    from rlhf_switch.routing import executor
+    (peer, send?, bytes) (``MoveHooks.post``)."""
+    from rlhf_switch.routing import MoveHooks
 
     posts: list[tuple[int, bool, int]] = []
-    executor.POST_HOOK = lambda peer, send, nbytes: posts.append((peer, send, nbytes))
-    try:
-        out = move_and_check(src, dst, seed=seed, budget_bytes=budget_bytes)
-    finally:
-        executor.POST_HOOK = None
+    hooks = MoveHooks(post=lambda peer, send, nbytes: posts.append((peer, send, nbytes)))
+    out = move_and_check(src, dst, seed=seed, budget_bytes=budget_bytes, hooks=hooks)
     return {**out, "posts": posts}
 
 
 def move_watching_gc(src: Layout, dst: Layout, budget_bytes: int = 1 << 20) -> dict:
     """``move_and_check`` with the cyclic GC on, then with it off beforehand: whether it was on at
-    each message this rank posted (``executor.POST_HOOK``), and after each move."""
+    each message this rank posted (``MoveHooks.post``), and after each move."""
     import gc
 
-    from rlhf_switch.routing import executor
+    from rlhf_switch.routing import MoveHooks
 
     out = {}
     for before in (True, False):
         seen: list[bool] = []
-        executor.POST_HOOK = lambda peer, send, nbytes: seen.append(gc.isenabled())
+        hooks = MoveHooks(post=lambda peer, send, nbytes: seen.append(gc.isenabled()))
         (gc.enable if before else gc.disable)()
         try:
-            res = move_and_check(src, dst, budget_bytes=budget_bytes)
+            res = move_and_check(src, dst, budget_bytes=budget_bytes, hooks=hooks)
         finally:
-            executor.POST_HOOK = None
             after = gc.isenabled()
             gc.enable()
         out[before] = {"wrong": res["wrong"], "during": seen, "after": after}
@@ -301,18 +298,14 @@ def swap_two_sends(schedule):
 
 def move_misordered_on(odd_rank: int, src: Layout, dst: Layout, budget_bytes: int) -> dict:
     """On ``odd_rank`` the posting program has two sends swapped (``swap_two_sends`` through
-    ``executor.POSTING_ORDER_HOOK``): every rank must refuse before a byte moves."""
-    from rlhf_switch.routing import executor
+    ``MoveHooks.posting_order``): every rank must refuse before a byte moves."""
+    from rlhf_switch.routing import MoveHooks
 
     rank = dist.get_rank()
-    if rank == odd_rank:
-        executor.POSTING_ORDER_HOOK = swap_two_sends
-    try:
-        src_bufs = materialize(src, rank, tensor_source(src, 0))
-        dst_bufs = garbage_like(allocate(dst, rank, fill=None), 7 + rank)
-        return _attempt(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes)
-    finally:
-        executor.POSTING_ORDER_HOOK = None
+    hooks = MoveHooks(posting_order=swap_two_sends) if rank == odd_rank else None
+    src_bufs = materialize(src, rank, tensor_source(src, 0))
+    dst_bufs = garbage_like(allocate(dst, rank, fill=None), 7 + rank)
+    return _attempt(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes, hooks=hooks)
 
 
 def move_with_budget_on(odd_rank: int, odd_budget: int, src: Layout, dst: Layout, budget_bytes: int) -> dict:

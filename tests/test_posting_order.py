@@ -3,8 +3,8 @@
 NCCL matches the messages between two ranks by posting order alone (no tags). A move posts, on
 both ends of every pair, the same sequence of messages with the same sizes — whatever each end
 stages — and a rank that would post another order is refused before a byte moves. Checked three ways: on the schedules of every rank (no processes), on what real
-ranks record posting (``executor.POST_HOOK``), and with a deliberately mis-ordered program on
-one rank (``executor.POSTING_ORDER_HOOK``).
+ranks record posting (``MoveHooks.post``), and with a deliberately mis-ordered program on
+one rank (``MoveHooks.posting_order``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Verification of the bytes themselves (``move(..., verify=...)``, ``routing/verify.py``):
 4 real gloo ranks; one staged chunk corrupted in flight by a test-only hook
-(``executor.STAGED_RECEIVE_HOOK``, set by ``verify_jobs.move_verified`` on one rank)."""
+(``MoveHooks.staged_receive``, set by ``verify_jobs.move_verified`` on one rank)."""
 from __future__ import annotations
 
 from pathlib import Path

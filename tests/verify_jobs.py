@@ -1,5 +1,5 @@
 """Jobs for ``test_verify.py`` (run on every rank of a ``LocalWorld``): moves with ``verify``, and
-a test-only corruption of one staged chunk in flight through ``executor.STAGED_RECEIVE_HOOK``."""
+a test-only corruption of one staged chunk in flight through ``MoveHooks.staged_receive``."""
 from __future__ import annotations
 
 import statistics
@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 
 from rank_jobs import garbage_like, tensor_source
-from rlhf_switch.routing import executor, move
+from rlhf_switch.routing import MoveHooks, executor, move
 from rlhf_switch.vps import Layout
 from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize
 
 
 def corrupting_hook(record: list):
-    """A ``STAGED_RECEIVE_HOOK`` that flips one bit (0x40) of the first byte of the first piece of
+    """A ``MoveHooks.staged_receive`` that flips one bit (0x40) of the first byte of the first piece of
     the first staged chunk this rank receives — after it arrived, before it is unpacked — and
     records which piece that was."""
     def hook(chunk, buf):
@@ -40,16 +40,13 @@ def move_verified(src: Layout, dst: Layout, verify: str = "off", fraction: float
     src_bufs = materialize(src, rank, tensor_of)
     dst_bufs = garbage_like(allocate(dst, rank, fill=None), 1000 + rank)
     record: list = []
-    if rank == corrupt_rank:
-        executor.STAGED_RECEIVE_HOOK = corrupting_hook(record)
+    hooks = MoveHooks(staged_receive=corrupting_hook(record)) if rank == corrupt_rank else None
     report, error = None, None
     try:
         report = move(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes, verify=verify,
-                      verify_fraction=fraction, verify_seed=seed)
+                      verify_fraction=fraction, verify_seed=seed, hooks=hooks)
     except Exception as e:  # noqa: BLE001 - the test inspects it
         error = f"{type(e).__name__}: {e}"
-    finally:
-        executor.STAGED_RECEIVE_HOOK = None
     expected = materialize(dst, rank, tensor_of)
     masks = coverage_masks(dst, rank)
     differ = {}
@@ -123,11 +120,9 @@ def channel_verified(src: Layout, dst: Layout, verify: str, fraction: float, mov
     checked, error, record = [], None, []
     try:
         for i in range(moves):
-            if i == moves - 1 and rank == corrupt_rank:
-                executor.STAGED_RECEIVE_HOOK = corrupting_hook(record)
-            checked.append(end.move(src_bufs, dst_bufs).pieces_verified)
+            hooks = (MoveHooks(staged_receive=corrupting_hook(record))
+                     if i == moves - 1 and rank == corrupt_rank else None)
+            checked.append(end.move(src_bufs, dst_bufs, hooks=hooks).pieces_verified)
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    finally:
-        executor.STAGED_RECEIVE_HOOK = None
     return {"checked": checked, "error": error, "stats": end.stats()}

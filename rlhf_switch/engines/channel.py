@@ -52,7 +52,14 @@ import torch.distributed as dist
 
 from ..routing import same_host as _same_host
 from ..routing.comm import GroupComm, as_comm, bare_group, comm_device
-from ..routing.executor import DEFAULT_BUDGET, Deadlines, MoveError, MoveReport, move
+from ..routing.executor import (
+    DEFAULT_BUDGET,
+    Deadlines,
+    MoveError,
+    MoveHooks,
+    MoveReport,
+    move,
+)
 from ..routing.verify import DEFAULT_FRACTION, check_mode
 from ..vps.layout import Layout, LayoutError
 from ..vps.layouts.buckets import bucket_layout
@@ -309,10 +316,11 @@ class ChannelEnd:
     @torch.no_grad()
     def move(self, src_buffers: Mapping[str, torch.Tensor], dst_buffers: Mapping[str, torch.Tensor], *,
              verify: str | None = None, verify_fraction: float | None = None,
-             verify_seed: int | None = None) -> MoveReport:
+             verify_seed: int | None = None, hooks: MoveHooks | None = None) -> MoveReport:
         """This member's part of one move (collective over the channel). ``verify`` /
         ``verify_fraction``: this move's, instead of the channel's (pass the same on every
-        member); ``verify_seed``: the sample's seed, by default the channel's count of moves."""
+        member); ``verify_seed``: the sample's seed, by default the channel's count of moves.
+        ``hooks``: test-only, the executor's (``MoveHooks``; p2p handoff only)."""
         if self.src is None:
             raise RuntimeError("the weight channel has no layouts yet: call set_layouts first")
         t_enter = time.time()  # wall clock: comparable across the members' processes on one host
@@ -329,11 +337,10 @@ class ChannelEnd:
                       budget_bytes=self.budget_bytes, timeout=self.timeout, deadline=self.deadline,
                       verify=verify or self.verify,
                       verify_fraction=self.verify_fraction if verify_fraction is None else verify_fraction,
-                      verify_seed=seed)
+                      verify_seed=seed, hooks=hooks)
         report.phases["entered_at"] = t_enter
         self._count(report)
-        near = self._comm.same_host
-        if self.share_sources and report.same_host_messages and near is not None and near.mapped_by_peers():
+        if self.share_sources and report.same_host_messages and self._comm.transport.mapped_by_peers():
             self._stats.shared_bytes += _same_host.share(src_buffers.values())
         return report
 

@@ -10,38 +10,27 @@ Every wait here takes a timeout (the executor derives it from the bytes waited f
 know its group's ``store`` (a registered group's own, or the one a bare group was made over):
 after a failed move the ranks leave their reports there, so each can name the rank that is gone
 (``executor.PeerLost``). ``close`` ends this rank's connections of a gloo group after a failure.
+
+A comm posts point-to-point ops itself (``post``); a move's messages and agreement go through
+its ``transport`` (``routing/transport.py``): plain point-to-point unless ``choose_transport``
+found a better one for the group.
 """
 from __future__ import annotations
 
 import pickle
 from datetime import timedelta
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import same_host as _same_host
+from .tags import CLOSE_TAG, DEFAULT_TAG
+from .transport import POINT_TO_POINT, P2P, Transport
 
 
 # torch 2.13 deprecates ``all_gather_into_tensor`` (a FutureWarning per call) in favour of
 # ``all_gather_single``, the same collective: use the new name where it exists
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-CLOSE_TAG = (1 << 20) - 7  # a tag no move uses: the receive that ``close`` lets time out
-
-
-class P2P(NamedTuple):
-    """One point-to-point op of a batch: send ``tensor`` to ``peer``, or receive it from them."""
-
-    send: bool
-    tensor: torch.Tensor
-    peer: int
-    tag: int = 0
-    # a read message (``same_host``): sending, its offer (int64 addresses and bytes; ``tensor``
-    # is the packed block kept alive until the receiver has read it); receiving, (its
-    # ``schedule.ReadRuns``, its destination buffers)
-    read: object = None
 
 
 class Comm:
@@ -50,19 +39,22 @@ class Comm:
     store: "dist.Store | None" = None  # where ranks leave failure reports (None: nobody to ask)
     device: torch.device = torch.device("cpu")
     gloo: bool = True
-    same_host: "_same_host.SameHost | None" = None  # single-copy messages between ranks of one host
+    transport: Transport = POINT_TO_POINT  # how a move's messages travel (``choose_transport``)
 
     def _group_key(self):
-        """The process group object this comm sends over (what same-host copies are found per)."""
+        """The process group object this comm sends over (what a transport is chosen per)."""
         return None
 
-    def use_same_host_copies(self, timeout: timedelta | None = None) -> None:
-        """Send large messages between ranks of one host as single copies (``same_host``): a
-        collective of the group at its first call (every rank of the group calls it at the same
-        point: the executor, before a move's agreement), a lookup after."""
+    def choose_transport(self, timeout: timedelta | None = None) -> Transport:
+        """This group's transport: single copies between ranks of one host (``same_host``) where
+        its probe finds pairs that can use them — a gloo group of more than one rank, unless
+        ``RLHF_SWITCH_SAME_HOST_COPY=0`` — else plain point-to-point. A collective of the group at
+        its first call (every rank calls it at the same point: the executor, before a move's
+        agreement), a lookup after."""
         key = self._group_key()
         if self.gloo and self.size > 1 and key is not None:
-            self.same_host = _same_host.for_group(self, key, timeout)
+            self.transport = _same_host.for_group(self, key, timeout) or POINT_TO_POINT
+        return self.transport
 
     def _allgather(self, outs: list[torch.Tensor], tensor: torch.Tensor):
         """Start an all-gather of equal-sized tensors; returns its ``Work``."""
@@ -99,15 +91,6 @@ class Comm:
         finish.done = work.is_completed  # whether ``finish`` would return at once
         return finish
 
-    def start_agreement(self, values: list[int]):
-        """``start_all_gather_ints`` for a move's agreement (``executor._agree``: 4 int64s a rank,
-        once per move, every rank of the group in the same order): by the group's same-host board
-        where every rank maps every other (``same_host._Board``), else the gloo collective."""
-        board = self.same_host.board if self.same_host is not None else None
-        if board is not None:
-            return board.start(values)
-        return self.start_all_gather_ints(values)
-
     def all_gather_object(self, obj, timeout: timedelta | None = None) -> list:
         """Every rank's ``obj`` (pickled). On gloo both steps — the sizes, then the payloads padded
         to the longest — are all-to-alls of the rank's own part repeated per rank, as in
@@ -136,37 +119,30 @@ class Comm:
         closes a group's connections — ``ProcessGroupGloo.abort`` leaves them open — but a wait
         that times out closes every connection of the group ("Application timeout caused pair
         closure"), and the peers' pending operations on it fail at once ("Connection closed by
-        peer"). So: one receive nobody sends, on a tag no move uses, waited for 1 ms."""
+        peer"). So: one receive nobody sends, on a tag nothing else uses (``CLOSE_TAG``), waited for
+        1 ms."""
         if not self.gloo or self.size < 2:
             return
-        if self.same_host is not None and self.same_host.board is not None:
-            self.same_host.board.close()  # peers waiting at the agreement stop too
+        self.transport.close()  # peers waiting on this rank by the transport's own way stop too
         try:
             self.irecv(torch.empty(1, dtype=torch.uint8), (self.rank + 1) % self.size, CLOSE_TAG).wait(
                 timedelta(milliseconds=1))
         except Exception:  # noqa: BLE001 - the timeout is the point
             pass
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = DEFAULT_TAG):
         raise NotImplementedError
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = DEFAULT_TAG):
         raise NotImplementedError
 
-    def batch(self, ops: list[P2P]) -> list:
-        """Post ``ops`` as one batch, in this order; one ``Work`` per op (on NCCL the batch's
-        single work, repeated). Messages between two ranks in one direction are matched in the
-        order they are posted (NCCL ignores tags), and a batch is one NCCL group, so no op of it
-        waits on another. gloo has no groups: its ops are posted one by one, in order — a large one
-        between ranks of one host as a same-host copy where ``use_same_host_copies`` found one."""
-        near = self.same_host
-        if near is None:
-            if any(op.read is not None for op in ops):  # schedules only read where a probe found it can
-                raise RuntimeError("a read message on a group without same-host copies")
-            return [(self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag) for op in ops]
-        return [work if work is not None else (self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag)
-                for op, work in zip(ops, near.post_batch(self, ops))]
-
+    def post(self, ops: list[P2P]) -> list:
+        """Post ``ops`` as one batch of plain point-to-point messages, in this order; one ``Work``
+        per op (on NCCL the batch's single work, repeated). Messages between two ranks in one
+        direction are matched in the order they are posted (NCCL ignores tags), and a batch is
+        one NCCL group, so no op of it waits on another. gloo has no groups: its ops are posted
+        one by one, in order."""
+        return [(self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag) for op in ops]
 
 
 def _wait(work, timeout: timedelta | None) -> None:
@@ -207,19 +183,19 @@ class TorchComm(Comm):
     def _global(self, peer: int) -> int:
         return peer if self.group is None else dist.get_global_rank(self.group, peer)
 
-    def isend(self, tensor, peer, tag=0):
+    def isend(self, tensor, peer, tag=DEFAULT_TAG):
         if self._pg is not None:
             return self._pg.send([tensor], peer, tag)
         return dist.isend(tensor, self._global(peer), group=self.group, tag=tag)
 
-    def irecv(self, tensor, peer, tag=0):
+    def irecv(self, tensor, peer, tag=DEFAULT_TAG):
         if self._pg is not None:
             return self._pg.recv([tensor], peer, tag)
         return dist.irecv(tensor, self._global(peer), group=self.group, tag=tag)
 
-    def batch(self, ops):
+    def post(self, ops):
         if self.gloo or not ops:  # gloo's batch_isend_irecv is this same loop
-            return super().batch(ops)
+            return super().post(ops)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor,
                                                    self._global(op.peer), self.group, op.tag) for op in ops])
         return works if len(works) == len(ops) else works[-1:] * len(ops)  # NCCL: one work per batch
@@ -260,15 +236,15 @@ class GroupComm(Comm):
     def _group_key(self):
         return self.pg
 
-    def isend(self, tensor, peer, tag=0):
+    def isend(self, tensor, peer, tag=DEFAULT_TAG):
         return self.pg.send([tensor], peer, tag)
 
-    def irecv(self, tensor, peer, tag=0):
+    def irecv(self, tensor, peer, tag=DEFAULT_TAG):
         return self.pg.recv([tensor], peer, tag)
 
-    def batch(self, ops):
+    def post(self, ops):
         if self.gloo or not ops:
-            return super().batch(ops)
+            return super().post(ops)
         # a bare NCCL group: one NCCL group call, as ``batch_isend_irecv`` makes for a registered
         # one (not run here: no GPU in CI)
         self.pg._start_coalescing(self.device)

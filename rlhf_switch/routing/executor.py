@@ -3,34 +3,30 @@
 ``move`` is the whole protocol, in this order:
 
 1. every rank plans its own part (``plan_rank``) and checks its buffers against both layouts;
-   the schedule is cached per (both layouts' digests, rank, budget, which ranks of the group can
-   read each other's memory — found at the group's first move, ``same_host.for_group``), so a
-   repeated switch (the RL loop's every iteration) only re-checks the buffers;
-2. one small all-gather of (error flag, plan digest, a signed sum of the per-peer digests) — by
-   shared memory where every rank of the group maps every other (``same_host._Board``), else a
-   gloo collective: if every rank is fine and they agree, go; otherwise one ``all_gather_object`` of (plan digest,
-   per-peer digests, error) and *every* rank raises the same ``MoveError`` — before a byte has
-   moved. While the gather is in flight, the staged sends of the first batches are packed into
-   this rank's own staging pool (nothing a peer or the destination sees);
-3. the messages, in the schedule's posting program (``Schedule.batches``): one
-   ``batch_isend_irecv`` per round, every message under one tag. NCCL matches the messages of a
-   pair by posting order alone, and so does gloo when every tag is the same — so CI on gloo runs
+   the schedule is cached per (both layouts' digests, rank, budget, what of the group's
+   transport shapes it — which ranks can read each other's memory), so a repeated switch (the
+   RL loop's every iteration) only re-checks the buffers;
+2. one small all-gather of (error flag, plan digest, a signed sum of the per-peer digests), by
+   the group's transport (``Transport.start_agreement``): if every rank is fine and they agree,
+   go; otherwise one ``all_gather_object`` of (plan digest, per-peer digests, error) and *every*
+   rank raises the same ``MoveError`` — before a byte has moved. While the gather is in flight,
+   the staged sends of the first batches are packed into this rank's own staging pool (nothing
+   a peer or the destination sees);
+3. the messages, in the schedule's posting program (``Schedule.batches``): one batch per round
+   (``Transport.batch``), every message under one tag. NCCL matches the messages of a pair by
+   posting order alone, and so does gloo when every tag is the same — so CI on gloo runs
    exactly the discipline a GPU needs, and a pair whose two ends posted in different orders
    fails (or corrupts) on CPU too. The posting order and every message's size are part of the
-   agreement (step 2), so ends that would not match refuse before a byte moves. Messages that
-   are one contiguous range of the buffers on this rank's side go straight from/into them (zero
-   copy); a staged step is packed into the staging pool (``Schedule.staged``, never over the
-   budget) just before its batch is posted, and a batch whose staged steps need pool space
-   first waits for the oldest staged steps (``StagedStep.retire``). (Until issue 13 every
-   direct message was posted at once under its own tag and the staged ones after: the two ends
-   of a message staged on one side only were posted at different places — fine on gloo, a
-   mis-match on NCCL — and that was no faster: ``tests/test_posting_order.py``, README);
-   Between ranks of one host a direction may instead be one or a few *read messages*
-   (``same_host.py``): the receiver copies the pieces out of the sender's buffers and packed
-   block straight into its destination views, with nothing to unpack — and where the sender's
-   buffers are in shared memory, out of its mapped views, with nothing packed (mapped reads);
-   with the board of step 2, the offers of those go with the agreement (``_Bound.offer_on_board``)
-   and they cross no gloo message at all.
+   agreement (step 2), so ends that would not match refuse before a byte moves
+   (``tests/test_posting_order.py``). Messages that are one contiguous range of the buffers on
+   this rank's side go straight from/into them (zero copy); a staged step is packed into the
+   staging pool (``Schedule.staged``, never over the budget) just before its batch is posted,
+   and a batch whose staged steps need pool space first waits for the oldest staged steps
+   (``StagedStep.retire``). Where the transport lets a receiver read its sender's memory, a
+   direction may instead be one or a few *read messages* (``schedule._read_chunks``): the
+   receiver copies the pieces out of the sender's buffers and packed block straight into its
+   destination views, with nothing to unpack; the transport says how each is offered and
+   posted (``Transport.move_reads``: with the agreement, where it can).
    The program runs compiled (``Schedule.program``, built once with the cached schedule): per
    message its buffer range or its staging block and copies, per piece two ``as_strided`` views
    and one ``copy_`` — no planning arithmetic in the timed move;
@@ -47,6 +43,11 @@ Every wait has a deadline derived from the bytes it waits for (``Deadlines``). S
 are only read, so a failed move loses no state. A move that fails after the agreement — a peer
 died, or stopped answering — raises ``PeerLost`` on every surviving rank, naming the lost rank(s)
 and what this rank was waiting for (see ``PeerLost``).
+
+How bytes cross between ranks is the group's transport (``Comm.transport``,
+``routing/transport.py``), chosen at the group's first move (``Comm.choose_transport``): plain
+point-to-point, or single copies between ranks of one host (``routing/same_host.py``) where the
+ranks can read each other's memory. The executor reads the same whichever it is.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -67,10 +68,10 @@ from ..vps.layout import Layout, LayoutError
 from ..vps.materialize import torch_dtype
 from ..vps.planner import RankPlan, check_pair, plan_rank
 from ..vps.spec import itemsize
-from .comm import P2P, Comm, as_comm
-from . import same_host as _same_host
-from .same_host import SameHost
+from .comm import Comm, as_comm
 from .schedule import Batch, Schedule, build_schedule, can_read
+from .tags import MESSAGE_TAG
+from .transport import P2P, Transport
 from .verify import DEFAULT_FRACTION, VerifyError, check_mode, verify_move  # noqa: F401 - re-exported
 
 DEFAULT_BUDGET = 64 << 20
@@ -165,16 +166,36 @@ class MoveReport:
     phases: dict = field(default_factory=dict)  # seconds per phase (prepare, agree, pack_ahead, post, local, wait, verify)
     verify: str = "off"
     pieces_verified: int = 0  # pieces this rank checked as their destination (local ones included)
-    same_host_messages: int = 0  # of ``messages``: sent or received as single copies (routing/same_host.py)
+    # the same-host transport's counts for this move (``Transport.counts``; 0 on plain point-to-point)
+    same_host_messages: int = 0  # of ``messages``: sent or received as single copies
     read_messages: int = 0  # of those: read messages (a direction in one or a few reads: schedule._read_chunks)
-    mapped_messages: int = 0  # receives copied through a mapping of the sender's shared memory (same_host)
-    board_messages: int = 0  # read messages (sends and receives) offered on the board, no gloo message (same_host)
+    mapped_messages: int = 0  # receives copied through a mapping of the sender's shared memory
+    board_messages: int = 0  # read messages (sends and receives) offered with the agreement, no gloo message
 
     def __str__(self) -> str:
         return (f"rank {self.rank}: {self.transition}: sent {self.bytes_sent} B, received "
                 f"{self.bytes_received} B (minimum {self.min_bytes_received} B), local {self.bytes_local} B, "
                 f"{self.messages} messages, peak staging {self.peak_staging_bytes} B of "
                 f"{self.budget_bytes} B, {self.seconds * 1e3:.1f} ms")
+
+
+@dataclass(frozen=True)
+class MoveHooks:
+    """Test-only points where a test watches or interferes with one move (``move(hooks=...)``);
+    a real move passes none.
+
+    * ``posting_order(schedule)``: the posting program to use instead of ``schedule.batches``
+      (a deliberately mis-ordered one, which the agreement must refuse);
+    * ``post(peer, send, nbytes)``: called for every message this rank posts, in posting order;
+    * ``staged_receive(chunk, staging)``: called after a staged receive landed and before it is
+      unpacked, with its bytes in the staging pool (to corrupt them in flight)."""
+
+    posting_order: Callable[[Schedule], tuple[Batch, ...]] | None = None
+    post: Callable[[int, bool, int], None] | None = None
+    staged_receive: Callable[[object, torch.Tensor], None] | None = None
+
+
+NO_HOOKS = MoveHooks()
 
 
 @contextmanager
@@ -200,7 +221,8 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
          budget_bytes: int = DEFAULT_BUDGET, ranks_per_node: int | None = None,
          timeout: timedelta = DEFAULT_TIMEOUT, deadline: Deadlines | None = None,
          dry_run: bool = False, verify: str = "off", verify_fraction: float = DEFAULT_FRACTION,
-         verify_seed: int = 0, refuse: str | None = None) -> MoveReport | Schedule:
+         verify_seed: int = 0, refuse: str | None = None,
+         hooks: MoveHooks | None = None) -> MoveReport | Schedule:
     """Move everything ``dst`` wants from ``src``'s buffers into ``dst``'s buffers on this rank.
 
     ``group`` is the default world, a registered group, a bare ``ProcessGroup`` (one formed
@@ -218,6 +240,7 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     ``refuse``: this rank's own reason not to go ahead (what it does next with the moved bytes
     cannot work — e.g. a colocated worker's buffers do not fit the handoff): every rank then
     raises ``MoveError`` in the agreement, before a byte moves.
+    ``hooks``: test-only (``MoveHooks``).
     """
     check_mode(verify, verify_fraction)
     t_start = time.perf_counter()
@@ -230,19 +253,20 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     deadline = deadline or DEFAULT_DEADLINES
     if deadline.ceiling_s is None:
         deadline = replace(deadline, ceiling_s=(timeout or DEFAULT_TIMEOUT).total_seconds())
+    hooks = hooks or NO_HOOKS
+    transport = None
     if not dry_run:
-        # messages between ranks of one host as single copies (routing/same_host.py): found once
-        # per group, by every rank here, before planning (which pairs read each other shapes the
-        # messages) and before the agreement
+        # the group's transport: chosen once per group, by every rank here (a collective at the
+        # group's first move), before planning (which pairs read each other shapes the messages)
+        # and before the agreement
         try:
-            _waiting(comm.use_same_host_copies, deadline.arrival,
-                     "same-host probe (two gathers of 24-56 B per rank)", None)
+            transport = _waiting(comm.choose_transport, deadline.arrival,
+                                 "transport choice (at most two gathers of 24-56 B per rank)", None)
         except _WaitFailed as f:
             raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     schedule, error = None, None
     try:
-        schedule = prepare(src, dst, rank, src_buffers, dst_buffers, budget_bytes, ranks_per_node,
-                           None if dry_run else comm.same_host)
+        schedule = prepare(src, dst, rank, src_buffers, dst_buffers, budget_bytes, ranks_per_node, transport)
     except (LayoutError, ValueError, KeyError) as e:
         error = f"{type(e).__name__}: {e}"
     if refuse and error is None:
@@ -252,8 +276,8 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
             raise MoveError(error)
         return schedule
     batches = schedule.batches if schedule else ()
-    if schedule and POSTING_ORDER_HOOK is not None:  # test-only: see POSTING_ORDER_HOOK
-        batches = POSTING_ORDER_HOOK(schedule)
+    if schedule and hooks.posting_order is not None:
+        batches = hooks.posting_order(schedule)
     t_prep = time.perf_counter()
 
     def agree(meanwhile=None):
@@ -263,15 +287,10 @@ def move(src: Layout, dst: Layout, src_buffers: Mapping[str, torch.Tensor],
     try:
         if schedule is None or error is not None:
             agree()  # raises MoveError on every rank
-        near = comm.same_host
-        before = ((near.messages, near.read_messages, near.mapped_messages, near.board_messages)
-                  if near is not None else None)
-        report = _run(schedule, batches, src_buffers, dst_buffers, comm, deadline, agree)
-        if near is not None:
-            report.same_host_messages = near.messages - before[0]
-            report.read_messages = near.read_messages - before[1]
-            report.mapped_messages = near.mapped_messages - before[2]
-            report.board_messages = near.board_messages - before[3]
+        before = transport.counts()
+        report = _run(schedule, batches, src_buffers, dst_buffers, comm, deadline, agree, hooks)
+        for name, n in transport.counts().items():
+            setattr(report, name, n - before[name])
     except _WaitFailed as f:
         raise _lost(f, comm, src, dst, deadline, time.perf_counter() - t_start) from None
     report.phases = dict(prepare=t_prep - t_start, **report.phases)
@@ -289,14 +308,15 @@ _SCHEDULE_CACHE = 64
 
 
 def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budget_bytes: int,
-            ranks_per_node: int | None = None, same_host: SameHost | None = None) -> Schedule:
+            ranks_per_node: int | None = None, transport: Transport | None = None) -> Schedule:
     """This rank's schedule, after checking the layouts and the buffers. Schedules are cached
-    per (source digest, destination digest, rank, budget, ranks per node, which ranks read
-    which): a layout's digest covers everything it says, so an equal key means an equal plan;
-    the buffers are checked on every call. ``same_host``: the group's same-host copies, where
-    directions between ranks that read each other travel as read messages (``read_directions``)."""
+    per (source digest, destination digest, rank, budget, ranks per node, what of the transport
+    shapes it): a layout's digest covers everything it says, so an equal key means an equal
+    plan; the buffers are checked on every call. ``transport``: the group's, where directions
+    between ranks that read each other travel as read messages (``read_directions``); None:
+    none do."""
     key = (src.digest, dst.digest, rank, budget_bytes, ranks_per_node,
-           (tuple(same_host.can_read), same_host.min_bytes) if same_host is not None else None)
+           transport.schedule_key if transport is not None else None)
     schedule = _SCHEDULES.get(key)
     if schedule is None:
         check_pair(src, dst)
@@ -307,7 +327,7 @@ def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budge
                     + _check_buffers("destination", dst, rank, dst_buffers))
     if schedule is None:
         src_dtypes = {n: b.dtype for n, b in src.buffers(rank).items()}
-        reads = read_directions(src, plan, same_host) if same_host is not None else frozenset()
+        reads = read_directions(src, plan, transport) if transport is not None else frozenset()
         schedule = build_schedule(plan, budget_bytes, src_dtypes, reads)
         schedule.staged, schedule.batches, schedule.message_digests, schedule.program  # once, here, not in the timed move
         _SCHEDULES[key] = schedule
@@ -318,9 +338,9 @@ def prepare(src: Layout, dst: Layout, rank: int, src_buffers, dst_buffers, budge
     return schedule
 
 
-def read_directions(src: Layout, plan: RankPlan, same_host: SameHost) -> frozenset[tuple[int, int]]:
+def read_directions(src: Layout, plan: RankPlan, transport: Transport) -> frozenset[tuple[int, int]]:
     """The (sender, receiver) directions of this rank's pairs that travel as read messages: the
-    receiver can read the sender's memory, they carry at least ``same_host.min_bytes``, the
+    receiver can read the sender's memory, they carry at least ``transport.min_read_bytes``, the
     sender's buffers hold the wire dtype (a read takes its bytes as they are) and every
     destination run is long enough (``schedule.can_read``). Both ends of a direction decide from
     the same facts (the gathered verdicts, the transfers, the source layout), so they agree."""
@@ -329,9 +349,9 @@ def read_directions(src: Layout, plan: RankPlan, same_host: SameHost) -> frozens
         by_direction.setdefault((t.src, t.dst), []).append(t)
     out = set()
     for (sender, receiver), transfers in by_direction.items():
-        if not same_host.reads(sender, receiver):
+        if not transport.reads(sender, receiver):
             continue
-        if sum(t.box.numel * itemsize(t.dtype) for t in transfers) < same_host.min_bytes:
+        if sum(t.box.numel * itemsize(t.dtype) for t in transfers) < transport.min_read_bytes:
             continue
         dtypes = {n: b.dtype for n, b in src.buffers(sender).items()}
         if all(dtypes[t.src_buffer] == t.dtype for t in transfers) and can_read(transfers):
@@ -451,8 +471,8 @@ def _agree(plan: RankPlan | None, pair_digests: dict[int, int], error: str | Non
     it is in (the work then stops: it must not delay the posting)."""
     rank, world = comm.rank, comm.size
     what = f"agreement gather ({4 * 8} B per rank)"
-    finish = _waiting(lambda t: comm.start_agreement(_agreement_row(plan, pair_digests, error, rank)),
-                      deadline.arrival, what, None)
+    row = _agreement_row(plan, pair_digests, error, rank)
+    finish = _waiting(lambda t: comm.transport.start_agreement(comm, row), deadline.arrival, what, None)
     if meanwhile is not None:
         meanwhile(finish.done)
     rows = _waiting(finish, deadline.arrival, what, None)
@@ -498,28 +518,24 @@ def _view(buffers, name: str, offset: int, shape, strides) -> torch.Tensor:
     return torch.as_strided(buf, shape, strides, buf.storage_offset() + offset)
 
 
-# test-only (tests/verify_jobs.py): called with (chunk, staging bytes) after a staged receive
-# landed and before it is unpacked — a test sets it to corrupt bytes in flight. Never set otherwise.
-STAGED_RECEIVE_HOOK = None
-
-
-_NOTHING = torch.empty(0, dtype=torch.uint8)
-
-
 class _Bound:
     """This move's buffers and staging pool, for the compiled program's copies: one
     ``as_strided`` view per side of a copy, nothing else per piece."""
 
-    __slots__ = ("src", "dst", "pool", "typed", "same_host", "rank", "where", "on_board")
+    __slots__ = ("src", "dst", "pool", "typed", "staged_receive")
 
-    def __init__(self, src_buffers, dst_buffers, pool, same_host=None, rank: int = -1):
+    def __init__(self, src_buffers, dst_buffers, pool, staged_receive=None):
         self.src = {n: (t, t.storage_offset()) for n, t in src_buffers.items()}
         self.dst = {n: (t, t.storage_offset()) for n, t in dst_buffers.items()}
         self.pool = pool
         self.typed: dict[str, torch.Tensor] = {}
-        self.same_host, self.rank = same_host, rank
-        self.where: dict[str, tuple[int, ...]] = {}  # per source buffer: where peers can map it
-        self.on_board: set[int] = set()  # id() of the read messages' sends offered on the board
+        self.staged_receive = staged_receive  # test-only: ``MoveHooks.staged_receive``
+
+    def source(self, name: str) -> torch.Tensor:
+        return self.src[name][0]
+
+    def destination(self, name: str) -> torch.Tensor:
+        return self.dst[name][0]
 
     def _side(self, side, name, offset, strides, shape, dtype):
         if name is None:  # the staging pool, viewed as the transfer's dtype
@@ -534,65 +550,9 @@ class _Bound:
         self._side(self.dst, c.dst_buffer, c.dst_offset, c.dst_strides, c.shape, c.dtype).copy_(
             self._side(self.src, c.src_buffer, c.src_offset, c.src_strides, c.shape, c.dtype))
 
-    def mapped(self, op) -> list[int] | None:
-        """For a read message's send: where the receiver can map each of its source buffers, when
-        it can map them all (``same_host``, mapped reads: nothing is packed); else None."""
-        if self.same_host is None or not self.same_host.maps(self.rank, op.peer):
-            return None
-        out: list[int] = []
-        for n in op.read.sources:
-            w = self.where.get(n)
-            if w is None:
-                w = self.where[n] = _same_host.mapping_of(self.src[n][0])
-            if not w[0]:
-                return None
-            out += w
-        return out
-
     def p2p(self, op, packed: bool = False) -> P2P:
-        """What ``op`` posts: its message tensor, or for a read message its offer (the addresses
-        of the sender's packed block and of its buffers read in place, where each source buffer
-        can be mapped, then the bytes) / the receiver's runs and its destination buffers
-        (``same_host``)."""
-        if op.read is None:
-            return P2P(op.send, self.message(op, packed), op.peer, MESSAGE_TAG)
-        if op.send:
-            if id(op) in self.on_board:  # its offer went with the agreement (``offer_on_board``)
-                return P2P(True, _NOTHING, op.peer, MESSAGE_TAG, _same_host.ON_BOARD)
-            where = self.mapped(op)
-            block = _NOTHING
-            if op.offset >= 0 and where is None:
-                if not packed:
-                    self.pack(op)
-                block = self.pool[op.offset:op.offset + op.chunk.packed]
-            return P2P(True, block, op.peer, MESSAGE_TAG, torch.tensor(self.offer(op, where, block), dtype=torch.int64))
-        return P2P(False, _NOTHING, op.peer, MESSAGE_TAG, (op.read, tuple(self.dst[n][0] for n in op.read.dst_names)))
-
-    def offer(self, op, where: list[int] | None, block: torch.Tensor = _NOTHING) -> list[int]:
-        """A read message's offer: the addresses of the packed block and of the buffers read in
-        place, where each source buffer can be mapped (zeros: nowhere), the bytes."""
-        out = [block.data_ptr() if block.numel() else 0]
-        out += [self.src[n][0].data_ptr() for n in op.read.in_place]
-        out += where or [0] * (_same_host.MAP_FIELDS * len(op.read.sources))
-        return out + [op.nbytes]
-
-    def offer_on_board(self, sends) -> None:
-        """Where the group has a board (``same_host._Board``): write the offers of this rank's read
-        messages' ``sends`` (in posting order) there for the next agreement to publish — each one
-        whose sources the receiver maps (nothing to pack: ready now), the others marked as offered
-        over gloo — and remember which."""
-        board = self.same_host.board if self.same_host is not None else None
-        if board is None:
-            return
-        offers: dict[int, list[list[int] | None]] = {}
-        ids = set()
-        for op in sends:
-            where = self.mapped(op)
-            offers.setdefault(op.peer, []).append(None if where is None else self.offer(op, where))
-            if where is not None:
-                ids.add(id(op))
-        if offers and board.post_offers(offers):
-            self.on_board = ids
+        """What ``op`` (not a read message: ``Transport.move_reads``) posts: its message tensor."""
+        return P2P(op.send, self.message(op, packed), op.peer, MESSAGE_TAG)
 
     def message(self, op, packed: bool = False) -> torch.Tensor:
         """The tensor ``op`` is sent from / received into (packed first when it is a staged send,
@@ -604,25 +564,22 @@ class _Bound:
             self.pack(op)
         return self.pool[op.offset:op.offset + op.nbytes]
 
+    def packed_block(self, op, packed: bool = False) -> torch.Tensor:
+        """A read message's send: its block of the staging pool (the pieces not read in place),
+        packed first unless it was ``packed`` ahead."""
+        if not packed:
+            self.pack(op)
+        return self.pool[op.offset:op.offset + op.chunk.packed]
+
     def pack(self, op) -> None:
         for c in op.copies:
             self.copy(c)
 
     def unpack(self, op) -> None:
-        STAGED_RECEIVE_HOOK is not None and STAGED_RECEIVE_HOOK(  # test-only: see above
-            op.chunk, self.pool[op.offset:op.offset + op.nbytes])
+        if self.staged_receive is not None:
+            self.staged_receive(op.chunk, self.pool[op.offset:op.offset + op.nbytes])
         for c in op.copies:
             self.copy(c)
-
-
-MESSAGE_TAG = 1 << 20  # every message: one tag, so gloo matches by posting order, as NCCL does
-
-# test-only (tests/test_posting_order.py): called with (peer, send?, bytes) for every message this
-# rank posts, in posting order — a test records both ends of every pair. Never set otherwise.
-POST_HOOK = None
-# test-only: called with the schedule, returns the posting program to use instead of
-# ``schedule.batches`` (a test's deliberately mis-ordered one). Never set otherwise.
-POSTING_ORDER_HOOK = None
 
 
 class _WaitFailed(Exception):
@@ -647,8 +604,9 @@ class _Outstanding:
     """The messages this rank has posted and not yet waited for: what a failure was waiting on,
     and the bytes in flight that each wait's deadline is derived from."""
 
-    def __init__(self, comm: Comm, deadline: Deadlines):
-        self.comm, self.deadline = comm, deadline
+    def __init__(self, comm: Comm, deadline: Deadlines, on_post=None):
+        self.comm, self.transport, self.deadline = comm, comm.transport, deadline
+        self.on_post = on_post  # test-only: ``MoveHooks.post``
         self.works: dict[int, tuple[object, bool, int, int]] = {}  # token -> (work, send?, bytes, peer)
         self.bytes = 0
         self.posted = 0  # tokens handed out (on NCCL the messages of a batch share one work)
@@ -662,11 +620,11 @@ class _Outstanding:
 
     def post_batch(self, ops: list[P2P], sizes: list[int]) -> range:
         """Post ``ops`` (of ``sizes`` bytes) in this order as one batch; tokens to ``wait`` for."""
-        if POST_HOOK is not None:  # test-only: see POST_HOOK
+        if self.on_post is not None:
             for op, n in zip(ops, sizes):
-                POST_HOOK(op.peer, op.send, n)
+                self.on_post(op.peer, op.send, n)
         try:
-            works = self.comm.batch(ops)
+            works = self.transport.batch(self.comm, ops)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError, with its text
             what = self._what(ops[0].send, sizes[0], ops[0].peer) + (
                 f" and {len(ops) - 1} more in its batch" if len(ops) > 1 else "")
@@ -721,7 +679,7 @@ def _copy_local(schedule: Schedule, src_buffers, dst_buffers, bound: _Bound | No
 
 
 def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffers, comm: Comm,
-         deadline: Deadlines, agree=None) -> MoveReport:
+         deadline: Deadlines, agree=None, hooks: MoveHooks = NO_HOOKS) -> MoveReport:
     """Steps 2–5 of the module docstring: ``agree(meanwhile)`` (the agreement; ``None``: none),
     then ``batches`` posted in order, each as one batch; staged steps packed into / unpacked from
     the pool at ``Schedule.staged``'s offsets. Runs the compiled program
@@ -734,14 +692,18 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
     refused move has still written nothing a peer or the destination sees."""
     plan = schedule.plan
     prog = schedule.program if batches is schedule.batches else schedule.compile_program(batches)
-    out = _Outstanding(comm, deadline)
+    out = _Outstanding(comm, deadline, hooks.post)
     t_start = time.perf_counter()
     pool = None
     if prog.pool_on is not None:
         side, name = prog.pool_on
         device = (dst_buffers if side == "dst" else src_buffers)[name].device
         pool = _take_pool(device, prog.pool_bytes, schedule.budget_bytes)  # NCCL needs it on the GPU
-    bound = _Bound(src_buffers, dst_buffers, pool, comm.same_host, comm.rank)
+    bound = _Bound(src_buffers, dst_buffers, pool, hooks.staged_receive)
+    read_ops = [op for batch in prog.batches for op in batch.ops if op.read is not None]
+    # the transport's part in this move's read messages (it holds ``bound``; ``bound`` does not
+    # hold it: no reference cycle keeps the buffers or the pool alive after the move)
+    reading = comm.transport.move_reads(bound) if read_ops else None
     packed: set[int] = set()  # id() of the staged sends packed ahead
     t_pack = 0.0
 
@@ -752,7 +714,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
             if batch.retire:  # its pool blocks are not free yet
                 break
             for op in batch.ops:
-                if op.send and op.step >= 0 and not (op.read is not None and bound.mapped(op)):
+                if op.send and op.step >= 0 and (op.read is None or reading.packs(op)):
                     if done():
                         t_pack = time.perf_counter() - tp
                         return
@@ -760,9 +722,9 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
                     packed.add(id(op))
         t_pack = time.perf_counter() - tp
 
-    read_ops = [op for batch in prog.batches for op in batch.ops if op.read is not None]
     if agree is not None:
-        bound.offer_on_board([op for op in read_ops if op.send])  # before the agreement, which publishes them
+        if read_ops:  # before the agreement, which may carry their offers
+            reading.offer_ahead([op for op in read_ops if op.send])
         agree(pack_ahead)
     t0 = time.perf_counter()
     t_local = 0.0
@@ -781,14 +743,14 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
     inflight: deque = deque()  # staged steps in flight, oldest first: [tokens, staged recv op, size]
     direct: list[int] = []  # tokens of the messages that use no staging
 
-    # read messages' receives first, in one batch: each is copied by this rank's reader of its
-    # sender (``same_host``) as soon as its offer is there — which, on the board, is now — and
-    # waits for no message of this rank's (a direction is all read messages or none, so each
-    # reader's jobs keep their order)
-    reads = [op for op in read_ops if not op.send]
-    if reads:
-        direct += out.post_batch([bound.p2p(op) for op in reads], [op.nbytes for op in reads])
-        messages += len(reads)
+    # read messages' receives first, in one batch: the transport copies each as soon as its
+    # offer is there — which, where the offer went with the agreement, is now — and waits for no
+    # message of this rank's (a direction is all read messages or none, so the receives from one
+    # sender keep their order)
+    read_recvs = [op for op in read_ops if not op.send]
+    if read_recvs:
+        direct += out.post_batch([reading.p2p(op) for op in read_recvs], [op.nbytes for op in read_recvs])
+        messages += len(read_recvs)
 
     def retire():
         nonlocal alive_bytes
@@ -817,7 +779,7 @@ def _run(schedule: Schedule, batches: tuple[Batch, ...], src_buffers, dst_buffer
         for op in batch.ops:
             if op.read is not None and not op.send:
                 continue  # posted above
-            ops.append(bound.p2p(op, id(op) in packed))
+            ops.append(bound.p2p(op, id(op) in packed) if op.read is None else reading.p2p(op, id(op) in packed))
             sizes.append(op.nbytes)
             if op.step >= 0:  # staged on this side: retired with its step
                 rec = records[op.step]

@@ -1,5 +1,9 @@
 """Single-copy messages between processes on one host: Linux cross-memory attach (CMA).
 
+``SameHost`` is a transport (``routing/transport.py``): where the ranks of a gloo group can read
+each other's memory, ``Comm.choose_transport`` gives the group this one instead of plain
+point-to-point, and the executor posts through it as through any other.
+
 gloo sends every byte through a loopback TCP socket: one kernel copy on the sending rank, one on
 the receiving rank, both on the CPU the ranks share (2 cores, 4 ranks here). Between two
 processes of one user on one host the receiver can instead copy the bytes straight out of the
@@ -8,12 +12,12 @@ implementations do for large intra-node messages. Measured on this 2-core box: t
 400 MB messages take 0.09–0.10 s this way against 0.19–0.28 s over gloo.
 
 A message of at least ``MIN_BYTES`` between two ranks that can read each other's memory goes so:
-the sender posts an offer — one gloo message on ``CONTROL_TAG`` saying where its bytes are and
-how many — and a receive of an 8-byte acknowledgement on ``ACK_TAG``; one reader thread per peer on the
-receiving rank takes that peer's offers in order, copies each message into the receive this
-rank posted for it, and acknowledges the offer. The sender's ``Work`` completes with the
-acknowledgement (its bytes may be reused after that: staging, the source after the move), the
-receiver's when its reader has copied. Readers work apart from the main
+the sender posts an offer — one gloo message on ``SAME_HOST_OFFER_TAG`` saying where its bytes
+are and how many — and a receive of an 8-byte acknowledgement on ``SAME_HOST_ACK_TAG``; one
+reader thread per peer on the receiving rank takes that peer's offers in order, copies each
+message into the receive this rank posted for it, and acknowledges the offer. The sender's
+``Work`` completes with the acknowledgement (its bytes may be reused after that: staging, the
+source after the move), the receiver's when its reader has copied. Readers work apart from the main
 thread's waits, so the order in which a rank waits for its messages cannot deadlock two ranks
 that each wait on a send first (a copy does not wait for the receiver's ``wait``, as with gloo).
 
@@ -46,14 +50,16 @@ is ready when the move starts, so the sender writes it on the board before its r
 receiver acknowledges by a count in its own page that the sender sleeps on (``_Board``).
 ``RLHF_SWITCH_SAME_HOST_BOARD=0`` keeps both on gloo.
 
-Which peers a rank can read is found once per process group, by every rank together at its first
-move (``for_group``): each rank shows a random token in its memory (and in a shared-memory page), every rank
-tries to read (and to map) its peers' tokens, and the verdicts are gathered, so both ends of every pair agree on the way each
-message goes. Anything that fails the probe — another host, another PID namespace, a seccomp
-profile without ``process_vm_readv``, a non-Linux system — stays on gloo. Control, acknowledgement
-and failures are gloo's (but for offers on the board): a lost peer closes the connection the
-reader waits on, and the reader reports gloo's text; a board wait checks that its peer still runs. ``RLHF_SWITCH_SAME_HOST_COPY=0`` turns it off (every pair stays on gloo);
-``RLHF_SWITCH_SAME_HOST_MAP=0`` turns mapped reads off (``process_vm_readv`` for everything).
+Which peers a rank can read is found once per process group, by every rank together at its
+first move (``for_group``): each rank shows a random token in its memory (and in a shared-memory
+page), every rank tries to read (and to map) its peers' tokens, and the verdicts are gathered,
+so both ends of every pair agree on the way each message goes. Anything that fails the probe —
+another host, another PID namespace, a seccomp profile without ``process_vm_readv``, a non-Linux
+system — stays on gloo. Control, acknowledgement and failures are gloo's (but for offers on the
+board): a lost peer closes the connection the reader waits on, and the reader reports gloo's
+text; a board wait checks that its peer still runs. ``RLHF_SWITCH_SAME_HOST_COPY=0`` turns it
+off (every pair stays on gloo); ``RLHF_SWITCH_SAME_HOST_MAP=0`` turns mapped reads off
+(``process_vm_readv`` for everything).
 """
 from __future__ import annotations
 
@@ -71,10 +77,11 @@ from datetime import timedelta
 
 import torch
 
+from .tags import MESSAGE_TAG, SAME_HOST_ACK_TAG, SAME_HOST_OFFER_TAG
+from .transport import P2P, MoveReads, Transport
+
 MIN_BYTES = 1 << 20  # below this the two control messages cost more than the copy saves
 MIN_BYTES_ENV = "RLHF_SWITCH_SAME_HOST_MIN_BYTES"  # tests: 1 sends every message this way
-CONTROL_TAG = (1 << 20) - 5  # tags no move's messages use (the executor's are 1 << 20)
-ACK_TAG = (1 << 20) - 3
 ENV = "RLHF_SWITCH_SAME_HOST_COPY"
 MAP_ENV = "RLHF_SWITCH_SAME_HOST_MAP"  # 0: no mapped reads (process_vm_readv for everything)
 BOARD_ENV = "RLHF_SWITCH_SAME_HOST_BOARD"  # 0: the agreement (and read messages' offers) stay on gloo
@@ -406,10 +413,10 @@ class _Reader:
                         self.board.acknowledge(self.peer)
                         continue
                     offer = torch.empty(job.control_numel, dtype=torch.int64)  # where the peer's bytes are
-                    self.comm.irecv(offer, self.peer, CONTROL_TAG).wait()
+                    self.comm.irecv(offer, self.peer, SAME_HOST_OFFER_TAG).wait()
                     self.mapped += job.copy(self.pid, offer.tolist(), self.maps)
                     job.done.set()
-                    self.comm.isend(ack, self.peer, ACK_TAG).wait()
+                    self.comm.isend(ack, self.peer, SAME_HOST_ACK_TAG).wait()
                     continue
                 except Exception as e:  # noqa: BLE001 - gloo's text goes to the waiting rank
                     self.error = f"{type(e).__name__}: {e}"
@@ -647,9 +654,10 @@ class PeerGone(RuntimeError):
         self.peer = peer
 
 
-class SameHost:
-    """Which peers of a gloo group this rank reads from and which read from it; one reader per
-    peer it reads from."""
+class SameHost(Transport):
+    """The transport of a gloo group whose ranks on one host read each other's memory (module
+    docstring): which peers of the group this rank reads from and which read from it; one reader
+    per peer it reads from. Messages it does not take go over gloo as they would without it."""
 
     def __init__(self, comm, pids: list[int], can_read: list[int], min_bytes: int = MIN_BYTES,
                  can_map: list[int] | None = None):
@@ -658,6 +666,7 @@ class SameHost:
         self.pids = pids
         self.can_read = can_read  # per rank: bitmask of the ranks whose memory it can read
         self.can_map = can_map or [0] * len(pids)  # per rank: ... whose shared memory it can map
+        self.schedule_key = (tuple(can_read), min_bytes)  # which directions are read messages
         self._readers: dict[int, _Reader] = {}
         self.board: _Board | None = None  # the agreement in shared memory (``for_group`` sets it)
         self.messages = 0  # posted as same-host copies (sends and receives) so far
@@ -677,9 +686,17 @@ class SameHost:
         receive this rank has waited for)."""
         return sum(self._board_sent.values()) + sum(r.on_board for r in self._readers.values())
 
+    def counts(self) -> dict[str, int]:
+        return {"same_host_messages": self.messages, "read_messages": self.read_messages,
+                "mapped_messages": self.mapped_messages, "board_messages": self.board_messages}
+
     def reads(self, sender: int, receiver: int) -> bool:
         """Whether ``receiver`` can read ``sender``'s memory (the same answer on every rank)."""
         return bool(self.can_read[receiver] >> sender & 1)
+
+    @property
+    def min_read_bytes(self) -> int:
+        return self.min_bytes
 
     def maps(self, sender: int, receiver: int) -> bool:
         """Whether ``receiver`` can map ``sender``'s shared memory (mapped reads; the same answer
@@ -690,6 +707,19 @@ class SameHost:
         """Whether some peer can map this rank's shared memory (``share`` is then worth its copy)."""
         return any(m >> self.rank & 1 for r, m in enumerate(self.can_map) if r != self.rank)
 
+    def start_agreement(self, comm, values: list[int]):
+        """By the group's board where every rank maps every other (``_Board``), else gloo's collective."""
+        if self.board is not None:
+            return self.board.start(values)
+        return comm.start_all_gather_ints(values)
+
+    def move_reads(self, bound) -> _MoveReads:
+        return _MoveReads(self, bound)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()  # peers waiting on this rank's row or acknowledgements stop too
+
     def used(self, op_send: bool, peer: int, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` to / from ``peer`` goes by a same-host copy (both ends
         compute the same answer from the gathered verdicts)."""
@@ -698,7 +728,14 @@ class SameHost:
         receiver, sender = (peer, self.rank) if op_send else (self.rank, peer)
         return bool(self.can_read[receiver] >> sender & 1)
 
-    def post_batch(self, comm, ops) -> list:
+    def batch(self, comm, ops) -> list:
+        """The ops that go by same-host copies (every read message; a message of at least
+        ``min_bytes`` between ranks that read each other) posted first, in order, then the
+        others over gloo, in order."""
+        return [work if work is not None else (comm.isend if op.send else comm.irecv)(op.tensor, op.peer, op.tag)
+                for op, work in zip(ops, self._post_copies(comm, ops))]
+
+    def _post_copies(self, comm, ops) -> list:
         """Post the ops of one batch that go by same-host copies; per op its work, ``None`` for
         those left to gloo. Every send is an offer of its own. (Offering consecutive sends to one
         peer together — one control message and one acknowledgement for several — deadlocked
@@ -736,7 +773,7 @@ class SameHost:
             control = torch.tensor([tensor.data_ptr(), tensor.numel() * tensor.element_size(), *where],
                                    dtype=torch.int64)
         ack = torch.empty(1, dtype=torch.int64)
-        return _SendWork(comm.isend(control, peer, CONTROL_TAG), comm.irecv(ack, peer, ACK_TAG),
+        return _SendWork(comm.isend(control, peer, SAME_HOST_OFFER_TAG), comm.irecv(ack, peer, SAME_HOST_ACK_TAG),
                          (tensor, control, ack))
 
     def _read_slot(self, sender: int) -> tuple[int, int]:
@@ -771,6 +808,81 @@ class SameHost:
         """Wait until ``by`` (``time.monotonic``) at most for the stopped readers to end."""
         for r in self._readers.values():
             r.join(by)
+
+
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+
+
+class _MoveReads(MoveReads):
+    """The read messages of one move on this rank (``SameHost.move_reads``). A send offers
+    the addresses of the sender's packed block and of its buffers read in place, and where the
+    receiver can map each of its source buffers — when it can map them all, nothing is packed,
+    and where the group has a board the offer goes with the agreement (``offer_ahead``); a
+    receive is its runs and this rank's destination buffers, copied by the reader of its sender."""
+
+    __slots__ = ("bound", "near", "on_board", "where")
+
+    def __init__(self, near: SameHost, bound):
+        self.near, self.bound = near, bound
+        self.where: dict[str, tuple[int, ...]] = {}  # per source buffer: where peers can map it
+        self.on_board: set[int] = set()  # id() of the read messages' sends offered on the board
+
+    def mapped(self, op) -> list[int] | None:
+        """For a read message's send: where the receiver can map each of its source buffers, when
+        it can map them all (mapped reads: nothing is packed); else None."""
+        near = self.near
+        if not near.maps(near.rank, op.peer):
+            return None
+        out: list[int] = []
+        for n in op.read.sources:
+            w = self.where.get(n)
+            if w is None:
+                w = self.where[n] = mapping_of(self.bound.source(n))
+            if not w[0]:
+                return None
+            out += w
+        return out
+
+    def packs(self, op) -> bool:
+        return not self.mapped(op)
+
+    def p2p(self, op, packed: bool = False) -> P2P:
+        if op.send:
+            if id(op) in self.on_board:  # its offer went with the agreement (``offer_ahead``)
+                return P2P(True, _NOTHING, op.peer, MESSAGE_TAG, ON_BOARD)
+            where = self.mapped(op)
+            block = _NOTHING
+            if op.offset >= 0 and where is None:
+                block = self.bound.packed_block(op, packed)
+            return P2P(True, block, op.peer, MESSAGE_TAG, torch.tensor(self.offer(op, where, block), dtype=torch.int64))
+        return P2P(False, _NOTHING, op.peer, MESSAGE_TAG,
+                   (op.read, tuple(self.bound.destination(n) for n in op.read.dst_names)))
+
+    def offer(self, op, where: list[int] | None, block: torch.Tensor = _NOTHING) -> list[int]:
+        """A read message's offer: the addresses of the packed block and of the buffers read in
+        place, where each source buffer can be mapped (zeros: nowhere), the bytes."""
+        out = [block.data_ptr() if block.numel() else 0]
+        out += [self.bound.source(n).data_ptr() for n in op.read.in_place]
+        out += where or [0] * (MAP_FIELDS * len(op.read.sources))
+        return out + [op.nbytes]
+
+    def offer_ahead(self, sends) -> None:
+        """Where the group has a board (``_Board``): write the offers of this rank's read
+        messages' ``sends`` (in posting order) there for the next agreement to publish — each one
+        whose sources the receiver maps (nothing to pack: ready now), the others marked as offered
+        over gloo — and remember which."""
+        board = self.near.board
+        if board is None:
+            return
+        offers: dict[int, list[list[int] | None]] = {}
+        ids = set()
+        for op in sends:
+            where = self.mapped(op)
+            offers.setdefault(op.peer, []).append(None if where is None else self.offer(op, where))
+            if where is not None:
+                ids.add(id(op))
+        if offers and board.post_offers(offers):
+            self.on_board = ids
 
 
 _GROUPS: dict[int, tuple[weakref.ref, SameHost | None]] = {}  # id(process group) -> (it, its copies)

@@ -407,8 +407,8 @@ def build_schedule(plan: RankPlan, budget_bytes: int, src_dtypes: dict[str, str]
     return Schedule(plan, budget_bytes, tuple(exchanges), _local_runs(plan.local), biggest_item)
 
 
-# staging copies worth one message less (see _joins). Re-measured for issue 18 (4 gloo ranks, 2
-# cores, README): merging 16 pieces per peer into one packed+unpacked message saves 51 µs per
+# staging copies worth one message less (see _joins). Measured with 4 gloo ranks on 2 cores
+# (README): merging 16 pieces per peer into one packed+unpacked message saves 51 µs per
 # message at 16 KiB pieces, 22 µs at 64 KiB, and loses from 256 KiB up — this is the break-even
 MERGE_BYTES = 128 << 10
 
@@ -468,7 +468,7 @@ def _chunks(transfers: list[Transfer], cap: int, src_dtypes: dict[str, str] | No
 # place when its source runs are at least this long, else the sender packs it first. Every remote
 # run costs page pinning, ~0.5 µs (`python -m bench.cma_runs`: 13 MB between two processes), and
 # packing a 768 B run ~0.06 µs with warm buffers, 2-3x that with the cold sources of a switch; in
-# whole switches (README, issue 18) 4 KiB did as well as 8 or 16 KiB or better. Runs in the
+# whole switches (README) 4 KiB did as well as 8 or 16 KiB or better. Runs in the
 # receiver's own destination views cost ~0.2 µs each: a direction whose destination runs are all
 # at least READ_LOCAL_RUN_BYTES is read straight into place, one with shorter runs stays on
 # per-message copies (shorter runs would also make run tables of millions of rows).

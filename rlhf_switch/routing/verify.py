@@ -51,12 +51,12 @@ import torch
 
 from ..vps.materialize import torch_dtype
 from ..vps.planner import Transfer
-from .comm import P2P
+from .tags import VERIFY_TAG
+from .transport import P2P
 
 Mode = Literal["off", "sample", "full"]
 MODES = ("off", "sample", "full")
 DEFAULT_FRACTION = 0.1
-VERIFY_TAG = (1 << 20) - 7  # not the executor's message tag (MESSAGE_TAG)
 MAX_REPORTED = 8  # mismatches described per rank
 
 
@@ -221,7 +221,7 @@ def verify_move(schedule, src_buffers: Mapping[str, torch.Tensor], dst_buffers: 
             device = dst_buffers[ts[0].dst_buffer].device
             incoming[p] = torch.empty((len(ts), 2), dtype=torch.int64, device=device)
             ops.append(P2P(False, incoming[p], p, VERIFY_TAG))
-    works = comm.batch(ops)  # the ops hold the outgoing tensors alive until sent
+    works = comm.transport.batch(comm, ops)  # the ops hold the outgoing tensors alive until sent
     problems: list[str] = []
     n_bad = 0
     # local pieces while the checksums travel
