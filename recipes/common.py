@@ -37,19 +37,18 @@ class Evaluator:
     """Greedy decoding of the first ``eval.num_prompts`` held-out prompts on the rollout engine
     (whatever weights it holds now), scored with the run's reward (``task`` or ``data``)."""
 
-    def __init__(self, cfg, splits, tokenizer, reward_fn, max_ctx: int):
+    def __init__(self, cfg, splits, tokenizer, reward, max_ctx: int):
         from rlhf_switch.rl.tasks import encode_prompt
 
         self.samples = list(splits.heldout[: cfg.eval.num_prompts])
         self.prompts = [encode_prompt(tokenizer, s.prompt, cfg.algorithm.max_new_tokens, max_ctx) for s in self.samples]
-        self.cfg, self.tok, self.reward_fn = cfg, tokenizer, reward_fn
+        # reward(prompts, responses, answers) -> scores: the run's RewardRunner
+        self.cfg, self.tok, self.reward = cfg, tokenizer, reward
 
     def __call__(self, cluster) -> float:
-        from rlhf_switch.rl.rewards import score_samples
-
         tokens, _ = cluster.generate(self.prompts, [0] * len(self.prompts), self.cfg.algorithm.max_new_tokens, 0.0)
         texts = [self.tok.decode(t) for t in tokens]
-        scores = score_samples(self.reward_fn, [s.prompt for s in self.samples], texts, [s.answer for s in self.samples])
+        scores = self.reward([s.prompt for s in self.samples], texts, [s.answer for s in self.samples])
         return sum(scores) / len(scores)
 
 

@@ -12,14 +12,15 @@ built from it. Each iteration is a fixed sequence of named phases (``Loop.iterat
                 elastic.redundancy: host — the buddies' host copies refreshed; train.offload — the
                 trainer's optimizer state parked in host memory while the rollout runs
     rollout     group_size samples per prompt (then the parked state comes back)
-    reward      the run's reward function on every sample
+    reward      the run's reward function on every sample (in the driver or its reward workers,
+                each call within ``reward_timeout_s``: ``rlhf_switch.reward_workers``)
     advantages  the algorithm's per-sequence advantages (GRPO: group-normalised; PPO: from the
                 critic, inside the update)
     logprobs    the trainer's log-probs of the generated tokens (the old policy), the reference's,
                 PPO's values — and the stale-weights check: the trainer's log-probs must equal the
                 rollout engine's within ``--stale-tol``, else ``StaleWeightsError`` before any update
     update      ``epochs`` passes of optimizer steps (``rlhf_switch.rl.algorithm.Algorithm.update``)
-    record      one line, one JSONL / TensorBoard record, the rollouts
+    record      one line, one record in metrics.jsonl and the logging backends, the rollouts
     checkpoint  every ``checkpoint.save_every`` iterations
     eval        held-out greedy reward before the first iteration, every ``eval.every`` and at the end
 
@@ -129,7 +130,7 @@ class Loop:
         self.faults, self.algorithm = faults, Algorithm.build(cfg.algorithm)
         self.out_dir = Path(cfg.output_dir)
         self.records: list[dict] = []
-        self.cluster = self.log = self.evaluator = None
+        self.cluster = self.log = self.evaluator = self.reward_runner = None
         self.timings: dict[str, float] = {}
 
     # --- output ----------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ class Loop:
             tqdm.write(f"[{self.name}] {msg}")
 
     def emit(self, rec: dict, step: int | None = None) -> None:
-        """A record for the run log (``metrics.jsonl``, TensorBoard) and the caller of ``run``."""
+        """A record for the run log (``metrics.jsonl`` and the logging backends) and the caller of ``run``."""
         self.records.append(rec)
         self.log.write(rec, rec.get("iteration", 0) if step is None else step)
 
@@ -160,10 +161,11 @@ class Loop:
 
     # --- before the first iteration --------------------------------------------------------------
     def start(self, t_start: float) -> None:
-        """The tokenizer, the prompts, the reward function, the warm start and the run log."""
+        """The tokenizer, the prompts, the reward function (its workers started), the run log and the
+        warm start."""
         from rlhf_switch.families import context_length
+        from rlhf_switch.reward_workers import RewardRunner
         from rlhf_switch.rl.data import load_splits
-        from rlhf_switch.rl.rewards import load_reward_fn
         from rlhf_switch.rl.tokenizer import load_tokenizer
 
         cfg = self.cfg
@@ -171,14 +173,17 @@ class Loop:
         self.tok = load_tokenizer(cfg)
         self.splits, read_line = load_splits(cfg, self.tok)  # prompts rendered (chat template), too-long dropped
         self.say(read_line)
-        self.reward_fn = load_reward_fn(cfg.reward_fn)
+        # its workers (if any) start now and import the function while the warm start runs
+        self.reward_runner = RewardRunner(cfg.reward_fn, cfg.reward_workers, cfg.reward_timeout_s, say=self.say)
+        self.say(f"reward: {self.reward_runner!r}")
         hf = cfg.model.hf_dict()
         self.max_ctx, self.eos_id = context_length(hf), hf.get("eos_token_id")
         write_run_config(self.out_dir, cfg)
+        # before the warm start: a logging backend that cannot start (W&B not logged in) is refused first
+        self.log = MetricsLog(self.out_dir, cfg.logging, resume_from=self.first if self.resume_dir is not None else None,
+                              config=cfg.model_dump(mode="json"))
         self.init_dir = warm_start(cfg, self.out_dir / "init", self.quiet)
         self.say(f"warm start: {self.init_dir} ({time.perf_counter() - t_start:.1f} s)")
-        self.log = MetricsLog(self.out_dir, cfg.tensorboard,
-                              resume_from=self.first if self.resume_dir is not None else None)
 
     def build(self, world_cfg, ray, devices, t_start: float) -> None:
         """The actors and engines of the first iteration's world, from the warm start (or the
@@ -193,7 +198,7 @@ class Loop:
                    if self.resume_dir else "")
         self.say(f"{self.cfg.world_size} workers: train {built['trainer']}, rollout {built['rollout']}, "
                  f"{built['params']:,} params; {resumed}ready in {time.perf_counter() - t_start:.1f} s")
-        self.evaluator = Evaluator(self.cfg, self.splits, self.tok, self.reward_fn, self.max_ctx)
+        self.evaluator = Evaluator(self.cfg, self.splits, self.tok, self.reward_runner, self.max_ctx)
 
     # --- one iteration, phase by phase -----------------------------------------------------------
     def iteration(self, it: int, elastic) -> dict:
@@ -269,12 +274,11 @@ class Loop:
         return self.cluster.reload()
 
     def reward(self, roll: Rollout) -> None:
-        """The reward of every sample, shaped by the algorithm (DAPO's overlong punishment)."""
-        from rlhf_switch.rl.rewards import score_samples
-
+        """The decoded responses, scored by the run's reward function (``RewardRunner``: in this
+        process or its workers, every call within ``reward_timeout_s``), shaped by the algorithm
+        (DAPO's overlong punishment)."""
         roll.texts = [self.tok.decode(r) for r in roll.responses]
-        raw = score_samples(self.reward_fn, [s.prompt for s in roll.samples], roll.texts,
-                            [s.answer for s in roll.samples])
+        raw = self.reward_runner([s.prompt for s in roll.samples], roll.texts, [s.answer for s in roll.samples])
         roll.truncated = self.algorithm.truncated(roll.responses, self.eos_id)
         roll.scores = self.algorithm.shape_scores(raw, roll.responses)
 
@@ -430,9 +434,16 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     resume_dir, first = (point[0], point[1] + 1) if point else (None, 0)
     loop = Loop(cfg, iterations, first, resume_dir, stale_tol, quiet, Faults(skip_sync_at, crash_at, phase_hook))
     t_start = time.perf_counter()
-    loop.start(t_start)
-    elastic = ElasticControl(loop)
-    ray, owns_ray = start_ray(cfg, elastic.most_devices(), verbose=verbose)
+    try:
+        loop.start(t_start)
+        elastic = ElasticControl(loop)
+        ray, owns_ray = start_ray(cfg, elastic.most_devices(), verbose=verbose)
+    except BaseException:
+        if loop.log is not None:
+            loop.log.close(ok=False)
+        if loop.reward_runner is not None:  # its workers started first
+            loop.reward_runner.close()
+        raise
     ok = False
     try:
         loop.build(cfg.at_iteration(first), ray, elastic.acquire(ray), t_start)
@@ -449,7 +460,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
         loop.finish()
         ok = True
     finally:
-        loop.log.close()
+        loop.log.close(ok)
+        loop.reward_runner.close()
         elastic.close(graceful=ok)
         if owns_ray:
             ray.shutdown()
@@ -480,7 +492,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="the run's TOTAL number of iterations (0 .. N-1), also with --resume: a resumed run "
                          "stops where the uninterrupted one stops (default: the config's algorithm.iterations)")
     ap.add_argument("--output-dir", metavar="DIR",
-                    help="where checkpoints/, final/, metrics.jsonl, rollouts.jsonl, tensorboard/ and the plot go "
+                    help="where checkpoints/, final/, metrics.jsonl, rollouts.jsonl, tensorboard/ (and wandb/, mlflow.db) "
+                         "and the plot go "
                          "(default: the config's output_dir)")
     ap.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR",
                     help="finish an interrupted run: continue from the newest complete checkpoint of this run "

@@ -1,20 +1,127 @@
-"""The user's view of a run: one JSONL record per iteration (and per evaluation) mirrored to
-TensorBoard, every rollout in ``rollouts.jsonl``, and a PNG of rewards and time per iteration."""
+"""The user's view of a run: one JSONL record per iteration (and per evaluation), mirrored to the
+run's logging backends (``logging: [tensorboard, wandb, mlflow]``), every rollout in
+``rollouts.jsonl``, and a PNG of rewards and time per iteration."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
+from typing import Sequence
+
+
+def scalars(rec: dict, prefix: str = "") -> dict[str, float]:
+    """A record's numbers by name, a nested dict's as ``parent/child`` (``phase_seconds/reward``);
+    bools, strings, lists and the iteration number (the step) left out."""
+    out: dict[str, float] = {}
+    for k, v in rec.items():
+        if isinstance(v, dict):
+            out.update(scalars(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and not (k == "iteration" and not prefix):
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+class TensorBoard:
+    """``<output_dir>/tensorboard``: TensorBoard event files. A resumed run hides the steps it
+    writes again (``purge_step``)."""
+
+    def __init__(self, out_dir: Path, resume_from: int | None, config: dict, name: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_from or None)
+
+    def write(self, values: dict[str, float], step: int) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self, ok: bool) -> None:
+        self.writer.close()
+
+
+class Wandb:
+    """A Weights & Biases run (the ``wandb`` extra): project ``$WANDB_PROJECT`` (default
+    ``rlhf-switch``), named ``$WANDB_NAME`` or after the output directory, its files under
+    ``<output_dir>/wandb``; ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it
+    later). The run config is the W&B run's config. A resumed run is a new W&B run of the same
+    name, from the iteration it resumes at."""
+
+    def __init__(self, out_dir: Path, resume_from: int | None, config: dict, name: str):
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rlhf-switch"),
+                              name=os.environ.get("WANDB_NAME", name), dir=str(out_dir), config=config,
+                              settings=wandb.Settings(console="off"))  # the metrics, not the terminal
+
+    def write(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self, ok: bool) -> None:
+        self.run.finish(exit_code=0 if ok else 1)
+
+
+class MLflow:
+    """An MLflow run (the ``mlflow`` extra): at ``$MLFLOW_TRACKING_URI``, else in
+    ``<output_dir>/mlflow.db`` (SQLite; artifacts in ``<output_dir>/mlartifacts``); experiment
+    ``$MLFLOW_EXPERIMENT_NAME`` (default ``rlhf-switch``), the run named after the output
+    directory, the run config as its parameters (``algorithm.lr``, ...) and as ``config.json``.
+    A resumed run is a new MLflow run of the same name."""
+
+    def __init__(self, out_dir: Path, resume_from: int | None, config: dict, name: str):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out_dir.resolve() / 'mlflow.db'}"
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "rlhf-switch")
+        found = self.client.get_experiment_by_name(experiment)
+        eid = found.experiment_id if found else self.client.create_experiment(
+            experiment, artifact_location=None if os.environ.get("MLFLOW_TRACKING_URI")
+            else (out_dir.resolve() / "mlartifacts").as_uri())
+        self.run_id = self.client.create_run(eid, run_name=name).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in _flat(config).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+        self.client.log_dict(self.run_id, config, "config.json")
+
+    def write(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+
+    def close(self, ok: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# the names ``logging:`` takes -> the backend (what each needs installed: rlhf_switch.problems LOGGING_EXTRAS)
+BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": MLflow}
 
 
 class MetricsLog:
-    """One JSONL record per iteration (and per evaluation), mirrored to TensorBoard.
+    """One JSONL record per iteration (and per evaluation), each also written to every logging
+    backend named (``BACKENDS``; its numbers: ``scalars``).
 
     A new run starts both files empty. A resumed run (``resume_from``: the first iteration it
     runs) first drops every record of iteration ``resume_from`` or later — what the interrupted
     run wrote after its checkpoint, which the resumed run writes again — so each iteration (and
-    each evaluation label) is in the files once; TensorBoard hides those steps (``purge_step``)."""
+    each evaluation label) is in the files once; TensorBoard hides those steps (``purge_step``).
+    ``config``: the run's config (W&B's run config, MLflow's parameters). ``tensorboard``: the
+    old switch (False: no backend), for callers written before ``backends``."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool, resume_from: int | None = None):
+    def __init__(self, out_dir: Path, backends: Sequence[str] = ("tensorboard",), resume_from: int | None = None,
+                 config: dict | None = None, tensorboard: bool | None = None):
         self.path = out_dir / "metrics.jsonl"
         rollouts = out_dir / "rollouts.jsonl"
         for f in (self.path, rollouts):
@@ -22,20 +129,26 @@ class MetricsLog:
                 f.write_text("")
             else:
                 truncate_records(f, resume_from)
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        if tensorboard is not None:
+            backends = ["tensorboard"] if tensorboard else []
+        self.backends = []
+        for name in backends:
+            try:
+                self.backends.append(BACKENDS[name](out_dir, resume_from, config or {}, out_dir.resolve().name))
+            except Exception as e:  # not logged in, a tracking server that does not answer: one line, before Ray
+                from rlhf_switch.rl.config import ConfigError
 
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_from or None)
+                self.close(ok=False)
+                raise ConfigError("logging", [f"logging: {name} did not start: {type(e).__name__}: "
+                                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"]) from e
 
     def write(self, rec: dict, step: int) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        if self.tb is not None:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration":
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+        values = scalars(rec)
+        if values:
+            for backend in self.backends:
+                backend.write(values, step)
 
     def write_rollouts(self, iteration: int, prompts, responses, logprobs, rewards, texts=None) -> None:
         """Every generated sample of the iteration (token ids; ``texts``: the prompts and decoded
@@ -47,18 +160,20 @@ class MetricsLog:
     def drop_rerun(self, iteration: int) -> None:
         """A lost trainer's recovery runs ``iteration`` and the ones after it again: their
         iteration records and rollouts go (the recovery's own record and the elastic events stay),
-        so each iteration is in the files once, as after a ``--resume``."""
+        so each iteration is in the files once, as after a ``--resume``. (The backends keep what
+        they were sent: TensorBoard and MLflow get the re-run's values of those steps too; W&B,
+        whose steps only go up, keeps the first.)"""
         truncate_records(self.path, iteration, keep=lambda rec: not is_iteration_record(rec))
         truncate_records(self.path.parent / "rollouts.jsonl", iteration)
-        if self.tb is not None:  # TensorBoard's view of those steps is rewritten by the re-run
-            self.tb.flush()
 
     def records(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+    def close(self, ok: bool = True) -> None:
+        """Every backend closed (``ok``: the run finished; W&B and MLflow mark it failed if not)."""
+        backends, self.backends = self.backends, []
+        for backend in backends:
+            backend.close(ok)
 
 
 def is_iteration_record(rec: dict) -> bool:

@@ -19,7 +19,9 @@ worked out once: the model's dimensions and whether the actors will see a GPU.
 ``engines``    each phase's engine (a registered name or ``module:Class``) runs that phase's
                layout; offload, handoff and placement options the engines support
 ``device``     the device and compute dtype resolve where the actors run (``rlhf_switch.device``)
-``reward``     the reward function loads and runs on a held-out sample
+``reward``     the reward function loads and runs on a held-out sample, where and within the time
+               the run gives it (``reward_workers``, ``reward_timeout_s``)
+``logging``    every logging backend named (wandb, mlflow: optional extras) is installed
 =============  ==================================================================================
 
 The rules themselves live where their subject does: an engine's in its ``layout_problems``, a
@@ -378,20 +380,46 @@ def _device(cfg: RunConfig, facts: Facts) -> list[str]:
 
 @check("reward")
 def _reward(cfg: RunConfig, facts: Facts) -> list[str]:
-    """The reward function loads; on a config without other problems it is also called once on a
-    held-out sample (the right answer and an empty response), so a function that cannot run is
-    refused before any actor starts."""
+    """The reward function loads where the run will call it (this process, or its worker
+    processes: ``reward_workers``); on a config without other problems it is also called once,
+    as the run calls it, on a held-out sample (the right answer and an empty response), with the
+    run's time limit — so a function that cannot run, or runs too long, is refused before any
+    actor starts."""
+    from .reward_workers import RewardRunner
     from .rl.data import load_splits
-    from .rl.rewards import RewardError, load_reward_fn, score_samples
+    from .rl.rewards import RewardError
 
     try:
-        fn = load_reward_fn(cfg.reward_fn)
-        if not facts.found:
-            s = load_splits(cfg)[0].heldout[0]
-            score_samples(fn, [s.prompt] * 2, [s.answer, ""], [s.answer] * 2)
+        with RewardRunner(cfg.reward_fn, cfg.reward_workers, cfg.reward_timeout_s) as reward:
+            if facts.found:
+                reward.wait_ready()
+            else:
+                s = load_splits(cfg)[0].heldout[0]
+                reward([s.prompt] * 2, [s.answer, ""], [s.answer] * 2)
     except RewardError as e:
         return [f"{cfg.prompt_source}.reward_fn: {e}"]
     return []
+
+
+# a logging backend -> (the extra that installs it, the modules it imports); tensorboard is a main dependency
+LOGGING_EXTRAS = {"wandb": ("wandb", ("wandb",)),
+                  "mlflow": ("mlflow", ("mlflow", "sqlalchemy", "alembic"))}  # SQLite: the local store
+
+
+@check("logging")
+def _logging(cfg: RunConfig, facts: Facts) -> list[str]:
+    """Every logging backend named is installed (wandb and mlflow are optional extras), so that a
+    run is not refused after its warm start."""
+    from importlib.util import find_spec
+
+    problems = []
+    for name in cfg.logging:
+        extra, modules = LOGGING_EXTRAS.get(name, (None, ()))
+        missing = [m for m in modules if find_spec(m) is None]
+        if missing:
+            problems.append(f"logging: {name} needs the {extra} extra ({', '.join(missing)} not installed): "
+                            f"pip install 'rlhf-switch[{extra}]', or leave {name} out of logging")
+    return problems
 
 
 # --- the device: checked before Ray, resolved when the world starts -------------------------------

@@ -89,6 +89,15 @@ def devices(cfg: dict, cuda_available: bool) -> list[str]:
     return device_problems(load_config(cfg), cuda_available)
 
 
+def without(module: str, run: Callable):
+    """``run()`` as if ``module`` were not installed (``find_spec`` and ``import`` find none)."""
+    import sys
+    from unittest import mock
+
+    with mock.patch.dict(sys.modules, {module: None}):
+        return run()
+
+
 def load(cfg: dict) -> None:
     from rlhf_switch.rl.config import load_config
 
@@ -361,6 +370,19 @@ CASES = [
     Bad("reward-missing", "task.reward_fn in a module that does not exist",
         lambda ctx: fit(config(**{"task.reward_fn": "no_such_module_xyz:score"})),
         "task.reward_fn: reward function 'no_such_module_xyz:score': no module named 'no_such_module_xyz'", None),
+    Bad("reward-raises", "a reward function that raises (on the check's held-out sample, in its worker process)",
+        lambda ctx: fit(config(**{"task.reward_fn": "test_loop_inputs:raising_reward"})),
+        "task.reward_fn: reward function test_loop_inputs:raising_reward on sample 0 (prompt='37+32=', "
+        "response='69', answer='69') raised KeyError: 'no such answer table'", None),
+    Bad("reward-timeout", "a reward function that sleeps past task.reward_timeout_s 2",
+        lambda ctx: fit(config(**{"task.reward_fn": "test_loop_inputs:sleeping_reward", "task.reward_timeout_s": 2})),
+        "task.reward_fn: reward function test_loop_inputs:sleeping_reward: its call on sample 0 (prompt='37+32=', "
+        "response='69', answer='69') did not return within 2 s (reward_timeout_s); its worker process was stopped",
+        None),
+    Bad("logging-not-installed", "logging: [wandb] where wandb is not installed",
+        lambda ctx: without("wandb", lambda: fit(config(logging=["tensorboard", "wandb"]))),
+        "logging: wandb needs the wandb extra (wandb not installed): pip install 'rlhf-switch[wandb]', or leave "
+        "wandb out of logging", None),
 ]
 
 

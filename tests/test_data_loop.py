@@ -21,7 +21,7 @@ def test_grpo_on_jsonl_data_from_model_path(ray_session, tmp_path):
 
     model = build_model_dir(tmp_path / "model")
     cfg = yaml.safe_load((REPO / "configs" / "gsm8k_tiny.yaml").read_text())
-    cfg.update(output_dir=str(tmp_path / "run"), tensorboard=False)
+    cfg.update(output_dir=str(tmp_path / "run"), logging=[])
     cfg["model"]["path"] = str(model)
     cfg["data"].update(train_files=[str(REPO / "data/gsm8k_tiny/train.jsonl")],
                        heldout_files=[str(REPO / "data/gsm8k_tiny/test.jsonl")], num_heldout=8)
@@ -47,7 +47,7 @@ def test_grpo_on_jsonl_data_from_model_path(ray_session, tmp_path):
 
 def gsm8k_config(out: Path, model: Path, iterations: int, **blocks) -> dict:
     cfg = yaml.safe_load((REPO / "configs" / "gsm8k_tiny.yaml").read_text())
-    cfg.update(output_dir=str(out), tensorboard=False)
+    cfg.update(output_dir=str(out), logging=[])
     cfg["model"]["path"] = str(model)
     cfg["data"].update(train_files=[str(REPO / "data/gsm8k_tiny/train.jsonl")],
                        heldout_files=[str(REPO / "data/gsm8k_tiny/test.jsonl")], num_heldout=8)
@@ -110,7 +110,7 @@ def test_grpo_raises_heldout_math_accuracy_on_the_real_path(ray_session, tmp_pat
 
     model = build_model_dir(tmp_path / "model")
     cfg = yaml.safe_load((REPO / "configs" / "gsm8k_tiny.yaml").read_text())
-    cfg.update(output_dir=str(tmp_path / "run"), tensorboard=False, checkpoint={"save_every": 0})
+    cfg.update(output_dir=str(tmp_path / "run"), logging=[], checkpoint={"save_every": 0})
     cfg["model"]["path"] = str(model)
     cfg["data"].update(train_files=[str(REPO / "data/gsm8k_tiny/train.jsonl")],
                        heldout_files=[str(REPO / "data/gsm8k_tiny/test.jsonl")])

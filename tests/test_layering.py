@@ -43,8 +43,10 @@ def test_compat_imports_no_third_party_engine_at_module_level():
 LAYERS = {"device": set(), "vps": set(), "routing": {"vps"}, "families": {"vps"}, "models": {"vps", "families"},
           "testing": {"vps", "families", "models", "rl"}, "rl": {"vps", "families", "models"},
           "engines": {"vps", "routing", "families", "models", "rl", "compat", "launch", "device"},
-          # the pre-start checks ask the config, the engines' registry and the device
-          "problems": {"vps", "families", "models", "rl", "engines", "device"},
+          # the reward function's worker processes run rl's rewards
+          "reward_workers": {"rl"},
+          # the pre-start checks ask the config, the engines' registry and the device, and call the reward
+          "problems": {"vps", "families", "models", "rl", "engines", "device", "reward_workers"},
           "elastic": {"vps", "routing", "families", "models", "rl", "compat", "launch", "engines", "device",
                       "problems"},
           # the cost model asks the engine registry which layouts each engine runs (no process group)

@@ -15,6 +15,14 @@ def raising_reward(prompt: str, response: str, answer: str) -> float:
     raise KeyError("no such answer table")
 
 
+def sleeping_reward(prompt: str, response: str, answer: str) -> float:
+    """Past any test's time limit: a run must stop it (``reward_timeout_s``), not wait."""
+    import time
+
+    time.sleep(60)
+    return 1.0
+
+
 def config(name: str = "grpo_tiny_fsdp.yaml", **changes) -> dict:
     """A shipped config with ``changes`` (dotted paths) applied."""
     cfg = yaml.safe_load((REPO / "configs" / name).read_text())

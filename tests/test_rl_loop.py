@@ -40,7 +40,7 @@ def digit_reward(prompt: str, response: str, answer: str) -> float:
 
 def small(config: str, out: Path, world: int = 2, **blocks) -> dict:
     cfg = yaml.safe_load((REPO / "configs" / config).read_text())
-    cfg.update(world_size=world, output_dir=str(out), tensorboard=True)
+    cfg.update(world_size=world, output_dir=str(out), logging=["tensorboard"])
     cfg["model"] = {"dtype": "float32", "hf_config": dict(TINY)}
     cfg.pop("sft", None)  # the seeded initial weights: the learning test covers the warm start
     cfg["algorithm"].update(iterations=3, prompts_per_iteration=2, group_size=4, mini_batch_size=8,

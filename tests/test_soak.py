@@ -106,7 +106,7 @@ def test_grpo_200_iterations_leave_the_actors_flat(tmp_path):
     cfg = small("grpo_tiny_fsdp.yaml", tmp_path / "run", train={"engine": "fsdp2", "dp": 2},
                 rollout={"engine": "torch", "tp": 2, "dp": 1}, reference={"engine": "fsdp2", "dp": 2})
     cfg["algorithm"]["iterations"] = GRPO_ITERATIONS
-    cfg.update(checkpoint={"save_every": 0, "keep": 1}, eval={"every": 0, "num_prompts": 4}, tensorboard=False)
+    cfg.update(checkpoint={"save_every": 0, "keep": 1}, eval={"every": 0, "num_prompts": 4}, logging=[])
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in paths if p != str(REPO)])
     set_vllm_env_defaults()

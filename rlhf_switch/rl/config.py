@@ -52,6 +52,7 @@ EngineName = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][\w.]*(:[A-Z
 # a user's own class or function, imported by name: "package.module:Name"
 USER_CLASS = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 PHASES = ("train", "rollout", "reference", "critic")
+LoggingBackend = Literal["tensorboard", "wandb", "mlflow"]  # recipes/run_log.py BACKENDS
 
 
 class ConfigError(ValueError):
@@ -184,6 +185,10 @@ class TaskConfig(Strict):
     num_heldout: int = Field(200, ge=1)
     seed: int = 0
     reward_fn: str | None = None  # "module:function"; None -> the task's exact match
+    # where it runs (rlhf_switch.reward_workers): 0 = the driver's process; N = N worker processes,
+    # whose calls the timeout stops; None = 0 for the shipped rewards, 1 for any other function
+    reward_workers: int | None = Field(None, ge=0)
+    reward_timeout_s: float = Field(60.0, gt=0)  # the longest one call of it may take
 
     @field_validator("reward_fn")
     @classmethod
@@ -217,6 +222,8 @@ class DataConfig(Strict):
     max_prompt_tokens: int | None = Field(None, ge=1)
     num_heldout: int | None = Field(None, ge=1)
     reward_fn: str = DEFAULT_MATH_REWARD  # "module:function"
+    reward_workers: int | None = Field(None, ge=0)  # as in TaskConfig
+    reward_timeout_s: float = Field(60.0, gt=0)
 
     @field_validator("reward_fn")
     @classmethod
@@ -461,7 +468,10 @@ class RunConfig(Strict):
     # node first; one node when it fits) or spread (across nodes). Either way a rollout replica's
     # tp devices stay on one node (recipes/cluster.py)
     placement: Literal["pack", "spread"] = "pack"
-    tensorboard: bool = True        # metrics also as TensorBoard events in <output_dir>/tensorboard
+    # where each metrics record also goes (recipes/run_log.py): tensorboard (<output_dir>/tensorboard),
+    # wandb (the wandb extra; WANDB_* settings), mlflow (the mlflow extra; MLFLOW_TRACKING_URI, else
+    # <output_dir>/mlflow.db). The old `tensorboard: true|false` is read as [tensorboard] | []
+    logging: list[LoggingBackend] = ["tensorboard"]
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     model: ModelConfig
@@ -478,6 +488,32 @@ class RunConfig(Strict):
     verify: Literal["off", "sample", "full"] = "off"
     verify_fraction: float = Field(0.1, gt=0, le=1)
     elastic: ElasticConfig | None = None  # planned resizes of the run's world (rlhf_switch/elastic)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_tensorboard_switch(cls, data: Any) -> Any:
+        """``tensorboard: true|false`` (before ``logging``; every run directory's config.yaml of
+        that time has it) is ``logging: [tensorboard]`` or ``logging: []``."""
+        if not isinstance(data, Mapping) or "tensorboard" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("tensorboard")
+        if "logging" in data:
+            raise ValueError("tensorboard: the old switch, beside logging — give logging only "
+                             "(logging: [tensorboard] or logging: [])")
+        if not isinstance(old, bool):
+            raise ValueError(f"tensorboard: {old!r} — the old switch is true or false; write logging: [tensorboard] "
+                             f"or logging: []")
+        data["logging"] = ["tensorboard"] if old else []
+        return data
+
+    @field_validator("logging")
+    @classmethod
+    def _each_backend_once(cls, backends: list[str]) -> list[str]:
+        twice = sorted({b for b in backends if backends.count(b) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} named more than once")
+        return backends
 
     def at_iteration(self, iteration: int) -> "RunConfig":
         """The config in force at ``iteration``: the last ``elastic.schedule`` entry at or before
@@ -562,6 +598,16 @@ class RunConfig(Strict):
     def reward_fn(self) -> str:
         """The reward function's ``module:function``, from ``task`` or ``data``."""
         return (self.task or self.data).reward_fn
+
+    @property
+    def reward_workers(self) -> int | None:
+        """The reward function's worker processes (``task`` or ``data``; None: its default)."""
+        return (self.task or self.data).reward_workers
+
+    @property
+    def reward_timeout_s(self) -> float:
+        """The longest one call of the reward function may take (``task`` or ``data``)."""
+        return (self.task or self.data).reward_timeout_s
 
 
 # ---------------------------------------------------------------- loading and error messages

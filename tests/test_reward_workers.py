@@ -1,0 +1,242 @@
+"""The reward function over batches (``rlhf_switch.reward_workers``): batched and per-sample
+functions, in the driver's process and in worker processes; a call that raises, returns a
+non-number, runs past its time limit or kills its worker is refused with one message naming the
+sample; the workers (and what they started) are gone afterwards. Fast: no Ray, no engines."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_switch.reward_workers import RewardRunner, default_workers
+from rlhf_switch.rl.rewards import RewardError, batched, is_batched, score_samples
+
+HERE = "test_reward_workers"  # these functions, as a config names them (tests/ is on every worker's path)
+LONG_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " * 2
+
+
+@batched
+def batch_sizes(prompts, responses, answers):
+    """Each score: the response as a number plus 1000 × the size of the list this call got."""
+    assert all(isinstance(x, list) for x in (prompts, responses, answers)), "a batched function gets lists"
+    return [float(r) + 1000 * len(responses) for r in responses]
+
+
+def digit(prompt, response, answer):
+    return float(response)
+
+
+def raises_on_x(prompt, response, answer):
+    if response == "x":
+        raise KeyError("no such answer table")
+    return 0.0
+
+
+@batched
+def wrong_length(prompts, responses, answers):
+    return [1.0]
+
+
+def sleeps_on_slow(prompt, response, answer):
+    if response == "slow":
+        time.sleep(60)
+    return 1.0
+
+
+def hangs_with_a_child(prompt, response, answer):
+    """Starts a process that outlives nothing: its pid in the answer's file, then hangs."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])
+    Path(answer).write_text(str(child.pid))
+    time.sleep(300)
+    return 1.0
+
+
+def exits(prompt, response, answer):
+    os._exit(3)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a killed child not yet reaped by its (killed) parent is a zombie until init takes it
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def _gone(pids, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _pids(runner: RewardRunner) -> list[int]:
+    return [w.process.pid for w in runner._pool]
+
+
+RESPONSES = [str(i) for i in range(10)]
+
+
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_a_batched_function_gets_lists_and_its_scores_are_used_in_order(workers):
+    assert is_batched(batch_sizes) and not is_batched(digit)
+    with RewardRunner(f"{HERE}:batch_sizes", workers=workers) as reward:
+        scores = reward(["p"] * 10, RESPONSES, ["a"] * 10)
+    # one call over the batch, or one per worker over contiguous parts of 4, 3 and 3 samples
+    sizes = {0: [10] * 10, 1: [10] * 10, 3: [4] * 4 + [3] * 6}[workers]
+    assert scores == [i + 1000.0 * n for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_per_sample_function_still_works(workers):
+    with RewardRunner(f"{HERE}:digit", workers=workers) as reward:
+        assert reward(["p"] * 10, RESPONSES, ["a"] * 10) == [float(i) for i in range(10)]
+        assert reward(["p"], ["7"], ["a"]) == [7.0]  # the workers stay for the next batch
+        assert reward([], [], []) == []
+
+
+def test_the_shipped_rewards_run_in_the_driver_others_in_a_worker():
+    assert default_workers("rlhf_switch.rl.rewards:exact_match") == 0
+    assert default_workers(f"{HERE}:digit") == 1
+    with RewardRunner("rlhf_switch.rl.rewards:exact_match") as reward:
+        assert reward.workers == 0 and reward._pool == []
+        assert reward(["1+1="] * 2, ["2", "3"], ["2", "2"]) == [1.0, 0.0]
+    with RewardRunner(f"{HERE}:digit") as reward:
+        assert reward.workers == 1 and len(reward._pool) == 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reward_that_raises_names_the_sample(workers):
+    reward = RewardRunner(f"{HERE}:raises_on_x", workers=workers)
+    pids = _pids(reward)
+    with pytest.raises(RewardError) as info:
+        reward(["p0", "p1", LONG_PROMPT, "p3"], ["a", "b", "x", "d"], ["0", "1", "2", "3"])
+    message = str(info.value)
+    assert message.startswith(f"reward function {HERE}:raises_on_x on sample 2 (prompt="), message
+    assert f"prompt={LONG_PROMPT[:80]!r}... ({len(LONG_PROMPT)} chars), response='x', answer='2')" in message
+    assert "raised KeyError: 'no such answer table' (test_reward_workers.py:" in message
+    assert "\n" not in message  # one line
+    assert _gone(pids)
+    if workers:  # a pool that failed is closed: later calls are refused, not silently rerun
+        with pytest.raises(RewardError, match="its workers were stopped after an earlier error"):
+            reward(["p"], ["a"], ["a"])
+    reward.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_batched_reward_of_the_wrong_length_is_refused(workers):
+    with RewardRunner(f"{HERE}:wrong_length", workers=workers) as reward:
+        with pytest.raises(RewardError, match=r"\(batched\) on samples 0\.\.2, the first sample 0 "
+                                              r"\(prompt='p', response='r', answer='a'\) returned 1 scores for 3 samples"):
+            reward(["p"] * 3, ["r"] * 3, ["a"] * 3)
+
+
+def test_a_reward_past_its_time_limit_is_stopped_at_the_limit_and_progress_is_said():
+    said: list[str] = []
+    reward = RewardRunner(f"{HERE}:sleeps_on_slow", workers=2, timeout_s=2.0, say=said.append, progress_every_s=0.5)
+    reward.wait_ready()  # the workers' start-up is not the call's time
+    pids = _pids(reward)
+    t0 = time.monotonic()
+    with pytest.raises(RewardError) as info:
+        reward(["p0", "p1", "p2", "p3"], ["a", "b", "slow", "d"], ["q"] * 4)
+    took = time.monotonic() - t0
+    assert 2.0 <= took < 2.0 + 5.0, took  # the limit, its polling and the kill (slack for a loaded machine)
+    assert str(info.value) == (f"reward function {HERE}:sleeps_on_slow: its call on sample 2 (prompt='p2', "
+                               f"response='slow', answer='q') did not return within 2 s (reward_timeout_s); its "
+                               f"worker process was stopped")
+    assert said and said[0].startswith("reward: 2/4 samples scored after "), said  # the other worker's two
+    assert _gone(pids)
+
+
+@batched
+def sleeps_batched(prompts, responses, answers):
+    time.sleep(60)
+    return [1.0] * len(prompts)
+
+
+def test_a_batched_call_past_its_time_limit_names_its_samples():
+    reward = RewardRunner(f"{HERE}:sleeps_batched", workers=2, timeout_s=1.0)
+    reward.wait_ready()
+    with pytest.raises(RewardError, match=rf"^reward function {HERE}:sleeps_batched: its batched call on samples "
+                                          rf"(0\.\.1|2\.\.3), the first sample (0|2) \(prompt='p[02]', response='r', "
+                                          rf"answer='a'\) did not return within 1 s"):
+        reward(["p0", "p1", "p2", "p3"], ["r"] * 4, ["a"] * 4)
+    assert _gone(_pids(reward))
+
+
+def test_in_the_driver_a_call_over_the_limit_is_refused_when_it_returns():
+    def slowish(prompt, response, answer):
+        time.sleep(0.3)
+        return 1.0
+
+    with pytest.raises(RewardError, match=r"on sample 0 \(prompt='p'.*took 0\.\d s, over the limit of 0\.1 s"):
+        score_samples(slowish, ["p"], ["r"], ["a"], timeout_s=0.1)
+
+
+def test_what_a_stopped_reward_started_is_stopped_too(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    reward = RewardRunner(f"{HERE}:hangs_with_a_child", workers=1, timeout_s=3.0)
+    reward.wait_ready()
+    pids = _pids(reward)
+    with pytest.raises(RewardError, match="did not return within 3 s"):
+        reward(["p"], ["r"], [str(pid_file)])
+    child = int(pid_file.read_text())
+    assert _gone(pids + [child]), "the worker's own child outlived it"
+
+
+def test_a_worker_that_dies_is_named_with_its_sample():
+    with pytest.raises(RewardError, match=rf"reward function {HERE}:exits: its worker process exited with code 3 "
+                                          rf"while scoring sample 0 \(prompt='p'"):
+        RewardRunner(f"{HERE}:exits", workers=1)(["p"], ["r"], ["a"])
+
+
+def test_a_function_that_does_not_load_in_the_worker():
+    with pytest.raises(RewardError, match=f"reward function '{HERE}:nope': '{HERE}' has no attribute 'nope'"):
+        RewardRunner(f"{HERE}:nope", workers=1).wait_ready()
+
+
+def test_closing_leaves_no_process():
+    reward = RewardRunner(f"{HERE}:digit", workers=2)
+    assert reward(["p"] * 3, ["1", "2", "3"], ["a"] * 3) == [1.0, 2.0, 3.0]
+    pids = _pids(reward)
+    assert all(_alive(p) for p in pids)
+    reward.close()
+    assert _gone(pids, within_s=3.0)
+    reward.close()  # twice is fine
+
+
+def test_the_pre_start_check_calls_the_reward_as_the_run_does():
+    """The ``reward`` check runs the function where the run will (a worker, here) and with the
+    run's limit: a reward that raises, or hangs, is refused before anything starts."""
+    from rlhf_switch.problems import run_problems
+    from rlhf_switch.rl.config import load_config
+    from test_loop_inputs import config
+
+    ok = load_config(config(**{"task.reward_fn": f"{HERE}:batch_sizes_of_answers", "task.reward_timeout_s": 30}))
+    assert run_problems(ok) == []
+    slow = load_config(config(**{"task.reward_fn": f"{HERE}:sleeps_on_empty", "task.reward_timeout_s": 1}))
+    t0 = time.monotonic()
+    (problem,) = run_problems(slow)
+    assert time.monotonic() - t0 < 30
+    assert problem.startswith(f"task.reward_fn: reward function {HERE}:sleeps_on_empty: its call on sample 1 "), problem
+    assert "did not return within 1 s (reward_timeout_s)" in problem
+
+
+@batched
+def batch_sizes_of_answers(prompts, responses, answers):
+    assert isinstance(responses, list) and len(responses) == 2  # the check's two samples, in one call
+    return [float(r == a) for r, a in zip(responses, answers)]
+
+
+def sleeps_on_empty(prompt, response, answer):
+    if response == "":  # the check's second sample
+        time.sleep(60)
+    return 1.0
