@@ -35,7 +35,8 @@ def warm_start(cfg, out_dir: Path, quiet: bool = False) -> Path:
 
 class Evaluator:
     """Greedy decoding of the first ``eval.num_prompts`` held-out prompts on the rollout engine
-    (whatever weights it holds now), scored with the run's reward (``task`` or ``data``)."""
+    (whatever weights it holds now), scored with the run's reward (``task`` or ``data``); the
+    last call's responses stay in ``responses`` (a reward model scores them too)."""
 
     def __init__(self, cfg, splits, tokenizer, reward_fn, max_ctx: int):
         from rlhf_switch.rl.tasks import encode_prompt
@@ -48,6 +49,7 @@ class Evaluator:
         from rlhf_switch.rl.rewards import score_samples
 
         tokens, _ = cluster.generate(self.prompts, [0] * len(self.prompts), self.cfg.algorithm.max_new_tokens, 0.0)
+        self.responses = tokens
         texts = [self.tok.decode(t) for t in tokens]
         scores = score_samples(self.reward_fn, [s.prompt for s in self.samples], texts, [s.answer for s in self.samples])
         return sum(scores) / len(scores)

@@ -12,7 +12,8 @@ built from it. Each iteration is a fixed sequence of named phases (``Loop.iterat
                 elastic.redundancy: host — the buddies' host copies refreshed; train.offload — the
                 trainer's optimizer state parked in host memory while the rollout runs
     rollout     group_size samples per prompt (then the parked state comes back)
-    reward      the run's reward function on every sample
+    reward      the run's reward function on every sample; with ``reward.model_path`` also the
+                reward model's score in the workers (``rule_weight·rule + model_weight·model``)
     advantages  the algorithm's per-sequence advantages (GRPO: group-normalised; PPO: from the
                 critic, inside the update)
     logprobs    the trainer's log-probs of the generated tokens (the old policy), the reference's,
@@ -96,6 +97,7 @@ class Rollout:
     logprobs: list = field(default_factory=list)   # the rollout engine's, per generated token
     texts: list = field(default_factory=list)      # the decoded responses
     scores: list = field(default_factory=list)     # the reward of each sequence
+    reward_parts: dict = field(default_factory=dict)  # each source's mean, when there are several
 
 
 class Loop:
@@ -246,6 +248,25 @@ class Loop:
         roll.texts = [self.tok.decode(r) for r in roll.responses]
         roll.scores = score_samples(self.reward_fn, [s.prompt for s in roll.samples], roll.texts,
                                     [s.answer for s in roll.samples])
+        if self.cfg.reward is not None:
+            self.model_reward(roll)
+
+    def model_reward(self, roll: Rollout) -> None:
+        """The reward model's score of every sequence (``HybridWorker.reward_scores``: each DP rank
+        of its engine scores its share), combined with the rule's: ``rule_weight·rule +
+        model_weight·model`` (docs/reward-models.md). Both means are recorded."""
+        r = self.cfg.reward
+        model = self.model_scores(roll.prompts, roll.responses)
+        n = len(roll.scores)
+        roll.reward_parts = {"rule_reward_mean": sum(roll.scores) / n, "model_reward_mean": sum(model) / n}
+        roll.scores = [r.rule_weight * a + r.model_weight * m for a, m in zip(roll.scores, model)]
+
+    def model_scores(self, prompts: list, responses: list) -> list[float]:
+        """The reward model's score of each ``prompts[i] + responses[i]``, in order."""
+        shares = {}
+        for out in self.cluster.all("reward_scores", {"prompts": prompts, "responses": responses}, desc="reward model"):
+            shares.setdefault(out["dp_rank"], out["scores"])
+        return [x for k in sorted(shares) for x in shares[k]]
 
     def advantages(self, roll: Rollout) -> dict:
         """The batch every trainer rank gets: the sequences, the rollout engine's log-probs and
@@ -287,11 +308,17 @@ class Loop:
             self.say(f"checkpoint {root / f'step_{it + 1}'} ({s:.1f} s)")
 
     def evaluate(self, it: int, when: str) -> None:
-        """Held-out greedy reward with the rollout engine's current weights."""
+        """Held-out greedy reward with the rollout engine's current weights (and the reward
+        model's score of the same responses, where the run has one)."""
         t0 = time.perf_counter()
         r = self.evaluator(self.cluster)
-        self.emit({"iteration": it, "heldout_reward": r, "eval": when, "eval_seconds": time.perf_counter() - t0}, it)
-        self.say(f"held-out greedy reward {when} iteration {it}: {r:.3f} ({len(self.evaluator.prompts)} prompts)")
+        rec = {"iteration": it, "heldout_reward": r, "eval": when}
+        if self.cfg.reward is not None:  # the reward model's mean score of the same greedy responses
+            scores = self.model_scores(self.evaluator.prompts, self.evaluator.responses)
+            rec["heldout_model_reward"] = sum(scores) / len(scores)
+        self.emit({**rec, "eval_seconds": time.perf_counter() - t0}, it)
+        model = f", reward model {rec['heldout_model_reward']:.3f}" if "heldout_model_reward" in rec else ""
+        self.say(f"held-out greedy reward {when} iteration {it}: {r:.3f}{model} ({len(self.evaluator.prompts)} prompts)")
 
     # --- after the last iteration ----------------------------------------------------------------
     def finish(self) -> None:
@@ -313,7 +340,7 @@ def run_metrics(it, roll, sync, copied, off, back, gen_s, checked, stats, peak, 
     stale = max(s["stale_logprob_diff"] for s in checked)
     n_tokens = sum(len(r) for r in roll.responses)
     first = stats[0] if stats else {}
-    rec = {"iteration": it, "reward_mean": sum(roll.scores) / len(roll.scores)}
+    rec = {"iteration": it, "reward_mean": sum(roll.scores) / len(roll.scores), **roll.reward_parts}
     if stats:
         rec.update({k: sum(s[k] for s in stats) / len(stats) for k in ("policy_loss", "kl", "clipfrac")},
                    grad_norm=first["grad_norm"])
