@@ -266,7 +266,8 @@ def run(config_source, steps: int | None = None, output_dir: str | None = None, 
     try:
         world = RewardWorld(cfg, ray, quiet)
         built = world.all("build", cfg.model_dump(), init_from, tok.pad_id, seq_len)
-        say(f"{cfg.world_size} ranks: {built[0]['engine']} ({built[0]['params']:,} params), trunk from "
+        engine = built[0]['engine'].removeprefix('critic ')  # the engines call any value-head model a critic
+        say(f"{cfg.world_size} ranks: {engine} with a value head ({built[0]['params']:,} params), trunk from "
             f"{init_from or 'the seeded model'}; ready in {time.perf_counter() - t_start:.1f} s")
         metrics = stack.enter_context((out / "metrics.jsonl").open("w"))
 
