@@ -13,6 +13,9 @@
 - the reference: a training engine of its own (``reference``), the warm-start weights moved in
   through the VPS, frozen;
 - PPO's critic: a training engine whose model has a value head (``actors/critic.py``);
+- a reward model (``reward.model_path``): a value-head training engine of its own layout, its
+  weights moved in from that directory, frozen like the reference; ``reward_scores`` reads it at
+  the last token of every rollout (``actors/reward_model.py``, docs/reward-models.md);
 - a rollout engine of placement ``worker`` (the torch engine): one TP worker per rank, each
   replica's ranks a TP group of this world. Engines of placement ``replica`` (vLLM) live in their
   own actors (``actors/rollout_replica.py``); this worker only sends to them.
@@ -65,6 +68,7 @@ class HybridWorker:
         self._offload = None
         self._cpu_peak = 0  # CPU: the most bytes the trainer's state buffers held since the last mark
         self._prepared = None  # what ``logprobs`` computed for the ``update`` after it
+        self.reward_model = None
         self.device = CPU
 
     def devices_seen(self) -> dict:
@@ -169,6 +173,7 @@ class HybridWorker:
         start = self._load_state(resume_dir or init_dir, weights_only=resume_dir is None)
         load_s = time.perf_counter() - t0
         self._build_reference(cfg, ctx, init_dir)
+        self._build_reward_model(cfg, ctx)
         # PPO: the critic, its trunk from the warm start, its own engine and layout
         self._build_critic(cfg, ctx, init_dir)
         if self.critic is not None and resume_dir is not None:  # its weights, moments, step and LR schedule
@@ -194,6 +199,26 @@ class HybridWorker:
             self.reference = training_engine(cfg.reference.engine).build(cfg.reference, ctx)
             self._load_weights(init_dir, self.reference)
             self.reference.freeze()
+
+    def _build_reward_model(self, cfg: RunConfig, ctx) -> None:
+        """The reward model (None without a ``reward`` block): the value model of its own
+        ``config.json`` in its own engine and layout, the weights of ``reward.model_path`` moved
+        in (``actors.reward_model.reward_model_weights``), frozen."""
+        from dataclasses import replace
+
+        from actors.reward_model import reward_model_weights
+        from rlhf_switch.engines.base import training_engine
+        from rlhf_switch.rl.config import ModelConfig
+
+        self.reward_model = None
+        r = cfg.reward
+        if r is not None:
+            hf = ModelConfig(path=r.model_path).hf_dict()
+            rows = r.micro_batch_size or ctx.outputs_batch or ctx.micro_batch
+            self.reward_model = training_engine(r.engine).build(
+                r, replace(ctx, hf_config=hf, head="value", micro_batch=rows, outputs_batch=rows))
+            self._load_weights(r.model_path, self.reward_model, read=reward_model_weights)
+            self.reward_model.freeze()
 
     def _build_critic(self, cfg: RunConfig, ctx, init_from: str | None) -> None:
         """PPO's critic (None without a ``critic`` block): a value-head engine of its own layout,
@@ -228,18 +253,19 @@ class HybridWorker:
                 context_length(hf), tp_rank=self.tp_rank, group=groups[self.replica],
                 device=self.device))
 
-    def _load_weights(self, path: str, engine) -> None:
+    def _load_weights(self, path: str, engine, read=None) -> None:
         """The weights of the checkpoint at ``path`` into ``engine`` (a VPS move from rank 0's
         whole copy): the reference's starting point. Its forward reads exactly these buffers
         (ZeRO-1/2 bit16 flat groups, ZeRO-3 partitions, FSDP2/DTensor local shards, stages); it
-        never steps, so its fp32 master copy is left alone."""
+        never steps, so its fp32 master copy is left alone. ``read(path, spec)``: rank 0's whole
+        copy (default: ``FullState.load_dir`` of the weights)."""
         from rlhf_switch.engines.full_state import FullState
         from rlhf_switch.engines.train_state import gather_layouts
         from rlhf_switch.routing import move
 
         spec = engine.spec
-        holder = (FullState.load_dir(path, spec, weights_only=True).to(self.device.torch_device()).weights()
-                  if self.rank == 0 else None)
+        read = read or (lambda p, s: FullState.load_dir(p, s, weights_only=True))
+        holder = read(path, spec).to(self.device.torch_device()).weights() if self.rank == 0 else None
         mine = engine.adapter.weights()
         (src, dst), _ = gather_layouts([(spec, holder) if holder else None, (spec, mine)],
                                        ["warm start", f"reference:{engine.name}"])
@@ -547,6 +573,19 @@ class HybridWorker:
         stale = float(((old - rows.rollout_logprobs).abs() * mask).max()) if mask.any() else 0.0
         self._prepared = (rows, OldPolicy(old, ref, values))
         return {"stale_logprob_diff": stale, "logprob_seconds": time.perf_counter() - t0}
+
+    def reward_scores(self, batch: dict) -> dict:
+        """The reward phase's learned part: the reward model's score — its value at the last
+        token — of this rank's DP share of the sequences ``prompts[i] + responses[i]`` (every rank
+        gets them all; ``dp_rank`` says which share came back)."""
+        from actors.reward_model import score_share
+
+        if self.reward_model is None:
+            raise ValueError("reward_scores: this run has no reward model (reward.model_path)")
+        t0 = time.perf_counter()
+        seqs = [list(p) + list(r) for p, r in zip(batch["prompts"], batch["responses"])]
+        scores = score_share(self.reward_model, seqs, self.pad_id, self.device.torch_device())
+        return {"dp_rank": self.reward_model.dp_rank, "scores": scores, "seconds": time.perf_counter() - t0}
 
     def update(self) -> dict:
         """The update phase: the algorithm's optimizer steps on what ``logprobs`` prepared

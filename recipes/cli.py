@@ -4,18 +4,20 @@
                              [--quiet] [--verbose]
     rlhf-switch tune CONFIG [--world-size N] [--device-memory GiB] [--top K] [--out FILE]
                             [--calibrate] [--profile FILE]
+    rlhf-switch rm CONFIG [--steps N] [--output-dir DIR] [--quiet] [--verbose]
 
 ``train`` runs the recipe the config's ``algorithm.name`` names (``recipes.grpo`` or
 ``recipes.ppo``) with the same options as ``python -m recipes.<name>``; ``rlhf-switch train
 --help`` describes them. ``tune`` ranks the config's per-phase layouts by modelled iteration time
-(``recipes.tune``). ``rlhf-switch`` alone prints the usage and exits 2.
+(``recipes.tune``). ``rm`` trains a reward model from preference pairs (``recipes.rm``), which a
+run's ``reward.model_path`` then takes. ``rlhf-switch`` alone prints the usage and exits 2.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-COMMANDS = ("train", "tune")
+COMMANDS = ("train", "tune", "rm")
 DESCRIPTION = "RLHF (GRPO/PPO) over Ray with per-phase layouts switched through the Virtual Parameter Space."
 TRAIN_DESCRIPTION = """\
 Run GRPO or PPO as the config's algorithm.name says (the same as python -m recipes.grpo|ppo).
@@ -29,6 +31,7 @@ Run GRPO or PPO as the config's algorithm.name says (the same as python -m recip
 
 def parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser and its ``train`` sub-parser."""
+    from recipes import rm as rm_recipe
     from recipes import tune as tune_recipe
     from recipes.loop import add_arguments
 
@@ -40,7 +43,10 @@ def parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     tune = sub.add_parser("tune", help="rank per-phase layouts by modelled iteration time (rlhf-switch tune --help)",
                           description=tune_recipe.TUNE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     tune_recipe.add_arguments(tune)
-    ap.commands = {"train": train, "tune": tune}  # each command's own usage, for the one-word errors
+    rm = sub.add_parser("rm", help="train a reward model from preference pairs (rlhf-switch rm --help)",
+                        description=rm_recipe.RM_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rm_recipe.add_arguments(rm)
+    ap.commands = {"train": train, "tune": tune, "rm": rm}  # each command's own usage, for the one-word errors
     return ap, train
 
 
@@ -49,15 +55,17 @@ def main(argv=None) -> int:
     ap, train = parser()
     if not argv:
         ap.print_usage(sys.stderr)
-        print("rlhf-switch: give a command (known: train, tune); rlhf-switch --help for more", file=sys.stderr)
+        print(f"rlhf-switch: give a command (known: {', '.join(COMMANDS)}); rlhf-switch --help for more",
+              file=sys.stderr)
         return 2
     if not argv[0].startswith("-") and argv[0] not in COMMANDS:
         ap.print_usage(sys.stderr)
         print(f"rlhf-switch: unknown command {argv[0]!r} (known: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    if argv in (["train"], ["tune"]):
+    if argv in ([c] for c in COMMANDS):
         ap.commands[argv[0]].print_usage(sys.stderr)
-        print(f"rlhf-switch {argv[0]}: give a config file, e.g. configs/grpo_tiny.yaml (rlhf-switch {argv[0]} --help)",
+        example = "configs/rm_tiny.yaml" if argv[0] == "rm" else "configs/grpo_tiny.yaml"
+        print(f"rlhf-switch {argv[0]}: give a config file, e.g. {example} (rlhf-switch {argv[0]} --help)",
               file=sys.stderr)
         return 2
     try:
@@ -71,6 +79,10 @@ def main(argv=None) -> int:
         from recipes.tune import main_args
 
         return main_args(a)
+    if a.command == "rm":
+        from recipes.rm import run_args as rm_args
+
+        return rm_args(a)
     from rlhf_switch.rl.config import ConfigError, load_config
 
     try:

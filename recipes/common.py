@@ -35,7 +35,8 @@ def warm_start(cfg, out_dir: Path, quiet: bool = False) -> Path:
 
 class Evaluator:
     """Greedy decoding of the first ``eval.num_prompts`` held-out prompts on the rollout engine
-    (whatever weights it holds now), scored with the run's reward (``task`` or ``data``)."""
+    (whatever weights it holds now), scored with the run's reward (``task`` or ``data``); the
+    last call's responses stay in ``responses`` (a reward model scores them too)."""
 
     def __init__(self, cfg, splits, tokenizer, reward, max_ctx: int):
         from rlhf_switch.rl.tasks import encode_prompt
@@ -47,6 +48,7 @@ class Evaluator:
 
     def __call__(self, cluster) -> float:
         tokens, _ = cluster.generate(self.prompts, [0] * len(self.prompts), self.cfg.algorithm.max_new_tokens, 0.0)
+        self.responses = tokens
         texts = [self.tok.decode(t) for t in tokens]
         scores = self.reward([s.prompt for s in self.samples], texts, [s.answer for s in self.samples])
         return sum(scores) / len(scores)

@@ -13,7 +13,9 @@ built from it. Each iteration is a fixed sequence of named phases (``Loop.iterat
                 trainer's optimizer state parked in host memory while the rollout runs
     rollout     group_size samples per prompt (then the parked state comes back)
     reward      the run's reward function on every sample (in the driver or its reward workers,
-                each call within ``reward_timeout_s``: ``rlhf_switch.reward_workers``)
+                each call within ``reward_timeout_s``: ``rlhf_switch.reward_workers``); with
+                ``reward.model_path`` also the reward model's score in the workers
+                (``rule_weight·rule + model_weight·model``)
     advantages  the algorithm's per-sequence advantages (GRPO: group-normalised; PPO: from the
                 critic, inside the update)
     logprobs    the trainer's log-probs of the generated tokens (the old policy), the reference's,
@@ -99,10 +101,13 @@ class Rollout:
     texts: list = field(default_factory=list)      # the decoded responses
     scores: list = field(default_factory=list)     # the reward of each sequence (shaped)
     truncated: list = field(default_factory=list)  # cut at max_new_tokens before the end token
+    rule_scores: list = field(default_factory=list)   # with a reward model: the rule's part of each score
+    model_scores: list = field(default_factory=list)  # ... and the reward model's
     gen_seconds: float = 0.0
     dynamic_sampling: dict | None = None           # what dynamic sampling kept, drew and filled
 
-    FIELDS = ("samples", "prompts", "responses", "logprobs", "texts", "scores", "truncated")
+    FIELDS = ("samples", "prompts", "responses", "logprobs", "texts", "scores", "truncated", "rule_scores",
+              "model_scores")
 
     def groups(self, size: int) -> list["Rollout"]:
         """Each prompt's samples as a rollout of its own."""
@@ -279,6 +284,8 @@ class Loop:
         (DAPO's overlong punishment)."""
         roll.texts = [self.tok.decode(r) for r in roll.responses]
         raw = self.reward_runner([s.prompt for s in roll.samples], roll.texts, [s.answer for s in roll.samples])
+        if self.cfg.reward is not None:
+            raw = self.model_reward(roll, raw)
         roll.truncated = self.algorithm.truncated(roll.responses, self.eos_id)
         roll.scores = self.algorithm.shape_scores(raw, roll.responses)
 
@@ -301,6 +308,21 @@ class Loop:
         out = Rollout.join(kept[:alg.prompts_per_iteration] + dropped[:filled], gen_s)
         out.dynamic_sampling = {"groups_with_signal": len(kept), "draws": draws, "filled_with_dropped": filled}
         return out
+
+    def model_reward(self, roll: Rollout, rule: list[float]) -> list[float]:
+        """The reward model's score of every sequence (``HybridWorker.reward_scores``: each DP rank
+        of its engine scores its share), combined with the rule's: ``rule_weight·rule +
+        model_weight·model`` (docs/reward-models.md). Both parts are kept for the record."""
+        r = self.cfg.reward
+        roll.rule_scores, roll.model_scores = list(rule), self.model_scores(roll.prompts, roll.responses)
+        return [r.rule_weight * a + r.model_weight * m for a, m in zip(rule, roll.model_scores)]
+
+    def model_scores(self, prompts: list, responses: list) -> list[float]:
+        """The reward model's score of each ``prompts[i] + responses[i]``, in order."""
+        shares = {}
+        for out in self.cluster.all("reward_scores", {"prompts": prompts, "responses": responses}, desc="reward model"):
+            shares.setdefault(out["dp_rank"], out["scores"])
+        return [x for k in sorted(shares) for x in shares[k]]
 
     def advantages(self, roll: Rollout) -> dict:
         """The batch every trainer rank gets: the sequences, the rollout engine's log-probs and
@@ -342,11 +364,17 @@ class Loop:
             self.say(f"checkpoint {root / f'step_{it + 1}'} ({s:.1f} s)")
 
     def evaluate(self, it: int, when: str) -> None:
-        """Held-out greedy reward with the rollout engine's current weights."""
+        """Held-out greedy reward with the rollout engine's current weights (and the reward
+        model's score of the same responses, where the run has one)."""
         t0 = time.perf_counter()
         r = self.evaluator(self.cluster)
-        self.emit({"iteration": it, "heldout_reward": r, "eval": when, "eval_seconds": time.perf_counter() - t0}, it)
-        self.say(f"held-out greedy reward {when} iteration {it}: {r:.3f} ({len(self.evaluator.prompts)} prompts)")
+        rec = {"iteration": it, "heldout_reward": r, "eval": when}
+        if self.cfg.reward is not None:  # the reward model's mean score of the same greedy responses
+            scores = self.model_scores(self.evaluator.prompts, self.evaluator.responses)
+            rec["heldout_model_reward"] = sum(scores) / len(scores)
+        self.emit({**rec, "eval_seconds": time.perf_counter() - t0}, it)
+        model = f", reward model {rec['heldout_model_reward']:.3f}" if "heldout_model_reward" in rec else ""
+        self.say(f"held-out greedy reward {when} iteration {it}: {r:.3f}{model} ({len(self.evaluator.prompts)} prompts)")
 
     # --- after the last iteration ----------------------------------------------------------------
     def finish(self) -> None:
@@ -368,6 +396,9 @@ def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings
     n_tokens, gen_s = sum(len(r) for r in roll.responses), roll.gen_seconds
     first = stats[0] if stats else {}
     rec = {"iteration": it, "reward_mean": sum(roll.scores) / len(roll.scores)}
+    if roll.model_scores:  # a reward model: both parts of the reward
+        rec.update(rule_reward_mean=sum(roll.rule_scores) / len(roll.rule_scores),
+                   model_reward_mean=sum(roll.model_scores) / len(roll.model_scores))
     if stats:
         rec.update({k: sum(s[k] for s in stats) / len(stats) for k in ("policy_loss", "kl", "clipfrac")},
                    grad_norm=first["grad_norm"])

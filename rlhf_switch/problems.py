@@ -22,7 +22,13 @@ worked out once: the model's dimensions and whether the actors will see a GPU.
 ``reward``     the reward function loads and runs on a held-out sample, where and within the time
                the run gives it (``reward_workers``, ``reward_timeout_s``)
 ``logging``    every logging backend named (wandb, mlflow: optional extras) is installed
+``reward_model``  ``reward.model_path`` is a reward model directory (a value head on a family's
+               trunk) whose vocabulary is the policy's; its engine runs its layout
 =============  ==================================================================================
+
+``check_reward_training`` is the same for ``rlhf-switch rm``'s own config (``recipes/rm.py``):
+the model and its trunk, the layout and engine, the batch, the tokenizer, every preference file
+with its three keys.
 
 The rules themselves live where their subject does: an engine's in its ``layout_problems``, a
 family's in ``families.family_problems``, a config field's form in its pydantic type; this module
@@ -39,7 +45,7 @@ from .device import DeviceUnavailable, resolve_device
 from .engines.base import EngineError, phase_engine_problems, rollout_engine, training_engine
 from .families import DEFAULT_CONTEXT, derive_spec, family_problems
 from .rl.config import ConfigError, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig, model_dims
-from .rl.data import DataError, load_data_splits, prompt_token_limit, read_records
+from .rl.data import DataError, load_data_splits, prompt_token_limit, read_columns, read_records
 from .rl.tasks import CharTokenizer, build_task, longest_answer_tokens, longest_prompt_tokens
 from .rl.tokenizer import TokenizerError, load_tokenizer
 
@@ -420,6 +426,228 @@ def _logging(cfg: RunConfig, facts: Facts) -> list[str]:
             problems.append(f"logging: {name} needs the {extra} extra ({', '.join(missing)} not installed): "
                             f"pip install 'rlhf-switch[{extra}]', or leave {name} out of logging")
     return problems
+
+
+# --- reward models: the loop's reward.model_path, and rlhf-switch rm's own config ------------------
+
+def reward_model_dir_problems(field: str, path: str) -> tuple[list[str], dict | None]:
+    """``path`` must be a reward model directory: ``config.json`` of a known family and weights
+    (every top-level ``*.safetensors``, read from their headers) of its value model — the
+    family's trunk and a one-row head ``score.weight`` (``score.bias`` optional: a
+    ``…ForSequenceClassification`` has none). Returns the problems and the directory's config."""
+    from .models import value_spec
+
+    root = Path(path)
+    if not root.is_dir():
+        return [f"{field}: no such directory: {root}"], None
+    config_json = root / "config.json"
+    if not config_json.is_file():
+        return [f"{field}: {root} has no config.json (a reward model directory holds config.json and "
+                f"*.safetensors weights)"], None
+    try:
+        hf = json.loads(config_json.read_text())
+    except ValueError as e:
+        return [f"{field}: {config_json} is not JSON ({e})"], None
+    missing = [k for k in ModelDims.REQUIRED if k not in hf]
+    if missing:
+        return [f"{field}: {config_json} lacks {', '.join(missing)}"], None
+    problems = [f"{field}: {p}" for p in family_problems(hf)]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        problems.append(f"{field}: {root} holds no *.safetensors weights")
+    if problems:
+        return problems, hf
+    held: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            held.update(safetensors_shapes(f))
+        except (OSError, ValueError, KeyError) as e:
+            return [f"{field}: {f} is not a readable safetensors file ({e})"], hf
+    if "score.weight" not in held:
+        kind = "a causal LM (lm_head.weight)" if "lm_head.weight" in held else "no value head"
+        return [f"{field}: {root} is {kind}, not a reward model: it has no score.weight (a reward model is the "
+                f"family's …ForTokenClassification or …ForSequenceClassification with num_labels 1)"], hf
+    spec = value_spec(hf)
+    for t in spec.tensors:
+        if t.name not in held:
+            if t.name != "score.bias":
+                problems.append(f"{field}: {root} lacks {t.name} {list(t.shape)} that its config.json implies")
+        elif held[t.name] != t.shape:
+            hint = " (a reward model has num_labels 1)" if t.name.startswith("score.") else ""
+            problems.append(f"{field}: {root} has {t.name} of shape {list(held[t.name])}, its config.json "
+                            f"implies {list(t.shape)}{hint}")
+    extra = sorted(n for n in held if n not in spec and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        problems.append(f"{field}: {root} holds tensors its config.json does not describe: {', '.join(extra[:5])}")
+    return problems, hf
+
+
+def reward_vocabulary_problems(cfg: RunConfig, rm_hf: dict, dims: ModelDims | None) -> list[str]:
+    """The reward model reads the policy's token ids: its tokenizer (files, or the character
+    tokenizer ``reward_model.json`` names) is the policy's, and its embedding holds every id the
+    policy's model can generate."""
+    from .rl.reward_model import REWARD_MODEL_FILE, reward_model_identity, tokenizer_identity, vocabulary_mismatch
+
+    path = cfg.reward.model_path
+    try:
+        policy = tokenizer_identity(load_tokenizer(cfg))
+    except TokenizerError:
+        return []  # the prompts check says why the policy's tokenizer does not load
+    problems = []
+    try:
+        reward = reward_model_identity(path)
+    except TokenizerError as e:
+        return [f"reward.model_path: {e}"]
+    if reward is None:
+        problems.append(f"reward.model_path: {path} names no tokenizer (no tokenizer files, no {REWARD_MODEL_FILE}), "
+                        f"so its vocabulary cannot be checked against the policy's: copy the tokenizer it was "
+                        f"trained with into it")
+    else:
+        why = vocabulary_mismatch(reward, policy)
+        if why:
+            problems.append(f"reward.model_path: {path} does not read the policy's token ids: {why}")
+    rm_vocab = int(rm_hf["vocab_size"])
+    if dims is not None and rm_vocab < dims.vocab_size:
+        problems.append(f"reward.model_path: vocab_size={rm_vocab}, but the policy generates ids up to "
+                        f"{dims.vocab_size - 1} (its vocab_size={dims.vocab_size}): the reward model's vocabulary "
+                        f"must be the policy's")
+    return problems
+
+
+@check("reward_model")
+def _reward_model(cfg: RunConfig, facts: Facts) -> list[str]:
+    """``reward.model_path``: a reward model directory, of the policy's vocabulary; its engine
+    (value heads: fsdp2, deepspeed) runs its layout over the world; no resize (an elastic run
+    does not rebuild it in a new world)."""
+    r = cfg.reward
+    if r is None:
+        return []
+    problems, rm_hf = reward_model_dir_problems("reward.model_path", r.model_path)
+    rm_dims = ModelDims.from_hf_config(rm_hf) if rm_hf is not None and not problems else None
+    if rm_dims is not None:
+        problems += reward_vocabulary_problems(cfg, rm_hf, facts.dims)
+    problems += layout_problems("reward", r, cfg.world_size)
+    if rm_dims is not None:
+        problems += model_split_problems("reward", r, rm_dims)
+    try:
+        problems += training_engine(r.engine).layout_problems("reward", r, rm_dims, head="value")
+    except EngineError as e:
+        problems.append(f"reward.engine: {e}")
+    e = cfg.elastic
+    if e is not None and (e.schedule or e.on_node_change == "resize" or e.redundancy == "host"):
+        problems.append("reward.model_path: an elastic run (elastic.schedule, on_node_change: resize, redundancy: "
+                        "host) does not rebuild the reward model's engine in a new world yet")
+    return problems
+
+
+def trunk_problems(model: ModelConfig) -> list[str]:
+    """``model.path``'s weights, when it has some, hold the trunk (``model.*``) the config
+    describes, each of its shape: the reward model starts from them (a causal LM's or a value
+    model's)."""
+    if model.path is None:
+        return []
+    root = Path(model.path)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        return []
+    hf = model.hf_dict()
+    if family_problems(hf):
+        return []  # reported by family_problems_of
+    held: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            held.update(safetensors_shapes(f))
+        except (OSError, ValueError, KeyError) as e:
+            return [f"model.path: {f} is not a readable safetensors file ({e})"]
+    problems = []
+    for t in derive_spec(hf, "value").tensors:
+        if not t.name.startswith("model."):
+            continue
+        if t.name not in held:
+            problems.append(f"model.path: {root} lacks {t.name} {list(t.shape)} that config.json implies")
+        elif held[t.name] != t.shape:
+            problems.append(f"model.path: {root} has {t.name} of shape {list(held[t.name])}, config.json implies "
+                            f"{list(t.shape)}")
+    return problems[:10]
+
+
+def reward_training_problems(cfg, cuda_available: bool | None | str = LOCAL) -> list[str]:
+    """Every problem of an ``rlhf-switch rm`` config (``rl.reward_model.RewardModelRunConfig``):
+    the model reads and its family is known, ``model.path``'s trunk fits it; the ``train`` layout
+    covers the world, splits the model and its engine builds value heads; ``batch_size`` divides
+    over DP and micro-batches; the tokenizer loads and fits the model; every preference file reads
+    with its three keys, and some pairs of each split fit the context."""
+    from .device import cuda_available as local_cuda
+    from .rl.reward_model import load_preferences, rm_tokenizer
+
+    try:
+        dims = model_dims(cfg.model)
+    except ConfigError as e:
+        return list(e.problems)
+    problems = family_problems_of(cfg.model) + trunk_problems(cfg.model)
+    problems += layout_problems("train", cfg.train, cfg.world_size) + model_split_problems("train", cfg.train, dims)
+    try:
+        problems += training_engine(cfg.train.engine).layout_problems("train", cfg.train, dims, head="value")
+    except EngineError as e:
+        problems.append(f"train.engine: {e}")
+    t = cfg.training
+    if t.batch_size % cfg.train.dp:
+        problems.append(f"train: dp={cfg.train.dp} does not divide training.batch_size={t.batch_size}")
+    elif (t.batch_size // cfg.train.dp) % t.micro_batch_size:
+        problems.append(f"training.micro_batch_size={t.micro_batch_size} does not divide the per-rank batch "
+                        f"{t.batch_size}/{cfg.train.dp} = {t.batch_size // cfg.train.dp} pairs")
+    if cuda_available == LOCAL:
+        cuda_available = None if cfg.ray_address else local_cuda()
+    if cuda_available is not None or cfg.device != "auto":
+        try:
+            device = resolve_device(cfg.device, bool(cuda_available) if cuda_available is not None
+                                    else cfg.device == "cuda", cfg.model.dtype)
+            if not device.is_cuda and device.compute_dtype != "float32":
+                problems.append(f"model.dtype: {device.compute_dtype} — on CPU a reward model trains in float32")
+        except DeviceUnavailable as e:
+            problems.append(str(e))
+    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    try:
+        tokenizer = rm_tokenizer(cfg)
+    except TokenizerError as e:
+        return problems + [f"{field}: {e}"]
+    if tokenizer.vocab_size > dims.vocab_size:
+        problems.append(f"model: vocab_size={dims.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids")
+    if isinstance(tokenizer, CharTokenizer):
+        expected = {"pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.bos_id,
+                    "eos_token_id": tokenizer.eos_id}
+        problems += [f"model: {k}={v}, but the character tokenizer's is {expected[k]}"
+                     for k, v in dims.special_ids.items() if v != expected[k]]
+        if cfg.data.chat_template:
+            problems.append("data.chat_template: the character tokenizer has no chat template")
+    elif cfg.data.chat_template and not tokenizer.has_chat_template:
+        problems.append(f"data.chat_template: the tokenizer at {tokenizer.path} has no chat template")
+    for split in ("train_files", "heldout_files"):
+        for i, path in enumerate(getattr(cfg.data, split)):
+            try:
+                read_columns(path, cfg.data.keys)
+            except DataError as e:
+                problems.append(f"data.{split}[{i}]: {e}")
+    if problems:
+        return problems
+    try:
+        train, heldout = load_preferences(cfg, tokenizer, dims.max_context - 1)
+    except (DataError, TokenizerError, ValueError) as e:
+        return [f"data: {e}"]
+    for split, pairs in (("train_files", train), ("heldout_files", heldout)):
+        if not len(pairs):
+            problems.append(f"data.{split}: every one of its {pairs.dropped} pairs is longer than the model's "
+                            f"context of {dims.max_context} tokens (less the scored position)")
+    return problems
+
+
+def check_reward_training(cfg, **kwargs) -> None:
+    """Raise one ``ConfigError`` listing every problem ``reward_training_problems`` finds; call it
+    before Ray starts."""
+    problems = reward_training_problems(cfg, **kwargs)
+    if problems:
+        raise ConfigError(f"the reward model config cannot run on world_size={cfg.world_size}: "
+                          f"{len(problems)} problem{'s' * (len(problems) != 1)}", problems)
 
 
 # --- the device: checked before Ray, resolved when the world starts -------------------------------

@@ -25,6 +25,7 @@ from rlhf_switch.vps import ADAM_FIELDS, PARAM, Box, Layout, ParallelConfig, Sta
 from rlhf_switch.vps.layout import BufferSpec
 from rlhf_switch.vps.materialize import allocate
 
+REPO = Path(__file__).resolve().parents[1]
 SPEC = llama_spec(TINY_LLAMA, name="tiny-llama")
 L = named_layouts(SPEC)
 UP0 = "model.layers.0.mlp.up_proj.weight"
@@ -163,6 +164,43 @@ def _inside_source(src: Layout, dst: Layout):
     host = max(sb.values(), key=lambda t: t.numel())
     db[name] = host.view(-1)[3:3 + db[name].numel()]
     return sb, db
+
+
+def _reward_model_dir(ctx, name: str, hf_config: dict = HF, tokenizer: str | None = "char", head: str = "value") -> Path:
+    """A reward model directory as ``rlhf-switch rm`` writes one (``head="value"``: the value model,
+    its ``reward_model.json`` naming the character tokenizer) — or a causal LM's (``head="lm"``),
+    a BPE tokenizer's files instead (``tokenizer="bpe"``) or none (``None``)."""
+    from rlhf_switch.models import causal_lm, value_model
+    from rlhf_switch.rl.reward_model import REWARD_MODEL_FILE, tokenizer_identity
+    from rlhf_switch.rl.tasks import CharTokenizer
+
+    path = ctx.tmp / name
+    model = value_model(hf_config, 0) if head == "value" else causal_lm(hf_config, 0)
+    model.save_pretrained(str(path))
+    if tokenizer == "char":
+        (path / REWARD_MODEL_FILE).write_text(json.dumps({"tokenizer": tokenizer_identity(CharTokenizer())}))
+    elif tokenizer == "bpe":
+        from rlhf_switch.testing.bpe_tokenizer import build_bpe_tokenizer
+
+        build_bpe_tokenizer(path)
+    return path
+
+
+def _reward_config(ctx, model_path) -> dict:
+    return config("ppo_tiny.yaml", reward={"model_path": str(model_path), "engine": "fsdp2", "dp": 2})
+
+
+def _rm_run(**data) -> list[str]:
+    """The pre-start problems of the shipped ``rlhf-switch rm`` config with ``data`` changed."""
+    import yaml
+
+    from rlhf_switch.problems import reward_training_problems
+    from rlhf_switch.rl.reward_model import load_rm_config
+
+    cfg = yaml.safe_load((REPO / "configs" / "rm_tiny.yaml").read_text())
+    cfg["data"].update(train_files=[str(REPO / f) for f in cfg["data"]["train_files"]],
+                       heldout_files=[str(REPO / f) for f in cfg["data"]["heldout_files"]], **data)
+    return reward_training_problems(load_rm_config(cfg))
 
 
 LESS_LAYERS = {**HF, "num_hidden_layers": 1}
@@ -367,6 +405,24 @@ CASES = [
         "model: vocab_size=32 is smaller than the tokenizer's 47 ids", None),
     Bad("task-space", "20000 + 200 prompts from a 2-digit addition task", lambda ctx: fit(config(**{"task.num_train": 20000})),
         "task: addition with max_len=2 has 10000 distinct prompts; num_train + num_heldout = 20200", None),
+    # ---- reward models (docs/reward-models.md)
+    Bad("reward-model-missing", "reward.model_path: a directory that does not exist",
+        lambda ctx: fit(_reward_config(ctx, ctx.tmp / "no_rm_here")),
+        "reward.model_path: no such directory: ", None),
+    Bad("reward-model-causal-lm", "reward.model_path: a causal LM instead of a reward model",
+        lambda ctx: fit(_reward_config(ctx, _reward_model_dir(ctx, "rm_lm", head="lm"))),
+        "rm_lm is a causal LM (lm_head.weight), not a reward model: it has no score.weight", None),
+    Bad("reward-model-vocab-size", "a reward model of vocab_size 32 for a policy of vocab_size 64",
+        lambda ctx: fit(_reward_config(ctx, _reward_model_dir(ctx, "rm_32", {**HF, "vocab_size": 32}))),
+        "reward.model_path: vocab_size=32, but the policy generates ids up to 63 (its vocab_size=64): the reward "
+        "model's vocabulary must be the policy's", None),
+    Bad("reward-model-tokenizer", "a reward model of a BPE tokenizer for a policy of the character tokenizer",
+        lambda ctx: fit(_reward_config(ctx, _reward_model_dir(ctx, "rm_bpe", tokenizer="bpe"))),
+        "does not read the policy's token ids: it was made with a Hugging Face tokenizer, the policy uses the "
+        "character tokenizer", None),
+    Bad("preference-key", "rlhf-switch rm: preference files without the chosen_key it names (`better`)",
+        lambda ctx: _rm_run(chosen_key="better"),
+        "data/prefs_tiny/train.jsonl: no key 'better' (keys: chosen, prompt, rejected)", None),
     Bad("reward-missing", "task.reward_fn in a module that does not exist",
         lambda ctx: fit(config(**{"task.reward_fn": "no_such_module_xyz:score"})),
         "task.reward_fn: reward function 'no_such_module_xyz:score': no module named 'no_such_module_xyz'", None),

@@ -98,11 +98,14 @@ class FullState:
     # --- disk ---------------------------------------------------------------------------------------
     def save_dir(self, path: str | os.PathLike, hf_config: Mapping[str, Any] | None = None,
                  dtype: str = "float32", extra: Mapping[str, Any] | None = None,
-                 tokenizer_from: str | os.PathLike | None = None) -> Path:
+                 tokenizer_from: str | os.PathLike | None = None, head: str = "lm",
+                 files: Mapping[str, str] | None = None) -> Path:
         """Write the checkpoint directory (see the module doc); ``extra`` goes into
         ``trainer_state.pt`` beside the scalars (e.g. the iteration); ``tokenizer_from``: a
         directory whose tokenizer files are copied beside the weights, so the checkpoint loads
-        as a ``model.path`` (weights, config and tokenizer) in transformers and vLLM."""
+        as a ``model.path`` (weights, config and tokenizer) in transformers and vLLM. ``head``:
+        the model ``config.json`` names (``write_hf_config``); ``files``: more text files to write
+        beside the weights, by name (inside the same all-or-nothing rename)."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -120,7 +123,9 @@ class FullState:
         torch.save({"scalars": self._scalars, "extra": dict(extra or {}), "spec_digest": self.spec.digest},
                    tmp / TRAINER_STATE)
         if hf_config is not None:
-            write_hf_config(tmp, hf_config, dtype)
+            write_hf_config(tmp, hf_config, dtype, head)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         if tokenizer_from is not None:
             copy_tokenizer_files(tokenizer_from, tmp)
         (tmp / COMPLETE).write_text("")
@@ -193,11 +198,13 @@ def _fp32_whole(tensors: Mapping[str, torch.Tensor] | None, t, zero: bool = Fals
     return x.detach().to(torch.float32).contiguous().clone()
 
 
-def write_hf_config(path: str | os.PathLike, hf_config: Mapping[str, Any], dtype: str = "float32") -> None:
+def write_hf_config(path: str | os.PathLike, hf_config: Mapping[str, Any], dtype: str = "float32",
+                    head: str = "lm") -> None:
     """``config.json`` of the family's causal LM (``families.py``; a dict without ``model_type`` is
-    Llama) that transformers and vLLM load without a tokenizer (``architectures`` names the class
-    and ``model_type`` the family; ``dtype`` the saved weights' dtype, also as
-    ``torch_dtype`` for readers older than transformers 5). The attribute set is ``dtype``:
+    Llama) — with ``head="value"``, of its value model, ``…ForTokenClassification`` with one label
+    (a reward model, docs/reward-models.md) — that transformers and vLLM load without a tokenizer
+    (``architectures`` names the class and ``model_type`` the family; ``dtype`` the saved weights'
+    dtype, also as ``torch_dtype`` for readers older than transformers 5). The attribute set is ``dtype``:
     transformers 5 warns "`torch_dtype` is deprecated!" on every write or read of
     ``config.torch_dtype`` (reading the key from a file does not warn)."""
     import json
@@ -205,7 +212,10 @@ def write_hf_config(path: str | os.PathLike, hf_config: Mapping[str, Any], dtype
     from ..families import family, hf_config_object
 
     cfg = hf_config_object({k: v for k, v in dict(hf_config).items() if k != "torch_dtype"})
-    cfg.architectures = [family(hf_config).causal_lm_class]
+    fam = family(hf_config)
+    cfg.architectures = [fam.causal_lm_class if head == "lm" else fam.value_class]
+    if head != "lm":
+        cfg.num_labels = 1
     cfg.dtype = dtype
     cfg.save_pretrained(str(path))
     written = Path(path) / "config.json"

@@ -129,6 +129,22 @@ class RolloutLayout(PhaseLayout):
         return 0.5 if self.colocate else 0.9
 
 
+class RewardModelConfig(TrainLayout):
+    """``reward:`` a learned reward model beside the rule reward (docs/reward-models.md):
+    ``model_path`` is a HF directory of the family's value model — ``…ForTokenClassification``
+    with one label (what ``rlhf-switch rm`` writes) or ``…ForSequenceClassification`` (no bias) —
+    whose tokenizer is the policy's. It runs in a training engine of its own layout (``engine``,
+    ``zero_stage``, ``tp``, ``pp``, ``dp`` as the phase blocks; engines with value heads: fsdp2,
+    deepspeed), frozen like the reference, and scores every rollout at the last token of prompt +
+    response. The reward the algorithm gets is ``rule_weight · rule reward + model_weight · model
+    score``; ``micro_batch_size``: sequences per forward (default: the log-prob passes')."""
+
+    model_path: str = Field(min_length=1)
+    rule_weight: float = 1.0
+    model_weight: float = 1.0
+    micro_batch_size: int | None = Field(None, ge=1)
+
+
 class ModelConfig(Strict):
     """The actor's architecture: ``hf_config`` (an HF config as a dict, its ``model_type`` one of
     ``families.FAMILIES``, Llama when absent; the reference and the critic's trunk share it) or
@@ -488,6 +504,7 @@ class RunConfig(Strict):
     verify: Literal["off", "sample", "full"] = "off"
     verify_fraction: float = Field(0.1, gt=0, le=1)
     elastic: ElasticConfig | None = None  # planned resizes of the run's world (rlhf_switch/elastic)
+    reward: RewardModelConfig | None = None  # a learned reward model (docs/reward-models.md)
 
     @model_validator(mode="before")
     @classmethod
@@ -629,11 +646,12 @@ def _tag_of(model: type[BaseModel]) -> Any:
     return args[0] if len(args) == 1 else None
 
 
-def _walk(loc: tuple) -> tuple[str, list[type[BaseModel]]]:
+def _walk(loc: tuple, root: type[BaseModel] | None = None) -> tuple[str, list[type[BaseModel]]]:
     """A pydantic error location as the user wrote it (``algorithm.gamma``, without pydantic's
-    union tag ``grpo``), and the model(s) found at its end."""
+    union tag ``grpo``), and the model(s) found at its end (``root``: the config's top model,
+    ``RunConfig`` unless another)."""
     shown: list[str] = []
-    models: list[type[BaseModel]] = [RunConfig]
+    models: list[type[BaseModel]] = [root or RunConfig]
     for part in loc:
         variant = [m for m in models if len(models) > 1 and _tag_of(m) == part]
         if variant:
@@ -654,18 +672,18 @@ def _shorten(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _format_error(err: Mapping[str, Any]) -> list[str]:
+def _format_error(err: Mapping[str, Any], root: type[BaseModel] | None = None) -> list[str]:
     loc = tuple(err["loc"])
     kind = err["type"]
     if kind == "extra_forbidden":
-        path, _ = _walk(loc)
-        parent_path, parents = _walk(loc[:-1])
+        path, _ = _walk(loc, root)
+        parent_path, parents = _walk(loc[:-1], root)
         known = sorted({f for m in parents for f in m.model_fields})
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         where = f" in {parent_path}" if parent_path else ""
         return [f"{path}: unknown field{where}{hint} (known: {', '.join(known)})"]
-    path, models = _walk(loc)
+    path, models = _walk(loc, root)
     if kind == "value_error":
         # our own validators: one problem per line, most already starting with their field's path
         lines = str(err["ctx"]["error"]).split("\n")
@@ -678,9 +696,10 @@ def _format_error(err: Mapping[str, Any]) -> list[str]:
     return [f"{path or '(top level)'}: {err['msg']}{got}"]
 
 
-def format_validation_error(error: ValidationError) -> list[str]:
-    """One line per bad field, ``path: what is wrong (got value)``."""
-    return [line for err in error.errors(include_url=False) for line in _format_error(err)]
+def format_validation_error(error: ValidationError, root: type[BaseModel] | None = None) -> list[str]:
+    """One line per bad field, ``path: what is wrong (got value)`` (``root``: the config's top
+    model, ``RunConfig`` unless another)."""
+    return [line for err in error.errors(include_url=False) for line in _format_error(err, root)]
 
 
 def _read_yaml(path: Path) -> Any:

@@ -4,7 +4,8 @@ answer)`` the loop consumes for generated tasks too.
 ``read_records(path, prompt_key, answer_key)`` reads one ``.jsonl``/``.json``/``.parquet`` file
 with ``datasets`` (``load_dataset("json"|"parquet", data_files=..., split="train")``, cached in a
 temporary directory, offline) and returns its ``(prompt, answer)`` string pairs, or raises one
-``DataError`` naming the file and the key. ``load_data_splits(data_cfg, tokenizer, max_tokens)``
+``DataError`` naming the file and the key (``read_columns``: any string keys, e.g. a preference
+file's ``prompt``/``chosen``/``rejected``). ``load_data_splits(data_cfg, tokenizer, max_tokens)``
 renders every prompt (the chat template when ``chat_template``), drops those longer than
 ``max_tokens`` after tokenizing (counted in the returned ``DataSummary``) and keeps the file order:
 the loop's ``draw_prompts`` shuffles, by (seed, iteration).
@@ -42,8 +43,8 @@ class DataSummary:
                 f"(longer than {self.max_tokens} tokens)")
 
 
-# (path, size, mtime, keys) -> pairs: the config check and the loop read each file once
-_READ: dict[tuple, tuple[tuple[str, str], ...]] = {}
+# (path, size, mtime, keys) -> rows: the config check and the loop read each file once
+_READ: dict[tuple, tuple[tuple[str, ...], ...]] = {}
 
 
 def _load(path: Path, builder: str):
@@ -62,6 +63,12 @@ def _load(path: Path, builder: str):
 
 def read_records(path: str | os.PathLike, prompt_key: str, answer_key: str) -> tuple[tuple[str, str], ...]:
     """The file's ``(prompt, answer)`` pairs, in file order."""
+    return read_columns(path, (prompt_key, answer_key))  # type: ignore[return-value]
+
+
+def read_columns(path: str | os.PathLike, keys: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """The file's string values of ``keys``, one tuple per record, in file order; one
+    ``DataError`` naming the file and the key when a key is missing, not strings, or empty."""
     path = Path(path)
     builder = EXTENSIONS.get(path.suffix.lower())
     if builder is None:
@@ -70,33 +77,33 @@ def read_records(path: str | os.PathLike, prompt_key: str, answer_key: str) -> t
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, prompt_key, answer_key)
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, *keys)
     if key in _READ:
         return _READ[key]
     if stat.st_size == 0:
         raise DataError(f"{path}: the file is empty")
     try:
         features, rows, ds = _load(path, builder)
-        columns = {k: ds[k] for k in (prompt_key, answer_key) if k in features}
+        columns = {k: ds[k] for k in keys if k in features}
     except Exception as e:  # datasets wraps parse errors in several types; the cause is what helps
         cause = e.__cause__ or e
         raise DataError(f"{path}: not readable as {builder} ({type(cause).__name__}: "
                         f"{str(cause).splitlines()[0][:200] if str(cause) else ''})") from None
     if rows == 0:
         raise DataError(f"{path}: no records")
-    for k in (prompt_key, answer_key):
+    for k in keys:
         if k not in features:
             raise DataError(f"{path}: no key {k!r} (keys: {', '.join(features) or 'none'})")
         dtype = getattr(features[k], "dtype", None)
         if dtype not in ("string", "large_string"):
             raise DataError(f"{path}: key {k!r} holds {dtype or type(features[k]).__name__}, not strings")
-    pairs = []
-    for i, (p, a) in enumerate(zip(columns[prompt_key], columns[answer_key])):
-        for k, v in ((prompt_key, p), (answer_key, a)):
+    records = []
+    for i, values in enumerate(zip(*(columns[k] for k in keys))):
+        for k, v in zip(keys, values):
             if v is None:
                 raise DataError(f"{path}: record {i} has no value for key {k!r}")
-        pairs.append((p, a))
-    _READ[key] = tuple(pairs)
+        records.append(tuple(values))
+    _READ[key] = tuple(records)
     return _READ[key]
 
 
