@@ -395,3 +395,19 @@ def test_the_survivors_copies_must_be_of_one_refresh():
     with pytest.raises(StateLost, match="different refreshes") as e:
         refreshed_alike([0, 2], [[{"iteration": 3}], [{"iteration": 2}]], [1])
     assert e.value.lost == [1] and e.value.unrecoverable == [0, 2]
+
+
+def test_recovery_refuses_critic_copies_from_different_refreshes():
+    """PPO keeps two host copies per rank (the actor's, then the critic's, refreshed one after the
+    other). The survivors' actor copies agreeing is not enough: critic copies of different
+    refreshes across survivors, or one survivor's actor and critic copies of different refreshes
+    (a loss between the two refreshes), are a state pieced from two iterations — refused."""
+    from rlhf_switch.elastic.recovery import StateLost, refreshed_alike
+
+    both = [{"iteration": 3}, {"iteration": 3}]
+    assert refreshed_alike([0, 2], [both, both], [1]) == {"iteration": 3}
+    stale_critic = [{"iteration": 3}, {"iteration": 2}]
+    for extras in ([both, stale_critic], [stale_critic, both], [stale_critic, stale_critic]):
+        with pytest.raises(StateLost, match="different refreshes") as e:
+            refreshed_alike([0, 2], extras, [1])
+        assert e.value.lost == [1] and e.value.unrecoverable == [0, 2], extras
