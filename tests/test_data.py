@@ -120,6 +120,39 @@ def test_load_splits_renders_drops_and_counts(model_dir):
     assert f"2000 train prompts read, {2000 - len(splits.train)} dropped" in line
 
 
+def test_a_prompt_exactly_at_max_prompt_tokens_is_kept(model_dir, tmp_path):
+    """The limit is the longest prompt *kept*: a prompt of exactly ``max_prompt_tokens`` tokens stays,
+    one token more is dropped (and counted); without ``max_prompt_tokens`` the limit is the whole
+    context minus ``max_new_tokens`` — a kept prompt plus its response fills the context exactly."""
+    from rlhf_switch.rl.config import load_config, longest_sequence_tokens, model_dims
+    from rlhf_switch.rl.data import load_data_splits, load_splits, prompt_token_limit
+    from rlhf_switch.rl.tokenizer import HFTokenizer
+
+    tok = HFTokenizer.from_pretrained(model_dir)
+    words = ["apples", "pears", "plums", "figs", "limes", "dates", "kiwis", "grapes"]
+    prompts = [" ".join(words[:k]) for k in range(1, len(words) + 1)]
+    lengths = [len(tok.encode(p, add_bos=True)) for p in prompts]
+    assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths), lengths
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"question": p, "answer": "#### 1"}) + "\n" for p in prompts))
+    cfg = load_config(data_config(model_dir, train_files=[str(path)], heldout_files=[str(path)],
+                                  chat_template=False, max_prompt_tokens=lengths[3]))
+    splits, line = load_splits(cfg, tok)
+    assert [s.prompt for s in splits.train] == prompts[:4]  # the one of exactly max_prompt_tokens included
+    assert f"{len(prompts)} train prompts read, {len(prompts) - 4} dropped" in line
+    _, summary = load_data_splits(cfg.data, tok, lengths[3] - 1)
+    assert summary.train_dropped == len(prompts) - 3
+    # the context's bound: exactly max_context - max_new_tokens, and the longest sequence the context
+    dims, new = model_dims(cfg.model), cfg.algorithm.max_new_tokens
+    cfg.data.max_prompt_tokens = None
+    assert prompt_token_limit(cfg.data, new, dims.max_context) == dims.max_context - new
+    assert longest_sequence_tokens(cfg, dims.max_context) == dims.max_context
+    cfg.data.max_prompt_tokens = dims.max_context  # more than the context leaves: the context's bound
+    assert prompt_token_limit(cfg.data, new, dims.max_context) == dims.max_context - new
+    cfg.data.max_prompt_tokens = lengths[3]
+    assert prompt_token_limit(cfg.data, new, dims.max_context) == lengths[3]
+
+
 def test_draw_prompts_is_a_permutation_per_epoch_and_a_function_of_seed_and_iteration(model_dir):
     from recipes.common import draw_prompts
     from rlhf_switch.rl.config import load_config
