@@ -98,6 +98,36 @@ def test_hf_tokenizer_interface(model_dir, tmp_path):
     assert again.encode(rendered) == tok.encode(rendered) and again.eos_id == tok.eos_id
 
 
+def test_decode_when_pad_or_bos_is_the_eos(model_dir):
+    """Tokenizers without a pad token pad with the eos (HFTokenizer's own default), and some have
+    one token for bos and eos (GPT-2's ``<|endoftext|>``): that id still ends the response — it is
+    not dropped as padding or as a bos, which would run the text on into what follows it."""
+    from transformers import AutoTokenizer
+
+    from rlhf_switch.rl.tokenizer import HFTokenizer
+
+    def variant(**special) -> HFTokenizer:
+        hf = AutoTokenizer.from_pretrained(str(model_dir))
+        for name, value in special.items():
+            setattr(hf, name, value)
+        return HFTokenizer(hf, str(model_dir))
+
+    base = HFTokenizer.from_pretrained(model_dir)
+    eos = base.hf.eos_token
+    no_pad, pad_is_eos, bos_is_eos = variant(pad_token=None), variant(pad_token=eos), variant(bos_token=eos)
+    assert no_pad.pad_id == pad_is_eos.pad_id == pad_is_eos.eos_id
+    assert bos_is_eos.bos_id == bos_is_eos.eos_id and bos_is_eos.pad_id != bos_is_eos.eos_id
+    for tok in (no_pad, pad_is_eos, bos_is_eos):
+        answer = tok.encode("2 + 3 = 5. #### 5")
+        after = tok.encode(" #### 9 and more")
+        assert tok.decode(answer + [tok.eos_id] + after) == "2 + 3 = 5. #### 5"
+        assert tok.decode(answer + [tok.eos_id] * 3) == "2 + 3 = 5. #### 5"  # padded with the eos
+        assert tok.decode([tok.eos_id] + answer) == ""
+        assert tok.decode(answer) == "2 + 3 = 5. #### 5"  # cut at max_new_tokens: no eos at all
+    # the pad that is not the eos is still dropped wherever it is
+    assert bos_is_eos.decode([bos_is_eos.pad_id] + bos_is_eos.encode("#### 5") + [bos_is_eos.pad_id]) == "#### 5"
+
+
 # ---------------------------------------------------------------- files -> splits
 
 
