@@ -53,7 +53,7 @@ def test_offload_mode_is_checked():
 # --- the loop: GRPO over Ray with real DeepSpeed, offload: optimizer / all against none -----------
 
 def _loop_config(out, offload: str) -> dict:
-    from test_rl_loop import small
+    from helpers import small
 
     cfg = small("grpo_tiny.yaml", out, train={"engine": "deepspeed", "zero_stage": 3, "dp": 2, "offload": offload},
                 rollout={"engine": "torch", "tp": 1, "dp": 2}, checkpoint={"save_every": 0})
@@ -79,7 +79,7 @@ def test_grpo_with_offload_is_bit_identical_to_none(ray_session, tmp_path):
     from safetensors.torch import load_file
 
     from recipes.grpo import run
-    from test_rl_loop import TINY, records
+    from helpers import TINY, records
 
     outs = {mode: tmp_path / mode for mode in ("none", "optimizer", "all")}
     for mode, out in outs.items():

@@ -23,11 +23,8 @@ import pytest
 import torch
 
 import pipeline_jobs as jobs
+from helpers import TINY
 
-TINY = {"model_type": "llama", "vocab_size": 64, "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 64, "tie_word_embeddings": False,
-        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 LOGP_ATOL = 1e-5
 PARAM_ATOL = 3e-5
 NORM_RTOL = 1e-5
