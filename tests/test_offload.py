@@ -29,7 +29,9 @@ CASES = [("zero", 1, "optimizer"), ("zero", 2, "optimizer"), ("zero", 3, "optimi
          ("fsdp2", 0, "optimizer"), ("fsdp2", 0, "all")]
 
 
-@pytest.mark.parametrize("kind,stage,mode", CASES, ids=[f"{k}{s or ''}-{m}" for k, s, m in CASES])
+@pytest.mark.parametrize("kind,stage,mode", [
+    pytest.param(*c, id=f"{c[0]}{c[1] or ''}-{c[2]}", marks=() if c == ("fsdp2", 0, "all") else pytest.mark.heavy)
+    for c in CASES])
 def test_offload_round_trip_is_bit_exact(world2, kind, stage, mode):
     results = world2.run(jobs.round_trip, kind, stage, mode, timeout=300)
     for r in results:

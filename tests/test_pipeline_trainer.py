@@ -66,6 +66,7 @@ def check(results: list, ranks: list[int], name: str, param_atol: float = PARAM_
     return mine
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_pp2_equals_one_process(world2):
     check(world2.run(jobs.outputs_and_training, TINY, [0, 1], 1), [0, 1], "PP2")
 
@@ -82,6 +83,7 @@ def test_pp2_without_padding_is_bit_identical(world2):
                 assert r["grad_norms"] == r["ref_grad_norms"], r["rank"]
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_tp2_pp2_equals_one_process(world4):
     results = world4.run(jobs.outputs_and_training, TINY, [0, 1, 2, 3], 2)
     mine = check(results, [0, 1, 2, 3], "TP2·PP2")
@@ -89,6 +91,7 @@ def test_tp2_pp2_equals_one_process(world4):
     assert mine[0]["names"] == mine[1]["names"] and mine[2]["names"] == mine[3]["names"]
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_pp2_on_part_of_the_world(world4):
     """Stages on ranks 1 and 3; ranks 0 and 2 take part in group creation and get None."""
     results = world4.run(jobs.outputs_and_training, TINY, [1, 3], 1)

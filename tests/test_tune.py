@@ -199,6 +199,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_cli_out_is_a_config_train_accepts(tmp_path):
     from recipes.common import loop_problems
     from rlhf_switch.rl.config import check_fits, load_config
