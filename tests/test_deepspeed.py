@@ -17,7 +17,7 @@ assert importlib.util.find_spec("deepspeed"), "deepspeed is not installed; `make
 import train_jobs_ds as jobs  # noqa: E402
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.heavy), 2, 3])
 def test_adapter_fragments_are_the_engine_tensors(world4, stage):
     results = world4.run(jobs.layout_truth, stage, timeout=300)
     assert all(r["bad"] == [] for r in results), [r["bad"][:3] for r in results]
@@ -60,7 +60,8 @@ def test_refuses_a_stage_it_cannot_describe(world4):
     assert all("stage must be 1, 2 or 3" in m for m in messages), messages
 
 
-@pytest.mark.parametrize("model_type,stage", [("qwen2", 3), ("qwen3", 3), ("qwen3_moe", 3), ("qwen3_moe", 2)])
+@pytest.mark.parametrize("model_type,stage", [("qwen2", 3), ("qwen3", 3), ("qwen3_moe", 3),
+                                              pytest.param("qwen3_moe", 2, marks=pytest.mark.heavy)])
 def test_zero_of_other_families(world4, model_type, stage):
     """ZeRO over a tiny qwen2 (q/k/v biases), qwen3 (q/k norms) and qwen3_moe (stacked experts,
     described per expert): the adapter describes the family spec, every fragment is DeepSpeed's

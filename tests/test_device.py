@@ -149,6 +149,7 @@ def test_device_cuda_without_a_gpu_exits_2_before_ray_with_one_message(tmp_path)
     assert "ray" not in out.stderr.lower() and not (tmp_path / "run").exists()
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_fsdp2_bf16_compute_over_an_fp32_master(world2):
     """The one torch engine that runs ``compute_dtype`` bf16 (FSDP2's mixed precision), on CPU with
     a spec that asks for it: the layers compute in bf16, the sharded parameters the optimizer

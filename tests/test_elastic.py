@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import same_full_state
+
 assert importlib.util.find_spec("deepspeed"), "deepspeed is not installed; `make test` installs it"
 
 HERE = Path(__file__).resolve().parent
@@ -33,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 def _config(out: Path, world: int) -> dict:
     sys.path.insert(0, str(HERE))
-    from test_rl_loop import small
+    from helpers import small
 
     cfg = small("grpo_tiny.yaml", out, world=world, train={"engine": "deepspeed", "zero_stage": 3, "dp": world},
                 rollout={"engine": "torch", "tp": 1, "dp": world}, checkpoint={"save_every": 0})
@@ -225,8 +227,7 @@ def test_grpo_with_an_elastic_schedule_continues_as_the_new_layout_from_that_ite
         assert (a["reward_mean"], a["policy_loss"], a["grad_norm"]) == (b["reward_mean"], b["policy_loss"], b["grad_norm"])
     spec = model_spec(cfg["model"]["hf_config"])
     mine, ref = (FullState.load_dir(p / "final", spec) for p in (tmp_path / "elastic", direct))
-    assert all(torch.equal(mine.master[n], ref.master[n]) for n in mine.master)
-    assert all(torch.equal(mine.moments[f][n], ref.moments[f][n]) for f in mine.moments for n in mine.moments[f])
+    assert same_full_state(ref, mine)
     print(f"\nloop resize DP4 -> DP2: background {resize['background_s']:.1f} s "
           f"(waited {resize['waited_for_build_s']:.1f} s at the boundary), stop-the-world "
           f"{resize['stop_the_world_s']:.2f} s")

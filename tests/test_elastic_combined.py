@@ -52,7 +52,7 @@ def test_grpo_trainer_world_and_vllm_replicas_resized_together(ray_session, tmp_
     from test_elastic import _differences, _gathered
     from test_elastic_vllm import _minimum
     from rlhf_switch.elastic.requests import read_answer, request_resize
-    from test_rl_loop import records
+    from helpers import records
 
     ray = ray_session
     seen: dict = {"states": {}, "devices": {}}

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from helpers import same_full_state
 
 HERE = Path(__file__).resolve().parent
 CRITIC_DP2 = {"engine": "deepspeed", "zero_stage": 2, "dp": 2}
@@ -29,7 +30,7 @@ def _config(out: Path, world: int) -> dict:
     """Tiny PPO: actor DeepSpeed ZeRO-3, critic ZeRO-2, torch rollout, all DP ``world``; no
     reference (kl_coef 0), 8 sequences an iteration in mini-batches of 4."""
     sys.path.insert(0, str(HERE))
-    from test_rl_loop import small
+    from helpers import small
 
     cfg = small("ppo_tiny.yaml", out, world=world, train={"engine": "deepspeed", "zero_stage": 3, "dp": world},
                 rollout={"engine": "torch", "tp": 1, "dp": world}, critic={**CRITIC_DP2, "dp": world},
@@ -53,11 +54,6 @@ def _final(out: Path):
     hf = _config(out, 2)["model"]["hf_config"]
     return (FullState.load_dir(out / "final", model_spec(hf)),
             FullState.load_dir(out / "final" / "critic", value_spec(hf)))
-
-
-def _same_state(a, b) -> bool:
-    return (all(torch.equal(a.master[n], b.master[n]) for n in b.master) and
-            all(torch.equal(a.moments[f][n], b.moments[f][n]) for f in b.moments for n in b.moments[f]))
 
 
 def _steps(recs: list[dict]) -> list[dict]:
@@ -116,7 +112,7 @@ def test_ppo_with_an_elastic_schedule_resizes_the_critic_too(ray_session, tmp_pa
     for k in KEYS:
         assert steps[2][k] == theirs[0][k], (k, steps[2][k], theirs[0][k])
     (actor, critic), (actor_ref, critic_ref) = _final(tmp_path / "elastic"), _final(direct)
-    assert _same_state(actor, actor_ref) and _same_state(critic, critic_ref)
+    assert same_full_state(actor, actor_ref) and same_full_state(critic, critic_ref)
     print(f"\nPPO loop resize DP2 -> DP1 (actor ZeRO-3 + critic ZeRO-2): background {resize['background_s']:.1f} s, "
           f"stop-the-world {resize['stop_the_world_s']:.2f} s, {resize['bytes_moved']} B moved "
           f"(actor {actor_b}, critic {critic_b})")
@@ -152,7 +148,7 @@ def test_ppo_with_host_redundancy_restores_the_critic_too(ray_session, tmp_path)
     for a, b in zip(steps, theirs):
         assert all(a[k] == b[k] for k in KEYS), [(k, a[k], b[k]) for k in KEYS]
     (actor, critic), (actor_ref, critic_ref) = _final(tmp_path / "killed"), _final(tmp_path / "whole")
-    assert _same_state(actor, actor_ref) and _same_state(critic, critic_ref)
+    assert same_full_state(actor, actor_ref) and same_full_state(critic, critic_ref)
     print(f"\nPPO loop: host copies {steps[0]['redundancy_bytes']} B per iteration (actor + critic); recovery "
           f"{event['seconds']:.1f} s (build {event['build_s']:.1f} s, move {event['move_s']:.2f} s), "
           f"{event['bytes_moved']} B (actor {actor_b}, critic {critic_b})")

@@ -9,7 +9,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
-import torch
+
+from helpers import same_full_state
 
 
 def _survivors(layout, lost):
@@ -276,9 +277,7 @@ def test_grpo_with_host_redundancy_survives_a_killed_trainer_without_a_checkpoin
     spec = model_spec(config(tmp_path)["model"]["hf_config"])
     a, b, c = (FullState.load_dir(p / "final", spec) for p in (tmp_path / "killed", tmp_path / "whole",
                                                                tmp_path / "both"))
-    for x in (a, c):
-        assert all(torch.equal(x.master[n], b.master[n]) for n in b.master)
-        assert all(torch.equal(x.moments[f][n], b.moments[f][n]) for f in b.moments for n in b.moments[f])
+    assert same_full_state(a, b) and same_full_state(c, b)
     print(f"\nloop: refresh {max(r['redundancy_seconds'] for r in steps):.3f} s, {steps[0]['redundancy_bytes']} B "
           f"per iteration; recovery {event['seconds']:.1f} s (detect {event['detect_s']:.1f}, of which probe "
           f"{event['probe_s']:.1f}; build {event['build_s']:.1f} s, move "
@@ -344,8 +343,7 @@ def test_host_redundancy_with_an_elastic_schedule_survives_kills_around_the_resi
         assert (a["reward_mean"], a["policy_loss"], a["grad_norm"]) == (b["reward_mean"], b["policy_loss"], b["grad_norm"])
     spec = model_spec(config(tmp_path)["model"]["hf_config"])
     a, b = (FullState.load_dir(p / "final", spec) for p in (tmp_path / "killed", tmp_path / "whole"))
-    assert all(torch.equal(a.master[n], b.master[n]) for n in b.master)
-    assert all(torch.equal(a.moments[f][n], b.moments[f][n]) for f in b.moments for n in b.moments[f])
+    assert same_full_state(a, b)
     print("\nschedule + redundancy: " + "; ".join(
         f"recovery {when} {e['seconds']:.1f} s (detect {e['detect_s']:.1f}, build {e['build_s']:.1f}, move "
         f"{e['move_s']:.2f} s, {e['bytes_moved']} B)" for when, e in (("during the DP2 build", first),
@@ -395,3 +393,19 @@ def test_the_survivors_copies_must_be_of_one_refresh():
     with pytest.raises(StateLost, match="different refreshes") as e:
         refreshed_alike([0, 2], [[{"iteration": 3}], [{"iteration": 2}]], [1])
     assert e.value.lost == [1] and e.value.unrecoverable == [0, 2]
+
+
+def test_recovery_refuses_critic_copies_from_different_refreshes():
+    """PPO keeps two host copies per rank (the actor's, then the critic's, refreshed one after the
+    other). The survivors' actor copies agreeing is not enough: critic copies of different
+    refreshes across survivors, or one survivor's actor and critic copies of different refreshes
+    (a loss between the two refreshes), are a state pieced from two iterations — refused."""
+    from rlhf_switch.elastic.recovery import StateLost, refreshed_alike
+
+    both = [{"iteration": 3}, {"iteration": 3}]
+    assert refreshed_alike([0, 2], [both, both], [1]) == {"iteration": 3}
+    stale_critic = [{"iteration": 3}, {"iteration": 2}]
+    for extras in ([both, stale_critic], [stale_critic, both], [stale_critic, stale_critic]):
+        with pytest.raises(StateLost, match="different refreshes") as e:
+            refreshed_alike([0, 2], extras, [1])
+        assert e.value.lost == [1] and e.value.unrecoverable == [0, 2], extras

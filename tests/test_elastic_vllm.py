@@ -25,7 +25,7 @@ def replica_run(out: Path, iterations: int, schedule: list[dict]) -> dict:
     """GRPO of ZeRO-3 DP2 with two vLLM TP1 replicas and ``schedule`` (also
     tests/test_elastic_combined.py's)."""
     sys.path.insert(0, str(HERE))
-    from test_rl_loop import small
+    from helpers import small
 
     cfg = small("grpo_tiny.yaml", out, world=2, train={"engine": "deepspeed", "zero_stage": 3, "dp": 2},
                 rollout={"engine": "vllm", "tp": 1, "dp": 2}, checkpoint={"save_every": 0})
@@ -56,7 +56,7 @@ def _minimum(spec, tp: int, replicas: int) -> int:
 def test_grpo_vllm_replicas_change_layout_in_a_running_loop(ray_session, tmp_path):
     from recipes.grpo import run
     from rlhf_switch.models import model_spec
-    from test_rl_loop import records
+    from helpers import records
 
     cfg = _config(tmp_path / "run")
     recs = run(cfg, quiet=True)

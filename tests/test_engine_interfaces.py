@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import records
 from rlhf_switch.engines.torch_engines import FSDP2Engine
 from rlhf_switch.engines.torch_rollout import TorchRolloutEngine
 
@@ -78,16 +78,12 @@ def ray_session(tmp_path_factory):
 
 def _small(out: Path, world: int = 2, **blocks) -> dict:
     sys.path.insert(0, str(HERE))
-    from test_rl_loop import small
+    from helpers import small
 
     cfg = small("grpo_tiny_fsdp.yaml", out, world=world, **blocks)
     cfg["algorithm"].update(iterations=2, micro_batch_size=2)
     cfg["checkpoint"] = {"save_every": 0, "keep": 1}
     return cfg
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _sync_names_the_dead(ray, cluster, actor, name: str) -> None:
@@ -111,7 +107,7 @@ def test_user_engines_named_module_class(ray_session, tmp_path):
                  rollout={"engine": "test_engine_interfaces:CountingRollout", "tp": 2, "dp": 1})
     cfg["verify"] = "full"  # the run config's verify reaches the weight channel: every sync checked
     run(cfg, quiet=True)
-    recs = _records(out)
+    recs = records(out)
     its = [r for r in recs if "reward_mean" in r]
     assert [r["iteration"] for r in its] == [0, 1]
     assert all(r["stale_check_passed"] and r["stale_logprob_diff"] < 1e-4 for r in its), its
@@ -202,7 +198,7 @@ def test_pipeline_trainer_in_the_loop_equals_fsdp2(ray_session, tmp_path, world,
         out = tmp_path / name
         run(_small(out, world=world, train=train, rollout={"engine": "torch", "tp": 2, "dp": world // 2},
                    reference={"engine": "fsdp2", "dp": world}), quiet=True)
-        got[name] = [r for r in _records(out) if "reward_mean" in r]
+        got[name] = [r for r in records(out) if "reward_mean" in r]
     for rec in got["pipeline"]:
         assert rec["stale_check_passed"] and rec["stale_logprob_diff"] < 1e-4, rec
     p, f = got["pipeline"][0], got["fsdp2"][0]

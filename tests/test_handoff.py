@@ -116,6 +116,7 @@ def test_ipc_worker_misfit_refused_by_every_member_before_a_byte_moves(world4, l
         assert res["dst_untouched"] and res["src_intact"], (r, res)
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_ipc_worker_that_never_copies_is_named_lost(world4, layouts):
     """Worker rank 3 takes part in the gather, then never copies out of its buckets: its trainer
     rank (1) raises ``PeerLost`` naming it within the move's deadline (10 s + its bytes at 50 MB/s);

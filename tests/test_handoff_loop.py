@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from test_rl_loop import records, small
+from helpers import records, small
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

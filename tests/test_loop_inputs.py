@@ -234,23 +234,6 @@ def test_resume_point_is_the_newest_checkpoint_up_to_the_total(tmp_path):
         resolve_resume(str(ppo / "checkpoints" / "step_2"), ppo, 5, parts=("critic",))
 
 
-def test_resumed_records_are_truncated_to_the_checkpoint(tmp_path):
-    import json
-
-    from recipes.run_log import MetricsLog
-
-    recs = [{"iteration": i, "reward_mean": i} for i in range(5)] + [{"iteration": 5, "eval": "after"}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"iteration": 6, "re')
-    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps({"iteration": i}) + "\n" for i in range(5)))
-    log = MetricsLog(tmp_path, tensorboard=False, resume_from=2)
-    assert [r["iteration"] for r in log.records()] == [0, 1]
-    rollouts = [json.loads(x) for x in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rollouts] == [0, 1]
-    assert not list(tmp_path.glob("*.tmp"))
-    MetricsLog(tmp_path, tensorboard=False)  # a new run starts empty
-    assert (tmp_path / "metrics.jsonl").read_text() == (tmp_path / "rollouts.jsonl").read_text() == ""
-
-
 def test_checkpoint_config_names_the_dtype_without_the_deprecated_attribute(tmp_path, capfd):
     import json
 

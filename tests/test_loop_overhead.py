@@ -21,6 +21,7 @@ def _batches(n: int, rows: int = 4, seq: int = 12) -> list[torch.Tensor]:
     return [torch.randint(0, TINY["vocab_size"], (rows, seq), generator=g) for _ in range(n)]
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_fsdp2_gathered_once_and_local_shard_adam_are_bit_identical(world2):
     for rank, got in enumerate(world2.run(jobs.gathered_once_and_local_adam_equal_the_plain_paths, TINY, _batches(3))):
         assert all(got["outputs"]), (rank, got)
@@ -33,6 +34,7 @@ def test_fsdp2_gathered_once_and_local_shard_adam_are_bit_identical(world2):
 OPTIM_CLIP = jobs.OPTIM.max_grad_norm
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_fsdp2_one_unit_for_a_small_model_is_bit_identical_to_per_layer_units(world2):
     for rank, got in enumerate(world2.run(jobs.one_unit_equals_per_layer_units, TINY, _batches(3))):
         assert got["units"] == (1, TINY["num_hidden_layers"] + 1), (rank, got["units"])
@@ -42,6 +44,7 @@ def test_fsdp2_one_unit_for_a_small_model_is_bit_identical_to_per_layer_units(wo
         assert got["state_equal"] == [], (rank, got["state_equal"])
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_batched_gradient_norm_equals_the_per_tensor_dtensor_norms(world2):
     for batched, per_tensor in world2.run(jobs.batched_norm_equals_per_tensor_norm, TINY, _batches(1)[0]):
         assert batched == per_tensor
@@ -63,6 +66,7 @@ def test_trl_baseline_tokenizer_is_the_character_tokenizer():
 KEEP_ALL = 100_000
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_zero3_persistent_parameters_train_bit_identically(world2):
     for rank, got in enumerate(world2.run(jobs.zero3_persistent_equals_partitioned, TINY, _batches(3), KEEP_ALL)):
         assert got["persistent"] == [0, got["params"]], (rank, got)
@@ -73,6 +77,7 @@ def test_zero3_persistent_parameters_train_bit_identically(world2):
         assert got["weights_equal"], rank
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_a_weights_write_into_persistent_zero3_reaches_its_forward(world2):
     for rank, got in enumerate(world2.run(jobs.warm_start_into_persistent_zero3, TINY, _batches(1, rows=4)[0],
                                           KEEP_ALL, _batches(2))):

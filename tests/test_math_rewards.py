@@ -53,3 +53,14 @@ def test_final_number_and_plugin_names():
     assert final_number("nothing") is None
     assert load_reward_fn("rlhf_switch.rl.rewards:math_answer") is math_answer
     assert load_reward_fn("rlhf_switch.rl.rewards:math_format") is math_format
+
+
+@pytest.mark.parametrize("response, answer, reward", [
+    ("#### 5, no wait: 48 + 24 = 72\n#### 72", GSM8K, 1.0),   # the response corrects itself: the last counts
+    ("#### 72, no wait\n#### 5", GSM8K, 0.0),
+    ("#### 72", "first 5 #### 5 then #### 72", 1.0),          # the answer's last #### too
+    ("#### 5", "first 5 #### 5 then #### 72", 0.0),
+])
+def test_math_answer_with_two_hashes_counts_the_last(response, answer, reward):
+    assert math_answer("a prompt", response, answer) == reward
+    assert final_number(response + "\n#### 9") == 9  # whatever came before

@@ -26,7 +26,7 @@ import math
 import pytest
 
 from recipes.cluster import PlacementError, rank_bundles
-from test_rl_loop import records, small
+from helpers import ray_cluster, records, small
 
 A, B = "a" * 56, "b" * 56  # two node ids
 
@@ -74,24 +74,10 @@ def test_placement_is_pack_unless_the_config_says_spread(tmp_path):
 @pytest.fixture(scope="module")
 def two_nodes():
     """A Ray cluster of two nodes on this machine, its driver connected; shut down at module end."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from conftest import prepare_ray_env
-
-    prepare_ray_env()  # before the raylets start: their workers inherit the environment
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 4, "num_gpus": 2, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=4, num_gpus=2)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+    with ray_cluster(2, cpus=4, gpus=2) as (ray, _, _):
         nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
         assert len(nodes) == 2
         yield ray, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def placed(ray, cfg: dict) -> dict:

@@ -43,6 +43,7 @@ def _layout(name):
             "vllm2x2": lambda: vllm_layout(SPEC, 2, replicas=2)}.get(name, lambda: L[name])()
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_moves_between_engine_like_buffers_are_bit_exact(world4):
     """Both sides' buffers are views into one flat tensor per dtype, each at a non-zero storage
     offset with garbage between them: every covered element equals a direct construction of the
@@ -77,8 +78,11 @@ def expected_cap(budget: int, item: int) -> int:
     return quarter if quarter >= item else budget // 2 // item * item
 
 
-@pytest.mark.parametrize("budget,cap", [(8, 4), (12, 4), (15, 4), (16, 4), (20, 4), (24, 4), (31, 4), (32, 8),
-                                        (100, 24), (1000, 248), (2048, 512), (4096, 1024)])
+@pytest.mark.parametrize("budget,cap", [
+    # budgets of a few bytes: ~10^4 messages to schedule each (left out of `make test-fast`)
+    *(pytest.param(b, c, marks=pytest.mark.heavy) for b, c in [(8, 4), (12, 4), (15, 4), (16, 4), (20, 4), (24, 4),
+                                                               (31, 4), (32, 8)]),
+    (100, 24), (1000, 248), (2048, 512), (4096, 1024)])
 def test_message_size_cap_is_a_quarter_of_the_budget_in_whole_elements(budget, cap):
     """Every message (staged or direct, sent or received) is at most the cap, and some message
     reaches it exactly (the tiny model's fp32 tensors are larger than every cap here)."""

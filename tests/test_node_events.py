@@ -145,20 +145,10 @@ def test_the_loop_watch_records_every_change_and_requests_a_resize_for_a_node_ad
 def head_node():
     """A Ray cluster of one node (2 CPUs, 2 logical GPUs: 2 devices) on this machine, its driver
     connected; the test adds the second node. Shut down at module end."""
-    import ray
-    from ray.cluster_utils import Cluster
+    from helpers import ray_cluster
 
-    from conftest import prepare_ray_env
-
-    prepare_ray_env()  # before the raylets start: their workers inherit the environment
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "include_dashboard": False})
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+    with ray_cluster(1, cpus=2, gpus=2) as (ray, cluster, _):
         yield ray, cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.mark.slow
@@ -167,7 +157,7 @@ def test_a_node_added_during_a_grpo_run_grows_it_dp2_to_dp4(head_node, tmp_path)
 
     from recipes.grpo import run
     from rlhf_switch.elastic.requests import read_answer
-    from test_rl_loop import records
+    from helpers import records
 
     ray, ray_cluster = head_node
     out = tmp_path / "grow"

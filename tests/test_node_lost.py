@@ -92,21 +92,10 @@ def test_the_node_lost_record_says_what_the_recovery_did(tmp_path):
 def two_nodes():
     """A Ray cluster of two nodes (2 CPUs, 2 logical GPUs each: 2 devices each) on this machine,
     its driver connected; yields (ray, the cluster, the second node's handle)."""
-    import ray
-    from ray.cluster_utils import Cluster
+    from helpers import ray_cluster
 
-    from conftest import prepare_ray_env
-
-    prepare_ray_env()  # before the raylets start: their workers inherit the environment
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "include_dashboard": False})
-    try:
-        second = cluster.add_node(num_cpus=2, num_gpus=2)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+    with ray_cluster(2, cpus=2, gpus=2) as (ray, cluster, (second,)):
         yield ray, cluster, second
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.mark.slow
@@ -115,7 +104,7 @@ def test_a_node_lost_shrinks_grpo_dp4_to_dp2_on_the_survivors_without_a_checkpoi
     import signal
 
     from test_elastic import _differences, _gathered
-    from test_rl_loop import records
+    from helpers import records
 
     from recipes.grpo import run
 

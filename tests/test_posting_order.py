@@ -78,7 +78,7 @@ PAIRS = [(a, b) for a, b in itertools.product(CONFIGS, CONFIGS) if a != b]
 SMALL = [("zero3", "tp2xpp2"), ("fsdp", "tp4"), ("tp2xdp2", "pp2"), ("zero1-flat", "tp2")]  # 64 B: ~10^4 messages each
 
 
-@pytest.mark.parametrize("budget", [64, 1000, 1 << 20])
+@pytest.mark.parametrize("budget", [pytest.param(b, marks=pytest.mark.heavy) for b in (64, 1000)] + [1 << 20])
 def test_both_ends_of_every_message_post_it_at_the_same_place(layouts4, budget):
     """Every named pair (a few under a 64 B budget), three budgets: the ordered programs match
     message for message; the whole per-pair sequence (both directions interleaved) is the same
@@ -133,6 +133,7 @@ def test_the_check_fires_on_the_old_order_and_on_a_swapped_program(layouts4):
     assert any(scheds[1].digest_messages(swapped).get(p) != scheds[1].message_digests[p] for p in peers)
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_real_ranks_post_both_ends_of_every_message_at_the_same_place(world4, layouts4):
     """Recorded on 4 gloo ranks, including the case the old order mis-posted: moves are exact,
     bytes = minimum, every rank posts exactly its schedule's program, and every pair matches."""
@@ -149,6 +150,7 @@ def test_real_ranks_post_both_ends_of_every_message_at_the_same_place(world4, la
         assert misordered(posts) == [], (x, y, bud)
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_a_rank_posting_in_another_order_is_refused_before_any_byte(world4, layouts4):
     """Rank 1 would post two of its sends in swapped order, or rank 2 cut other messages (another
     budget): every rank refuses in the agreement (the digests cover each pair's messages and

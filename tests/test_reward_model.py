@@ -143,7 +143,7 @@ def rm_config(out: Path, **changes) -> dict:
 
 def ppo_config(out: Path, model_path: Path) -> dict:
     cfg = yaml.safe_load((REPO / "configs" / "ppo_rm_tiny.yaml").read_text())
-    cfg.update(output_dir=str(out), tensorboard=False, checkpoint={"save_every": 0})
+    cfg.update(output_dir=str(out), logging=[], checkpoint={"save_every": 0})
     cfg["reward"]["model_path"] = str(model_path)
     cfg["eval"] = {"num_prompts": 200}
     return cfg

@@ -17,7 +17,7 @@ def _log(out: Path, events: bool) -> list[dict]:
     ``recipes.elastic_control.ElasticControl`` writes)."""
     from recipes.run_log import MetricsLog
 
-    log = MetricsLog(out, tensorboard=False)
+    log = MetricsLog(out, [])
     for it in range(6):
         if events and it == 2:
             log.write({"iteration": 2, "resize": {
@@ -67,7 +67,7 @@ def test_a_recovery_drops_the_records_of_the_iterations_it_runs_again(tmp_path):
     so after the re-run each iteration is in metrics.jsonl once."""
     from recipes.run_log import MetricsLog
 
-    log = MetricsLog(tmp_path, tensorboard=False)
+    log = MetricsLog(tmp_path, [])
     for it in range(5):
         if it == 2:
             log.write({"iteration": 2, "resize": {"kind": "planned"}}, it)
@@ -87,3 +87,37 @@ def test_a_recovery_drops_the_records_of_the_iterations_it_runs_again(tmp_path):
     rollouts = [json.loads(line)["iteration"]
                 for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert rollouts == [0, 1, 2, 3, 4]
+
+
+def test_resume_keeps_every_iteration_before_the_first_it_runs(tmp_path):
+    """An interrupted run logged iterations 0-4 (and half a line as it died); its checkpoint is
+    iteration 2's, so the resumed run starts at 3 (``resume_from=3``): iterations 0, 1 and 2 stay
+    in both files — not one fewer — 3 and 4 go, and after the resumed run writes 3-5 every
+    iteration is there once, in order."""
+    from recipes.run_log import MetricsLog
+
+    log = MetricsLog(tmp_path, [])
+    log.write({"iteration": 0, "heldout_reward": 0.1, "eval": "before"}, 0)
+    for it in range(5):
+        log.write(_iteration(it), it)
+        log.write_rollouts(it, [[1]], [[2]], [[-0.5]], [1.0])
+    log.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"iteration": 5, "rew')  # the crash
+    resumed = MetricsLog(tmp_path, [], resume_from=3)
+    assert [(r["iteration"], "eval" in r) for r in resumed.records()] == [(0, True), (0, False), (1, False), (2, False)]
+
+    def rollouts() -> list[int]:
+        return [json.loads(line)["iteration"] for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+
+    assert rollouts() == [0, 1, 2]
+    for it in range(3, 6):
+        resumed.write(_iteration(it), it)
+        resumed.write_rollouts(it, [[1]], [[2]], [[-0.5]], [1.0])
+    assert [r["iteration"] for r in resumed.records() if "reward_mean" in r] == [0, 1, 2, 3, 4, 5]
+    assert rollouts() == [0, 1, 2, 3, 4, 5]
+    assert not list(tmp_path.glob("*.tmp"))
+    # resuming from the very start keeps nothing; a new run starts both files empty
+    assert MetricsLog(tmp_path, [], resume_from=0).records() == [] and rollouts() == []
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_iteration(0)) + "\n")
+    assert MetricsLog(tmp_path, []).records() == []

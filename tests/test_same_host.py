@@ -163,6 +163,7 @@ def test_a_weight_channel_shares_its_sources_after_the_first_move(copies_world, 
             assert res["mapped"] == [0, 0, 0] and not res["shared"] and res["stats"]["shared_bytes"] == 0
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_switched_off_mappings_leave_shared_sources_to_process_vm_readv(layouts4, monkeypatch):
     monkeypatch.setenv(same_host.MAP_ENV, "0")
     monkeypatch.setenv(same_host.MIN_BYTES_ENV, "1")
@@ -199,6 +200,7 @@ def test_a_bare_group_uses_them_too(copies_world, layouts4):
     _all_copies(run_move(copies_world, layouts4["zero3"], layouts4["tp4"], bare_group=True))
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_switched_off_every_message_stays_on_gloo(layouts4):
     patch = pytest.MonkeyPatch()
     patch.setenv(same_host.ENV, "0")
@@ -261,6 +263,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_ranks_whose_readers_copied_exit_without_an_abort(tmp_path):
     """A rank process that received by same-host copies ends cleanly: its readers are ended
     before the interpreter stops its threads. (Before, a reader still sending the last
@@ -406,6 +409,7 @@ def test_a_refused_move_is_refused_everywhere_through_the_board(copies_world, la
         assert res["wrong"] == [], f"after the refusal: rank {r}: {res['wrong']}"
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_switched_off_the_agreement_stays_on_gloo(layouts4):
     patch = pytest.MonkeyPatch()
     patch.setenv(same_host.BOARD_ENV, "0")

@@ -119,6 +119,7 @@ def plain_rank_plan(src, dst, rank, ranks_per_node):
             tuple(sorted((t for t in ts if t.dst == rank != t.src), key=lambda t: (t.src, position[t.key], t.box.lo))))
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_rank_plan_fast_path_is_the_plain_walk_on_a_small_moe():
     trains = [ParallelConfig(pp=2, dp=8, ep=4), ParallelConfig(tp=2, pp=2, dp=4, ep=2, dp_shard="zero3"),
               ParallelConfig(pp=2, dp=8, ep=8, dp_shard="zero")]

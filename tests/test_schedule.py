@@ -37,6 +37,7 @@ def test_split_box_tiles_the_box_in_row_major_order(shape, cap, data):
         assert a.lo < b.lo  # row-major order: both ends cut identically and in the same order
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_chunks_and_peak_respect_the_budget(layouts4):
     src, dst = layouts4["zero3"], layouts4["tp2xpp2"]
     for budget in (16, 100, 1000, 1 << 20):
@@ -85,7 +86,7 @@ def _replay_staging(sched):
 
 
 @pytest.mark.parametrize("pair", [("zero3", "tp4"), ("fsdp", "tp2xpp2"), ("zero1-flat", "tp2xdp2"),
-                                  ("tp2xdp2", "pp2")])
+                                  pytest.param(("tp2xdp2", "pp2"), marks=pytest.mark.heavy)])
 @pytest.mark.parametrize("merge", [0, None])
 def test_messages_are_zero_copy_where_contiguous_and_cut_alike_on_both_ends(layouts4, pair, merge, monkeypatch):
     """With ``MERGE_BYTES`` 0 every contiguous piece of the tiny model travels straight from/into
@@ -127,7 +128,7 @@ def test_messages_are_zero_copy_where_contiguous_and_cut_alike_on_both_ends(layo
 
 
 @pytest.mark.parametrize("pair", [("zero3", "tp4"), ("fsdp", "tp2xpp2"), ("zero1-flat", "tp2xdp2"),
-                                  ("tp2xdp2", "pp2"), ("fsdp", "tp4")])
+                                  pytest.param(("tp2xdp2", "pp2"), marks=pytest.mark.heavy), ("fsdp", "tp4")])
 def test_small_messages_travel_together_at_the_end(layouts4, pair, monkeypatch):
     """Messages of at most ``MERGE_BYTES // 2`` that joined no neighbour (norms between a layer's
     big pieces) are merged into one per peer and direction, after the others: never more messages
@@ -165,6 +166,7 @@ def test_small_messages_travel_together_at_the_end(layouts4, pair, monkeypatch):
             f"{pair}: no small messages to merge in the tiny model"
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_staging_overlaps_steps_within_the_budget(layouts4):
     src, dst = layouts4["zero3"], layouts4["tp2xpp2"]
     overlapped = False

@@ -101,7 +101,7 @@ def test_grpo_200_iterations_leave_the_actors_flat(tmp_path):
 
     from recipes.grpo import run
     from rlhf_switch.compat import set_vllm_env_defaults
-    from test_rl_loop import REPO, small
+    from helpers import REPO, small
 
     cfg = small("grpo_tiny_fsdp.yaml", tmp_path / "run", train={"engine": "fsdp2", "dp": 2},
                 rollout={"engine": "torch", "tp": 2, "dp": 1}, reference={"engine": "fsdp2", "dp": 2})

@@ -50,7 +50,7 @@ CASES = [  # (model, trainer layout, engine TP): TP4 > 2 KV heads replicates the
 ]
 
 
-@pytest.mark.parametrize("model,trainer,tp", CASES)
+@pytest.mark.parametrize("model,trainer,tp", [pytest.param(*CASES[0], marks=pytest.mark.heavy), *CASES[1:]])
 def test_engine_fed_by_a_move_matches_hf(world4, models, model, trainer, tp):
     path, _, trainers = models[model]
     results = world4.run(rollout_jobs.logits_vs_hf, path, trainers[trainer], tp, PROMPTS, NEW)
@@ -61,7 +61,8 @@ def test_engine_fed_by_a_move_matches_hf(world4, models, model, trainer, tp):
         assert res["logprob_diff"] < 1e-5, f"rank {r}: KV-cache decoding differs from a full forward"
 
 
-@pytest.mark.parametrize("model,trainer,tp", [("untied", "tp2·dp2[zero3]", 2), ("tied", "fsdp", 4)])
+@pytest.mark.parametrize("model,trainer,tp", [pytest.param("untied", "tp2·dp2[zero3]", 2, marks=pytest.mark.heavy),
+                                               ("tied", "fsdp", 4)])
 def test_second_move_leaves_no_stale_weights(world4, models, model, trainer, tp):
     path, _, trainers = models[model]
     results = world4.run(rollout_jobs.no_stale_weights, path, trainers[trainer], tp, PROMPTS, NEW)
@@ -73,7 +74,7 @@ def test_second_move_leaves_no_stale_weights(world4, models, model, trainer, tp)
         assert res["tokens"] == res["hf_tokens"], f"rank {r}: greedy tokens differ from the updated HF model"
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_sampling_is_identical_on_every_tp_rank_and_repeatable(world4, models, tp):
     path, _, trainers = models["untied"]
     results = world4.run(rollout_jobs.sampled, path, trainers["fsdp"], tp, PROMPTS[:2], NEW, 7)
@@ -92,8 +93,9 @@ BATCH = PROMPTS + [[1], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 249, 3,
 SEEDS = [11, 5, 11, 1000003, 0, 42]  # a seed shared by two prompts: each row still has its own generator
 
 
-@pytest.mark.parametrize("model,trainer,tp", [("untied", "fsdp", 1), ("untied", "tp2·dp2[zero3]", 2),
-                                              ("tied", "fsdp", 2)])
+@pytest.mark.parametrize("model,trainer,tp", [("untied", "fsdp", 1),
+                                              *(pytest.param(*c, marks=pytest.mark.heavy)
+                                                for c in [("untied", "tp2·dp2[zero3]", 2), ("tied", "fsdp", 2)])])
 def test_batched_decoding_equals_one_at_a_time(world4, models, model, trainer, tp):
     """All prompts of a call decoded together (left-padded, one KV cache, one all-reduce per layer
     per step) give each (prompt, seed) the tokens and logprobs of decoding it alone, greedy and
@@ -132,6 +134,7 @@ def family_models(tmp_path_factory):
     return out
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 @pytest.mark.parametrize("model_type,tp", [("qwen2", 2), ("qwen2", 4), ("qwen3", 2), ("qwen3", 4)])
 def test_engine_of_other_families_matches_hf(world4, family_models, model_type, tp):
     path, spec = family_models[model_type]

@@ -54,6 +54,7 @@ def check_truth(results: list[dict], engines: dict[str, list[int]]) -> dict[str,
     return by_engine
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_fsdp2_dp4_fragments_hold_what_they_claim(world4):
     results = world4.run(jobs.layout_truth, TINY, [("fsdp2", [0, 1, 2, 3], {})], batches(2))
     check_truth(results, {"FSDP2·DP4": [0, 1, 2, 3]})
@@ -179,7 +180,7 @@ def test_refusals_leave_every_rank_free(world4):
     ("qwen2", [("fsdp2", [0, 1], {}), ("tp", [2, 3], {})]),
     ("qwen3", [("fsdp2", [0, 1, 2, 3], {})]),  # per-head q/k norms, replicated in the spec
     # TP: each rank's q/k norms see its own heads; their gradients are summed over TP
-    ("qwen3", [("fsdp2", [0, 1], {}), ("tp", [2, 3], {})]),
+    pytest.param("qwen3", [("fsdp2", [0, 1], {}), ("tp", [2, 3], {})], marks=pytest.mark.heavy),
     ("qwen3_moe", [("fsdp2", [0, 1, 2, 3], {})]),  # stacked experts: one whole expert per rank
     # pipeline stages of Llama-shaped layers: qwen2's and mistral's (no sliding window) run as they are
     ("qwen2", [("pp", [0, 1], {}), ("fsdp2", [2, 3], {})]),

@@ -43,7 +43,8 @@ CASES = {
 K = 2
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c if c == "FSDP2·DP4 -> TP2·DP2" else pytest.param(c, marks=pytest.mark.heavy)
+                                  for c in CASES])  # `make test-fast`: one switch
 def test_switch_and_continue(world4, case):
     src, dst = CASES[case]
     results = world4.run(jobs.switch_and_continue, src, dst, K, timeout=300)
@@ -70,7 +71,7 @@ def test_switch_to_another_model_is_refused_and_the_source_trains_on(world4, dst
     assert all(r["moments_zero"] and r["moments"] == (2 if dst[0] == "zero" else 0) for r in results)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.heavy)])
 def test_bit16_copies_of_the_own_master_stay_off_the_wire(world4, dtype):
     """fp32 training: a ZeRO destination's bit16 elements over its own master partition are the
     master in value — the plan leaves them out (each of ranks 2, 3 receives its quarter of the

@@ -198,6 +198,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.heavy  # left out of `make test-fast`
 def test_cli_out_is_a_config_train_accepts(tmp_path):
     from rlhf_switch.problems import check_run, run_problems
     from rlhf_switch.rl.config import load_config
@@ -374,3 +375,255 @@ def test_a_pipeline_with_tp_stages_pays_the_tp_engines_fixed_costs_too(grpo, cpu
         engine_pass(w, bare, pp_tp2, 2, w.rollout_batch, train=False).total
     assert engine_pass(w, tp_only, pp2, 2, w.rollout_batch, train=False).total == \
         engine_pass(w, bare, pp2, 2, w.rollout_batch, train=False).total
+
+
+# --- every cost term against a hand computation --------------------------------------------------------
+# A model small enough to count by hand: H 32, I 64, 4 layers, 4 heads of 8 (2 KV heads), vocab 64,
+# untied. Per layer the matmuls hold q 32·32 + k 32·16 + v 32·16 + o 32·32 + gate, up, down 3·64·32
+# = 9216 parameters, and 2 norms of 32; plus embeddings 64·32, lm_head 64·32, final norm 32.
+HAND_HF = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               tie_word_embeddings=False, torch_dtype="float32")
+HAND_MATMUL = 4 * 9216 + 64 * 32                   # what a token multiplies through (no embedding lookup)
+HAND_PARAMS = 4 * (9216 + 2 * 32) + 2 * 64 * 32 + 32
+HAND_TENSORS = 1 + 4 * 9 + 1 + 1
+INF = float("inf")
+
+
+@pytest.fixture(scope="module")
+def hand():
+    """The workload: 16 sequences of 10 + 6 tokens per iteration, optimizer steps of 8, forwards of 2,
+    2 epochs (4 steps), float32 (4 bytes)."""
+    from rlhf_switch.tune import Workload
+
+    w = Workload(hf_config=HAND_HF, dtype="float32", rollout_batch=16, mini_batch=8, micro_batch=2, epochs=2,
+                 prompt_tokens=10, new_tokens=6, has_reference=False, has_critic=False)
+    assert (w.matmul_params, w.params(), len(w.spec.tensors), w.seq, w.head_dim) == \
+        (HAND_MATMUL, HAND_PARAMS, HAND_TENSORS, 16, 8)
+    return w
+
+
+def free_machine(**rates):
+    """A profile on which everything is free (rates infinite, fixed costs 0) except ``rates``: a
+    term of the model then stands alone and can be compared with its formula."""
+    from rlhf_switch.tune.profile import Link, MachineProfile
+
+    free = Link(INF, 0.0)
+    base = dict(name="hand", origin="test", matmul_flops={"float32": INF}, memory_bandwidth=INF, device_memory=1e12,
+                devices_per_node=8, p2p_intra=free, p2p_inter=free, collective_intra=free, collective_inter=free,
+                same_device=free)
+    return MachineProfile(**{**base, **rates})
+
+
+def _layout(**kw):
+    from rlhf_switch.rl.config import TrainLayout
+
+    return TrainLayout(**kw)
+
+
+def test_cost_compute_term_is_the_flops_by_hand(hand):
+    """2 FLOPs per multiplied parameter per token plus attention (4·layers·heads·head_dim·seq per
+    token), ×3 with the backward, over the devices' share, at the profile's rate (×2 slower when
+    4 devices share 2 compute slots)."""
+    from rlhf_switch.tune.cost import engine_pass
+
+    R = 2.0 ** 30
+    per_token = 2 * HAND_MATMUL + 4 * 4 * 4 * 8 * 16
+    z1 = _layout(engine="deepspeed", zero_stage=1, dp=2)
+    # forward: 16 sequences over DP2 = 8 per rank
+    assert engine_pass(hand, free_machine(matmul_flops={"float32": R}), z1, 2, 16, train=False).compute == \
+        pytest.approx(per_token * 16 * 8 / R, rel=1e-12)
+    # train: 32 sequences (2 epochs) = 16 per rank, ×3
+    assert engine_pass(hand, free_machine(matmul_flops={"float32": R}), z1, 2, 32, train=True, steps=4).compute == \
+        pytest.approx(3 * per_token * 16 * 16 / R, rel=1e-12)
+    # PP2: each stage multiplies half the model (and waits out GPipe's bubble: 8 micro-batches, 9/8)
+    pp2 = _layout(engine="torch_pp", pp=2)
+    assert engine_pass(hand, free_machine(matmul_flops={"float32": R}), pp2, 2, 16, train=False).compute == \
+        pytest.approx(per_token * 16 * 16 / 2 / R * 9 / 8, rel=1e-12)
+    # TP2: half the FLOPs per device; 2 compute slots for a world of 4: each device at half speed
+    tp2 = _layout(engine="torch_tp", tp=2)
+    assert engine_pass(hand, free_machine(matmul_flops={"float32": R}, compute_slots=2), tp2, 4, 16,
+                       train=False).compute == pytest.approx(2 * per_token * 16 * 16 / 2 / R, rel=1e-12)
+
+
+def test_cost_fixed_terms_are_per_layer_call_per_micro_batch_and_per_step(hand):
+    """layer_overhead_s per decoder-layer call (×3 with the backward), the engine's forward cost per
+    micro-batch call (×3 with the backward) and its step cost per optimizer step."""
+    from rlhf_switch.tune.cost import engine_pass
+
+    z1 = _layout(engine="deepspeed", zero_stage=1, dp=2)
+    layer = free_machine(layer_overhead_s=2.0 ** -10)
+    # forward: 8 sequences per rank in micro-batches of 2 = 4 calls of 4 layers
+    assert engine_pass(hand, layer, z1, 2, 16, train=False).compute == pytest.approx(4 * 4 * 2.0 ** -10)
+    # train: 16 per rank = 8 micro-batches, forward + backward (×3)
+    assert engine_pass(hand, layer, z1, 2, 32, train=True, steps=4).compute == pytest.approx(8 * 4 * 3 * 2.0 ** -10)
+    fixed = free_machine(engine_forward_s={"deepspeed-z1": 0.5}, engine_step_s={"deepspeed-z1": 7.0})
+    assert engine_pass(hand, fixed, z1, 2, 16, train=False).compute == pytest.approx(4 * 0.5)
+    assert engine_pass(hand, fixed, z1, 2, 32, train=True, steps=4).compute == pytest.approx(8 * 0.5 * 3 + 4 * 7.0)
+    # the log-prob passes' own micro-batch: 8 per rank in forwards of 8 = 1 call
+    wide = dataclasses.replace(hand, logprob_micro_batch=8)
+    assert engine_pass(wide, layer, z1, 2, 16, train=False).compute == pytest.approx(1 * 4 * 2.0 ** -10)
+
+
+def test_cost_pipeline_bubble_is_gpipes(hand):
+    """PP2 over 4 layers: 2 layers per stage; 16 sequences in micro-batches of 2 = 8 per step, and
+    GPipe's bubble (m + pp - 1) / m = 9/8 on the compute."""
+    from rlhf_switch.tune.cost import engine_pass
+
+    pp2 = _layout(engine="torch_pp", pp=2)
+    layer = free_machine(layer_overhead_s=1.0)
+    assert engine_pass(hand, layer, pp2, 2, 16, train=False).compute == pytest.approx(8 * 2 * 9 / 8)
+    # train, 2 steps of 8 micro-batches (32 sequences): (8 + 1) / 8 again
+    assert engine_pass(hand, layer, pp2, 2, 32, train=True, steps=2).compute == pytest.approx(16 * 2 * 3 * 9 / 8)
+
+
+def test_cost_optimizer_step_is_28_bytes_per_parameter_of_the_shard_and_a_cost_per_tensor(hand):
+    """AdamW reads param, grad and two moments and writes three fp32 values: 28 bytes per parameter of
+    the rank's optimizer shard per step at the memory bandwidth; plus the per-tensor cost (DeepSpeed:
+    one flat group; the torch engines: every tensor of the stage)."""
+    from rlhf_switch.tune.cost import engine_pass
+
+    M = 2.0 ** 20
+    for layout, shards in ((_layout(engine="deepspeed", zero_stage=1, dp=2), 2),
+                           (_layout(engine="deepspeed", zero_stage=3, dp=2), 2),
+                           (_layout(engine="fsdp2", dp=2), 2), (_layout(engine="torch_tp", tp=2), 2),
+                           (_layout(engine="torch_pp", pp=2), 2)):
+        got = engine_pass(hand, free_machine(memory_bandwidth=M), layout, 2, 32, train=True, steps=4).compute
+        # (a pipeline's bubble is idle micro-batch slots: it does not stretch the optimizer step)
+        assert got == pytest.approx(4 * HAND_PARAMS / shards * 28 / M, rel=1e-12), layout
+    per_tensor = free_machine(optimizer_tensor_s=1.0)
+    assert engine_pass(hand, per_tensor, _layout(engine="deepspeed", zero_stage=3, dp=2), 2, 32, train=True,
+                       steps=4).compute == pytest.approx(4 * 1)
+    assert engine_pass(hand, per_tensor, _layout(engine="fsdp2", dp=2), 2, 32, train=True,
+                       steps=4).compute == pytest.approx(4 * HAND_TENSORS)
+
+
+def test_cost_data_parallel_communication_is_the_ring_formula(hand):
+    """Ring collectives over n ranks: (n - 1)/n of the bytes per rank and n - 1 latency steps per
+    message (all-reduce: twice that). ZeRO-3 gathers the weights per micro-batch forward, again for
+    its backward, and reduce-scatters the gradients, one message per tensor; ZeRO-1 all-reduces the
+    gradients and all-gathers the weights once per step, ZeRO-2 reduce-scatters instead."""
+    from rlhf_switch.tune.cost import engine_pass
+    from rlhf_switch.tune.profile import Link
+
+    bw, lat = 2.0 ** 20, 2.0 ** -12
+    net = free_machine(collective_intra=Link(bw, lat))
+    weights = HAND_PARAMS * 4
+    half = weights / 2 / bw  # (n - 1)/n of the weights over DP2
+    z3 = _layout(engine="deepspeed", zero_stage=3, dp=2)
+    assert engine_pass(hand, net, z3, 2, 16, train=False).comm == \
+        pytest.approx(4 * (half + HAND_TENSORS * lat), rel=1e-12)            # 4 micro-batch forwards
+    assert engine_pass(hand, net, z3, 2, 32, train=True, steps=4).comm == \
+        pytest.approx(3 * 8 * (half + HAND_TENSORS * lat), rel=1e-12)        # 8 × (2 gathers + 1 reduce-scatter)
+    z1, z2 = (_layout(engine="deepspeed", zero_stage=s, dp=2) for s in (1, 2))
+    assert engine_pass(hand, net, z1, 2, 16, train=False).comm == 0
+    assert engine_pass(hand, net, z1, 2, 32, train=True, steps=4).comm == \
+        pytest.approx(4 * (2 * (half + lat) + (half + lat)), rel=1e-12)
+    assert engine_pass(hand, net, z2, 2, 32, train=True, steps=4).comm == \
+        pytest.approx(4 * ((half + lat) + (half + lat)), rel=1e-12)
+    # FSDP2 on a model this small gathers once per call, in one unit (one message)
+    fsdp = _layout(engine="fsdp2", dp=2)
+    assert engine_pass(hand, net, fsdp, 2, 16, train=False).comm == pytest.approx(half + lat, rel=1e-12)
+    assert engine_pass(hand, net, fsdp, 2, 32, train=True, steps=4).comm == \
+        pytest.approx(4 * (half + lat) + 8 * (half + lat), rel=1e-12)
+    # replicas of a pipeline all-reduce their stage's gradients (half the weights) once per step
+    pp2dp2 = _layout(engine="torch_pp", pp=2, dp=2)
+    assert engine_pass(hand, net, pp2dp2, 4, 32, train=True, steps=4).comm == \
+        pytest.approx(4 * 2 * (half / 2 + lat), rel=1e-12)
+    # the group spans nodes when DP × TP devices do not fit in one: the inter-node link
+    far = free_machine(collective_inter=Link(bw, lat), devices_per_node=1)
+    assert engine_pass(hand, far, z1, 2, 32, train=True, steps=4).comm == \
+        engine_pass(hand, net, z1, 2, 32, train=True, steps=4).comm
+
+
+def test_cost_tensor_and_pipeline_parallel_communication_by_hand(hand):
+    """TP all-reduces a micro-batch's activations (micro · seq · H · 4 bytes) twice per layer
+    forward and twice more per backward; PP sends them across each stage boundary, once per
+    micro-batch forward and once back per backward."""
+    from rlhf_switch.tune.cost import engine_pass
+    from rlhf_switch.tune.profile import Link
+
+    bw, lat = 2.0 ** 20, 2.0 ** -12
+    act = 2 * 16 * 32 * 4
+    tp2 = _layout(engine="torch_tp", tp=2)
+    ring = free_machine(collective_intra=Link(bw, lat))
+    one = 2 * (act / 2 / bw + lat)  # one all-reduce over 2 ranks
+    assert engine_pass(hand, ring, tp2, 2, 16, train=False).comm == pytest.approx(8 * 4 * 2 * one, rel=1e-12)
+    assert engine_pass(hand, ring, tp2, 2, 32, train=True, steps=4).comm == \
+        pytest.approx(16 * 4 * 2 * 2 * one, rel=1e-12)
+    pp2 = _layout(engine="torch_pp", pp=2)
+    p2p = free_machine(p2p_intra=Link(bw, lat))
+    assert engine_pass(hand, p2p, pp2, 2, 16, train=False).comm == pytest.approx(8 * 1 * (act / bw + lat), rel=1e-12)
+    assert engine_pass(hand, p2p, pp2, 2, 32, train=True, steps=2).comm == \
+        pytest.approx(16 * 1 * 2 * (act / bw + lat), rel=1e-12)
+
+
+def test_cost_decode_by_hand(hand):
+    """Each replica's share in waves of what its KV cache holds; a wave: the prefill (the prompts'
+    matmuls, one read of the weights, the fixed cost) then one step per new token (reading the
+    weights or multiplying them, whichever is slower, plus the KV cache so far, plus the fixed
+    cost per step and per sequence), with TP all-reduces of the hidden states twice per layer."""
+    from rlhf_switch.rl.config import RolloutLayout
+    from rlhf_switch.tune.cost import decode_seconds
+    from rlhf_switch.tune.profile import Link
+
+    M, R = 2.0 ** 24, 2.0 ** 26
+    weight_bytes = HAND_PARAMS * 4
+    r2 = RolloutLayout(engine="vllm", tp=1, dp=2)  # 8 sequences per replica
+
+    def kv(batch, ctx):  # layers · K and V · KV heads · head_dim · 4 bytes per token
+        return batch * ctx * 4 * 2 * 2 * 8 * 4
+
+    assert decode_seconds(hand, free_machine(memory_bandwidth=M), r2, 2) == pytest.approx(
+        (1 + 6) * weight_bytes / M + sum(kv(8, 10 + s) for s in range(6)) / M, rel=1e-12)
+    assert decode_seconds(hand, free_machine(matmul_flops={"float32": R}), r2, 2) == pytest.approx(
+        2 * HAND_MATMUL * 8 * 10 / R + 6 * 2 * HAND_MATMUL * 8 / R, rel=1e-12)
+    fixed = free_machine(decode_step_overhead_s={"vllm": 0.25}, decode_sequence_s={"vllm": 2.0 ** -6})
+    assert decode_seconds(hand, fixed, r2, 2) == pytest.approx(7 * (0.25 + 8 * 2.0 ** -6))
+    # waves: 8 sequences, 3 at a time = 3 waves of 3
+    assert decode_seconds(hand, fixed, r2, 2, concurrent=3) == pytest.approx(3 * 7 * (0.25 + 3 * 2.0 ** -6))
+    # TP2, one replica of 16: the prefill's all-reduce of 16 · 10 hidden states, each step's of 16
+    bw, lat = 2.0 ** 20, 2.0 ** -12
+    tp2 = RolloutLayout(engine="vllm", tp=2, dp=1)
+    ring = free_machine(collective_intra=Link(bw, lat))
+
+    def all_reduce(nbytes):
+        return 2 * (nbytes / 2 / bw + lat)
+
+    assert decode_seconds(hand, ring, tp2, 2) == pytest.approx(
+        2 * 4 * all_reduce(16 * 10 * 32 * 4) + 6 * 2 * 4 * all_reduce(16 * 32 * 4), rel=1e-12)
+
+
+def test_cost_sharded_switch_and_iteration_sums_by_hand(hand):
+    """The closed-form switch of a DP-sharded trainer (n ranks) into TP workers on the same devices:
+    each pair moves bytes / n / tp in chunks of half the staging budget — one peer on the own
+    device, the node's others intra-node, the rest across nodes — plus the agreement's all-gather
+    of 32 bytes per rank over the 2n members, plus the fixed cost per member. An iteration: the
+    log-prob passes over the rollout batch, the update over epochs × batch in epochs × batch /
+    mini-batch optimizer steps."""
+    from rlhf_switch.rl.config import RolloutLayout
+    from rlhf_switch.tune import Combination
+    from rlhf_switch.tune.cost import _sharded_switch, iteration_seconds
+    from rlhf_switch.tune.memory import STAGING_BYTES
+    from rlhf_switch.tune.profile import Link
+
+    same, intra, inter, coll = Link(2.0 ** 30, 1e-6), Link(2.0 ** 28, 2e-6), Link(2.0 ** 26, 3e-6), Link(2.0 ** 27, 4e-6)
+    p = free_machine(same_device=same, p2p_intra=intra, p2p_inter=inter, collective_inter=coll, devices_per_node=2,
+                     switch_member_s={"vllm": 0.125})
+    z3, vllm = _layout(engine="deepspeed", zero_stage=3, dp=4), RolloutLayout(engine="vllm", tp=2, dp=2)
+    per_peer = HAND_PARAMS * 4 / 4 / 2
+    assert per_peer < STAGING_BYTES // 2  # one chunk per peer
+    want = (same.seconds(per_peer) + 1 * intra.seconds(per_peer) + 2 * inter.seconds(per_peer)
+            + (7 / 8 * 32 * 8 / coll.bandwidth + 7 * coll.latency) + 0.125 * 8)
+    got = _sharded_switch(hand, p, z3, vllm)
+    assert got.seconds == pytest.approx(want, rel=1e-12) and got.messages == 4
+    # the iteration: only the engines' fixed costs, so each phase counts its calls
+    fixed = free_machine(engine_forward_s={"deepspeed-z3": 1.0}, engine_step_s={"deepspeed-z3": 100.0})
+    ref = _layout(engine="deepspeed", zero_stage=3, dp=2)
+    combo = Combination(_layout(engine="deepspeed", zero_stage=3, dp=2), RolloutLayout(engine="torch", tp=1, dp=2),
+                        reference=ref)
+    out = iteration_seconds(hand, fixed, combo)
+    # log-probs: 16 sequences / DP2 / micro 2 = 4 forwards, policy and reference: 8
+    # update: 32 sequences / DP2 / micro 2 = 8 micro-batches × 3, and 2 × 16 / 8 = 4 steps
+    assert (out["logprob"], out["update"]) == (pytest.approx(8.0), pytest.approx(8 * 3 + 4 * 100.0))
+    assert out["total"] == pytest.approx(sum(out[k] for k in ("switch", "rollout", "logprob", "update")))

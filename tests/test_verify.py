@@ -164,3 +164,40 @@ def test_run_config_verify(tmp_path):
     for bad in ({"verify": "sometimes"}, {"verify_fraction": 0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             load_config({**cfg, **bad})
+
+
+def _reference_checksum(t: torch.Tensor) -> list[int]:
+    """The module docstring's definition, in plain Python over the bytes: int64 words (native
+    byte order), the last partial one zero-padded; ``s1 = sum w_i``, ``s2 = sum (i + 1) w_i``,
+    modulo 2^64."""
+    import sys
+
+    raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+    raw += bytes(-len(raw) % 8)
+    words = [int.from_bytes(raw[i:i + 8], sys.byteorder) for i in range(0, len(raw), 8)]
+    m64 = (1 << 64) - 1
+    return [sum(words) & m64, sum((i + 1) * w for i, w in enumerate(words)) & m64]
+
+
+@pytest.mark.parametrize("nbytes", [1, 3, 7, 9, 13, 8 * 5 + 6, 8 * 1024 + 1, 8 * 1024 + 7, 8 * 2048 + 8 * 3 + 5])
+def test_checksum_of_a_piece_whose_size_is_not_a_multiple_of_8_bytes(nbytes):
+    """A box of bf16/fp16/int8 elements rarely fills whole int64 words: the last partial word
+    counts, zero-padded, at its own position — equal to the definition computed by hand (also
+    past a whole ``[m, COLS]`` block), and every byte of the tail changes the checksum."""
+    from rlhf_switch.routing.verify import COLS
+
+    assert COLS == 1024  # the sizes above straddle one and two whole rows of words
+    g = torch.Generator().manual_seed(nbytes)
+    t = torch.randint(1, 256, (nbytes,), generator=g, dtype=torch.int64).to(torch.uint8)
+    got = [v & ((1 << 64) - 1) for v in checksum(t).tolist()]
+    assert got == _reference_checksum(t), nbytes
+    for i in range(nbytes - nbytes % 8, nbytes):  # each byte of the partial word
+        changed = t.clone()
+        changed[i] ^= 0x10
+        assert not torch.equal(checksum(changed), checksum(t)), (nbytes, i)
+    # the same bytes as fp16 / bf16 elements (an odd count: 2-byte tail) and from an unaligned view
+    if nbytes % 2 == 0:
+        for dtype in (torch.float16, torch.bfloat16):
+            assert torch.equal(checksum(t.view(dtype)), checksum(t)), (nbytes, dtype)
+    padded = torch.cat([torch.zeros(1, dtype=torch.uint8), t])[1:]  # storage offset 1
+    assert torch.equal(checksum(padded), checksum(t))

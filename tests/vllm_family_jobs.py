@@ -1,4 +1,5 @@
-"""Rank-side jobs of ``test_families_vllm.py``: vLLM's own model classes and loaders, no engine.
+"""Rank-side jobs of ``test_families_vllm.py``: vLLM's own model classes and loaders, no engine;
+and ``trainer_buffers``, the trainer ranks' buffers every real-vLLM test moves from.
 
 Spawned ranks import this module, so its top level stays light (no vllm, no transformers).
 """

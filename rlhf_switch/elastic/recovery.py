@@ -85,12 +85,17 @@ def refreshed_alike(survivors: Sequence[int], extras: Sequence[Sequence[Mapping]
     refresh can leave some survivors with the new copy complete and others never started on it
     (a rank's buddy share comes from one neighbour), and a state pieced from two refreshes is no
     state at all — ``StateLost``. The loop restores the iteration named here, not the one it
-    last saw a refresh return for."""
+    last saw a refresh return for. The copies of one survivor (PPO: the actor's, then the
+    critic's, refreshed one after the other) must be of that one refresh too: a policy of one
+    iteration beside a critic of another is no state either."""
     seen = {repr(list(e)): r for r, e in zip(survivors, extras)}
-    if len(seen) > 1:
-        raise StateLost(f"trainer ranks {list(lost)} are lost during a refresh of the host copies: the survivors' "
-                        f"copies are of different refreshes ({', '.join(f'rank {r}: {k}' for k, r in seen.items())}); "
-                        f"the state cannot be restored from the buddies", list(lost), list(survivors))
+    mixed = [r for r, e in zip(survivors, extras) if any(dict(x) != dict(e[0]) for x in e[1:])]
+    if len(seen) > 1 or mixed:
+        which = (f"rank {mixed[0]}'s engines' copies ({list(extras[survivors.index(mixed[0])])})" if mixed else
+                 f"the survivors' copies ({', '.join(f'rank {r}: {k}' for k, r in seen.items())})")
+        raise StateLost(f"trainer ranks {list(lost)} are lost during a refresh of the host copies: {which} are of "
+                        f"different refreshes; the state cannot be restored from the buddies",
+                        list(lost), list(survivors))
     return dict(extras[0][0]) if extras and extras[0] else {}
 
 

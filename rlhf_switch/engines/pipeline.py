@@ -33,10 +33,12 @@ How ``PipelineTrainer`` meets the pipelining runtime (torch 2.13):
 - Results. Only the last stage has logits; every TP rank of it holds them whole (the LM head is
   replicated). Log-probs, stats and the grad norm are broadcast from the last stage's first TP
   rank over a group of all the engine's ranks, so they are the same bits on every rank.
-- Clipping. Each rank sums the squared norms of its stage's gradients (a TP-sharded DTensor
-  gradient's norm made whole with ``full_tensor()``; replicated tensors once per stage), the
-  sums are all-reduced along the pipeline, and every stage scales its gradients by the same
-  coefficient — ``torch.nn.utils.clip_grad_norm_`` of the whole model, in one process.
+- Clipping. ``torch.nn.utils.clip_grad_norm_`` of the whole model, in one process, spread over
+  the stages in its own arithmetic: each rank takes the norm of each of its stage's gradients
+  (a TP-sharded DTensor gradient's made whole with ``full_tensor()``), the per-tensor norms are
+  gathered along the pipeline in the model's order, and every stage takes the norm of that
+  vector and scales its gradients by ``min(max_norm / (norm + 1e-6), 1)`` — fp32 where the
+  gradients are. A PP engine therefore clips to the same bits as one process.
 """
 from __future__ import annotations
 
@@ -230,6 +232,7 @@ class PipelineTrainer:
         self.device = next(self.module.parameters()).device
         self._schedules: dict[tuple[bool, int, int], tuple[Any, Any]] = {}  # key -> (stage, schedule)
         self._batch: tuple[torch.Tensor, LossFn, list] | None = None  # what the loss wrapper reads
+        self._stage_norms: list[tuple[int, int]] | None = None  # (stage, gradients) per pipeline member
 
     @property
     def first(self) -> bool:
@@ -335,22 +338,40 @@ class PipelineTrainer:
 
     @torch.no_grad()
     def _clip(self) -> float:
-        """Global-norm clipping over all stages and TP shards; the norm before clipping (NaN
-        when clipping is off)."""
+        """Global-norm clipping over all stages and TP shards, in the arithmetic of
+        ``torch.nn.utils.clip_grad_norm_`` on the whole model (module doc); the norm before
+        clipping (NaN when clipping is off)."""
         if self._max_grad_norm <= 0:
             return float("nan")
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = []
         for g in grads:  # same order on every TP rank of the stage: full_tensor() is collective
             n = torch.linalg.vector_norm(g, 2)
-            sq += (n.full_tensor() if hasattr(n, "full_tensor") else n).double() ** 2
-        dist.all_reduce(sq, group=self._pipe)  # one rank per stage: each stage counted once
-        total = math.sqrt(float(sq))
-        coef = self._max_grad_norm / (total + 1e-6)  # torch's clip_grad_norm_ rule
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef)
-        return total
+            norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+        total = torch.linalg.vector_norm(self._model_order(norms), 2)
+        coef = torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0)  # multiplied even at 1, as torch does
+        for g in grads:
+            (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
+        return float(total)
+
+    def _model_order(self, norms: list[torch.Tensor]) -> torch.Tensor:
+        """Every stage's per-tensor norms (one rank per stage: this TP rank's pipeline), stage
+        after stage: the vector ``clip_grad_norm_`` stacks in one process, in its order. Its
+        norm is then the same reduction over the same numbers — not a sum of per-stage squares,
+        which rounds differently."""
+        local = torch.stack(norms).float() if norms else torch.zeros(0, device=self.device)
+        if self._stage_norms is None:  # (stage, tensors) of every member, once: the stages do not change
+            mine = torch.tensor([self.stage_index, local.numel()], dtype=torch.int64, device=self.device)
+            rows = [torch.empty_like(mine) for _ in range(self.pp)]
+            dist.all_gather(rows, mine, group=self._pipe)
+            self._stage_norms = [tuple(int(v) for v in r) for r in rows]
+        width = max(n for _, n in self._stage_norms)
+        padded = torch.zeros(width, dtype=torch.float32, device=self.device)
+        padded[:local.numel()] = local
+        out = [torch.empty_like(padded) for _ in range(self.pp)]
+        dist.all_gather(out, padded, group=self._pipe)
+        by_stage = sorted(zip(self._stage_norms, out), key=lambda x: x[0][0])
+        return torch.cat([v[:n] for (_, n), v in by_stage])
 
 
 def build_pipeline_trainer(hf_config: Any, seed: int, ranks: Sequence[int], *, tp: int = 1,
