@@ -566,11 +566,11 @@ class HybridWorker:
             raise ValueError(f"{self.algorithm.name} needs a critic; this worker has none")
         rows = RankBatch.of(batch, trainer.dp, trainer.dp_rank, self.pad_id, self.cfg.algorithm,
                             self.device.torch_device())  # the batch goes where the engines compute
-        mask = rows.response_mask
+        mask, checked = rows.response_mask, rows.checked_mask
         old = trainer.outputs(rows.ids) * mask
         ref = self.reference.outputs(rows.ids) * mask if self.reference is not None else None
         values = self.critic.values(rows.ids) * mask if self.algorithm.needs_critic else None
-        stale = float(((old - rows.rollout_logprobs).abs() * mask).max()) if mask.any() else 0.0
+        stale = float(((old - rows.rollout_logprobs).abs() * checked).max()) if checked.any() else 0.0
         self._prepared = (rows, OldPolicy(old, ref, values))
         return {"stale_logprob_diff": stale, "logprob_seconds": time.perf_counter() - t0}
 

@@ -54,9 +54,12 @@ class RolloutReplica:
         self.engine.channel_open(endpoint)
         return {"replica": self.replica, "seconds": time.perf_counter() - t0}
 
-    def channel_receive(self) -> dict:
+    def channel_receive(self, version: int | None = None) -> dict:
+        """One sync into this replica's engine; ``version``: the weights' version it now holds
+        (what every sample it generates next records)."""
         t0 = time.perf_counter()
         answers = self.engine.channel_receive()
+        self.version = version
         return {"replica": self.replica, "workers": answers, "wall_seconds": time.perf_counter() - t0}
 
     def channel_stats(self) -> dict:
@@ -68,7 +71,7 @@ class RolloutReplica:
         t0 = time.perf_counter()
         tokens, logprobs = self.engine.generate(prompts, max_new_tokens, temperature, list(seeds), eos_token_id)
         return {"replica": self.replica, "lead": True, "tokens": tokens, "logprobs": logprobs,
-                "seconds": time.perf_counter() - t0}
+                "version": getattr(self, "version", None), "seconds": time.perf_counter() - t0}
 
     def shutdown(self) -> None:
         engine = getattr(self, "engine", None)

@@ -583,21 +583,22 @@ class Cluster:
             devices += [(node, first + t) for t in range(self.tp)]
         return devices
 
-    def stand_by(self) -> None:
+    def stand_by(self, version: int | None = None) -> None:
         """The rollout replicas post their receive now (call it when a rollout phase is over and
         the next use of the rollout engines is after a sync): their workers wait in the channel
         while the trainer trains — they are idle then anyway — so the next ``sync`` starts with
         only the trainer's ranks to reach (a receive posted ahead, as with NCCL). Ray runs a
         replica's calls in order, so nothing else reaches a replica before that sync."""
         if self.replicas and self._standing_by is None and self._incoming is None:
-            self._standing_by = [r.channel_receive.remote() for r in self.replicas]
+            self._standing_by = [r.channel_receive.remote(version) for r in self.replicas]
 
-    def sync(self) -> dict:
+    def sync(self, version: int | None = None) -> dict:
         """Move the trainer's weights into the rollout engine(s) through the channel; returns the
         seconds the driver saw, bytes, and where the time went (slowest member's move, the
-        replicas' receive including the cache reset)."""
+        replicas' receive including the cache reset). ``version``: the weights' version the replicas
+        record (the loop's iteration; a receive posted ahead by ``stand_by`` carries its own)."""
         t0, t_wall = time.perf_counter(), time.time()
-        recv, self._standing_by = self._standing_by or [r.channel_receive.remote() for r in self.replicas], None
+        recv, self._standing_by = self._standing_by or [r.channel_receive.remote(version) for r in self.replicas], None
         send = [w.sync_send.remote() for w in self.workers]
         try:
             out = self.ray.get(recv + send, timeout=600)
@@ -737,19 +738,31 @@ class Cluster:
                  temperature: float) -> tuple[list[list[int]], list[list[float]]]:
         """Every prompt's response and its per-token log-probs, in prompt order; each replica
         takes a contiguous share, each sample its own seed."""
-        if not self.in_world:
-            R, n = self.n_replicas, len(prompts)
-            if n % R:
-                raise ValueError(f"{n} prompts do not split over {R} rollout replicas")
-            per = n // R
-            eos = self.hf.get("eos_token_id")
-            refs = [r.generate.remote(prompts[i * per:(i + 1) * per], max_new_tokens, temperature,
-                                      list(seeds[i * per:(i + 1) * per]), eos) for i, r in enumerate(self.replicas)]
-            gens = wait_all(self.ray, refs, f"generate ({self.cfg.rollout.engine})", self.quiet)
-        else:
-            gens = self.all("generate", prompts, max_new_tokens, temperature, list(seeds), desc="generate")
+        tokens, logprobs, _ = self.collect_generation(self.submit_generation(prompts, seeds, max_new_tokens, temperature))
+        return tokens, logprobs
+
+    def submit_generation(self, prompts: list[list[int]], seeds: Sequence[int], max_new_tokens: int,
+                          temperature: float) -> list:
+        """Start the generation of ``prompts`` and return at once (rollout replicas: the calls'
+        refs; the torch engine in the trainer's actors runs it now and returns its results)."""
+        if self.in_world:
+            return self.all("generate", prompts, max_new_tokens, temperature, list(seeds), desc="generate")
+        R, n = self.n_replicas, len(prompts)
+        if n % R:
+            raise ValueError(f"{n} prompts do not split over {R} rollout replicas")
+        per = n // R
+        eos = self.hf.get("eos_token_id")
+        return [r.generate.remote(prompts[i * per:(i + 1) * per], max_new_tokens, temperature,
+                                  list(seeds[i * per:(i + 1) * per]), eos) for i, r in enumerate(self.replicas)]
+
+    def collect_generation(self, submitted: list) -> tuple[list[list[int]], list[list[float]], list[int | None]]:
+        """The responses, per-token log-probs and, per sample, the weight version its replica
+        generated with (None where the engine does not count them), in prompt order."""
+        gens = submitted if self.in_world else wait_all(self.ray, submitted, f"generate ({self.cfg.rollout.engine})",
+                                                         self.quiet)
         leads = sorted((g for g in gens if g["lead"]), key=lambda g: g["replica"])
-        return [t for g in leads for t in g["tokens"]], [lp for g in leads for lp in g["logprobs"]]
+        return ([t for g in leads for t in g["tokens"]], [lp for g in leads for lp in g["logprobs"]],
+                [g.get("version") for g in leads for _ in g["tokens"]])
 
     def save(self, path: Path, extra: dict) -> float:
         t0 = time.perf_counter()

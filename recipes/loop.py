@@ -101,13 +101,16 @@ class Rollout:
     texts: list = field(default_factory=list)      # the decoded responses
     scores: list = field(default_factory=list)     # the reward of each sequence (shaped)
     truncated: list = field(default_factory=list)  # cut at max_new_tokens before the end token
+    versions: list = field(default_factory=list)   # the weights' version each sample was generated with
     rule_scores: list = field(default_factory=list)   # with a reward model: the rule's part of each score
     model_scores: list = field(default_factory=list)  # ... and the reward model's
     gen_seconds: float = 0.0
     dynamic_sampling: dict | None = None           # what dynamic sampling kept, drew and filled
 
-    FIELDS = ("samples", "prompts", "responses", "logprobs", "texts", "scores", "truncated", "rule_scores",
-              "model_scores")
+    FIELDS = ("samples", "prompts", "responses", "logprobs", "texts", "scores", "truncated", "versions",
+              "rule_scores", "model_scores")
+    submitted: object = None  # a generation in flight (Cluster.submit_generation), and when it started
+    started: float = 0.0
 
     def groups(self, size: int) -> list["Rollout"]:
         """Each prompt's samples as a rollout of its own."""
@@ -133,6 +136,10 @@ class Loop:
         self.cfg, self.name, self.last, self.first = cfg, cfg.algorithm.name, iterations - 1, first
         self.iterations, self.resume_dir, self.stale_tol, self.quiet = iterations, resume_dir, stale_tol, quiet
         self.faults, self.algorithm = faults, Algorithm.build(cfg.algorithm)
+        # one-step off-policy: the next iteration's batch generated while this one trains
+        off_policy = getattr(cfg.algorithm, "off_policy", None)
+        self.max_staleness = off_policy.max_staleness if off_policy is not None else 0
+        self.ahead: tuple[int, Rollout] | None = None
         self.out_dir = Path(cfg.output_dir)
         self.records: list[dict] = []
         self.cluster = self.log = self.evaluator = self.reward_runner = None
@@ -210,20 +217,23 @@ class Loop:
         """Iteration ``it``: sync, rollout, reward, advantages, logprobs, update, record, then
         checkpoint and eval where due."""
         t_it, self.timings = time.perf_counter(), {}
+        with self.timed("rollout_wait"):  # one-step off-policy: the batch generated during the last iteration
+            ahead = self.take_ahead(it)
         with self.timed("sync"):
             sync, copied, off, peak = self.sync(it, elastic)
         if it == self.first and (it == 0 or (self.cfg.eval.every and it % self.cfg.eval.every == 0)):
             self.evaluate(it, "before")  # where the uninterrupted run evaluated before this iteration
         with self.timed("rollout"):
-            roll = self.rollout(it, draw_prompts(self.cfg, self.splits, it))
+            roll = ahead or self.rollout(it, draw_prompts(self.cfg, self.splits, it))
         with self.timed("reward"):
             self.reward(roll)
         if getattr(self.cfg.algorithm, "dynamic_sampling", None) is not None:
             with self.timed("dynamic_sampling"):
                 roll = self.resample(it, roll)
+        self.generate_ahead(it)
         back = self.rollout_done(it, peak)
         with self.timed("advantages"):
-            batch = self.advantages(roll)
+            batch = self.advantages(it, roll)
         self.faults.hook(it, "train", self.cluster)
         with self.timed("logprobs"):
             checked = self.logprobs(batch)
@@ -240,7 +250,7 @@ class Loop:
                 f"weights; nothing was updated")
         self.checkpoint(it)
         if self.cfg.eval.every and (it + 1) % self.cfg.eval.every == 0 and it != self.last:
-            self.cluster.sync()
+            self.cluster.sync(version=it + 1)
             self.evaluate(it + 1, "before")
         return rec
 
@@ -249,24 +259,54 @@ class Loop:
         the host copies refreshed (``elastic.redundancy: host``: before offload parks the state),
         the optimizer state parked (``train.offload``), the phase's memory mark."""
         sync = ({"seconds": 0.0, "bytes_moved": 0, "bytes_sent": 0} if it in self.faults.skip_sync_at
-                else self.cluster.sync())
+                else self.cluster.sync(version=it))
         copied = elastic.refresh_host_copy(it)
         off = self.cluster.offload()
         peak = {"sync": self.cluster.memory_mark(wait=False)}  # read with the record (no round trip here)
         return sync, copied, off, peak
 
     def rollout(self, it: int, drawn: list, draw: int = 0) -> Rollout:
-        """``group_size`` samples of each prompt ``drawn`` (``draw``: the extra round of dynamic
-        sampling; its samples take seeds of their own)."""
+        """``group_size`` samples of each prompt ``drawn``, generated now (``draw``: the extra round
+        of dynamic sampling; its samples take seeds of their own)."""
+        return self.collect(it, self.submit(it, drawn, draw))
+
+    def submit(self, it: int, drawn: list, draw: int = 0) -> Rollout:
+        """The prompts encoded and their generation started (``collect`` waits for it)."""
         from rlhf_switch.rl.tasks import encode_prompt
 
         alg = self.cfg.algorithm
         samples = [s for s in drawn for _ in range(alg.group_size)]
         roll = Rollout(samples, [encode_prompt(self.tok, s.prompt, alg.max_new_tokens, self.max_ctx) for s in samples])
-        t0 = time.perf_counter()
+        roll.started = time.perf_counter()
         seeds = sample_seeds(self.cfg, it, len(samples), first=draw * len(samples))
-        roll.responses, roll.logprobs = self.cluster.generate(roll.prompts, seeds, alg.max_new_tokens, alg.temperature)
-        roll.gen_seconds = time.perf_counter() - t0
+        roll.submitted = self.cluster.submit_generation(roll.prompts, seeds, alg.max_new_tokens, alg.temperature)
+        return roll
+
+    def collect(self, it: int, roll: Rollout) -> Rollout:
+        """The generation of ``roll`` done: its responses, log-probs and each sample's weight
+        version (the replica's own count; the driver's iteration where the engine keeps none)."""
+        roll.responses, roll.logprobs, versions = self.cluster.collect_generation(roll.submitted)
+        roll.versions = [it if v is None else v for v in versions]
+        roll.gen_seconds, roll.submitted = time.perf_counter() - roll.started, None
+        return roll
+
+    def generate_ahead(self, it: int) -> None:
+        """One-step off-policy: iteration ``it + 1``'s batch starts generating now, with the
+        weights just synced, while this one trains (the replicas run it before their next receive)."""
+        if self.max_staleness and it < self.last:
+            self.ahead = (it + 1, self.submit(it + 1, draw_prompts(self.cfg, self.splits, it + 1)))
+
+    def take_ahead(self, it: int) -> Rollout | None:
+        """The batch generated ahead for iteration ``it`` (None: none — the first iteration, or the
+        synchronous loop); every sample must be at most ``max_staleness`` versions old."""
+        if self.ahead is None or self.ahead[0] != it:
+            return None
+        roll, self.ahead = self.collect(it, self.ahead[1]), None
+        old = [v for v in roll.versions if it - v > self.max_staleness]
+        if old:
+            raise StaleWeightsError(f"iteration {it}: {len(old)} samples were generated with weights of version "
+                                    f"{min(old)}, more than algorithm.off_policy.max_staleness={self.max_staleness} "
+                                    f"behind the trainer's {it}: a weight sync did not reach the rollout replicas")
         return roll
 
     def rollout_done(self, it: int, peak: dict) -> dict:
@@ -274,7 +314,7 @@ class Loop:
         memory mark, the parked trainer state back (``train.offload``)."""
         fault(self.faults.crash_at, it, "after generation")
         if it + 1 not in self.faults.skip_sync_at:  # a sync comes before the rollout engines are used again
-            self.cluster.stand_by()
+            self.cluster.stand_by(version=it + 1)
         peak["generate"] = self.cluster.memory_mark(wait=False)
         return self.cluster.reload()
 
@@ -324,10 +364,12 @@ class Loop:
             shares.setdefault(out["dp_rank"], out["scores"])
         return [x for k in sorted(shares) for x in shares[k]]
 
-    def advantages(self, roll: Rollout) -> dict:
+    def advantages(self, it: int, roll: Rollout) -> dict:
         """The batch every trainer rank gets: the sequences, the rollout engine's log-probs and
         what the algorithm makes of the scores (``Algorithm.batch_fields``)."""
         return {"prompts": roll.prompts, "responses": roll.responses, "rollout_logprobs": roll.logprobs,
+                # the samples generated with the trainer's weights: the stale-weights check's
+                "fresh": [v == it for v in roll.versions],
                 **self.algorithm.batch_fields(roll.scores, roll.truncated)}
 
     def logprobs(self, batch: dict) -> list[dict]:
@@ -348,7 +390,8 @@ class Loop:
                           self.stale_tol, time.perf_counter() - t_it)
         self.emit(rec, it)
         self.log.write_rollouts(it, roll.prompts, roll.responses, roll.logprobs, roll.scores,
-                                texts={"prompt_texts": [s.prompt for s in roll.samples], "response_texts": roll.texts})
+                                texts={"prompt_texts": [s.prompt for s in roll.samples], "response_texts": roll.texts,
+                                       "weight_versions": roll.versions})
         loss = f"kl {rec['kl']:.2e}  loss {rec['policy_loss']:+.4f}  " if stats is not None else "no update  "
         self.say(f"it {it}: reward {rec['reward_mean']:.3f}  {loss}gen {rec['gen_tokens_per_s']:.0f} tok/s  "
                  f"switch {sync['seconds'] * 1e3:.0f} ms ({sync['bytes_moved'] / 1024:.0f} KiB) / back "
@@ -379,7 +422,7 @@ class Loop:
     # --- after the last iteration ----------------------------------------------------------------
     def finish(self) -> None:
         """The final policy synced, evaluated and saved; how the weight channel was used."""
-        self.cluster.sync()
+        self.cluster.sync(version=self.last + 1)
         self.evaluate(self.last + 1, "after")
         s = self.cluster.save(self.out_dir / "final", {"iteration": self.last})
         self.say(f"final actor: {self.out_dir / 'final'} (HF safetensors + optimizer state, {s:.1f} s)")
@@ -430,6 +473,11 @@ def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings
                    **{k: first[k] for k in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean") if k in first})
     if roll.dynamic_sampling is not None:
         rec["dynamic_sampling"] = roll.dynamic_sampling
+    # the weights' versions the batch was generated with (the trainer's is ``it``), and the rate
+    rec.update(weight_version_min=min(roll.versions), staleness_max=it - min(roll.versions),
+               samples_per_s=len(roll.samples) / seconds if seconds > 0 else float("nan"))
+    if stats and "is_weight_mean" in first:
+        rec.update(is_weight_mean=sum(s["is_weight_mean"] for s in stats) / len(stats))
     rec.update(truncated=sum(roll.truncated), phase_seconds=dict(timings), iteration_seconds=seconds,
                example={"prompt": roll.samples[0].prompt, "response": roll.texts[0], "answer": roll.samples[0].answer})
     return rec

@@ -13,6 +13,7 @@ worked out once: the model's dimensions and whether the actors will see a GPU.
                width, layers), in every world of an ``elastic.schedule`` too
 ``batch``      the batch sizes divide over the replicas and DP ranks, in every world
 ``algorithm``  the algorithm and its pieces resolve (a user's ``module:Class`` imports)
+``off_policy`` a batch in flight (one-step off-policy) has replicas of their own devices
 ``sampling``   the rollout engines sample as the algorithm block asks
 ``prompts``    ``task:`` — its prompts and answers fit the model and tokenizer; ``data:`` — the
                tokenizer loads and fits, every file reads with its keys, some prompts fit
@@ -332,6 +333,31 @@ def _algorithm(cfg: RunConfig, facts: Facts) -> list[str]:
         return [f"algorithm: {cfg.algorithm.name}'s advantage estimator uses a critic, and only algorithm.name: "
                 f"ppo has a critic block"]
     return []
+
+
+@check("off_policy")
+def _off_policy(cfg: RunConfig, facts: Facts) -> list[str]:
+    """One-step off-policy needs rollout replicas of their own devices (they generate while the
+    trainer trains) and a world that does not change under the batch in flight."""
+    op = cfg.algorithm.off_policy
+    if op is None or op.max_staleness == 0:
+        return []
+    problems = []
+    try:
+        replica = rollout_engine(cfg.rollout.engine).placement == "replica"
+    except EngineError:
+        replica = True  # the engines check names it
+    if not replica or cfg.rollout.colocate:
+        problems.append(f"algorithm.off_policy.max_staleness: {op.max_staleness} — generation overlaps training "
+                        f"only on rollout replicas of their own devices: rollout.mode: disaggregated with a "
+                        f"replica engine (vllm); this run's rollout is {cfg.rollout.engine}, {cfg.rollout.mode}")
+    if cfg.elastic is not None:
+        problems.append("algorithm.off_policy: an elastic run does not carry a batch in flight across a resize yet; "
+                        "set max_staleness: 0 or remove the elastic block")
+    if getattr(cfg.algorithm, "dynamic_sampling", None) is not None:
+        problems.append("algorithm.off_policy: dynamic sampling draws its extra rounds synchronously; with a batch "
+                        "in flight they would queue behind it — use one of the two")
+    return problems
 
 
 @check("sampling")

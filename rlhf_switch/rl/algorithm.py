@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .algorithms import (aggregate, cispo_loss, discounted_returns, global_masked_whiten, grpo_advantages, gspo_loss,
-                         kl_penalty, masked_mean, masked_whiten, overlong_penalty, policy_loss, ppo_batch,
-                         rloo_advantages, token_rewards)
+                         kl_penalty, masked_mean, masked_whiten, off_policy_weights, overlong_penalty, policy_loss,
+                         ppo_batch, rloo_advantages, token_rewards)
 from .choices import ALGORITHMS, ESTIMATOR_NEEDS, Aggregation
 from .choices import POLICY_LOSSES as LOSS_NAMES
 
@@ -87,9 +87,10 @@ class RankBatch:
     totals: torch.Tensor
     local_mini: int
     micro: int
-    response_mask: torch.Tensor | None = None  # every generated token (the stale-weights check's)
+    response_mask: torch.Tensor | None = None  # every generated token
     advantages: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    fresh: torch.Tensor | None = None  # [b] bool: generated with the trainer's own weights (None: all)
 
     def __post_init__(self):
         if self.response_mask is None:
@@ -119,7 +120,15 @@ class RankBatch:
         totals = mini_batch_totals(batch["prompts"], batch["responses"], pad_id, dp, local_mini, cfg.loss_aggregation,
                                    keep)
         loss_mask = mask if keep is None else mask * torch.tensor(keep[lo:hi], dtype=torch.float32, device=device)[:, None]
-        return cls(ids, loss_mask, rollout_lp, totals, local_mini, micro, response_mask=mask, **per_sequence)
+        fresh = torch.tensor(batch["fresh"][lo:hi], dtype=torch.bool, device=device) if "fresh" in batch else None
+        return cls(ids, loss_mask, rollout_lp, totals, local_mini, micro, response_mask=mask, fresh=fresh,
+                   **per_sequence)
+
+    @property
+    def checked_mask(self) -> torch.Tensor:
+        """The tokens the stale-weights check compares: every generated token of the samples made
+        with the trainer's own weights (a stale sample's log-probs are another version's)."""
+        return self.response_mask if self.fresh is None else self.response_mask * self.fresh[:, None]
 
 
 @dataclass
@@ -312,6 +321,19 @@ class Algorithm:
         penalty = overlong_penalty(lengths, self.cfg.max_new_tokens, overlong.buffer_len, overlong.penalty)
         return [float(s) + float(p) for s, p in zip(scores, penalty)]
 
+    def correct_off_policy(self, adv: torch.Tensor, batch: RankBatch, old: OldPolicy) -> tuple[torch.Tensor, dict]:
+        """``off_policy.correction`` of the stale samples' advantages: each token's times its
+        importance weight (``off_policy_weights``: trainer's over rollout engine's probability,
+        truncated or masked) — the same as weighing its loss, which every registered loss is linear
+        in for a positive weight. Samples generated with the trainer's own weights keep weight 1."""
+        op = getattr(self.cfg, "off_policy", None)
+        if op is None or not op.max_staleness or op.correction == "none" or batch.fresh is None:
+            return adv, {}
+        w = off_policy_weights(old.old, batch.rollout_logprobs, batch.mask, op.correction, cap=op.tis_cap,
+                               low=op.icepop_low, high=op.icepop_high)
+        w = torch.where(batch.fresh[:, None], torch.ones_like(w), w)
+        return adv * w, {"is_weight_mean": float(masked_mean(w, batch.mask))}
+
     @staticmethod
     def has_signal(group_scores: Sequence[float]) -> bool:
         """A group whose samples did not all get the same reward (dynamic sampling keeps it)."""
@@ -328,6 +350,7 @@ class Algorithm:
         if with_critic and (critic is None or old.values is None):
             raise ValueError(f"{self.name} needs a critic's values")
         adv, returns = self.estimator.tokens(batch, old, cfg, actor, critic)
+        adv, is_stats = self.correct_off_policy(adv, batch, old)
         ref = old.ref if old.ref is not None else old.old
         kl_in_loss = self.kl_in_loss and cfg.kl_coef > 0 and old.ref is not None
         stats: dict[str, list[float]] = {"policy_loss": [], "kl": [], "clipfrac": [], "grad_norm": [],
@@ -366,6 +389,7 @@ class Algorithm:
         if with_critic:
             out.update(value_mean=float(masked_mean(old.values, batch.mask)),
                        return_mean=float(masked_mean(returns, batch.mask)))
+        out.update(is_stats)
         out.update(tokens=int(batch.mask.sum()),
                    old_vs_ref_kl=float(masked_mean(kl_penalty(old.old, ref, "k3"), batch.mask))
                    if batch.mask.any() else 0.0)

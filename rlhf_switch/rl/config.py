@@ -116,10 +116,31 @@ class RolloutLayout(PhaseLayout):
     # memory); auto = ipc where every worker has a trainer rank on its device, else p2p
     handoff: Literal["auto", "p2p", "ipc"] = "p2p"
     # the rollout engine shares its devices with the trainer (one placement-group bundle per
-    # device, both actors on it); false: its own devices (engines of placement "replica" only)
+    # device, both actors on it); false: its own devices (engines of placement "replica" only).
+    # The config may say it as ``mode: colocated | disaggregated`` instead
     colocate: bool = True
     # vLLM's share of each device's memory (weights + KV cache); None: 0.5 colocated, 0.9 alone
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode(cls, data: Any) -> Any:
+        """``mode: colocated | disaggregated`` is ``colocate: true | false`` (one of them)."""
+        if not isinstance(data, Mapping) or "mode" not in data:
+            return data
+        data = dict(data)
+        mode = data.pop("mode")
+        if mode not in ("colocated", "disaggregated"):
+            raise ValueError(f"mode: {mode!r} — colocated (the trainer's devices) or disaggregated (devices of "
+                             f"its own)")
+        if "colocate" in data and data["colocate"] != (mode == "colocated"):
+            raise ValueError(f"mode: {mode} and colocate: {data['colocate']} disagree; give one of them")
+        data["colocate"] = mode == "colocated"
+        return data
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.colocate else "disaggregated"
 
     @property
     def memory_utilization(self) -> float:
@@ -248,6 +269,31 @@ class DataConfig(Strict):
         return spec
 
 
+class OffPolicy(Strict):
+    """``algorithm.off_policy``: train on samples generated with weights up to ``max_staleness``
+    updates old. 1: one-step off-policy — rollout replicas of their own devices (``rollout.mode:
+    disaggregated``) generate the next batch while the trainer trains on this one, the weights
+    synced between their requests; each sample records the weight version it was generated with
+    (the replica's own count, checked against what the driver expects). 0: the synchronous loop,
+    bit for bit. ``correction`` of the update for the gap between the weights that generated a
+    stale sample and the trainer's: ``tis`` — truncated importance sampling, each token's loss
+    times ``min(π_train/π_rollout, tis_cap)`` (Yao et al. 2025); ``icepop`` — tokens whose ratio is
+    outside ``[icepop_low, icepop_high]`` leave the loss (IcePop, inclusionAI 2025); ``none``."""
+
+    max_staleness: int = Field(1, ge=0)
+    correction: Literal["tis", "icepop", "none"] = "tis"
+    tis_cap: float = Field(2.0, gt=0)
+    icepop_low: float = Field(0.5, gt=0)
+    icepop_high: float = Field(5.0, gt=0)
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _one_batch_in_flight(cls, k: int) -> int:
+        if k > 1:
+            raise ValueError(f"{k} — one batch in flight is built: 0 (synchronous) or 1 (one-step off-policy)")
+        return k
+
+
 class AlgorithmBase(Strict):
     """What GRPO and PPO share. Per iteration: ``prompts_per_iteration`` prompts, ``group_size``
     samples each (the rollout batch), then ``epochs`` passes over it in optimizer steps of
@@ -275,6 +321,7 @@ class AlgorithmBase(Strict):
     max_new_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    off_policy: OffPolicy | None = None
 
     @property
     def rollout_batch_size(self) -> int:
