@@ -205,11 +205,10 @@ def batch_problems(cfg: RunConfig) -> list[str]:
                         f"mini batch {train_batch}/{cfg.train.dp} = {train_batch // cfg.train.dp}")
     if cfg.reference is not None and rollout_batch % cfg.reference.dp:
         problems.append(f"reference: dp={cfg.reference.dp} does not divide the rollout batch {rollout_batch}")
+    # the critic takes the actor's share of each batch: train.dp dividing the mini batch covers it too
     if cfg.critic is not None and cfg.critic.dp != cfg.train.dp:
         problems.append(f"critic: dp={cfg.critic.dp} must equal train.dp={cfg.train.dp} (the critic and the "
                         f"actor take the same share of each batch)")
-    if cfg.critic is not None and train_batch % cfg.critic.dp:
-        problems.append(f"critic: dp={cfg.critic.dp} does not divide algorithm.mini_batch_size={train_batch}")
     if cfg.eval.num_prompts % cfg.rollout.dp:
         problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is not divisible by rollout.dp={cfg.rollout.dp}")
     if cfg.task is not None and cfg.eval.num_prompts > cfg.task.num_heldout:

@@ -339,12 +339,6 @@ CASES = [
                                   "algorithm.mini_batch_size": None, "algorithm.micro_batch_size": 1,
                                   "train": {"engine": "torch_tp", "tp": 2}})),
         "reference: dp=2 does not divide the rollout batch 9", None),
-    Bad("critic-dp", "PPO: mini batch 9 (of a rollout batch of 18) on critic dp 2",
-        lambda ctx: fit(config("ppo_tiny.yaml", **{
-            "algorithm.prompts_per_iteration": 18, "algorithm.mini_batch_size": 9, "algorithm.micro_batch_size": 1,
-            "train": {"engine": "torch_tp", "tp": 2}, "reference": {"engine": "torch_tp", "tp": 2},
-            "rollout": {"engine": "vllm", "tp": 2}})),
-        "critic: dp=2 does not divide algorithm.mini_batch_size=9", None),
     Bad("critic-dp-equal", "PPO: critic dp 2 beside train dp 1",
         lambda ctx: loop(config("ppo_tiny.yaml", **{"train": {"engine": "torch_tp", "tp": 2}})),
         "critic: dp=2 must equal train.dp=1 (the critic and the actor take the same share of each batch)", None),

@@ -205,10 +205,10 @@ BATCH_RULES = {
          "train": TP2}),
     "critic dp": (
         {**PPO, "algorithm.prompts_per_iteration": 18, "algorithm.mini_batch_size": 9,
-         "algorithm.micro_batch_size": 1},  # the rollout batch 18 is even, the mini batch is not
-        "critic: dp=2 does not divide algorithm.mini_batch_size=9",
-        {**PPO, "algorithm.prompts_per_iteration": 18, "algorithm.mini_batch_size": 6,
-         "algorithm.micro_batch_size": 1}),
+         "algorithm.micro_batch_size": 1},  # the critic's DP 2 beside the actor's TP2 (DP 1)
+        "critic: dp=2 must equal train.dp=1 (the critic and the actor take the same share of each batch)",
+        {**PPO, "train": {"engine": "fsdp2", "dp": 2}, "algorithm.prompts_per_iteration": 18,
+         "algorithm.mini_batch_size": 18, "algorithm.micro_batch_size": 1}),
     "rollout dp": (
         {"algorithm.prompts_per_iteration": 3, "algorithm.mini_batch_size": 24, "algorithm.micro_batch_size": 4,
          "rollout": {"engine": "torch", "dp": 2}},
