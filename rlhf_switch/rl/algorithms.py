@@ -182,11 +182,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
-    per_token_loss = torch.maximum(unclipped, clipped)
+    per_token_loss, clipped = _pessimistic(ratio, advantages, clip_eps, high)
     loss = aggregate(per_token_loss, mask, aggregation, norm_len)
-    return loss, _ratio_stats(log_ratio, ratio, clipped > unclipped, mask)
+    return loss, _ratio_stats(log_ratio, ratio, clipped, mask)
+
+
+def _pessimistic(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float):
+    """PPO's per-token ``max(-A·r, -A·clip(r, 1-low, 1+high))``, and where the clipped branch won."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
 def _ratio_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor,
@@ -215,11 +220,9 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     # every token: the sequence's ratio as its value, its own log-prob's gradient
     log_s = logprobs - logprobs.detach() + seq_log_ratio.detach()[:, None]
     ratio = torch.exp(log_s.clamp(max=10.0))  # verl's guard against an overflowing exp
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
-    per_token_loss = torch.maximum(unclipped, clipped)
+    per_token_loss, clipped = _pessimistic(ratio, advantages, clip_eps, high)
     loss = aggregate(per_token_loss, mask, aggregation, norm_len)
-    return loss, _ratio_stats(log_ratio, ratio, clipped > unclipped, mask)
+    return loss, _ratio_stats(log_ratio, ratio, clipped, mask)
 
 
 def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
