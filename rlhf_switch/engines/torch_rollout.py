@@ -16,6 +16,14 @@ of the vocabulary padded to 64. Families: llama, mistral, qwen2 (its q/k/v biase
 weights: ``qkv_proj.bias``), qwen3 (per-head ``q_norm``/``k_norm`` before RoPE, whole on every
 worker); no MoE. Default RoPE only. Everything is plain torch: CPU float32
 in tests, any device the buffers live on otherwise.
+
+LoRA (a spec ``with_adapters``): the adapters are buffers of the same layout (``A`` of a column
+target whole, ``B`` split — and fused — like its weight; the reverse for a row target), so a sync
+of the adapters alone writes them in place. The base buffers are then the frozen base, never
+written; with ``merge_adapters`` on, ``weights_updated`` computes each adapted buffer's merged
+copy ``W + (B @ A)·alpha/r`` (peft's formula, over this worker's block of ``W``) and the forward
+reads those. A sync of merged weights writes the base buffers themselves (``merge_adapters``
+off).
 """
 from __future__ import annotations
 
@@ -40,7 +48,8 @@ from .base import RolloutContext, RolloutEngine
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _KNOWN_TENSOR = re.compile(r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|model\.layers\.\d+\."
                            r"((self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.(weight|bias)"
-                           r"|(input|post_attention)_layernorm\.weight|self_attn\.[qk]_norm\.weight)")
+                           r"|(input|post_attention)_layernorm\.weight|self_attn\.[qk]_norm\.weight"
+                           r"|(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.lora_[AB]\.weight)")
 
 
 @dataclass
@@ -97,6 +106,8 @@ class TorchRollout:
             n: b.to(device) for n, b in allocate(self.layout(), tp_rank).items()}
         self.w: dict[str, torch.Tensor] = {
             lt.buffer: self.buffers[f"param/{lt.buffer}"].view(lt.shape) for lt in worker_tensors(spec, tp, tp_rank)}
+        self.base_w = dict(self.w)  # the buffers' own views (self.w: what the forward reads)
+        self.merge_adapters = False  # LoRA: the forward reads W + B·A merged here (set_merge_adapters)
         # default Llama RoPE: inv_freq[i] = theta^(-2i/hd)
         hd = self.head_dim
         self.inv_freq = 1.0 / (rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
@@ -110,6 +121,42 @@ class TorchRollout:
         """The layout of ``replicas`` engines like this one (rank = replica·tp + tp_rank): the
         destination of a move into this engine's buffers."""
         return vllm_layout(self.spec, self.tp, replicas, self.dtype)
+
+    # --- LoRA -----------------------------------------------------------------------------------------
+    def set_merge_adapters(self, on: bool) -> None:
+        """Whether the forward reads the base merged with the adapter buffers (a sync of adapters)
+        or the base buffers as they are (a sync of merged weights, or no LoRA)."""
+        if on and self.spec.lora is None:
+            raise ValueError(f"model {self.spec.name!r} has no LoRA adapters to merge")
+        self.merge_adapters = on
+        self.weights_updated()
+
+    @torch.no_grad()
+    def weights_updated(self) -> None:
+        """After a move into the buffers: the merged copies again (``merge_adapters``)."""
+        if not self.merge_adapters:
+            self.w = dict(self.base_w)
+            return
+        from ..vps.materialize import fragment_view
+        from .lora import merge
+
+        frags = {f.key.tensor: f for f in self.layout().fragments(self.tp_rank)}
+        merged: dict[str, torch.Tensor] = {}
+        for target in self.spec.adapted_tensors:
+            wf = frags[target]
+            a_name, b_name = target[: -len(".weight")] + ".lora_A.weight", target[: -len(".weight")] + ".lora_B.weight"
+            af, bf = frags[a_name], frags[b_name]
+            # this worker's block of W is B's rows times A's columns (the spec's TP roles)
+            if (bf.box.lo[0], bf.box.hi[0]) != (wf.box.lo[0], wf.box.hi[0]) or \
+                    (af.box.lo[1], af.box.hi[1]) != (wf.box.lo[1], wf.box.hi[1]):
+                raise ValueError(f"{target}: this worker's {wf.box} is not {b_name} {bf.box} × {a_name} {af.box}")
+            name = wf.buffer[len("param/"):]
+            if name not in merged:
+                merged[name] = self.base_w[name].clone()
+            w = fragment_view(merged[name].view(-1), wf)
+            w.copy_(merge(w, fragment_view(self.buffers[af.buffer], af), fragment_view(self.buffers[bf.buffer], bf),
+                          self.spec.lora.scaling))
+        self.w = {**self.base_w, **merged}
 
     # --- collectives over the TP group (no-ops at TP=1) --------------------------------------------
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -294,6 +341,7 @@ class TorchRolloutEngine(RolloutEngine):
     trainer's world (placement ``worker``), its weights the very buffers the channel writes."""
 
     placement = "worker"
+    takes_adapters = True
 
     @classmethod
     def layout_problems(cls, phase, layout, dims):
@@ -310,6 +358,14 @@ class TorchRolloutEngine(RolloutEngine):
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return self.engine.buffers
+
+    def weights_updated(self) -> None:
+        self.engine.weights_updated()
+
+    def weight_sync(self, mode: str) -> None:
+        super().weight_sync(mode)
+        if self.engine.spec.lora is not None:
+            self.engine.set_merge_adapters(mode == "adapters")
 
     def generate(self, prompts, max_new_tokens, temperature, seeds, eos_token_id):
         return self.engine.generate([list(p) for p in prompts], max_new_tokens, temperature=temperature,
