@@ -412,6 +412,14 @@ class HybridWorker:
         src = self._gather_weights_layout()
         return src if self.rank == 0 else None
 
+    def channel_destination(self, tp: int, replicas: int):
+        """The rollout replicas' layout (``tp`` × ``replicas``, the run's rollout engine) of what each
+        sync moves (``_weight_sync``): the destination of the channel into engines in other processes."""
+        from rlhf_switch.engines.base import rollout_engine
+
+        layout = rollout_engine(self.cfg.rollout.engine).rollout_layout(self.spec, tp, replicas, self.device.compute_dtype)
+        return self._weight_sync().destination(layout)
+
     def channel_store(self) -> tuple[str, int]:
         """Rank 0 only: a TCPStore for the weight channel on a free port of this node."""
         from rlhf_switch.engines.channel import open_store

@@ -559,7 +559,8 @@ class Cluster:
             self.handoff, colocated = resolve_handoff(self.cfg.rollout.handoff, self.member_devices(), self.world)
             src = next(x for x in self.all("channel_source", desc="describe weights") if x is not None)
             n, total = self.world, self.world + self.n_replicas * self.tp
-            dst = self.rollout_cls.rollout_layout(src.spec, self.tp, self.n_replicas, self.device.compute_dtype)
+            # the replicas' layout of what a sync moves (all weights; a LoRA run's adapters or merged weights)
+            dst = self.ray.get(self.workers[0].channel_destination.remote(self.tp, self.n_replicas), timeout=120)
             host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=60)
             ep = Endpoint(host, port, total, 0, place(src, range(n), total), place(dst, range(n, total), total),
                           budget_bytes or DEFAULT_BUDGET, verify=self.cfg.verify,
@@ -610,6 +611,7 @@ class Cluster:
         return {"seconds": seconds,
                 "bytes_moved": sum(r["bytes_sent"] + r["bytes_local"] for r in senders),
                 "bytes_sent": sum(r["bytes_sent"] for r in senders),
+                "weights": senders[0].get("weights", "full"),  # what moved: full, or LoRA's adapters / merged
                 # ipc: bucket handles handed to the workers (one per bucket) — 0 with p2p
                 "handoff": self.handoff,
                 "handles": sum(r.get("handles", 0) for r in senders),

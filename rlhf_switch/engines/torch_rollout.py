@@ -123,6 +123,22 @@ class TorchRollout:
         return vllm_layout(self.spec, self.tp, replicas, self.dtype)
 
     # --- LoRA -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_base(self, model_dir: str) -> None:
+        """This worker's blocks of the base tensors (all but the adapters) from the HF checkpoint at
+        ``model_dir`` (its ``model.safetensors``): the frozen base a sync of adapters never writes."""
+        from safetensors import safe_open
+
+        from ..vps.materialize import fragment_view
+
+        with safe_open(f"{model_dir}/model.safetensors", framework="pt") as f:
+            for frag in self.layout().fragments(self.tp_rank):
+                if self.spec.is_adapter(frag.key.tensor):
+                    continue
+                block = f.get_slice(frag.key.tensor)[tuple(slice(lo, hi) for lo, hi in zip(frag.box.lo, frag.box.hi))]
+                fragment_view(self.buffers[frag.buffer], frag).copy_(block)
+        self.weights_updated()
+
     def set_merge_adapters(self, on: bool) -> None:
         """Whether the forward reads the base merged with the adapter buffers (a sync of adapters)
         or the base buffers as they are (a sync of merged weights, or no LoRA)."""
@@ -354,6 +370,8 @@ class TorchRolloutEngine(RolloutEngine):
         self.engine = TorchRollout.from_hf_config(ctx.spec, dict(ctx.hf_config), tp=ctx.tp, tp_rank=ctx.tp_rank,
                                                   group=ctx.group, device=ctx.device.torch_device())
         self.name = f"TorchRollout TP{ctx.tp}"
+        if ctx.spec.lora is not None:  # the base is never synced: its own copy, from the warm start
+            self.engine.load_base(ctx.model_dir)
         return self
 
     def buffers(self) -> dict[str, torch.Tensor]:
