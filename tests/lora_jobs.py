@@ -13,10 +13,9 @@ from rlhf_switch.engines.dtensor_adapter import is_dtensor
 from rlhf_switch.engines.lora import WeightSync, canonical_name, only
 from rlhf_switch.engines.optim import AdamWConfig
 from rlhf_switch.engines.torch_rollout import TorchRollout
-from rlhf_switch.engines.torch_train import build_fsdp2
 from rlhf_switch.engines.train_state import gather_layouts
 from rlhf_switch.routing import move
-from rlhf_switch.vps import PARAM, select
+from rlhf_switch.vps import select
 from rlhf_switch.vps.materialize import bits, materialize
 from rlhf_switch.vps.spec import LoraSpec
 
@@ -25,27 +24,55 @@ def ids_of(vocab: int, batch: int = 4, length: int = 12, seed: int = 1) -> torch
     return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def trained_lora_fsdp2(cfg: dict, lora: tuple, steps: int = 2, seed: int = 0):
-    """A LoRA FSDP2 engine over ranks 0, 1 after ``steps`` optimizer steps (B no longer zero)."""
-    t = build_fsdp2(cfg, seed, [0, 1], optim=AdamWConfig(lr=1e-2), lora=LoraSpec(*lora))
-    ids = ids_of(cfg["vocab_size"])
+def build_engine(cfg: dict, lora: tuple, kind: str, seed: int = 0):
+    """A LoRA training engine over ranks 0, 1 through the engine interface: ``fsdp2`` or
+    ``zero1``/``zero2``/``zero3`` (DeepSpeed)."""
+    from rlhf_switch.engines.base import TrainingContext, training_engine
+    from rlhf_switch.rl.config import TrainLayout
+
+    layout = (TrainLayout(engine="fsdp2", dp=2) if kind == "fsdp2"
+              else TrainLayout(engine="deepspeed", zero_stage=int(kind[-1]), dp=2))
+    ctx = TrainingContext(cfg, seed, (0, 1), AdamWConfig(lr=1e-2), micro_batch=2, lora=LoraSpec(*lora))
+    return training_engine(layout.engine).build(layout, ctx)
+
+
+def trained(cfg: dict, lora: tuple, kind: str = "fsdp2", steps: int = 2, seed: int = 0):
+    """``build_engine`` after ``steps`` optimizer steps (B no longer zero): each DP rank's half of
+    a batch, a loss that raises the log-probs of its tokens."""
+    engine = build_engine(cfg, lora, kind, seed)
+    ids = ids_of(cfg["vocab_size"]).chunk(2)[dist.get_rank()]
     for _ in range(steps):
-        t.train_step(ids)
-    return t
+        engine.train_step(ids, 2, lambda out, rows: (-out.mean(), {}))
+    return engine
 
 
-def whole(t) -> dict[str, torch.Tensor]:
-    """Every parameter whole, by the spec's names (collective)."""
-    return {canonical_name(n): (p.full_tensor() if is_dtensor(p) else p).detach().clone()
-            for n, p in t.module.named_parameters()}
+def whole(engine) -> dict[str, torch.Tensor]:
+    """Every parameter whole, by the spec's names (collective: FSDP2's ``full_tensor``, ZeRO-3's
+    gather)."""
+    model = engine.engine.module if hasattr(engine, "zero") else engine.module
+    out = {}
+    for n, p in model.named_parameters():
+        if hasattr(p, "ds_tensor"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                t = p.data.detach().clone()
+        else:
+            t = (p.full_tensor() if is_dtensor(p) else p).detach().clone()
+        out[canonical_name(n)] = t
+    return out
 
 
-def describe_lora_fsdp2(cfg: dict, lora: tuple) -> dict:
+def logprobs_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return logits.float().log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def describe(cfg: dict, lora: tuple, kind: str) -> dict:
     """What the engine describes: the global layouts of weights() and state(), which parameters
     the optimizer holds, and whether the frozen base stayed as built while the adapters moved."""
     from rlhf_switch.models import causal_lm
 
-    t = trained_lora_fsdp2(cfg, lora)
+    t = trained(cfg, lora, kind)
     (weights, state), _ = gather_layouts([(t.spec, t.adapter.weights()), (t.spec, t.adapter.state())],
                                          ["weights", "state"])
     weights.validate()
@@ -55,17 +82,17 @@ def describe_lora_fsdp2(cfg: dict, lora: tuple) -> dict:
     held = {str(f.key) for r in range(2) for f in state.fragments(r)}
     return {"base_kept": base_kept, "keys": sorted(held),
             "adapters_moved": all(float(tensors[n].abs().max()) > 0 for n in t.spec.adapter_tensors if "lora_B" in n),
-            "optimizer_params": sum(len(g["params"]) for g in t.optimizer.param_groups),
+            "trainable": sum(p.requires_grad for p in (t.engine.module if kind != "fsdp2" else t.module).parameters()),
             "spec_digest": t.spec.digest}
 
 
-def sync_into_rollout(cfg: dict, lora: tuple, tp: int, mode: str) -> dict:
-    """The FSDP2 LoRA engine's weights into a TorchRollout of TP ``tp`` (``2 // tp`` replicas on
+def sync_into_rollout(cfg: dict, lora: tuple, tp: int, mode: str, kind: str = "fsdp2") -> dict:
+    """The LoRA engine's weights into a TorchRollout of TP ``tp`` (``2 // tp`` replicas on
     the same two ranks): first the whole model (what the rollout engine's warm start holds: the
     frozen base, and the adapters' start), then one sync of ``mode`` (``adapters`` / ``merged``).
     Returns the bytes of that sync, whether the rollout engine's adapter buffers are the
-    trainer's bit for bit, and the largest difference of its logits from the trainer's forward."""
-    t = trained_lora_fsdp2(cfg, lora)
+    trainer's bit for bit, and the largest difference of its log-probs from the trainer's."""
+    t = trained(cfg, lora, kind)
     spec, rank = t.spec, dist.get_rank()
     groups = [dist.new_group([r, r + 1]) for r in range(0, 2, 2)] if tp > 1 else [None, None]
     ro = TorchRollout.from_hf_config(spec, cfg, tp=tp, tp_rank=rank % tp, group=groups[rank // tp])
@@ -85,44 +112,48 @@ def sync_into_rollout(cfg: dict, lora: tuple, tp: int, mode: str) -> dict:
     want = materialize(adapters, rank, lambda k: truth[k.tensor])
     exact = all(torch.equal(bits(want[b]), bits(ro.buffers[b])) for b in want) if sync.mode == "adapters" else None
     ids = ids_of(cfg["vocab_size"])
-    with torch.no_grad():
-        trainer = t.module(input_ids=ids).logits.float()
-    logits = ro.forward(ids)
+    trainer = torch.cat(dist_all_gather(t.outputs(ids.chunk(2)[rank])))  # each DP rank its half
+    rollout = logprobs_of(ro.forward(ids), ids)
     return {"mode": sync.mode, "bytes_moved": report.bytes_sent + report.bytes_local, "bytes": dict(sync.bytes),
-            "adapters_exact": exact, "logit_diff": float((logits - trainer).abs().max()),
-            "logprob_diff": float((logits.log_softmax(-1) - trainer.log_softmax(-1)).abs().max())}
+            "adapters_exact": exact, "logprob_diff": float((rollout - trainer).abs().max())}
 
 
-def save_for_peft(cfg: dict, lora: tuple, path: str) -> dict:
+def dist_all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def save_for_peft(cfg: dict, lora: tuple, path: str, kind: str = "fsdp2") -> dict:
     """The trained engine saved through the VPS (engine -> FullState on rank 0 -> disk: the loop's
     checkpoint path) and the trainer's logits for the test process to compare peft's against."""
     from rlhf_switch.engines.full_state import FullState
     from rlhf_switch.engines.train_switch import switch_training
 
-    t = trained_lora_fsdp2(cfg, lora)
+    t = trained(cfg, lora, kind)
     holder = FullState(t.spec, name="checkpoint") if dist.get_rank() == 0 else None
     switch_training(t.adapter, holder)
     if holder is not None:
         holder.save_dir(path, cfg)
     dist.barrier()
-    with torch.no_grad():
-        logits = t.module(input_ids=ids_of(cfg["vocab_size"])).logits.float()
-    return {"logits": logits, "spec_digest": t.spec.digest}
+    ids = ids_of(cfg["vocab_size"])
+    return {"logprobs": torch.cat(dist_all_gather(t.outputs(ids.chunk(2)[dist.get_rank()]))),
+            "saved": whole(t), "spec_digest": t.spec.digest}
 
 
-def load_back(cfg: dict, lora: tuple, path: str) -> dict:
+def load_back(cfg: dict, lora: tuple, path: str, kind: str = "fsdp2") -> dict:
     """A fresh LoRA engine (other seed) loaded from the checkpoint through the VPS: its whole
     parameters and Adam moments, to compare with what was saved."""
     from rlhf_switch.engines.full_state import FullState
     from rlhf_switch.engines.train_switch import switch_training
 
-    t = build_fsdp2(cfg, 7, [0, 1], optim=AdamWConfig(lr=1e-2), lora=LoraSpec(*lora))
+    t = build_engine(cfg, lora, kind, seed=7)
     holder = FullState.load_dir(path, t.spec) if dist.get_rank() == 0 else None
     switch_training(holder, t.adapter)
-    moments = {canonical_name(n): {k: (v.full_tensor() if is_dtensor(v) else v).clone()
-                                   for k, v in t.optimizer.state[p].items() if k != "step"}
-               for n, p in t.module.named_parameters() if p.requires_grad}
-    return {"params": whole(t), "moments": moments, "step": t.adapter.scalars()["step"]}
+    back = FullState(t.spec, name="read back") if dist.get_rank() == 0 else None
+    switch_training(t.adapter, back)  # what the engine holds now, whole on rank 0
+    return {"params": whole(t), "master": back.master if back else None, "moments": back.moments if back else None,
+            "step": t.adapter.scalars()["step"]}
 
 
-__all__ = ["describe_lora_fsdp2", "sync_into_rollout", "save_for_peft", "load_back", "PARAM"]
+

@@ -87,10 +87,15 @@ def initial_adapters(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def delta_weight(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """peft's ``LoraLayer.get_delta_weight``, op for op: ``(B @ A) * scaling``."""
+    return (b @ a) * scaling
+
+
 def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """peft's merged weight, op for op (``LoraLayer.get_delta_weight`` then the add of ``merge``):
+    """peft's merged weight, op for op (``get_delta_weight`` then the add of ``merge``):
     ``W + (B @ A) * scaling``."""
-    return weight + (b @ a) * scaling
+    return weight + delta_weight(a, b, scaling)
 
 
 # --- what a weight sync moves -------------------------------------------------------------------------
