@@ -342,12 +342,24 @@ class Cluster:
         """The ``RolloutContext`` replica ``replica`` of ``cfg``'s rollout layout starts from."""
         from rlhf_switch.engines.base import RolloutContext
         from rlhf_switch.families import context_length
-        from rlhf_switch.models import model_spec
 
         tp = cfg.rollout.tp
-        return RolloutContext(self.hf, model_spec(self.hf), str(init_dir), tp, cfg.world_size // tp, replica,
+        return RolloutContext(self.hf, self._rollout_spec(cfg), str(init_dir), tp, cfg.world_size // tp, replica,
                               cfg.seed, context_length(self.hf), device=self.device,
                               memory_utilization=cfg.rollout.memory_utilization)
+
+    def _rollout_spec(self, cfg):
+        """The model a replica holds: the base, or with a LoRA run's adapters where each sync
+        moves those (``engines.lora.WeightSync``: the replica then computes with them itself)."""
+        from rlhf_switch.engines.lora import WeightSync
+        from rlhf_switch.models import model_spec
+
+        spec, lora = model_spec(self.hf), cfg.model.lora
+        if lora is None:
+            return spec
+        full = spec.with_adapters(lora.spec())
+        sync = WeightSync.choose(full, lora.sync, self.rollout_cls.takes_adapters, self.device.compute_dtype)
+        return full if sync.mode == "adapters" else spec
 
     def _gpus_of(self, res: Resources) -> list[list[str]]:
         """Colocated: the GPU ids replica r's workers use — the whole devices of the trainer ranks

@@ -157,3 +157,27 @@ def load_back(cfg: dict, lora: tuple, path: str, kind: str = "fsdp2") -> dict:
 
 
 
+
+
+# --- into vLLM: the trained engine stays in the rank process between jobs ---------------------------------
+_KEPT: dict = {}
+
+
+def train_and_describe(cfg: dict, lora: tuple, mode: str, kind: str = "fsdp2"):
+    """Train an engine and keep it here; the global layout of what a sync of ``mode`` moves
+    (rank 0 returns it)."""
+    t = trained(cfg, lora, kind)
+    sync = WeightSync.choose(t.spec, mode, True, "float32")
+    _KEPT.update(engine=t, sync=sync, held=sync.source(t.adapter))
+    (src,), _ = gather_layouts([(sync.spec_of(t.spec), _KEPT["held"])], ["train"])
+    return src if dist.get_rank() == 0 else None
+
+
+def kept_buffers() -> dict:
+    """``load_from``'s ``make_buffers``: the kept engine's buffers of the sync."""
+    return _KEPT["held"].tensors
+
+
+def kept_logprobs(ids: torch.Tensor) -> torch.Tensor:
+    """The kept engine's log-probs of ``ids[:, 1:]`` (each DP rank its half, gathered)."""
+    return torch.cat(dist_all_gather(_KEPT["engine"].outputs(ids.chunk(2)[dist.get_rank()])))

