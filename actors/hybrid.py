@@ -19,7 +19,8 @@
 
 The weights reach the rollout engine through the run's weight channel (``engines/channel.py``),
 opened once (``channel_open``): every sync is ``sync_send`` — one VPS move from the trainer's
-compute weights (``adapter.weights()``) into the rollout buffers (``rollout.handoff: ipc``: into
+compute weights (``adapter.weights()``; a LoRA run's adapters or merged weights,
+``engines.lora.WeightSync``) into the rollout buffers (``rollout.handoff: ipc``: into
 shared buckets that this rank hands its colocated vLLM worker by handle). The trainer keeps its optimizer
 state in place unless ``train.offload`` says otherwise (below). ``logprobs`` recomputes the
 log-probs of the generated tokens with the trainer (the *old* log-probs) and compares them with

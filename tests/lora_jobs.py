@@ -102,11 +102,10 @@ def sync_into_rollout(cfg: dict, lora: tuple, tp: int, mode: str, kind: str = "f
     (src_all,), _ = gather_layouts([(spec.subset(base, "base"), weights)], ["train"])
     move(src_all, select(everything, base, "base"), weights.tensors, ro.buffers)  # the base, as the warm start has it
     sync = WeightSync.choose(spec, mode, True, "float32")
-    ro.set_merge_adapters(sync.mode == "adapters")
+    ro.set_apply_adapters(sync.mode == "adapters")
     mine = sync.source(t.adapter)
     (src,), _ = gather_layouts([(sync.spec_of(spec), mine)], ["train"])
     report = move(src, sync.destination(everything), mine.tensors, ro.buffers)
-    ro.weights_updated()
     truth = whole(t)
     adapters = select(everything, spec.adapter_tensors, "adapters")
     want = materialize(adapters, rank, lambda k: truth[k.tensor])

@@ -20,6 +20,7 @@ import yaml
 
 import lora_jobs
 from rlhf_switch.engines.lora import WeightSync, canonical_name, merge
+from rlhf_switch.engines.torch_rollout import TorchRolloutEngine
 from rlhf_switch.models import causal_lm, model_spec
 from rlhf_switch.vps import StateKey, plan_transition, replicated, select, vllm_layout
 from rlhf_switch.vps.materialize import materialize
@@ -104,30 +105,29 @@ def _peft_model(seed: int = 0):
 
 
 def test_merge_is_peft_merge_bit_for_bit_and_the_rollout_engine_computes_the_peft_model(spec):
+    """``lora.merge`` (the trainer's side of a merged sync) is peft's ``merge_and_unload`` bit for
+    bit; the torch rollout engine holding the base and the adapters computes the peft model (its
+    adapters applied beside the base, as peft does), and with them off the base alone."""
     from rlhf_switch.engines.torch_rollout import TorchRollout
 
     model = _peft_model()
     tensors = {canonical_name(n[len("base_model.model."):]): p.detach().clone() for n, p in model.named_parameters()}
     ids = lora_jobs.ids_of(64)
     with torch.no_grad():
-        want_logits = model(input_ids=ids).logits
+        want = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
     merged = dict(model.merge_and_unload().named_parameters())
     ours = {t: merge(tensors[t], tensors[t[:-7] + ".lora_A.weight"], tensors[t[:-7] + ".lora_B.weight"], 2.0)
             for t in spec.adapted_tensors}
     assert all(torch.equal(ours[t], merged[t]) for t in spec.adapted_tensors)
-    # the rollout engine: base and adapters in its buffers, merged where it computes
     ro = TorchRollout.from_hf_config(spec, TINY)
-    ro.buffers.update(materialize(ro.layout(), 0, lambda k: tensors[k.tensor]))
-    ro.w = {n: ro.buffers[f"param/{n}"].view(v.shape) for n, v in ro.w.items()}
-    ro.base_w = dict(ro.w)
-    ro.set_merge_adapters(True)
-    a = "model.layers.1.self_attn."
-    assert torch.equal(ro.w[a + "qkv_proj.weight"], torch.cat([merged[a + f"{x}_proj.weight"] for x in "qkv"]))
-    assert torch.equal(ro.w["model.layers.0.mlp.down_proj.weight"], merged["model.layers.0.mlp.down_proj.weight"])
-    got = ro.forward(ids)
-    assert (got - want_logits).abs().max() < 1e-5
-    ro.set_merge_adapters(False)  # a merged sync's engine reads its base buffers as they are
-    assert torch.equal(ro.w[a + "qkv_proj.weight"], torch.cat([tensors[a + f"{x}_proj.weight"] for x in "qkv"]))
+    for name, t in materialize(ro.layout(), 0, lambda k: tensors[k.tensor]).items():
+        ro.buffers[name].copy_(t)  # in place: the forward reads views of these buffers
+    ro.set_apply_adapters(True)
+    assert (ro.forward(ids) - want).abs().max() < 1e-5
+    ro.set_apply_adapters(False)  # a merged sync's engine: its base buffers alone
+    assert (ro.forward(ids) - base).abs().max() < 1e-5
 
 
 # --- what a sync moves -------------------------------------------------------------------------------
@@ -146,6 +146,12 @@ def test_sync_moves_the_fewer_bytes_the_rollout_engine_takes(spec):
     assert WeightSync.choose(model_spec(TINY), "auto", True, "float32").mode == "full"
     with pytest.raises(ValueError, match="does not take adapters"):
         WeightSync.choose(spec, "adapters", False, "float32")
+
+
+class MergedOnly(TorchRolloutEngine):
+    """A user's rollout engine that takes merged weights only (the default of RolloutEngine)."""
+
+    takes_adapters = False
 
 
 def _config(**lora) -> dict:
@@ -167,10 +173,10 @@ def test_refused_before_the_run_one_message_each():
         "model.lora.target_modules: qkv — model_type llama has no such linear module in its decoder layers "
         "(it has down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)"]
     cfg = _config(sync="adapters")
-    cfg["rollout"]["engine"] = "vllm"
+    cfg["rollout"]["engine"] = "test_lora:MergedOnly"
     assert [p for p in run_problems(load_config(cfg), skip=("reward",)) if "lora" in p] == [
-        "model.lora.sync: adapters — rollout engine vllm does not take LoRA adapters (it takes merged weights: "
-        "sync merged or auto)"]
+        "model.lora.sync: adapters — rollout engine test_lora:MergedOnly does not take LoRA adapters (it takes "
+        "merged weights: sync merged or auto)"]
     cfg = _config(target_modules=["k_proj"])
     cfg["rollout"].update(tp=2, dp=1)
     cfg["model"]["hf_config"]["num_key_value_heads"] = 1
