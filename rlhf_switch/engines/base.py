@@ -220,7 +220,7 @@ class RolloutEngine(ABC):
     placement: ClassVar[str] = "worker"
     name: str = "rollout"
     compute_dtypes: ClassVar[tuple[str, ...]] = ("float32",)  # as TrainingEngine.compute_dtypes
-    # a LoRA run's sync may move only the adapters into it: it keeps the frozen base and merges
+    # a LoRA run's sync may move only the adapters into it: it keeps the frozen base and applies
     # them itself (``weight_sync("adapters")``); else it takes merged weights (engines/lora.py)
     takes_adapters: ClassVar[bool] = False
 

@@ -13,7 +13,7 @@ A weight sync into a rollout engine moves one of (``WeightSync``, chosen once pe
 ==============  ===============================================================================
 ``full``        every weight (no LoRA)
 ``adapters``    ``A`` and ``B`` of every target: ``r·(in + out)`` elements each; the rollout engine
-                keeps its own copy of the frozen base and merges them (``RolloutEngine.takes_adapters``)
+                keeps its own copy of the frozen base and applies them (``RolloutEngine.takes_adapters``)
 ``merged``      the adapted weights ``W + (B @ A)·alpha/r`` of every target, computed on the trainer's
                 ranks (``merged_weights`` of its adapter): ``in·out`` elements each, into the rollout
                 engine's base buffers — any engine takes them

@@ -137,7 +137,7 @@ class LoraConfig(Strict):
     ``target_modules`` of every decoder layer (peft's ``LoraConfig``: ``lora_alpha`` = ``alpha``,
     ``lora_dropout`` = ``dropout``) and freezes the base; the reference is the base. ``sync``:
     what the weight channel moves into the rollout engine — ``adapters`` (A and B; the rollout
-    engine merges them into its own copy of the base), ``merged`` (the adapted weights
+    engine applies them beside its own copy of the base), ``merged`` (the adapted weights
     ``W + (alpha/r)·B·A``), or ``auto``: whichever is fewer bytes among those the rollout engine
     takes."""
 
