@@ -22,7 +22,8 @@
 
 The weights reach the rollout engine through the run's weight channel (``engines/channel.py``),
 opened once (``channel_open``): every sync is ``sync_send`` — one VPS move from the trainer's
-compute weights (``adapter.weights()``) into the rollout buffers (``rollout.handoff: ipc``: into
+compute weights (``adapter.weights()``; a LoRA run's adapters or merged weights,
+``engines.lora.WeightSync``) into the rollout buffers (``rollout.handoff: ipc``: into
 shared buckets that this rank hands its colocated vLLM worker by handle). The trainer keeps its optimizer
 state in place unless ``train.offload`` says otherwise (below). ``logprobs`` recomputes the
 log-probs of the generated tokens with the trainer (the *old* log-probs) and compares them with
@@ -125,6 +126,28 @@ class HybridWorker:
                                outputs_batch=alg.logprob_micro_batch_size, seq_len=seq_len, timeout=TIMEOUT,
                                device=self.device)
 
+    def _trainer_context(self, cfg: RunConfig):
+        """The policy's context: the run's, with ``model.lora``'s adapters where it has them (the
+        reference and the critic train no adapters)."""
+        from dataclasses import replace
+
+        ctx = self._training_context(cfg)
+        lora = cfg.model.lora
+        return ctx if lora is None else replace(ctx, lora=lora.spec(), lora_dropout=lora.dropout)
+
+    def _weight_sync(self):
+        """What each weight sync moves (``engines.lora.WeightSync``): every weight, or with LoRA
+        the adapters or the merged weights of their targets, chosen once for the run."""
+        from rlhf_switch.engines.base import rollout_engine
+        from rlhf_switch.engines.lora import WeightSync
+
+        if getattr(self, "_sync", None) is None or self._sync[0] is not self.trainer:
+            option = self.cfg.model.lora.sync if self.cfg.model.lora is not None else "auto"
+            sync = WeightSync.choose(self.spec, option, rollout_engine(self.cfg.rollout.engine).takes_adapters,
+                                     self.device.compute_dtype)
+            self._sync = (self.trainer, sync)
+        return self._sync[1]
+
     def build_empty(self, config: dict | RunConfig, init_dir: str | None = None) -> dict:
         """The trainer of ``config`` on this rank with no state of its own worth keeping (its seeded
         weights, Adam state created at zero): the destination of an elastic resize, which
@@ -138,7 +161,7 @@ class HybridWorker:
         cfg = config if isinstance(config, RunConfig) else load_config(config)
         self.cfg, self.algorithm = cfg, Algorithm.build(cfg.algorithm)
         t0 = time.perf_counter()
-        self.trainer = training_engine(cfg.train.engine).build(cfg.train, self._training_context(cfg))
+        self.trainer = training_engine(cfg.train.engine).build(cfg.train, self._trainer_context(cfg))
         self.trainer.adapter.prepare_state()  # done here, in the background, not in the stop-the-world
         self.spec = self.trainer.spec
         self.reference = self.rollout = None
@@ -166,7 +189,7 @@ class HybridWorker:
         self.device = device or self.device  # what the engines run on (the recipe checked them)
         hf = hf_config_of(cfg)
         ctx = self._training_context(cfg)
-        self.trainer = training_engine(cfg.train.engine).build(cfg.train, ctx)
+        self.trainer = training_engine(cfg.train.engine).build(cfg.train, self._trainer_context(cfg))
         self.spec = self.trainer.spec
         # the starting state, through the VPS from rank 0's copy of the checkpoint
         t0 = time.perf_counter()
@@ -252,6 +275,7 @@ class HybridWorker:
                 hf, self.spec, init_dir, tp, self.replicas, self.replica, cfg.seed,
                 context_length(hf), tp_rank=self.tp_rank, group=groups[self.replica],
                 device=self.device))
+            self.rollout.weight_sync(self._weight_sync().mode)
 
     def _load_weights(self, path: str, engine, read=None) -> None:
         """The weights of the checkpoint at ``path`` into ``engine`` (a VPS move from rank 0's
@@ -287,7 +311,8 @@ class HybridWorker:
         holder = None
         if self.rank == 0:
             # on the run's device: the world's group (nccl on CUDA) carries it to the other ranks
-            holder = FullState.load_dir(path, adapter.spec, weights_only=weights_only).to(self.device.torch_device())
+            holder = FullState.load_dir(path, adapter.spec, weights_only=weights_only,
+                                        seed=self.cfg.seed).to(self.device.torch_device())
             if weights_only:
                 holder.load_scalars(adapter.scalars())
         report = switch_training(holder, adapter, timeout=TIMEOUT)
@@ -315,7 +340,8 @@ class HybridWorker:
             sent += report.move.bytes_sent
             if holder is not None:
                 # the actor's directory is a model.path of its own: weights, config and tokenizer
-                holder.save_dir(where, hf, dtype, extra, tokenizer_from=tokenizer_dir_of(self.cfg) if hf else None)
+                holder.save_dir(where, hf, dtype, extra, tokenizer_from=tokenizer_dir_of(self.cfg) if hf else None,
+                                lora_dropout=self.cfg.model.lora.dropout if self.cfg.model.lora else 0.0)
         dist.barrier()
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "bytes_sent": sent}
 
@@ -413,6 +439,14 @@ class HybridWorker:
         src = self._gather_weights_layout()
         return src if self.rank == 0 else None
 
+    def channel_destination(self, tp: int, replicas: int):
+        """The rollout replicas' layout (``tp`` × ``replicas``, the run's rollout engine) of what each
+        sync moves (``_weight_sync``): the destination of the channel into engines in other processes."""
+        from rlhf_switch.engines.base import rollout_engine
+
+        layout = rollout_engine(self.cfg.rollout.engine).rollout_layout(self.spec, tp, replicas, self.device.compute_dtype)
+        return self._weight_sync().destination(layout)
+
     def channel_store(self) -> tuple[str, int]:
         """Rank 0 only: a TCPStore for the weight channel on a free port of this node."""
         from rlhf_switch.engines.channel import open_store
@@ -435,10 +469,10 @@ class HybridWorker:
                                            verify_fraction=cfg.verify_fraction if cfg else 0.1,
                                            share_sources=True)  # a weight sync: the same buffers every time
             src = self._gather_weights_layout()
-            self.channel.set_layouts(src, self.rollout_cls.rollout_layout(src.spec, self.tp, self.replicas,
-                                                                          self.device.compute_dtype))
+            self.channel.set_layouts(src, self._weight_sync().destination(
+                self.rollout_cls.rollout_layout(self.spec, self.tp, self.replicas, self.device.compute_dtype)))
         else:
-            self._weights = self.trainer.adapter.weights()
+            self._weights = self._weight_sync().source(self.trainer.adapter)
             self.channel = ChannelEnd.join(endpoint.host, endpoint.port, endpoint.first_rank, endpoint.world_size,
                                            store=self._channel_store if self.rank == 0 else None,
                                            timeout_s=endpoint.timeout_s, budget_bytes=endpoint.budget_bytes,
@@ -456,7 +490,7 @@ class HybridWorker:
         ``verify``: this sync's checking (``off``/``sample``/``full``, the same on every member)
         instead of the channel's (the run config's ``verify``)."""
         t0 = time.perf_counter()
-        weights = self.trainer.adapter.weights()
+        weights = self._weight_sync().source(self.trainer.adapter)
         dst = self.rollout.buffers() if self.rollout is not None else {}
         if (tuple(weights.fragments), dict(weights.buffers)) != self._planned:
             # still take part, without buffers: every member then refuses the move at once (the
@@ -471,6 +505,7 @@ class HybridWorker:
         if self.rollout is not None:
             self.rollout.weights_updated()
         out = dict(vars(report))
+        out["weights"] = self._weight_sync().mode
         out["wall_seconds"] = time.perf_counter() - t0
         return out
 
@@ -482,8 +517,9 @@ class HybridWorker:
         one global Layout (collective)."""
         from rlhf_switch.engines.train_state import gather_layouts
 
-        self._weights = self.trainer.adapter.weights()
-        (src,), _ = gather_layouts([(self.spec, self._weights)], [f"train:{self.trainer.name}"])
+        self._weights = self._weight_sync().source(self.trainer.adapter)
+        spec = self._weight_sync().spec_of(self.spec)  # the model, or the part of it a LoRA sync moves
+        (src,), _ = gather_layouts([(spec, self._weights)], [f"train:{self.trainer.name}"])
         return src
 
     # --- memory at the phase boundary --------------------------------------------------------------

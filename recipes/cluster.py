@@ -342,12 +342,24 @@ class Cluster:
         """The ``RolloutContext`` replica ``replica`` of ``cfg``'s rollout layout starts from."""
         from rlhf_switch.engines.base import RolloutContext
         from rlhf_switch.families import context_length
-        from rlhf_switch.models import model_spec
 
         tp = cfg.rollout.tp
-        return RolloutContext(self.hf, model_spec(self.hf), str(init_dir), tp, cfg.world_size // tp, replica,
+        return RolloutContext(self.hf, self._rollout_spec(cfg), str(init_dir), tp, cfg.world_size // tp, replica,
                               cfg.seed, context_length(self.hf), device=self.device,
                               memory_utilization=cfg.rollout.memory_utilization)
+
+    def _rollout_spec(self, cfg):
+        """The model a replica holds: the base, or with a LoRA run's adapters where each sync
+        moves those (``engines.lora.WeightSync``: the replica then computes with them itself)."""
+        from rlhf_switch.engines.lora import WeightSync
+        from rlhf_switch.models import model_spec
+
+        spec, lora = model_spec(self.hf), cfg.model.lora
+        if lora is None:
+            return spec
+        full = spec.with_adapters(lora.spec())
+        sync = WeightSync.choose(full, lora.sync, self.rollout_cls.takes_adapters, self.device.compute_dtype)
+        return full if sync.mode == "adapters" else spec
 
     def _gpus_of(self, res: Resources) -> list[list[str]]:
         """Colocated: the GPU ids replica r's workers use — the whole devices of the trainer ranks
@@ -559,7 +571,8 @@ class Cluster:
             self.handoff, colocated = resolve_handoff(self.cfg.rollout.handoff, self.member_devices(), self.world)
             src = next(x for x in self.all("channel_source", desc="describe weights") if x is not None)
             n, total = self.world, self.world + self.n_replicas * self.tp
-            dst = self.rollout_cls.rollout_layout(src.spec, self.tp, self.n_replicas, self.device.compute_dtype)
+            # the replicas' layout of what a sync moves (all weights; a LoRA run's adapters or merged weights)
+            dst = self.ray.get(self.workers[0].channel_destination.remote(self.tp, self.n_replicas), timeout=120)
             host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=60)
             ep = Endpoint(host, port, total, 0, place(src, range(n), total), place(dst, range(n, total), total),
                           budget_bytes or DEFAULT_BUDGET, verify=self.cfg.verify,
@@ -611,6 +624,7 @@ class Cluster:
         return {"seconds": seconds,
                 "bytes_moved": sum(r["bytes_sent"] + r["bytes_local"] for r in senders),
                 "bytes_sent": sum(r["bytes_sent"] for r in senders),
+                "weights": senders[0].get("weights", "full"),  # what moved: full, or LoRA's adapters / merged
                 # ipc: bucket handles handed to the workers (one per bucket) — 0 with p2p
                 "handoff": self.handoff,
                 "handles": sum(r.get("handles", 0) for r in senders),

@@ -461,6 +461,7 @@ def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings
         **{f"peak_device_bytes_{p}": m["bytes"] for p, m in peak.items()},
         "peak_device_measure": peak["sync"]["measure"],
         "bytes_moved": sync["bytes_moved"], "bytes_sent": sync["bytes_sent"],
+        "weights_synced": sync.get("weights", "full"),  # full, or a LoRA run's adapters / merged weights
         # rollout.handoff ipc: bucket handles handed to the workers (one per bucket)
         "handoff": sync.get("handoff", "p2p"), "handles": sync.get("handles", 0),
         "switch_breakdown": sync.get("breakdown", {}),

@@ -20,6 +20,8 @@ worked out once: the model's dimensions and whether the actors will see a GPU.
 ``engines``    each phase's engine (a registered name or ``module:Class``) runs that phase's
                layout; offload, handoff and placement options the engines support
 ``device``     the device and compute dtype resolve where the actors run (``rlhf_switch.device``)
+``lora``       ``model.lora``: the train engine trains adapters, the model has every target module,
+               the rollout engine takes what ``sync`` moves
 ``reward``     the reward function loads and runs on a held-out sample, where and within the time
                the run gives it (``reward_workers``, ``reward_timeout_s``)
 ``logging``    every logging backend named (wandb, mlflow: optional extras) is installed
@@ -407,6 +409,49 @@ def engine_problems(cfg: RunConfig, facts: Facts | None = None) -> list[str]:
 @check("device")
 def _device(cfg: RunConfig, facts: Facts) -> list[str]:
     return device_problems(cfg, facts.cuda_available)
+
+
+@check("lora")
+def lora_problems(cfg: RunConfig, facts: Facts | None = None) -> list[str]:
+    """``model.lora`` (docs/lora.md): an engine that trains adapters, target modules the family
+    has, a rollout engine that takes what ``sync`` moves."""
+    lora = cfg.model.lora
+    if lora is None:
+        return []
+    problems = []
+    try:
+        if not training_engine(cfg.train.engine).supports_lora:
+            problems.append(f"model.lora: engine {cfg.train.engine} does not train LoRA adapters (engines that do: "
+                            f"fsdp2, deepspeed)")
+    except EngineError:
+        pass  # the engines check names it
+    try:
+        takes_adapters = rollout_engine(cfg.rollout.engine).takes_adapters
+    except EngineError:
+        takes_adapters = True  # the engines check names it
+    if lora.sync == "adapters" and not takes_adapters:
+        problems.append(f"model.lora.sync: adapters — rollout engine {cfg.rollout.engine} does not take LoRA "
+                        f"adapters (it takes merged weights: sync merged or auto)")
+    if facts is not None and facts.dims is None:
+        return problems  # the model check says why its config does not read
+    try:
+        spec = derive_spec(cfg.model.hf_dict())
+    except (ValueError, ConfigError):
+        return problems  # the model check reports it
+    missing = [t for t in lora.target_modules if not spec.lora_targets([t])]
+    if missing:
+        have = sorted({t.name.split(".")[-2] for t in spec.tensors
+                       if t.layer is not None and t.expert is None and len(t.shape) == 2})
+        problems.append(f"model.lora.target_modules: {', '.join(missing)} — model_type "
+                        f"{cfg.model.hf_dict().get('model_type', 'llama')} has no such linear module in its "
+                        f"decoder layers (it has {', '.join(have)})")
+    kv = {"k_proj", "v_proj"} & set(lora.target_modules)
+    if spec.attention is not None and cfg.rollout.tp > spec.attention.num_kv_heads and kv and \
+            not {"q_proj", "k_proj", "v_proj"} <= set(lora.target_modules):
+        problems.append(f"model.lora.target_modules: at rollout tp={cfg.rollout.tp} above the "
+                        f"{spec.attention.num_kv_heads} KV heads, {'/'.join(sorted(kv))} adapters need q_proj, k_proj "
+                        f"and v_proj all targeted (their lora_B is then split with qkv_proj's replicated KV heads)")
+    return problems
 
 
 @check("reward")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, ClassVar, Mapping, Sequence
@@ -73,6 +74,8 @@ class TrainingContext:
     init_from: str | None = None      # head "value": an actor checkpoint whose trunk the critic starts from
     timeout: timedelta = DEFAULT_TIMEOUT
     device: DeviceSpec = CPU          # the run's device, backend and dtypes (rlhf_switch.device)
+    lora: Any = None                  # a vps.spec.LoraSpec: train LoRA adapters, the base frozen (engines/lora.py)
+    lora_dropout: float = 0.0         # LoRA's dropout in training forwards (none in ``outputs``)
 
     @property
     def context(self) -> int:
@@ -96,6 +99,9 @@ class TrainingEngine(ABC):
     # the compute dtypes it runs beside a float32 master copy (rlhf_switch.device); asked before
     # anything starts (recipes.common.device_problems)
     compute_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
+    # whether ``build`` takes ``ctx.lora`` (LoRA adapters on the causal LM, engines/lora.py)
+    supports_lora: ClassVar[bool] = False
+    lora_dropout: float = 0.0  # > 0: ``outputs`` runs the model in eval mode (no dropout)
 
     @classmethod
     def layout_problems(cls, phase: str, layout: Any, dims: Any, head: str = "lm") -> list[str]:
@@ -157,8 +163,9 @@ class ModuleEngine(TrainingEngine):
     @torch.no_grad()
     def outputs(self, ids: torch.Tensor) -> torch.Tensor:
         m = max(1, self.outputs_batch or self.micro_batch)
-        return torch.cat([self._per_token(self._forward(ids[i:i + m]), ids[i:i + m])
-                          for i in range(0, ids.shape[0], m)])
+        with eval_mode(self.module) if self.lora_dropout else nullcontext():
+            return torch.cat([self._per_token(self._forward(ids[i:i + m]), ids[i:i + m])
+                              for i in range(0, ids.shape[0], m)])
 
     def train_step(self, ids: torch.Tensor, micro: int, loss_fn: LossFn) -> dict:
         chunks = [slice(i, min(i + micro, ids.shape[0])) for i in range(0, ids.shape[0], micro)]
@@ -172,6 +179,18 @@ class ModuleEngine(TrainingEngine):
 
     def freeze(self) -> None:
         self.module.eval()
+
+
+@contextmanager
+def eval_mode(module: Any):
+    """``module`` in eval mode for the block (LoRA's dropout off: the log-probs the rollout engine,
+    which has no dropout, must reproduce), then back to the mode it was in."""
+    was = module.training
+    module.train(False)
+    try:
+        yield
+    finally:
+        module.train(was)
 
 
 # --- rollout engines --------------------------------------------------------------------------------
@@ -201,6 +220,9 @@ class RolloutEngine(ABC):
     placement: ClassVar[str] = "worker"
     name: str = "rollout"
     compute_dtypes: ClassVar[tuple[str, ...]] = ("float32",)  # as TrainingEngine.compute_dtypes
+    # a LoRA run's sync may move only the adapters into it: it keeps the frozen base and applies
+    # them itself (``weight_sync("adapters")``); else it takes merged weights (engines/lora.py)
+    takes_adapters: ClassVar[bool] = False
 
     @classmethod
     def layout_problems(cls, phase: str, layout: Any, dims: Any) -> list[str]:
@@ -238,6 +260,12 @@ class RolloutEngine(ABC):
 
     def weights_updated(self) -> None:
         """After the channel wrote new weights: drop anything computed with the old ones."""
+
+    def weight_sync(self, mode: str) -> None:
+        """What every later sync writes (``engines.lora.WeightSync.mode``): ``full`` or ``merged``
+        into its weights, ``adapters`` into its adapter buffers (``takes_adapters`` engines)."""
+        if mode == "adapters" and not self.takes_adapters:
+            raise ValueError(f"{type(self).__name__} does not take LoRA adapters; sync merged weights")
 
     # placement "replica": the engine's own workers join the channel
     def channel_open(self, endpoint: "Any") -> None:

@@ -13,6 +13,7 @@ from .base import LossFn, ModuleEngine, TrainingContext
 
 class DeepSpeedEngine(ModuleEngine):
     can_offload = True  # ZeRO-1/2/3: tests/test_offload.py
+    supports_lora = True  # ZeRO-1/2/3: tests/test_lora.py
     # bf16: DeepSpeed's bit16 weights compute, its fp32 master copy and moments stay apart
     compute_dtypes = ("float32", "bfloat16")
 
@@ -37,6 +38,10 @@ class DeepSpeedEngine(ModuleEngine):
         on = dist.get_rank() in ranks
         module = build_model(ctx.hf_config, ctx.seed, ctx.head, ctx.init_from) if on else torch.nn.Linear(1, 1)
         spec = model_spec(module.config, ctx.head) if on else None
+        if on and ctx.lora is not None:  # peft's layers on the targets, the base frozen (engines/lora.py)
+            from .lora import apply_lora
+
+            module, spec = apply_lora(module, ctx.lora, ctx.lora_dropout), spec.with_adapters(ctx.lora)
         z = build_zero_trainer(module, spec, int(layout.zero_stage), ctx.micro_batch, ranks, optim=ctx.optim,
                                dtype=ctx.device.compute_dtype, device=ctx.device,
                                persistence_threshold=int(getattr(layout, "persistence_threshold", 0)))
@@ -46,11 +51,13 @@ class DeepSpeedEngine(ModuleEngine):
         self.zero, self.engine = z, z.engine
         self.module = z.engine  # forward through the engine (ZeRO-3 gathers partitions in its hooks)
         self.adapter, self.spec = z.adapter, spec
-        self.name = f"{'critic ' if ctx.head == 'value' else ''}ZeRO{layout.zero_stage}·DP{len(ranks)}"
+        self.name = (f"{'critic ' if ctx.head == 'value' else ''}ZeRO{layout.zero_stage}·DP{len(ranks)}"
+                     + ("·LoRA" if ctx.lora is not None else ""))
         self.adapter.name = self.name
         self.dp, self.dp_group = z.dp, z.dp_group
         self.dp_rank = dist.get_rank(z.dp_group)
         self.head, self.micro_batch, self.outputs_batch = ctx.head, ctx.micro_batch, ctx.outputs_batch
+        self.lora_dropout = ctx.lora_dropout if ctx.lora is not None else 0.0
         return self
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:

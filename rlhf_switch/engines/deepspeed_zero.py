@@ -27,6 +27,13 @@ bit16 slice over a rank's own master partition is the master in value: the switc
 (``weights(master_copies=False)``) and ``state_written`` copies it from the master locally. A write of the bit16
 weights alone (the reference's warm start) calls ``weights_written()``.
 
+LoRA (peft's layers, ``engines/lora.py``): only the adapters are in the optimizer's groups. A frozen
+parameter has no fp32 master and no moments: ZeRO-1/2 leave it whole on every rank as the module's
+own tensor, ZeRO-3 partition it like any other (``param.ds_tensor``, flat ``[r·P, (r+1)·P)``).
+The adapter describes that tensor — a buffer of its own per frozen parameter — as both ``param``
+and ``master`` (its only copy), and ``merged_weights`` adds ``(B @ A)·alpha/r`` to each target's
+share, with ``A`` and ``B`` whole (ZeRO-3: gathered, they are small).
+
 ZeRO-3 persistent parameters (``persistence_threshold``, DeepSpeed's
 ``stage3_param_persistence_threshold``): a parameter of fewer elements stays gathered whole on
 every rank between steps (``ds_persist``; DeepSpeed re-gathers it after each ``step()``) and its
@@ -193,7 +200,7 @@ def build_zero_trainer(model: torch.nn.Module, spec: ModelSpec | None, stage: in
         "wall_clock_breakdown": False,
         **(extra_config or {}),
     }
-    optimizer = optim.make(model.parameters())
+    optimizer = optim.make([p for p in model.parameters() if p.requires_grad])  # LoRA: the adapters only
     compat.set_deepspeed_global_mpu(mpu)  # else a world engine after a subset one inherits its groups
     if stage == 3:
         _agree_on_param_ids(dp_group)
@@ -339,7 +346,9 @@ class ZeroAdapter:
             raise ValueError(f"the ZeRO adapter needs ZeRO stage 1, 2 or 3, the engine runs stage {self.stage}")
         self.opt = engine.optimizer
         self.name = name or f"ZeRO{self.stage}·DP{engine.dp_world_size}"
-        names = dict(engine.param_names)
+        from .lora import canonical_name  # peft's wrapped names -> the spec's (identity without LoRA)
+
+        names = {p: canonical_name(n) for p, n in engine.param_names.items()}
         # transformers 5 stacks a MoE layer's experts in one parameter; the spec names them per expert
         unknown = sorted(n for p, n in names.items()
                          if n not in spec and stacked_experts(n, tuple(getattr(p, "ds_shape", p.shape))) is None)
@@ -349,6 +358,25 @@ class ZeroAdapter:
         self._unset_moments: list[torch.Tensor] = []  # see prepare_state(overwritten=True)
 
     # --- where each parameter's share is -----------------------------------------------------
+    def _frozen(self):
+        """(name, shape, flat lo, flat hi, buffer) of each frozen parameter's share on this rank:
+        ZeRO-1/2 the whole module tensor, ZeRO-3 its partition (``ds_tensor``)."""
+        for p, name in self._names.items():
+            if p.requires_grad:
+                continue
+            if self.stage == 3:
+                P = p.ds_tensor.numel()
+                r = dist.get_rank(group=p.ds_process_group)
+                lo, hi = r * P, min((r + 1) * P, p.ds_numel)
+                if lo < hi:
+                    yield name, tuple(p.ds_shape), lo, hi, p.ds_tensor.data.view(-1)
+            else:
+                yield name, tuple(p.shape), 0, p.numel(), p.data.view(-1)
+
+    def _describe_frozen(self, out: LocalState, field_: str) -> None:
+        for name, shape, lo, hi, t in self._frozen():
+            add_param_flat(out, field_, name, shape, lo, hi, out.add_buffer(f"{field_}/frozen/{name}", t), 0)
+
     def _groups(self) -> int:
         return len(self.opt.fp16_groups) if self.stage == 3 else len(self.opt.bit16_groups)
 
@@ -408,6 +436,43 @@ class ZeroAdapter:
                                                     (max(off, own[1]), off + p.numel())) if a < b]
                     for a, b in runs:
                         add_param_flat(out, PARAM, self._names[p], tuple(p.shape), a - off, b - off, buf, a)
+        if not skip_own:  # a frozen parameter is its own master: with the state already
+            self._describe_frozen(out, PARAM)
+        return out
+
+    @torch.no_grad()
+    def merged_weights(self) -> LocalState:
+        """The LoRA targets' merged weights ``W + (B @ A)·scaling`` (peft's ``merge``) over this
+        rank's share of each ``W`` (``_frozen``), as ``param`` of the target, in buffers kept from
+        one call to the next. ``A`` and ``B`` are whole here: ZeRO-1/2's module tensors, ZeRO-3's
+        gathered (collective over the DP group, every rank in spec order)."""
+        from .lora import delta_weight
+
+        params = {name: p for p, name in self._names.items()}
+        frozen = {name: (shape, lo, hi, t) for name, shape, lo, hi, t in self._frozen()}
+        merged = getattr(self, "_merged", None) or {}
+        self._merged = merged
+        out = LocalState()
+        scaling = self.spec.lora.scaling
+        for target in self.spec.adapted_tensors:
+            stem = target[: -len(".weight")]
+            a, b = params[stem + ".lora_A.weight"], params[stem + ".lora_B.weight"]
+            if self.stage == 3:
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([a, b]):
+                    delta = delta_weight(a.data, b.data, scaling)
+            else:
+                delta = delta_weight(a.data, b.data, scaling)
+            if target not in frozen:
+                continue
+            shape, lo, hi, w = frozen[target]
+            buf = merged.get(target)
+            if buf is None or buf.numel() != hi - lo:
+                buf = merged[target] = torch.empty(hi - lo, dtype=w.dtype, device=w.device)
+            # W + (B @ A)·s elementwise over the share: peft's merge, element for element
+            buf.copy_(w[: hi - lo] + delta.reshape(-1)[lo:hi].to(w.dtype))
+            add_param_flat(out, PARAM, target, shape, lo, hi, out.add_buffer(f"merged/{target}", buf), 0)
         return out
 
     def weights_are_master(self) -> bool:
@@ -451,6 +516,7 @@ class ZeroAdapter:
                 buf = out.add_buffer(f"{field_}/g{g}", t.data)
                 for name, shape, lo, hi, off in self._owned(g):
                     add_param_flat(out, field_, name, shape, lo, hi, buf, off)
+        self._describe_frozen(out, MASTER)
         return out
 
     @torch.no_grad()

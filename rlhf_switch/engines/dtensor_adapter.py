@@ -11,7 +11,9 @@ one buffer holding, per expert it has whole, that expert's per-expert tensors at
 
 The parameters are fp32 and ARE the master weights: ``weights()`` describes them as ``param``,
 ``state()`` as ``master`` plus AdamW's ``exp_avg``/``exp_avg_sq`` (same placements as the
-parameter). Buffers are the live tensors (detached aliases, so the executor's in-place writes
+parameter) of those that train. With LoRA (peft's layers, ``engines/lora.py``) the parameters
+are named by the spec's names (``canonical_name``) and only the adapters train; ``merged_weights``
+gives the adapted weights ``W + (B @ A)·alpha/r`` of this rank's shards (a merged weight sync). Buffers are the live tensors (detached aliases, so the executor's in-place writes
 need no ``no_grad``): FSDP2 all-gathers from the sharded storage the local tensor views, so a
 write is what the next forward reads.
 """
@@ -65,7 +67,10 @@ class TorchTrainAdapter:
                  scheduler: Any = None):
         self.spec, self.name = spec, name
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
+        from .lora import canonical_name  # peft's wrapped names -> the spec's (identity without LoRA)
+
+        self.params: dict[str, nn.Parameter] = {canonical_name(n): p for n, p in module.named_parameters()}
+        self._merged: dict[str, torch.Tensor] = {}  # merged_weights' buffers, kept across syncs
         # transformers 5 stacks a MoE layer's experts in one parameter; the spec names them per expert
         self.stacked = {n: stacked_experts(n, tuple(p.shape)) for n, p in self.params.items()
                         if n not in spec and stacked_experts(n, tuple(p.shape))}
@@ -74,9 +79,11 @@ class TorchTrainAdapter:
             raise ValueError(f"{name}: parameters {unknown[:4]} are not tensors of model {spec.name!r}")
 
     # --- descriptions ------------------------------------------------------------------------------
-    def _describe(self, field: str, tensor_of) -> LocalState:
+    def _describe(self, field: str, tensor_of, trainable_only: bool = False) -> LocalState:
         out = LocalState()
         for name, p in self.params.items():
+            if trainable_only and not self.spec.trainable(name):  # frozen: no optimizer state
+                continue
             box, local = local_box(tensor_of(name, p))
             if box.empty:  # an FSDP2 rank past the last row: nothing here
                 continue
@@ -105,7 +112,34 @@ class TorchTrainAdapter:
     def state(self) -> LocalState:
         out = self._describe(MASTER, lambda n, p: p)
         for field in MOMENTS:
-            out.merge(self._describe(field, lambda n, p: self._moment(n, p, field)))
+            out.merge(self._describe(field, lambda n, p: self._moment(n, p, field), trainable_only=True))
+        return out
+
+    @torch.no_grad()
+    def merged_weights(self) -> LocalState:
+        """The LoRA targets' merged weights ``W + (B @ A)·scaling`` (peft's ``merge``) over this
+        rank's box of each ``W``, as ``param`` of the target, in buffers kept from one call to the
+        next (a weight channel plans them once). Collective over the engine (``A`` gathered whole:
+        a ``Shard(0)`` of ``W`` needs all of ``A``'s columns and the rows of ``B`` it has)."""
+        from .lora import merge
+
+        out = LocalState()
+        scaling = self.spec.lora.scaling
+        for target in self.spec.adapted_tensors:
+            a_name, b_name = target[: -len(".weight")] + ".lora_A.weight", target[: -len(".weight")] + ".lora_B.weight"
+            a = self.params[a_name]
+            a = a.full_tensor() if is_dtensor(a) else a.detach()  # every rank: a collective
+            box, w = local_box(self.params[target])
+            b_box, b = local_box(self.params[b_name])
+            if box.empty:
+                continue
+            if (b_box.lo[0], b_box.hi[0]) != (box.lo[0], box.hi[0]) or b_box.hi[1] - b_box.lo[1] != a.shape[0]:
+                raise ValueError(f"{self.name}: {b_name} holds {b_box}, not the rows of {target}'s {box}")
+            buf = self._merged.get(target)
+            if buf is None or buf.shape != w.shape:
+                buf = self._merged[target] = torch.empty_like(w)
+            buf.copy_(merge(w, a[:, box.lo[1]:box.hi[1]], b, scaling))
+            out.add_box(StateKey(target, PARAM), box, out.add_buffer(f"merged/{target}", buf))
         return out
 
     def _moment(self, name: str, p: nn.Parameter, field: str) -> torch.Tensor:

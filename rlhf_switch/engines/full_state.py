@@ -19,6 +19,11 @@ as it is, with the optimizer beside it:
   ``*.safetensors`` file at the top as weights);
 - ``optimizer/trainer_state.pt``: the scalars (``torch.save`` of plain values and the RNG tensor).
 
+With LoRA (a spec ``with_adapters``) ``model.safetensors`` holds the frozen base — the model
+transformers and vLLM load — and ``lora_adapter/`` the adapters in peft's format
+(``adapter_config.json`` + ``adapter_model.safetensors``: ``peft.PeftModel.from_pretrained(base,
+"<dir>/lora_adapter")``); moments exist for the adapters only, the tensors that train.
+
 Files are written under a temporary name and renamed, the directory last (``COMPLETE`` marker): a
 crash mid-save leaves the previous checkpoint intact and the half-written one recognisably
 incomplete.
@@ -52,8 +57,8 @@ class FullState:
                  scalars: Mapping[str, Any] | None = None, name: str = "full state"):
         self.spec, self.name = spec, name
         self.master = {t.name: _fp32_whole(master, t, zero=master is None) for t in spec.tensors}
-        self.moments = {f: {t.name: _fp32_whole((moments or {}).get(f), t, zero=True) for t in spec.tensors}
-                        for f in MOMENTS}
+        self.moments = {f: {t.name: _fp32_whole((moments or {}).get(f), t, zero=True) for t in spec.tensors
+                            if spec.trainable(t.name)} for f in MOMENTS}
         self._scalars = dict(scalars) if scalars is not None else None
 
     def to(self, device: torch.device | str) -> "FullState":
@@ -68,6 +73,8 @@ class FullState:
     def _describe(self, field: str, tensors: Mapping[str, torch.Tensor]) -> LocalState:
         out = LocalState()
         for t in self.spec.tensors:
+            if t.name not in tensors:  # a moment of a frozen tensor: there is none
+                continue
             buf = out.add_buffer(f"{field}/{t.name}", tensors[t.name].view(-1))
             out.add_box(StateKey(t.name, field), Box.full(t.shape), buf)
         return out
@@ -99,13 +106,14 @@ class FullState:
     def save_dir(self, path: str | os.PathLike, hf_config: Mapping[str, Any] | None = None,
                  dtype: str = "float32", extra: Mapping[str, Any] | None = None,
                  tokenizer_from: str | os.PathLike | None = None, head: str = "lm",
-                 files: Mapping[str, str] | None = None) -> Path:
+                 files: Mapping[str, str] | None = None, lora_dropout: float = 0.0) -> Path:
         """Write the checkpoint directory (see the module doc); ``extra`` goes into
         ``trainer_state.pt`` beside the scalars (e.g. the iteration); ``tokenizer_from``: a
         directory whose tokenizer files are copied beside the weights, so the checkpoint loads
         as a ``model.path`` (weights, config and tokenizer) in transformers and vLLM. ``head``:
         the model ``config.json`` names (``write_hf_config``); ``files``: more text files to write
-        beside the weights, by name (inside the same all-or-nothing rename)."""
+        beside the weights, by name (inside the same all-or-nothing rename). With LoRA: the base
+        there, the adapters in ``lora_adapter/`` (``lora_dropout`` goes into its config)."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -113,8 +121,13 @@ class FullState:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         model_dtype = TORCH_DTYPES[dtype]
-        save_file({n: t.to("cpu", model_dtype).contiguous() for n, t in self.master.items()},
+        base = self.spec.base()
+        save_file({t.name: self.master[t.name].to("cpu", model_dtype).contiguous() for t in base.tensors},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if self.spec.lora is not None:
+            from .lora import ADAPTER_DIR, save_adapter
+
+            save_adapter(tmp / ADAPTER_DIR, self.spec, self.master, model_dtype, lora_dropout, base_model=str(path))
         opt = {f"{f}/{n}": t.cpu() for f in MOMENTS for n, t in self.moments[f].items()}
         if model_dtype != torch.float32:
             opt.update({f"master/{n}": t.cpu() for n, t in self.master.items()})
@@ -135,9 +148,12 @@ class FullState:
         return path
 
     @classmethod
-    def load_dir(cls, path: str | os.PathLike, spec: ModelSpec, weights_only: bool = False) -> "FullState":
+    def load_dir(cls, path: str | os.PathLike, spec: ModelSpec, weights_only: bool = False,
+                 seed: int = 0) -> "FullState":
         """Read a checkpoint directory written by ``save_dir`` (``weights_only``: any HF directory
-        with ``model.safetensors``; moments zero, no scalars)."""
+        with ``model.safetensors``; moments zero, no scalars). With LoRA the adapters come from
+        its ``lora_adapter/``; a ``weights_only`` directory without one (the warm start: the base)
+        starts them as ``engines.lora.initial_adapters(spec, seed)``."""
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -151,7 +167,16 @@ class FullState:
                 raise ValueError(f"{path} holds another model (spec digest {meta['spec_digest']}, "
                                  f"this model {spec.digest})")
         master = load_file(str(path / "model.safetensors"))
-        _check_weights(path, spec, master)
+        _check_weights(path, spec.base(), master)
+        if spec.lora is not None:
+            from .lora import ADAPTER_DIR, initial_adapters, load_adapter
+
+            if (path / ADAPTER_DIR).is_dir():
+                master.update(load_adapter(path / ADAPTER_DIR, spec))
+            elif weights_only:
+                master.update(initial_adapters(spec, seed))
+            else:
+                raise FileNotFoundError(f"{path} has no {ADAPTER_DIR}/: a checkpoint of a LoRA run holds its adapters there")
         if weights_only:
             return cls(spec, master, name=f"weights {path}")
         opt = load_file(str(path / OPTIMIZER))

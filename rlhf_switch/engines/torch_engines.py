@@ -30,6 +30,7 @@ class _TorchTrainerEngine(ModuleEngine):
         self.spec, self.adapter = trainer.spec, trainer.adapter
         self.dp, self.dp_rank, self.dp_group = trainer.dp, trainer.dp_rank, trainer.dp_group
         self.head, self.micro_batch, self.outputs_batch = ctx.head, ctx.micro_batch, ctx.outputs_batch
+        self.lora_dropout = ctx.lora_dropout if ctx.lora is not None else 0.0
         # gathered once per call only where the whole model is small: a large one keeps FSDP2's
         # per-layer gathers (holding it unsharded is what sharding it avoids)
         self.gather_once = gathers_once(self.spec.numel * torch.finfo(ctx.device.torch_dtype()).bits // 8)
@@ -121,6 +122,7 @@ class FSDP2Engine(_TorchTrainerEngine):
     compute_dtypes = ("float32", "bfloat16")
 
     can_offload = True  # tests/test_offload.py
+    supports_lora = True  # tests/test_lora.py
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
@@ -138,8 +140,9 @@ class FSDP2Engine(_TorchTrainerEngine):
         # collectives in grpo_tiny_fsdp.yaml's train_on); bit for bit the same (build_fsdp2)
         whole = ctx.head == "lm" and gathers_once(
             model_spec(ctx.hf_config).numel * torch.finfo(ctx.device.torch_dtype()).bits // 8)
+        lora = dict(lora=ctx.lora, lora_dropout=ctx.lora_dropout) if ctx.lora is not None else {}
         t = build_fsdp2(ctx.hf_config, ctx.seed, ctx.ranks, optim=ctx.optim, timeout=ctx.timeout,
-                        device=ctx.device, per_layer=not whole, **value)
+                        device=ctx.device, per_layer=not whole, **value, **lora)
         return None if t is None else cls(t, ctx)
 
 

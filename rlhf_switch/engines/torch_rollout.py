@@ -16,6 +16,18 @@ of the vocabulary padded to 64. Families: llama, mistral, qwen2 (its q/k/v biase
 weights: ``qkv_proj.bias``), qwen3 (per-head ``q_norm``/``k_norm`` before RoPE, whole on every
 worker); no MoE. Default RoPE only. Everything is plain torch: CPU float32
 in tests, any device the buffers live on otherwise.
+
+LoRA (a spec ``with_adapters``): the adapters are buffers of the same layout (``A`` of a column
+target whole, ``B`` split — and fused — like its weight; the reverse for a row target), so a sync
+of the adapters alone writes them in place. The base buffers are then the frozen base, read from
+the warm start (``load_base``) and never written; with ``apply_adapters`` on, each adapted linear
+adds ``B·(A·x)·alpha/r`` to its base output — peft's own arithmetic (``lora_B(lora_A(x)) *
+scaling``, the way vLLM's LoRA kernels do it too), on this worker's block; a row-parallel one
+before its all-reduce. Merging ``W + (B @ A)·alpha/r`` once per sync would be cheaper per token
+but rounds differently from the trainer: measured on ``configs/grpo_tiny_lora.yaml`` (20
+iterations), the stale check's largest log-prob difference was 4.2e-5 merged, 1.6e-5 unmerged
+(docs/lora.md). A sync
+of merged weights writes the base buffers themselves (``apply_adapters`` off).
 """
 from __future__ import annotations
 
@@ -40,7 +52,8 @@ from .base import RolloutContext, RolloutEngine
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _KNOWN_TENSOR = re.compile(r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|model\.layers\.\d+\."
                            r"((self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.(weight|bias)"
-                           r"|(input|post_attention)_layernorm\.weight|self_attn\.[qk]_norm\.weight)")
+                           r"|(input|post_attention)_layernorm\.weight|self_attn\.[qk]_norm\.weight"
+                           r"|(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.lora_[AB]\.weight)")
 
 
 @dataclass
@@ -97,6 +110,8 @@ class TorchRollout:
             n: b.to(device) for n, b in allocate(self.layout(), tp_rank).items()}
         self.w: dict[str, torch.Tensor] = {
             lt.buffer: self.buffers[f"param/{lt.buffer}"].view(lt.shape) for lt in worker_tensors(spec, tp, tp_rank)}
+        self.apply_adapters = False  # LoRA: add B·(A·x)·alpha/r to each adapted linear (set_apply_adapters)
+        self.adapters: dict[str, list] = self._adapter_views() if spec.lora is not None else {}
         # default Llama RoPE: inv_freq[i] = theta^(-2i/hd)
         hd = self.head_dim
         self.inv_freq = 1.0 / (rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
@@ -110,6 +125,60 @@ class TorchRollout:
         """The layout of ``replicas`` engines like this one (rank = replica·tp + tp_rank): the
         destination of a move into this engine's buffers."""
         return vllm_layout(self.spec, self.tp, replicas, self.dtype)
+
+    # --- LoRA -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_base(self, model_dir: str) -> None:
+        """This worker's blocks of the base tensors (all but the adapters) from the HF checkpoint at
+        ``model_dir`` (its ``model.safetensors``): the frozen base a sync of adapters never writes."""
+        from safetensors import safe_open
+
+        from ..vps.materialize import fragment_view
+
+        with safe_open(f"{model_dir}/model.safetensors", framework="pt") as f:
+            for frag in self.layout().fragments(self.tp_rank):
+                if self.spec.is_adapter(frag.key.tensor):
+                    continue
+                block = f.get_slice(frag.key.tensor)[tuple(slice(lo, hi) for lo, hi in zip(frag.box.lo, frag.box.hi))]
+                fragment_view(self.buffers[frag.buffer], frag).copy_(block)
+
+    def _adapter_views(self) -> dict[str, list]:
+        """Per local weight buffer: ``(first row, end row, A, B)`` of each adapted tensor in it —
+        its output rows there and views of this worker's ``A`` [r, in_t] and ``B`` [out_t, r]
+        blocks (the same rows as the weight's, the same columns: the spec's TP roles)."""
+        from ..vps.materialize import fragment_view
+
+        frags = {f.key.tensor: f for f in self.layout().fragments(self.tp_rank)}
+        out: dict[str, list] = {}
+        for target in self.spec.adapted_tensors:
+            wf = frags[target]
+            af, bf = (frags[target[: -len(".weight")] + f".lora_{x}.weight"] for x in "AB")
+            if (bf.box.lo[0], bf.box.hi[0]) != (wf.box.lo[0], wf.box.hi[0]) or \
+                    (af.box.lo[1], af.box.hi[1]) != (wf.box.lo[1], wf.box.hi[1]):
+                raise ValueError(f"{target}: this worker's {wf.box} is not the rows of {bf.box} and the columns of "
+                                 f"{af.box}")
+            name = wf.buffer[len("param/"):]
+            first = wf.offset // self.w[name].shape[1]  # the weight fills whole rows of its local buffer
+            out.setdefault(name, []).append((first, first + wf.box.shape[0],
+                                             fragment_view(self.buffers[af.buffer], af),
+                                             fragment_view(self.buffers[bf.buffer], bf)))
+        return out
+
+    def set_apply_adapters(self, on: bool) -> None:
+        """Whether the forward adds the adapters' output (a sync of adapters) or reads the base
+        buffers alone (a sync of merged weights into them, or no LoRA)."""
+        if on and self.spec.lora is None:
+            raise ValueError(f"model {self.spec.name!r} has no LoRA adapters to apply")
+        self.apply_adapters = on
+
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, weight: str) -> torch.Tensor:
+        """``y`` (the linear's base output) plus each adapter's ``B·(A·x)·scaling`` on its rows."""
+        if not self.apply_adapters or weight not in self.adapters:
+            return y
+        scaling = self.spec.lora.scaling
+        for first, end, a, b in self.adapters[weight]:
+            y[..., first:end] = y[..., first:end] + F.linear(F.linear(x, a), b) * scaling
+        return y
 
     # --- collectives over the TP group (no-ops at TP=1) --------------------------------------------
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,13 +195,14 @@ class TorchRollout:
 
     # --- the model ---------------------------------------------------------------------------------
     def _column(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """Column-parallel (or fused) linear: this rank's output features, bias included."""
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        """Column-parallel (or fused) linear: this rank's output features, bias included (and
+        LoRA's output, ``_lora``)."""
+        return self._lora(F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias")), x, name + ".weight")
 
     def _row(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Row-parallel linear: partial sums over this rank's input features, summed over the TP
         group, then the (whole, replicated) bias once."""
-        y = self._all_reduce(F.linear(x, self.w[name + ".weight"]))
+        y = self._all_reduce(self._lora(F.linear(x, self.w[name + ".weight"]), x, name + ".weight"))
         b = self.w.get(name + ".bias")
         return y if b is None else y + b
 
@@ -294,6 +364,7 @@ class TorchRolloutEngine(RolloutEngine):
     trainer's world (placement ``worker``), its weights the very buffers the channel writes."""
 
     placement = "worker"
+    takes_adapters = True
 
     @classmethod
     def layout_problems(cls, phase, layout, dims):
@@ -306,10 +377,17 @@ class TorchRolloutEngine(RolloutEngine):
         self.engine = TorchRollout.from_hf_config(ctx.spec, dict(ctx.hf_config), tp=ctx.tp, tp_rank=ctx.tp_rank,
                                                   group=ctx.group, device=ctx.device.torch_device())
         self.name = f"TorchRollout TP{ctx.tp}"
+        if ctx.spec.lora is not None:  # the base is never synced: its own copy, from the warm start
+            self.engine.load_base(ctx.model_dir)
         return self
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return self.engine.buffers
+
+    def weight_sync(self, mode: str) -> None:
+        super().weight_sync(mode)
+        if self.engine.spec.lora is not None:
+            self.engine.set_apply_adapters(mode == "adapters")
 
     def generate(self, prompts, max_new_tokens, temperature, seeds, eos_token_id):
         return self.engine.generate([list(p) for p in prompts], max_new_tokens, temperature=temperature,

@@ -53,7 +53,8 @@ class TorchTrainer:
             raise NotImplementedError(f"{name}: gradient clipping is not supported on pipeline stages")
         self._max_grad_norm = optim.max_grad_norm
         # the recipe every engine shares, so a switch between engines continues the same update
-        self.optimizer = optim.make(module.parameters(), on_local_shards=True)
+        # only what trains (all of it, or LoRA's adapters): a frozen tensor has no optimizer state
+        self.optimizer = optim.make([p for p in module.parameters() if p.requires_grad], on_local_shards=True)
         self.scheduler = optim.scheduler(self.optimizer)
         # spec None: a model the VPS has no description of (the critic's value model) — no adapter
         self.adapter = (TorchTrainAdapter(spec, name, module, self.optimizer, self.scheduler)
@@ -199,7 +200,8 @@ def check_ranks(ranks: Sequence[int], size: int, what: str) -> list[int]:
 def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamWConfig = AdamWConfig(),
                 timeout: timedelta = DEFAULT_TIMEOUT,
                 model_fn: Callable[[Any, int], nn.Module] | None = None, spec=None,
-                device: DeviceSpec = CPU, per_layer: bool = True) -> TorchTrainer | None:
+                device: DeviceSpec = CPU, per_layer: bool = True, lora=None,
+                lora_dropout: float = 0.0) -> TorchTrainer | None:
     """FSDP2 over ``ranks`` (DP = len(ranks)): ``fully_shard`` on every decoder layer and the root.
     ``per_layer=False``: on the root only — one unit, so one all-gather and one gradient
     reduce-scatter per pass instead of one per layer and the root; each parameter is sharded on
@@ -214,14 +216,24 @@ def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamW
     (``rlhf_switch.device``): the model is built on the CPU, seeded, then moved there; with a
     compute dtype narrower than the master (bf16 + fp32) FSDP2's mixed precision gathers the
     parameters in the compute dtype for forward/backward and reduces gradients in the master's,
-    while the sharded parameters — what the optimizer steps and the adapter describes — stay fp32."""
+    while the sharded parameters — what the optimizer steps and the adapter describes — stay fp32.
+    ``lora`` (a ``vps.spec.LoraSpec``; causal LM only): peft's LoRA layers on its targets before
+    sharding (``engines/lora.py``) — the base frozen, only the adapters in the optimizer — and the
+    spec ``with_adapters``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp = len(check_ranks(ranks, len(ranks), "FSDP2"))
     mesh = device_mesh(ranks, (dp,), ("dp",), timeout, device)
     if mesh is None:
         return None
-    model = (hf_model(hf_config, seed) if model_fn is None else model_fn(hf_config, seed)).to(device.torch_device())
+    model = hf_model(hf_config, seed) if model_fn is None else model_fn(hf_config, seed)
+    if lora is not None:
+        from .lora import apply_lora
+
+        if model_fn is not None:
+            raise ValueError("LoRA is for the causal LM (the actor), not a model_fn's model")
+        model = apply_lora(model, lora, lora_dropout)
+    model = model.to(device.torch_device())
     mixed = {"mp_policy": MixedPrecisionPolicy(param_dtype=device.torch_dtype("compute"),
                                                reduce_dtype=device.torch_dtype("master"))} if device.mixed else {}
     for layer in model.model.layers if per_layer else ():
@@ -230,7 +242,8 @@ def build_fsdp2(hf_config: Any, seed: int, ranks: Sequence[int], *, optim: AdamW
     if model_fn is not None:
         return TorchTrainer(model, f"FSDP2·DP{dp}", spec, optim, None,
                             mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
-    return TorchTrainer(model, f"FSDP2·DP{dp}", model_spec(model.config), optim,
+    spec = model_spec(model.config) if lora is None else model_spec(model.config).with_adapters(lora)
+    return TorchTrainer(model, f"FSDP2·DP{dp}" + ("·LoRA" if lora is not None else ""), spec, optim,
                         lambda ids: _backward(causal_lm_loss(model, ids)),
                         mesh.get_group("dp"), dp, mesh.get_local_rank("dp"))
 

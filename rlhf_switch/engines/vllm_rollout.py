@@ -33,7 +33,7 @@ from .. import compat
 from ..routing.executor import DEFAULT_BUDGET
 from ..rl.tokenizer import has_tokenizer
 from ..vps.layout import Layout, LayoutError
-from ..vps.layouts.vllm import param_shape, vllm_layout, worker_tensors
+from ..vps.layouts.vllm import param_shape, vllm_layout, vllm_lora_layout, vllm_lora_rank, worker_tensors
 from ..vps.placement import place
 from ..vps.spec import ModelSpec
 from .base import RolloutContext, RolloutEngine
@@ -119,7 +119,13 @@ class VLLMRollout:
     ``model.path`` run), is vLLM's tokenizer too — so ids out of its vocabulary are refused by vLLM
     as by the trainer; a generated-task checkpoint has none and vLLM loads none. ``sleep_mode``: use vLLM's
     sleep mode around moves (default: where the platform has it, i.e. not on CPU).
-    ``engine_kwargs`` go to ``vllm.LLM`` as they are (e.g. ``block_size``, ``gpu_memory_utilization``)."""
+    ``engine_kwargs`` go to ``vllm.LLM`` as they are (e.g. ``block_size``, ``gpu_memory_utilization``).
+
+    A ``spec`` with LoRA adapters (``ModelSpec.with_adapters``) starts vLLM with its LoRA support
+    (``enable_lora``, one adapter slot, ``max_lora_rank`` the smallest vLLM has for ``r``), loads
+    one adapter — the run's initial one, from a peft directory — pins it into slot 0, and
+    generates every request with it (``LoRARequest``); the weight channel then writes the trained
+    adapters into that slot (``vllm_lora_layout``) and the workers fold alpha/r into ``B``."""
 
     def __init__(self, model: str, spec: ModelSpec, tp: int = 1, *, dtype: str = "float32",
                  seed: int = 0, max_model_len: int = 256, enforce_eager: bool = True,
@@ -128,7 +134,9 @@ class VLLMRollout:
         self.tp = tp
         self.model = model
         # refuses a TP vLLM cannot run (LayoutError) before anything starts
-        self.layout = vllm_layout(spec, tp, dtype=dtype)
+        base = vllm_layout(spec.base(), tp, dtype=dtype)
+        self.layout = base if spec.lora is None else vllm_lora_layout(spec, tp, dtype=dtype)
+        self.lora_request = None
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -143,16 +151,38 @@ class VLLMRollout:
                       max_model_len=max_model_len, enable_sleep_mode=self.can_sleep)
         if backend is not None:
             kwargs["distributed_executor_backend"] = backend
+        if spec.lora is not None:  # one adapter, in slot 0 (vllm_lora_layout)
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(spec.lora.r))
         kwargs.update(engine_kwargs)
         with compat.vllm_cpu_omp_threads_bind(tp, self.is_cpu):  # read by the processes LLM() starts
             self.llm = LLM(**kwargs)
         self._asleep = False
         try:
             self.description = self._rpc("vps_describe")
-            check_engine(self.layout, self.description, f"vLLM engine for {model!r}")
+            check_engine(base, self.description, f"vLLM engine for {model!r}")
+            if spec.lora is not None:
+                self._load_adapter(seed)
         except BaseException:
             self.shutdown()
             raise
+
+    def _load_adapter(self, seed: int) -> None:
+        """The run's initial adapter (``engines.lora.initial_adapters``) loaded from a peft directory
+        and pinned: it holds slot 0 for good, so the channel's writes there are what it computes."""
+        import tempfile
+
+        import torch
+        from vllm.lora.request import LoRARequest
+
+        from .lora import initial_adapters, save_adapter
+
+        self._adapter_dir = tempfile.TemporaryDirectory(prefix="vps-lora-")
+        save_adapter(self._adapter_dir.name, self.spec, initial_adapters(self.spec, seed), torch.float32)
+        self.lora_request = LoRARequest("policy", 1, self._adapter_dir.name)
+        engine = self.llm.llm_engine
+        if not (engine.add_lora(self.lora_request) and engine.pin_lora(self.lora_request.lora_int_id)):
+            raise RuntimeError("vLLM did not load and pin the run's LoRA adapter")
+        self._rpc("vps_lora_setup", self.spec.lora.scaling)
 
     def _rpc(self, method: str, *args, timeout: float | None = None) -> list:
         return unwrap(method, self.llm.collective_rpc(method, timeout=timeout, args=args))
@@ -181,7 +211,7 @@ class VLLMRollout:
     # --- the move -------------------------------------------------------------------------------------
     def load_from(self, world, src_layout: Layout, make_buffers: Callable[..., dict], *args,
                   budget_bytes: int = DEFAULT_BUDGET, timeout_s: float = 300.0, verify: str = "off",
-                  handoff: str = "p2p", **kwargs) -> LoadReport:
+                  handoff: str = "p2p", dst: Layout | None = None, **kwargs) -> LoadReport:
         """Move the weights ``src_layout`` describes, held by ``world``'s ranks (rank ``r``'s buffers
         are ``make_buffers(*args, **kwargs)`` run on rank ``r``), into this engine's workers: a
         one-shot weight channel (``engines/channel.py``) between the world's ranks and the workers —
@@ -197,16 +227,17 @@ class VLLMRollout:
         n = world.world_size
         if src_layout.world_size != n:
             raise LayoutError(f"{src_layout.name} is for {src_layout.world_size} ranks; the world has {n}")
-        if src_layout.spec.digest != self.spec.digest:
+        dst = self.layout if dst is None else dst  # or part of it (vps.layout.select: e.g. a LoRA run's adapters)
+        if src_layout.spec.digest != dst.spec.digest:
             raise LayoutError(f"cannot load {src_layout.name} of model {src_layout.spec.name!r} "
-                              f"({src_layout.spec.digest}) into the vLLM engine for {self.spec.name!r} "
-                              f"({self.spec.digest}): different models; nothing was moved")
+                              f"({src_layout.spec.digest}) into {dst.name} of model {dst.spec.name!r} "
+                              f"({dst.spec.digest}): different models; nothing was moved")
         total = n + self.tp
         mode, colocated = resolve_handoff(handoff, list(range(n)) + list(range(self.tp)), n)
         t0 = time.perf_counter()
         store, host, port = open_store(timeout_s)
         endpoint = Endpoint(host, port, total, n, place(src_layout, range(n), total),
-                            place(self.layout, range(n, total), total), budget_bytes, timeout_s,
+                            place(dst, range(n, total), total), budget_bytes, timeout_s,
                             verify=verify, handoff=mode, colocated=colocated)
         box: dict[str, Any] = {}
 
@@ -298,7 +329,7 @@ class VLLMRollout:
                                  logprobs=0, seed=s, detokenize=False, ignore_eos=True, stop_token_ids=stop)
                   for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts_token_ids],
-                                 params, use_tqdm=False)
+                                 params, use_tqdm=False, lora_request=self.lora_request)
         tokens, logprobs = [], []
         for o in outs:
             c = o.outputs[0]
@@ -365,6 +396,14 @@ class VLLMRolloutEngine(RolloutEngine):
 
     placement = "replica"
     compute_dtypes = ("float32", "bfloat16", "float16")
+    takes_adapters = True  # into vLLM's LoRA slot (vllm_lora_layout); tests/test_lora.py
+
+    @classmethod
+    def rollout_layout(cls, spec: ModelSpec, tp: int, replicas: int, dtype: str = "float32") -> Layout:
+        """vLLM's layout; with LoRA adapters, theirs in vLLM's adapter slot."""
+        if spec.lora is not None:
+            return vllm_lora_layout(spec, tp, replicas, dtype)
+        return vllm_layout(spec, tp, replicas, dtype)
 
     @classmethod
     def build(cls, ctx: RolloutContext) -> "VLLMRolloutEngine":

@@ -16,6 +16,13 @@ It is deliberately thin:
 - ``vps_read``: the parameters as safetensors bytes (tests read the engine's weights back with it:
   raw tensors do not survive ``collective_rpc`` through vLLM's engine-core process).
 
+With LoRA (``enable_lora``) vLLM wraps each linear layer: its weight becomes
+``….base_layer.weight`` (named here without ``base_layer``, as ``vllm_layout`` has it) and the
+adapter slots ``lora_{a,b}_stacked[slice]`` are buffers too (``lora/<module>.lora_a_stacked.<i>``,
+``vps/layouts/vllm.py``: ``vllm_lora_layout``). A move writes ``B`` as trained; vLLM keeps
+``B·alpha/r`` there, so ``vps_channel_receive`` then scales the ``B`` slots it wrote
+(``vps_lora_setup`` gives the scaling) — vLLM's own ``LoRALayerWeights.optimize``, op for op.
+
 Arguments and results stay msgpack-friendly (str, int, bytes, lists, dicts): layouts travel as
 pickled bytes, so nothing needs ``VLLM_ALLOW_INSECURE_SERIALIZATION``. Method names start with
 ``vps_`` because vLLM refuses an extension attribute that its Worker class already has.
@@ -92,10 +99,28 @@ class VpsWorkerExtension:
     def _vps_model(self) -> torch.nn.Module:
         return self.model_runner.model
 
+    def _vps_params(self):
+        """(name, parameter) of the model, named as without LoRA's wrappers (``….base_layer.weight``
+        -> ``….weight``)."""
+        return ((name.replace(".base_layer.", "."), p) for name, p in self._vps_model().named_parameters())
+
     def vps_buffers(self) -> dict[str, torch.Tensor]:
         """This worker's parameters as VPS buffers: flat views of the live storage (re-read on
-        every call: waking from sleep may have moved them)."""
-        return {PREFIX + name: p.data.view(-1) for name, p in self._vps_model().named_parameters()}
+        every call: waking from sleep may have moved them); with LoRA its adapter slots too."""
+        out = {PREFIX + name: p.data.view(-1) for name, p in self._vps_params()}
+        for name, m in self._vps_model().named_modules():
+            for factor in ("a", "b"):
+                slots = getattr(m, f"lora_{factor}_stacked", None)
+                if isinstance(slots, tuple):  # a linear layer's, one per output slice (not the embedding's)
+                    for i, t in enumerate(slots):
+                        out[f"lora/{name}.lora_{factor}_stacked.{i}"] = t.view(-1)
+        return out
+
+    @_answer
+    def vps_lora_setup(self, scaling: float) -> bool:
+        """LoRA's alpha/r: ``vps_channel_receive`` folds it into the ``B`` slots it writes."""
+        self._vps_lora_scaling = float(scaling)
+        return True
 
     @_answer
     def vps_describe(self) -> dict:
@@ -114,7 +139,7 @@ class VpsWorkerExtension:
             "tp_size": tp_size,
             "pp_size": _pp_size(),
             "params": {PREFIX + name: [list(p.shape), str(p.dtype).replace("torch.", ""), p.is_contiguous()]
-                       for name, p in model.named_parameters()},
+                       for name, p in self._vps_params()},
             "prepacked": prepacked,
             "prepacking_disabled": PREPACKING_DISABLED and MOE_PREPACKING_DISABLED,
         }
@@ -124,7 +149,7 @@ class VpsWorkerExtension:
         """The parameters (``param/...`` names, all by default) as safetensors bytes."""
         from safetensors.torch import save
 
-        bufs = {PREFIX + n: p.detach() for n, p in self._vps_model().named_parameters()}
+        bufs = {PREFIX + n: p.detach() for n, p in self._vps_params()}
         chosen = bufs if names is None else {n: bufs[n] for n in names}
         return save({n: t.contiguous().clone() for n, t in chosen.items()})
 
@@ -157,7 +182,14 @@ class VpsWorkerExtension:
     def vps_channel_receive(self, verify: str | None = None) -> dict:
         """This worker's part of one move through the channel, straight into its parameters;
         ``verify`` (``off``/``sample``/``full``): this move's checking instead of the channel's."""
-        return dataclasses.asdict(self._vps_channel.move({}, self.vps_buffers(), verify=verify))
+        buffers = self.vps_buffers()
+        report = dataclasses.asdict(self._vps_channel.move({}, buffers, verify=verify))
+        scaling = getattr(self, "_vps_lora_scaling", None)
+        if scaling is not None:  # vLLM keeps B·alpha/r in its slots (LoRALayerWeights.optimize)
+            for name in self._vps_channel.dst.buffers(self._vps_channel.rank):
+                if ".lora_b_stacked." in name:
+                    buffers[name] *= scaling
+        return report
 
     @_answer
     def vps_channel_stats(self) -> dict:

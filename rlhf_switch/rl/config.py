@@ -166,6 +166,32 @@ class RewardModelConfig(TrainLayout):
     micro_batch_size: int | None = Field(None, ge=1)
 
 
+# the attention and MLP projections of every family (peft's names for Llama-shaped models)
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Strict):
+    """LoRA on the actor (docs/lora.md): the training engine trains rank-``r`` adapters on the
+    ``target_modules`` of every decoder layer (peft's ``LoraConfig``: ``lora_alpha`` = ``alpha``,
+    ``lora_dropout`` = ``dropout``) and freezes the base; the reference is the base. ``sync``:
+    what the weight channel moves into the rollout engine — ``adapters`` (A and B; the rollout
+    engine applies them beside its own copy of the base), ``merged`` (the adapted weights
+    ``W + (alpha/r)·B·A``), or ``auto``: whichever is fewer bytes among those the rollout engine
+    takes."""
+
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
+    sync: Literal["auto", "adapters", "merged"] = "auto"
+
+    def spec(self):
+        """The adapters as the VPS describes them (``vps.spec.LoraSpec``)."""
+        from ..vps.spec import LoraSpec
+
+        return LoraSpec(self.r, float(self.alpha), tuple(self.target_modules))
+
+
 class ModelConfig(Strict):
     """The actor's architecture: ``hf_config`` (an HF config as a dict, its ``model_type`` one of
     ``families.FAMILIES``, Llama when absent; the reference and the critic's trunk share it) or
@@ -179,6 +205,7 @@ class ModelConfig(Strict):
     # and moments stay float32. None: the device's default (rlhf_switch.device: bfloat16 on cuda,
     # float32 on cpu)
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    lora: LoraConfig | None = None  # the actor trains LoRA adapters on this model (docs/lora.md)
 
     @field_validator("hf_config")
     @classmethod

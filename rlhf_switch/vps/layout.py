@@ -17,7 +17,7 @@ from bisect import bisect_right
 from itertools import accumulate
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
-from .space import Box, StateKey, tuple_new
+from .space import MASTER, PARAM, Box, StateKey, tuple_new
 from .spec import ModelSpec
 
 
@@ -446,8 +446,10 @@ class Layout:
                 if len(boxes) > 1 and not _pairwise_disjoint(sorted(boxes)):
                     problems.append(f"rank {rank}: overlapping boxes of {key}")
         if require_cover and not problems:
-            for field in self.fields() or ("param",):
+            for field in self.fields() or (PARAM,):
                 for t in spec.tensors:
+                    if field not in (PARAM, MASTER) and not spec.trainable(t.name):
+                        continue  # a frozen tensor (LoRA's base) has no optimizer state
                     key = StateKey(t.name, field)
                     held = sum(r.box.numel for r in self.regions(key))
                     if held != t.numel:
@@ -495,6 +497,24 @@ def union(*layouts: Layout, name: str | None = None) -> Layout:
     if all(lay._recipe for lay in layouts):
         recipe = "union(" + ";".join(lay._recipe for lay in layouts) + ")"
     return Layout(first.spec, frags, bufs, name or "+".join(lay.name for lay in layouts), recipe)
+
+
+def select(layout: Layout, tensors: Iterable[str], label: str, name: str | None = None) -> Layout:
+    """The part of ``layout`` that holds ``tensors``, as a layout of the model of only those
+    (``ModelSpec.subset(tensors, label)``): their fragments as they are — buffer names and offsets
+    included, so a fused buffer stays the one buffer — and only the buffers those point into,
+    each with its whole declaration. A move into it writes those tensors and leaves the rest of
+    each rank's buffers alone (e.g. only a model's LoRA adapters, or only the weights they
+    change); its source is a layout of the same subset."""
+    spec = layout.spec.subset(list(tensors), label)
+    wanted = frozenset(t.name for t in spec.tensors)
+    frags, bufs = [], []
+    for r in range(layout.world_size):
+        kept = tuple(f for f in layout.fragments(r) if f.key.tensor in wanted)
+        declared = layout.buffers(r)
+        frags.append(kept)
+        bufs.append({b: declared[b] for b in dict.fromkeys(f.buffer for f in kept)})
+    return Layout(spec, frags, bufs, name or f"{layout.name}[{label}]", f"select({layout.digest};{spec.digest})")
 
 
 def disjoint_regions(groups: Mapping[Box, Sequence[tuple[int, Fragment]]]) -> tuple[Region, ...]:

@@ -11,6 +11,13 @@ layout families need:
 
 Fused buffers (QKV, gate-up) are a property of a *layout*, not of the model: the spec only lists
 which tensors may be fused (``FusedGroup``) and the attention geometry needed to interleave them.
+
+LoRA adapters are tensors of the spec like any other (``ModelSpec.with_adapters``): for a target
+``W`` [out, in] of a layer, ``….lora_A.weight`` [r, in] and ``….lora_B.weight`` [out, r], with
+the TP roles that keep ``B·A`` a block of ``W``'s own shard (a column target splits ``B`` on its
+rows, a row target ``A`` on its columns; the other factor is whole), and ``B`` fused like ``W``
+(``qkv_proj.lora_B.weight``). Every layout family then places them by the rules it already has.
+A spec with adapters says which tensors train (``trainable``): the adapters; the base is frozen.
 """
 from __future__ import annotations
 
@@ -77,6 +84,35 @@ class AttentionGeometry:
 
 
 @dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters on the tensors ``model.layers.{i}.….{target}.weight`` for each name of
+    ``targets`` (``q_proj``, …): the layer computes ``W·x + scaling·B·(A·x)``, and its merged weight
+    is peft's ``W + (B @ A) * scaling`` with ``scaling = alpha / r``."""
+
+    r: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    def __post_init__(self):
+        if self.r < 1 or not self.targets:
+            raise ValueError(f"LoRA needs r >= 1 and at least one target module, got r={self.r}, "
+                             f"targets={self.targets}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+ADAPTER_FACTORS = ("lora_A", "lora_B")
+
+
+def adapter_names(target: str) -> tuple[str, str]:
+    """The (A, B) tensor names of target tensor ``target`` (``….q_proj.weight``)."""
+    stem = target[: -len(".weight")]
+    return f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     tensors: tuple[TensorSpec, ...]
@@ -85,6 +121,7 @@ class ModelSpec:
     fused: tuple[FusedGroup, ...] = ()
     tied_lm_head: bool = False  # LM head shares the embedding tensor (no lm_head.weight)
     num_experts: int = 0
+    lora: LoraSpec | None = None  # the adapters among ``tensors`` (with_adapters); None: none
     _by_name: Mapping[str, TensorSpec] = field(default=None, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
@@ -129,8 +166,9 @@ class ModelSpec:
         cached = self.__dict__.get("_digest")
         if cached is None:
             # the name is a label, not geometry: equal tensors under two names are one model
-            h = hashlib.sha256(repr((self.tensors, self.num_layers, self.attention,
-                                     self.fused, self.tied_lm_head, self.num_experts)).encode())
+            geometry = (self.tensors, self.num_layers, self.attention, self.fused, self.tied_lm_head,
+                        self.num_experts) + ((self.lora,) if self.lora is not None else ())
+            h = hashlib.sha256(repr(geometry).encode())
             cached = h.hexdigest()[:16]
             object.__setattr__(self, "_digest", cached)
         return cached
@@ -138,7 +176,83 @@ class ModelSpec:
     def with_dtype(self, dtype: str) -> "ModelSpec":
         return ModelSpec(self.name, tuple(TensorSpec(t.name, t.shape, dtype, t.tp, t.layer, t.anchor, t.expert)
                                           for t in self.tensors),
-                         self.num_layers, self.attention, self.fused, self.tied_lm_head, self.num_experts)
+                         self.num_layers, self.attention, self.fused, self.tied_lm_head, self.num_experts,
+                         self.lora)
+
+    # --- LoRA adapters ------------------------------------------------------------------------------
+    def lora_targets(self, targets: Sequence[str]) -> tuple[str, ...]:
+        """The tensors of decoder layers that the module names ``targets`` (``q_proj``, …) adapt:
+        each layer's ``….{target}.weight`` of ndim 2, in spec order (MoE experts excluded: a stacked
+        expert tensor is no linear module LoRA can wrap)."""
+        ends = tuple(f".{t}.weight" for t in targets)
+        return tuple(t.name for t in self.tensors if t.layer is not None and t.expert is None
+                     and len(t.shape) == 2 and t.name.endswith(ends) and ".lora_" not in t.name)
+
+    def with_adapters(self, lora: LoraSpec) -> "ModelSpec":
+        """This spec plus LoRA's ``A`` and ``B`` for every target (``lora_targets``), each pair right
+        after its target, in the target's dtype; ``B`` of a fused group's targets fused like them."""
+        if self.lora is not None:
+            raise ValueError(f"model {self.name!r} already has LoRA adapters")
+        targets = set(self.lora_targets(lora.targets))
+        missing = [t for t in lora.targets if not any(n.endswith(f".{t}.weight") for n in targets)]
+        if missing:
+            raise ValueError(f"model {self.name!r} has no LoRA target {', '.join(missing)}")
+        tensors: list[TensorSpec] = []
+        for t in self.tensors:
+            tensors.append(t)
+            if t.name in targets:
+                out, inp = t.shape
+                a, b = adapter_names(t.name)
+                # column target: B splits with W's rows, A whole; row target: A splits with W's
+                # columns, B whole; a whole W: both whole
+                tensors.append(TensorSpec(a, (lora.r, inp), t.dtype, "row" if t.tp == "row" else "replicate", t.layer))
+                tensors.append(TensorSpec(b, (out, lora.r), t.dtype, "column" if t.tp == "column"
+                                          else "replicate", t.layer))
+        fused = list(self.fused)
+        for g in self.fused:
+            if g.buffer.endswith(".weight") and all(m in targets for m in g.members):
+                fused.append(FusedGroup(adapter_names(g.buffer)[1], tuple(adapter_names(m)[1] for m in g.members),
+                                        g.style))
+        return ModelSpec(self.name, tuple(tensors), self.num_layers, self.attention, tuple(fused),
+                         self.tied_lm_head, self.num_experts, lora)
+
+    def is_adapter(self, name: str) -> bool:
+        return self.lora is not None and name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+    def trainable(self, name: str) -> bool:
+        """Whether the optimizer steps tensor ``name`` (and keeps moments of it): every tensor,
+        or with LoRA adapters only those."""
+        return self.lora is None or self.is_adapter(name)
+
+    @property
+    def adapter_tensors(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors if self.is_adapter(t.name))
+
+    @property
+    def adapted_tensors(self) -> tuple[str, ...]:
+        """The base tensors the adapters change (their targets), in spec order."""
+        return self.lora_targets(self.lora.targets) if self.lora is not None else ()
+
+    def subset(self, tensors: Sequence[str], label: str) -> "ModelSpec":
+        """The model of only ``tensors`` (in spec order; fused groups of which all are kept), named
+        ``<name>[<label>]``: what a move of part of a model (a LoRA sync) is a move of — layouts of it
+        cover those tensors and nothing else (``vps.layout.select``)."""
+        wanted = set(tensors)
+        unknown = sorted(wanted - set(self._by_name))
+        if unknown:
+            raise KeyError(f"model {self.name!r} has no tensors {unknown[:3]}")
+        return ModelSpec(f"{self.name}[{label}]", tuple(t for t in self.tensors if t.name in wanted), self.num_layers,
+                         self.attention, tuple(g for g in self.fused if all(m in wanted for m in g.members)),
+                         self.tied_lm_head, self.num_experts)
+
+    def base(self) -> "ModelSpec":
+        """This spec without its adapters (the model a checkpoint's ``model.safetensors`` holds)."""
+        if self.lora is None:
+            return self
+        adapters = set(self.adapter_tensors)
+        return ModelSpec(self.name, tuple(t for t in self.tensors if t.name not in adapters), self.num_layers,
+                         self.attention, tuple(g for g in self.fused if g.members[0] not in adapters),
+                         self.tied_lm_head, self.num_experts)
 
 
 def config_value(config: Any, name: str, default: Any = None) -> Any:

@@ -322,3 +322,63 @@ def _local_shape(t: TensorSpec, split: tuple) -> tuple[int, ...]:
         return (split[1],) + t.shape[1:]
     dim, size = split[0], split[1]
     return t.shape[:dim] + (size,) + t.shape[dim + 1:]
+
+
+# --- LoRA: vLLM's adapter slots ------------------------------------------------------------------------
+# vLLM's LoRA layers (``enable_lora``; vllm/lora/layers) keep, per wrapped linear module and per
+# output slice of it (q, k, v of ``qkv_proj``; gate, up of ``gate_up_proj``; one otherwise),
+# ``lora_a_stacked[slice]`` [max_loras, 1, max_rank, in_t] and ``lora_b_stacked[slice]``
+# [max_loras, 1, out_t, max_rank]: slot ``s`` of the adapter loaded there, ``A`` in its first ``r``
+# rows and ``B`` (times alpha/r: vLLM folds the scaling into ``B``) in its first ``r`` columns. A
+# worker's ``A``/``B`` block is the one the spec's TP roles give it (``worker_tensors``): vLLM's
+# ``slice_lora_a``/``slice_lora_b`` cut them the same way as the weights.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank values
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The ``max_lora_rank`` vLLM is started with for rank-``r`` adapters: the smallest it allows."""
+    fits = [m for m in LORA_RANKS if m >= r]
+    if not fits:
+        raise LayoutError(f"vLLM runs LoRA ranks up to {LORA_RANKS[-1]}, not {r}")
+    return fits[0]
+
+
+def lora_slot_buffer(module: str, factor: str, index: int) -> str:
+    """The VPS buffer name of ``module``'s ``lora_{a,b}_stacked[index]`` (``factor``: ``a``/``b``)."""
+    return f"lora/{module}.lora_{factor}_stacked.{index}"
+
+
+def vllm_lora_layout(spec: ModelSpec, tp: int, replicas: int = 1, dtype: str | None = None,
+                     slot: int = 0) -> Layout:
+    """``vllm_layout`` of a spec with LoRA adapters, its adapters in vLLM's adapter slot ``slot``
+    (vLLM started with ``max_loras = slot + 1`` and ``max_lora_rank = vllm_lora_rank(r)``) instead
+    of buffers of their own; the base tensors where ``vllm_layout`` has them."""
+    if spec.lora is None:
+        raise LayoutError(f"model {spec.name!r} has no LoRA adapters")
+    plain = vllm_layout(spec, tp, replicas, dtype)
+    rank_max = vllm_lora_rank(spec.lora.r)
+    member = {m: (g.buffer, i) for g in spec.fused for i, m in enumerate(g.members)}
+    frags, bufs = [], []
+    for w in range(tp):
+        declared = plain.buffers(w)
+        kept = [f for f in plain.fragments(w) if not spec.is_adapter(f.key.tensor)]
+        mine = {n: declared[n] for f in kept for n in (f.buffer,)}
+        for lt in worker_tensors(spec, tp, w):
+            for part in lt.parts:
+                if not spec.is_adapter(part.tensor):
+                    continue
+                factor = "a" if ".lora_A." in part.tensor else "b"
+                target = part.tensor.replace(f".lora_{factor.upper()}.", ".")
+                fused, index = member.get(target, (target, 0))
+                module = fused[: -len(".weight")]
+                box = part.box
+                rows, cols = (rank_max, box.shape[1]) if factor == "a" else (box.shape[0], rank_max)
+                name = lora_slot_buffer(module, factor, index)
+                mine[name] = BufferSpec((slot + 1) * rows * cols, dtype or spec[part.tensor].dtype)
+                kept.append(Fragment(tuple_new(StateKey, (part.tensor, PARAM)), box, name, slot * rows * cols,
+                                     (cols, 1)))
+        frags.append(tuple(kept))
+        bufs.append(mine)
+    name = f"vLLM-TP{tp}" + (f"×{replicas}" if replicas > 1 else "") + "·LoRA"
+    return Layout(spec, [frags[r % tp] for r in range(tp * replicas)], [bufs[r % tp] for r in range(tp * replicas)],
+                  name, f"vllm_lora(tp={tp},replicas={replicas},dtype={dtype},slot={slot},digest={plain.digest})")
