@@ -378,7 +378,7 @@ def test_shipped_config_details():
     grpo, torch_cfg, ppo = (load_config(CONFIGS / n) for n in SHIPPED)
     assert (grpo.train.engine, grpo.train.zero_stage, grpo.train.dp) == ("deepspeed", 3, 2)
     assert (grpo.rollout.engine, grpo.rollout.tp) == ("vllm", 2) and torch_cfg.rollout.engine == "torch"
-    assert grpo.algorithm.name == "grpo" and grpo.critic is None and grpo.algorithm.rollout_batch_size == 128
+    assert grpo.algorithm.name == "grpo" and grpo.critic is None and grpo.algorithm.rollout_batch_size == 512
     assert ppo.algorithm.name == "ppo" and ppo.critic is not None and ppo.algorithm.kl_estimator == "k1"
     assert list(ppo.phases()) == ["train", "rollout", "reference", "critic"]
 
