@@ -50,8 +50,8 @@ bench-full: venv
 	$(PY) -m bench.switch $(BENCH_ARGS)
 	$(PY) -m bench.elastic
 
-# the loop against TRL's GRPOTrainer on the same job (bench/loop_vs_trl.py; needs runs/grpo_tiny/init:
-# make run first). TRL goes into .trl/, beside the venv, with --no-deps: everything else it needs
+# the loop against TRL's GRPOTrainer on the same job (bench/loop_vs_trl.py; needs the warm start
+# runs/grpo_tiny_fsdp/init: rlhf-switch train configs/grpo_tiny_fsdp.yaml --iterations 1 first). TRL goes into .trl/, beside the venv, with --no-deps: everything else it needs
 # (transformers, datasets, torch) is the venv's, and torch stays the pinned CPU build
 TRL_PKGS = 'trl==1.16.0' 'accelerate==1.15.0'
 bench-trl: venv

@@ -1,12 +1,15 @@
 """The loop's own overhead against TRL's ``GRPOTrainer`` on the same job, side by side in one run.
 
-    python -m bench.loop_vs_trl [--iterations 20] [--init DIR] [--configs configs/grpo_tiny_fsdp.yaml configs/grpo_tiny.yaml]
+    python -m bench.loop_vs_trl [--iterations 20] [--init DIR] [--job configs/grpo_tiny_fsdp.yaml]
+        [--configs configs/grpo_tiny_fsdp.yaml configs/grpo_tiny.yaml]
         [--before REV] [--no-trl | --trl-runs 1] [--json FILE]   # make bench-trl: installs TRL into .trl/ first, then this
 
-Every run starts from the same warm start (``--init``, default ``runs/grpo_tiny/init`` — made by
-``make run`` or any run of the tiny configs; every config here fingerprints the same SFT), draws
-the same prompts in the same order with the same reward and hyper-parameters
-(``bench/trl_grpo.py`` says how TRL is set to the loop's job). Ours: ``python -m recipes.grpo``
+Every run does ``--job``'s job: its seed, task, SFT and algorithm blocks replace each config's, so
+the configs differ in their engines and layouts only. Every run starts from the same warm start
+(``--init``, default ``runs/grpo_tiny_fsdp/init`` — made by any run of the job's config, e.g.
+``rlhf-switch train configs/grpo_tiny_fsdp.yaml --iterations 1``), draws the same prompts in the
+same order with the same reward and hyper-parameters (``bench/trl_grpo.py`` says how TRL is set
+to the loop's job). Ours: ``python -m recipes.grpo``
 per config in a process of its own (Ray, the engines, the loop as ``rlhf-switch train`` runs it),
 evaluation only before the first and after the last iteration, no checkpoints in between, its
 ``metrics.jsonl`` read back. TRL: ``bench.trl_grpo`` in a process of its own (skipped with one
@@ -47,13 +50,21 @@ def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+# what makes the job: the rest of a config (engines, layouts) is what the runs compare
+JOB_BLOCKS = ("seed", "task", "sft", "algorithm")
+
+
 def run_ours(config: Path, init: Path, iterations: int, work: Path, log=print, code: Path = ROOT,
-             label: str = "") -> dict:
-    """One run of the loop on ``config`` (evaluation at the ends only, no checkpoints) from the
-    warm start ``init``; the per-phase medians over iterations 2.. and the held-out reward after.
-    ``code``: the source tree whose loop runs (and whose ``configs/`` ``config`` is read from)."""
+             label: str = "", job: Path | None = None) -> dict:
+    """One run of the loop on ``config`` with ``job``'s job (``JOB_BLOCKS``; evaluation at the
+    ends only, no checkpoints) from the warm start ``init``; the per-phase medians over iterations
+    2.. and the held-out reward after. ``code``: the source tree whose loop runs (and whose
+    ``configs/`` ``config`` and ``job`` are read from)."""
     config = config if code == ROOT else code / "configs" / config.name
     cfg = yaml.safe_load(config.read_text())
+    if job is not None:
+        job_cfg = yaml.safe_load((job if code == ROOT else code / "configs" / job.name).read_text())
+        cfg.update({k: job_cfg[k] for k in JOB_BLOCKS if k in job_cfg})
     out = work / f"{label}{config.stem}"
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(init, out / "init")  # the warm start cache: no SFT here
@@ -122,8 +133,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", type=Path,
                     default=[ROOT / "configs/grpo_tiny_fsdp.yaml", ROOT / "configs/grpo_tiny.yaml"])
-    ap.add_argument("--init", type=Path, default=ROOT / "runs/grpo_tiny/init",
-                    help="the warm start every run starts from (default: %(default)s)")
+    ap.add_argument("--job", type=Path, default=ROOT / "configs/grpo_tiny_fsdp.yaml",
+                    help="the config whose seed, task, SFT and algorithm every run and TRL use (default: %(default)s)")
+    ap.add_argument("--init", type=Path, default=ROOT / "runs/grpo_tiny_fsdp/init",
+                    help="the warm start every run starts from, made by a run of --job (default: %(default)s)")
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--no-trl", action="store_true", help="ours only")
     ap.add_argument("--trl-runs", type=int, choices=(1, 2), default=2,
@@ -133,23 +146,24 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     if not (a.init / "model.safetensors").is_file():
-        print(f"error: no warm start at {a.init} (make run, or --init DIR)", file=sys.stderr)
+        print(f"error: no warm start at {a.init} (rlhf-switch train {a.job} --iterations 1, or --init DIR)",
+              file=sys.stderr)
         return 2
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="loop_vs_trl_") as tmp:
         work = Path(tmp)
-        trls = [] if a.no_trl else [run_trl(a.configs[-1], a.init, a.iterations, work, label="_before")]
+        trls = [] if a.no_trl else [run_trl(a.job, a.init, a.iterations, work, label="_before")]
         if a.before:
             tree = work / "before"
             tree.mkdir()
             subprocess.run(f"git -C {ROOT} archive {a.before} | tar -x -C {tree}", shell=True, check=True)
         ours = []
         for c in a.configs:  # each config's after and before back to back: the same load, as far as it goes
-            ours.append(run_ours(c, a.init, a.iterations, work))
+            ours.append(run_ours(c, a.init, a.iterations, work, job=a.job))
             if a.before:
-                ours.append(run_ours(c, a.init, a.iterations, work, code=tree, label=f"{a.before}_"))
+                ours.append(run_ours(c, a.init, a.iterations, work, code=tree, label=f"{a.before}_", job=a.job))
         if trls and trls[0] is not None and a.trl_runs == 2:
-            trls.append(run_trl(a.configs[-1], a.init, a.iterations, work, label="_after"))
+            trls.append(run_trl(a.job, a.init, a.iterations, work, label="_after"))
         trls = [t for t in trls if t is not None]
     load.append(os.getloadavg())
     print(table(ours, trls))
