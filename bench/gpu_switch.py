@@ -7,7 +7,10 @@ With one device there is one rank, so a colocated switch is the executor's local
 every destination piece is copied from the training buffers' view into the engine's view, on
 the device, with no staging. The figure of merit is achieved bytes/s against the device's
 memory bandwidth (each byte is read once and written once, so the roof is half the HBM
-bandwidth for a copy). Multi-GPU paths (NCCL point-to-point, CUDA IPC between processes on one
+bandwidth for a copy). Beside it, in the same run and on the same buffers: one contiguous copy
+of the same bytes (the device's floor for them) and gather-then-load, the field's way (each piece
+first made a whole tensor of its own, then copied into the engine's buffers), both as ratios.
+Multi-GPU paths (NCCL point-to-point, CUDA IPC between processes on one
 device) need more than one rank and are not exercised here.
 """
 from __future__ import annotations
@@ -63,6 +66,35 @@ def _exact(layout, bufs, device) -> bool:
                for f in layout.fragments(0))
 
 
+def _views(t, src_bufs, dst_bufs):
+    """Transfer ``t``'s source and destination views (its box, strided in each buffer)."""
+    shape = tuple(h - l for l, h in zip(t.box.lo, t.box.hi))
+    return (src_bufs[t.src_buffer].as_strided(shape, t.src_strides, t.src_offset),
+            dst_bufs[t.dst_buffer].as_strided(shape, t.dst_strides, t.dst_offset))
+
+
+def _gather_then_load(plan, src_bufs, dst_bufs) -> None:
+    """The field's way on one device: every piece first made a whole tensor of its own (a gathered
+    ``state_dict``), then loaded into the engine's buffers (``load_weights``): two copies a byte."""
+    for t in plan.local:
+        src, dst = _views(t, src_bufs, dst_bufs)
+        dst.copy_(src.clone())
+
+
+def _timed(fn, device: str, repeats: int) -> float:
+    """The median of ``repeats`` runs of ``fn`` after one that warms the allocator and kernels."""
+    times = []
+    for _ in range(repeats + 1):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
 class _NoPeers(Comm):
     """A world of one: the schedule has no exchanges, so nothing is ever sent."""
     rank, size = 0, 1
@@ -81,24 +113,26 @@ def bench(size: str, dtype: str, device: str, repeats: int) -> dict:
         sched = build_schedule(plan, 64 << 20)
         src_bufs = allocate(src, 0, fill=None, device=device)
         _fill(src, src_bufs, device)
-        dst_bufs = allocate(dst, 0, fill=float("nan"), device=device)
-        times = []
-        for _ in range(repeats + 1):  # first run warms the allocator and kernels
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            _run(sched, sched.batches, src_bufs, dst_bufs, _NoPeers(), None)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        med = sorted(times[1:])[len(times[1:]) // 2]
         nbytes = plan.bytes_local
-        out[name] = {"bytes": nbytes, "pieces": len(plan.local), "median_s": med, "GBps": nbytes / med / 1e9}
+        dst_bufs = allocate(dst, 0, fill=float("nan"), device=device)
+        gathered = _timed(lambda: _gather_then_load(plan, src_bufs, dst_bufs), device, repeats)
+        baseline_ok = _exact(dst, dst_bufs, device)
+        del dst_bufs
+        dst_bufs = allocate(dst, 0, fill=float("nan"), device=device)
+        med = _timed(lambda: _run(sched, sched.batches, src_bufs, dst_bufs, _NoPeers(), None), device, repeats)
         ok = _exact(dst, dst_bufs, device)
-        out[name]["exact"] = ok
         del src_bufs, dst_bufs
+        a, b = (torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
+        floor = _timed(lambda: b.copy_(a), device, repeats)  # the same bytes as one contiguous copy
+        del a, b
+        out[name] = {"bytes": nbytes, "pieces": len(plan.local), "median_s": med, "GBps": nbytes / med / 1e9,
+                     "exact": ok, "floor_s": floor, "gather_then_load_s": gathered,
+                     "gather_then_load_exact": baseline_ok}
         print(f"  {size} {dtype} {name}: {nbytes / 1e9:.2f} GB in {med * 1e3:.1f} ms = "
-              f"{nbytes / med / 1e9:.1f} GB/s ({len(plan.local)} pieces), bit-exact: {ok}", flush=True)
+              f"{nbytes / med / 1e9:.1f} GB/s ({len(plan.local)} pieces), bit-exact: {ok}; "
+              f"{med / floor:.2f}x one contiguous copy of the bytes ({floor * 1e3:.1f} ms), "
+              f"{gathered / med:.2f}x faster than gather-then-load ({gathered * 1e3:.1f} ms, exact: {baseline_ok})",
+              flush=True)
     return {"params": spec.numel, "cases": out}
 
 
@@ -124,7 +158,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {args.out}")
-    return 0 if all(r["exact"] for sz in results["sizes"].values() for r in sz["cases"].values()) else 1
+    return 0 if all(r["exact"] and r["gather_then_load_exact"]
+                    for sz in results["sizes"].values() for r in sz["cases"].values()) else 1
 
 
 if __name__ == "__main__":
