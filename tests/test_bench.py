@@ -80,8 +80,8 @@ def test_gpu_switch_script_runs_on_cpu(tmp_path):
     cases = data["sizes"]["0.05B"]["cases"]
     assert len(cases) == 2
     for name, rec in cases.items():
-        assert rec["exact"] is True, name
-        assert rec["bytes"] > 0
+        assert rec["exact"] is True and rec["gather_then_load_exact"] is True, name
+        assert rec["bytes"] > 0 and rec["floor_s"] > 0 and rec["gather_then_load_s"] > 0
 
 
 @pytest.mark.slow
