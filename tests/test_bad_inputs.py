@@ -281,6 +281,9 @@ CASES = [
             "param/model.norm.weight": torch.zeros(64)}),
         "destination buffers of rank 0 do not match vLLM-TP4: 'param/model.norm.weight' is torch.float32, "
         "layout says bfloat16"),
+    Bad("buffer-not-a-tensor", "the buffers' declarations (a LocalState's .buffers) passed instead of its tensors",
+        lambda ctx: dry(L["replicated"], L["tp4"], dict(L["replicated"].buffers(0)), None),
+        "source buffers of rank 0 do not match DP4: 'param/model.embed_tokens.weight' is a BufferSpec, not a tensor"),
     Bad("buffer-too-small", "a source buffer with fewer elements than its layout needs",
         lambda ctx: dry(L["replicated"], L["tp4"], allocate(L["replicated"], 0) | {f"param/{UP0}": torch.zeros(6143)}),
         f"source buffers of rank 0 do not match DP4: 'param/{UP0}' has 6143 elements, layout needs 6144"),

@@ -162,3 +162,21 @@ def test_fsdp2_bf16_compute_over_an_fp32_master(world2):
         assert r["compute"] == {"input": "torch.bfloat16", "weight": "torch.bfloat16"}, r
         assert r["params"] == ["torch.float32"] and r["weights"] == ["float32"], r
         assert r["moved"] and r["loss"] == r["loss"], r
+
+
+def test_the_gpu_check_script_runs_its_checks_on_cpu():
+    """``tests/gpu_checks.py`` (what a bare GPU machine runs: FSDP2 on one rank, a weight sync into
+    the torch rollout engine, its log-probs against the trainer's) runs the same code on CPU with
+    gloo, in float32 and with bf16 compute over the fp32 master, and its checks hold."""
+    import json
+
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 5e-2)):
+        out = subprocess.run([sys.executable, str(REPO / "tests" / "gpu_checks.py"), "--device", "cpu",
+                              "--dtype", dtype, "--steps", "2"], cwd=REPO, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+        r = json.loads(out.stdout)
+        assert r["ok"] and r["sync_exact"] and r["compute_dtype"] == dtype and r["master_dtypes"] == ["torch.float32"]
+        assert r["engine_dtypes"] == [f"torch.{dtype}"] and 0 <= r["logprob_max_diff"] <= tol, r
+        assert r["sync_bytes"] == r["params"] * (4 if dtype == "float32" else 2), r
+

@@ -406,6 +406,8 @@ def _refuse_buffers(what: str, layout: Layout, rank: int, buffers: Mapping[str, 
         t = buffers.get(name)
         if t is None:
             problems.append(f"missing {name!r}")
+        elif not isinstance(t, torch.Tensor):  # e.g. a LocalState's declarations instead of its tensors
+            problems.append(f"{name!r} is a {type(t).__name__}, not a tensor")
         elif t.dtype != torch_dtype(b.dtype):
             problems.append(f"{name!r} is {t.dtype}, layout says {b.dtype}")
         elif t.numel() < b.numel:
