@@ -167,7 +167,8 @@ def test_fsdp2_bf16_compute_over_an_fp32_master(world2):
 def test_the_gpu_check_script_runs_its_checks_on_cpu():
     """``tests/gpu_checks.py`` (what a bare GPU machine runs: FSDP2 on one rank, a weight sync into
     the torch rollout engine, its log-probs against the trainer's) runs the same code on CPU with
-    gloo, in float32 and with bf16 compute over the fp32 master, and its checks hold."""
+    gloo, in float32 and with bf16 compute over the fp32 master, and with LoRA adapters, and its
+    checks hold."""
     import json
 
     for dtype, tol in (("float32", 1e-4), ("bfloat16", 5e-2)):
@@ -178,5 +179,10 @@ def test_the_gpu_check_script_runs_its_checks_on_cpu():
         r = json.loads(out.stdout)
         assert r["ok"] and r["sync_exact"] and r["compute_dtype"] == dtype and r["master_dtypes"] == ["torch.float32"]
         assert r["engine_dtypes"] == [f"torch.{dtype}"] and 0 <= r["logprob_max_diff"] <= tol, r
-        assert r["sync_bytes"] == r["params"] * (4 if dtype == "float32" else 2), r
+        assert r["sync"] == "full" and r["sync_bytes"] == r["params"] * (4 if dtype == "float32" else 2), r
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "gpu_checks.py"), "--device", "cpu", "--dtype", "float32",
+                          "--steps", "2", "--lora", "8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    r = json.loads(out.stdout)  # LoRA: the engine takes the base once, then each sync moves the adapters alone
+    assert r["ok"] and r["sync"] == "adapters" and 0 < r["sync_bytes"] < r["params"] * 4 // 20, r
 
