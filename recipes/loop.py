@@ -368,8 +368,10 @@ class Loop:
         """The batch every trainer rank gets: the sequences, the rollout engine's log-probs and
         what the algorithm makes of the scores (``Algorithm.batch_fields``)."""
         return {"prompts": roll.prompts, "responses": roll.responses, "rollout_logprobs": roll.logprobs,
-                # the samples generated with the trainer's weights: the stale-weights check's
-                "fresh": [v == it for v in roll.versions],
+                # the samples the stale-weights check compares: those generated with the trainer's
+                # weights; in the synchronous loop every one (a replica that missed a sync reports
+                # its old version, and the check must then catch its log-probs, not skip them)
+                "fresh": [v == it or not self.max_staleness for v in roll.versions],
                 **self.algorithm.batch_fields(roll.scores, roll.truncated)}
 
     def logprobs(self, batch: dict) -> list[dict]:
