@@ -85,7 +85,7 @@ def _ray_members() -> dict[int, tuple[int, int, int]]:
 
 
 GRPO_ITERATIONS = 200
-GRPO_RSS_MARGIN = 16 << 20  # measured +1.0 / +2.1 MiB over a 200-iteration run (2-core machine)
+GRPO_RSS_MARGIN = 32 << 20  # measured +1.0 / +2.1 MiB alone, but +20.0 / +13.6 MiB late in a full `make test` (allocator growth under load; fds and threads stay exact)
 
 
 @pytest.mark.soak
