@@ -484,6 +484,16 @@ class HybridWorker:
         self._planned = (tuple(self._weights.fragments), dict(self._weights.buffers))
         return self.channel.stats()
 
+    def channel_release(self) -> dict:
+        """Take part in one move with no buffers: every member refuses it at the move's agreement
+        (or finds the lost peer there) before a byte moves — the rollout workers standing by in
+        their receive are let go with their weights as they were (``Cluster.drop_replicas``)."""
+        try:
+            self.channel.move({}, {})
+        except Exception as e:  # noqa: BLE001 - the refusal is the point
+            return {"rank": self.rank, "refused": type(e).__name__}
+        raise RuntimeError(f"rank {self.rank}: a weight-channel move with no buffers was not refused")
+
     def sync_send(self, verify: str | None = None) -> dict:
         """One sync through the channel: this rank's part of the move of the trainer's compute
         weights (and, placement ``worker``, its receive into the rollout engine's buffers).

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -51,6 +52,17 @@ class Resources:
 # what a rollout replica started while the old replicas still run takes of its first device's bundle
 # (CPU, GPU): that bundle's trainer rank (0.5, 0.5) and old replica (0.4, 0.5) leave (0.1, 0) free
 TRANSITION_SLOT = (0.1, 0.0)
+
+
+@dataclass
+class Generation:
+    """A generation in flight on the rollout replicas: each call's (replica actor, prompts, seeds)
+    and its ref — what a lost replica's prompts are generated again from."""
+
+    shares: list
+    refs: list
+    max_new_tokens: int
+    temperature: float
 
 
 @dataclass
@@ -313,6 +325,7 @@ class Cluster:
         self.channel_opened = 0
         self.handoff = "p2p"  # the weight channel's, once opened (rollout.handoff resolved)
         self._standing_by = None  # the replicas' receives posted ahead of the next sync
+        self.replica_events: list[dict] = []  # replicas lost mid-generation, their prompts re-queued
 
     def all(self, method: str, *args, desc: str | None = None, **kwargs) -> list:
         return self.collect(self.submit(method, *args, **kwargs), desc or method)
@@ -616,7 +629,17 @@ class Cluster:
         try:
             out = self.ray.get(recv + send, timeout=600)
         except Exception as e:  # noqa: BLE001 - which member is gone, then raise
-            raise self._sync_failure(recv, send, e) from e
+            failure = self._sync_failure(recv, send, e)
+            dead = self._dead(self.replicas)
+            if dead and len(dead) < len(self.replicas) and all(n.startswith("rollout replica") for n in failure.lost):
+                # only rollout replicas died: the run goes on with the others, and this sync again
+                # fills them whole (the failed move may have written a part of their weights)
+                t1 = time.perf_counter()
+                names = self.drop_replicas(dead)
+                self.replica_events.append({"lost": names, "requeued_prompts": 0, "replicas_left": len(self.replicas),
+                                            "seconds": time.perf_counter() - t1, "during": "sync"})
+                return self.sync(version)
+            raise failure from e
         seconds = time.perf_counter() - t0
         senders, receivers = out[len(recv):], out[:len(recv)]
         reports = senders + [w for r in receivers for w in r["workers"]]
@@ -756,27 +779,125 @@ class Cluster:
         return tokens, logprobs
 
     def submit_generation(self, prompts: list[list[int]], seeds: Sequence[int], max_new_tokens: int,
-                          temperature: float) -> list:
-        """Start the generation of ``prompts`` and return at once (rollout replicas: the calls'
-        refs; the torch engine in the trainer's actors runs it now and returns its results)."""
+                          temperature: float):
+        """Start the generation of ``prompts`` and return at once (rollout replicas: a
+        ``Generation``, each replica's contiguous share of the prompts in flight; the torch engine in
+        the trainer's actors runs it now and returns its results)."""
         if self.in_world:
             return self.all("generate", prompts, max_new_tokens, temperature, list(seeds), desc="generate")
-        R, n = self.n_replicas, len(prompts)
-        if n % R:
-            raise ValueError(f"{n} prompts do not split over {R} rollout replicas")
-        per = n // R
-        eos = self.hf.get("eos_token_id")
-        return [r.generate.remote(prompts[i * per:(i + 1) * per], max_new_tokens, temperature,
-                                  list(seeds[i * per:(i + 1) * per]), eos) for i, r in enumerate(self.replicas)]
+        return self._share_out(list(prompts), list(seeds), max_new_tokens, temperature)
 
-    def collect_generation(self, submitted: list) -> tuple[list[list[int]], list[list[float]], list[int | None]]:
+    def _share_out(self, prompts: list, seeds: list, max_new_tokens: int, temperature: float) -> "Generation":
+        """``prompts`` split into contiguous shares over the replicas (sizes differ by one at most:
+        a replica lost earlier leaves a count that need not divide), each share's call started."""
+        if not self.replicas:
+            raise RuntimeError("no rollout replica is left to generate with")
+        eos, R, n = self.hf.get("eos_token_id"), len(self.replicas), len(prompts)
+        cuts = [i * (n // R) + min(i, n % R) for i in range(R + 1)]
+        shares = [(r, prompts[a:b], seeds[a:b]) for r, a, b in zip(self.replicas, cuts, cuts[1:]) if b > a]
+        refs = [r.generate.remote(p, max_new_tokens, temperature, s, eos) for r, p, s in shares]
+        return Generation(shares, refs, max_new_tokens, temperature)
+
+    def collect_generation(self, submitted) -> tuple[list[list[int]], list[list[float]], list[int | None]]:
         """The responses, per-token log-probs and, per sample, the weight version its replica
-        generated with (None where the engine does not count them), in prompt order."""
-        gens = submitted if self.in_world else wait_all(self.ray, submitted, f"generate ({self.cfg.rollout.engine})",
-                                                         self.quiet)
-        leads = sorted((g for g in gens if g["lead"]), key=lambda g: g["replica"])
-        return ([t for g in leads for t in g["tokens"]], [lp for g in leads for lp in g["logprobs"]],
-                [g.get("version") for g in leads for _ in g["tokens"]])
+        generated with (None where the engine does not count them), in prompt order. A replica
+        that died before its share came back: its prompts are generated again by the replicas
+        left (``_requeue``), and the run goes on with them."""
+        if self.in_world:
+            leads = sorted((g for g in submitted if g["lead"]), key=lambda g: g["replica"])
+            return ([t for g in leads for t in g["tokens"]], [lp for g in leads for lp in g["logprobs"]],
+                    [g.get("version") for g in leads for _ in g["tokens"]])
+        out = ([], [], [])
+        for tokens, logprobs, versions in self._collect_shares(submitted, f"generate ({self.cfg.rollout.engine})"):
+            out[0].extend(tokens), out[1].extend(logprobs), out[2].extend(versions)
+        return out
+
+    def _collect_shares(self, gen: "Generation", desc: str, timeout: float = 900) -> list[tuple]:
+        """Each share's (tokens, log-probs, per-sample versions), in share order; the shares of
+        replicas that died generated again by the others."""
+        from ray.exceptions import ActorDiedError, RayActorError
+
+        results: list = [None] * len(gen.refs)
+        index = {ref: i for i, ref in enumerate(gen.refs)}
+        pending, deadline, lost = list(gen.refs), time.monotonic() + timeout, []
+        with phase(desc, len(gen.refs), self.quiet) as bar:
+            while pending:
+                done, pending = self.ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    raise TimeoutError(f"{desc}: {len(pending)} of {len(gen.refs)} replicas unfinished after {timeout} s")
+                i = index[done[0]]
+                try:
+                    g = self.ray.get(done[0])
+                except (ActorDiedError, RayActorError):
+                    lost.append(i)
+                    continue
+                results[i] = (g["tokens"], g["logprobs"], [g.get("version")] * len(g["tokens"]))
+                bar.update(1)
+        if lost:
+            for i, part in zip(lost, self._requeue(gen, lost)):
+                results[i] = part
+        return results
+
+    def _requeue(self, gen: "Generation", lost: list[int]) -> list[tuple]:
+        """The shares ``lost`` (their replicas died mid-generation) generated again: the dead
+        replicas dropped from the run (``drop_replicas``), each share split over the replicas left,
+        with the same seeds."""
+        t0 = time.perf_counter()
+        dead = [gen.shares[i][0] for i in lost]
+        names = self.drop_replicas(dead)
+        n = sum(len(gen.shares[i][1]) for i in lost)
+        parts = []
+        for i in lost:
+            _, prompts, seeds = gen.shares[i]
+            again = self._collect_shares(self._share_out(prompts, seeds, gen.max_new_tokens, gen.temperature),
+                                         f"generate again: {len(prompts)} prompts of a lost replica")
+            parts.append(tuple([x for p in again for x in p[k]] for k in range(3)))
+        self.replica_events.append({"lost": names, "requeued_prompts": n, "replicas_left": len(self.replicas),
+                                    "seconds": time.perf_counter() - t0})
+        return parts
+
+    def _dead(self, actors: Sequence) -> list:
+        """Those of ``actors`` that Ray reports dead."""
+        from ray.exceptions import ActorDiedError, RayActorError
+
+        refs, dead = [(a, a.node.remote()) for a in actors], []
+        for a, ref in refs:
+            try:
+                self.ray.get(ref, timeout=60)
+            except (ActorDiedError, RayActorError):
+                dead.append(a)
+        return dead
+
+    def drop_replicas(self, dead: Sequence) -> list[str]:
+        """Rollout replicas that died (their actors, ``dead``) leave the run: a receive the others
+        posted ahead (``stand_by``) is released — a move that fails at its first exchange, on every
+        member, before a byte moves: the receivers' weights stay what they were —, the dead
+        replicas' actors are freed, and the weight channel is formed again over the replicas left
+        (the next sync fills them). Returns the dead replicas' names."""
+        keep = [i for i, r in enumerate(self.replicas) if not any(r is d for d in dead)]
+        names = [self._replica_name(i) for i in range(len(self.replicas)) if i not in keep]
+        if self._standing_by is not None:
+            recv, self._standing_by = self._standing_by, None
+            for ref in recv + [w.channel_release.remote() for w in self.workers]:
+                try:
+                    self.ray.get(ref, timeout=120)
+                except Exception:  # noqa: BLE001 - expected: PeerLost on the survivors, ActorDiedError for the dead
+                    pass
+        for d in dead:
+            try:
+                self.ray.kill(d)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.replicas = [self.replicas[i] for i in keep]
+        self._replica_gpus = [self._replica_gpus[i] for i in keep] if self._replica_gpus else []
+        res = self.resources
+        self.resources = dataclasses.replace(
+            res, replicas=tuple(res.replicas[i] for i in keep),
+            replica_devices=tuple(res.replica_devices[i] for i in keep) if res.replica_devices else ())
+        self.n_replicas = len(self.replicas)
+        if self.replicas:
+            self.open_channel()
+        return names
 
     def save(self, path: Path, extra: dict) -> float:
         t0 = time.perf_counter()

@@ -78,11 +78,14 @@ class Faults:
     """Fault injection for tests: ``skip_sync_at`` — iterations that generate WITHOUT syncing the
     weights first (the stale-weights check must catch it); ``crash_at`` — iterations that crash
     after generating (the last checkpoint must survive); ``phase_hook(iteration, phase, cluster)``
-    — called as the train phase starts, and around a resize (a test kills a trainer there)."""
+    — called as the train phase starts, and around a resize (a test kills a trainer there);
+    ``generate_hook(iteration, cluster)`` — called right after a batch's generation is handed to
+    the rollout engines, with the iteration the batch is for (a test kills a replica there)."""
 
     skip_sync_at: tuple[int, ...] = ()
     crash_at: tuple[int, ...] = ()
     phase_hook: object = None
+    generate_hook: object = None
 
     def hook(self, it: int, phase: str, cluster) -> None:
         if self.phase_hook is not None:
@@ -280,6 +283,8 @@ class Loop:
         roll.started = time.perf_counter()
         seeds = sample_seeds(self.cfg, it, len(samples), first=draw * len(samples))
         roll.submitted = self.cluster.submit_generation(roll.prompts, seeds, alg.max_new_tokens, alg.temperature)
+        if self.faults.generate_hook is not None:
+            self.faults.generate_hook(it, self.cluster)
         return roll
 
     def collect(self, it: int, roll: Rollout) -> Rollout:
@@ -390,6 +395,13 @@ class Loop:
         peak = {p: read() for p, read in peak.items()}
         rec = run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, self.timings,
                           self.stale_tol, time.perf_counter() - t_it)
+        lost, self.cluster.replica_events = self.cluster.replica_events, []
+        if lost:  # rollout replicas that died mid-generation: their prompts generated again by the others
+            rec["rollout_replicas_lost"] = lost
+            for ev in lost:
+                self.say(f"it {it}: lost {', '.join(ev['lost'])} mid-generation; its {ev['requeued_prompts']} "
+                         f"prompts generated again by the {ev['replicas_left']} replica(s) left "
+                         f"({ev['seconds']:.1f} s)")
         self.emit(rec, it)
         self.log.write_rollouts(it, roll.prompts, roll.responses, roll.logprobs, roll.scores,
                                 texts={"prompt_texts": [s.prompt for s in roll.samples], "response_texts": roll.texts,
@@ -489,13 +501,13 @@ def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings
 def run(config_source, iterations: int | None = None, output_dir: str | None = None,
         stale_tol: float = 1e-4, quiet: bool = False, resume: str | bool | None = None,
         skip_sync_at: tuple[int, ...] = (), crash_at: tuple[int, ...] = (), algorithm: str | None = None,
-        verbose: bool = False, phase_hook=None) -> list[dict]:
+        verbose: bool = False, phase_hook=None, generate_hook=None) -> list[dict]:
     """Run the loop; returns this call's per-iteration records (also in
     ``<output_dir>/metrics.jsonl``). ``iterations`` is the run's total (default: the config's),
     also when resuming: ``resume`` (True: the newest checkpoint of this run, or a directory)
     continues after the checkpoint's iteration up to ``iterations - 1``; a finished run returns
     ``[]`` at once (module docstring). ``verbose``: vLLM's INFO logs too. ``skip_sync_at``,
-    ``crash_at``, ``phase_hook``: fault injection for tests (``Faults``)."""
+    ``crash_at``, ``phase_hook``, ``generate_hook``: fault injection for tests (``Faults``)."""
     from recipes.elastic_control import ElasticControl
 
     cfg, iterations = prepare(config_source, iterations, output_dir)
@@ -514,7 +526,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
             print(f"[{name}] {e}")
         return []
     resume_dir, first = (point[0], point[1] + 1) if point else (None, 0)
-    loop = Loop(cfg, iterations, first, resume_dir, stale_tol, quiet, Faults(skip_sync_at, crash_at, phase_hook))
+    loop = Loop(cfg, iterations, first, resume_dir, stale_tol, quiet, Faults(skip_sync_at, crash_at, phase_hook, generate_hook))
     t_start = time.perf_counter()
     try:
         loop.start(t_start)

@@ -91,23 +91,71 @@ def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(ray_session, tmp_pa
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_one_step_off_policy_with_disaggregated_vllm_replicas(ray_session, tmp_path):
-    """A vLLM replica on a device of its own generates iteration i+1's batch while the FSDP2
+    """Two vLLM replicas on devices of their own generate iteration i+1's batch while the FSDP2
     trainer trains on iteration i's: from iteration 1 every sample is one version old (the
     replica's own count), its stale check is the version check, the update is corrected by TIS
-    weights near 1; a weight sync that does not happen is caught as a version two behind."""
+    weights near 1. One replica is killed while it generates iteration 2's batch: its prompts are
+    generated again by the other (with the same weights' version), the channel is formed again over
+    it and the run finishes. A weight sync that does not happen is caught as a version two behind."""
     from recipes.common import warm_start
     from recipes.loop import StaleWeightsError, run
 
-    cfg = tiny("grpo_tiny_async.yaml", world_size=1, **{"train.dp": 1, "reference.dp": 1, "rollout.dp": 1,
-                                                        "eval.num_prompts": 16})
+    cfg = tiny("grpo_tiny_async.yaml", **{"eval.num_prompts": 16})
     init = warm_start(load_config(cfg), tmp_path / "init", quiet=True)
     for name in ("run", "skipped"):
         shutil.copytree(init, tmp_path / name / "init")
-    recs = [r for r in run({**cfg, "output_dir": str(tmp_path / "run")}, iterations=3, quiet=True) if "reward_mean" in r]
+    killed = []
+
+    def kill_replica_1(it, cluster):
+        if it == 2:  # iteration 2's batch was just handed to both replicas: one dies generating it
+            killed.append(cluster.replicas[1])
+            ray_session.kill(cluster.replicas[1])
+
+    recs = [r for r in run({**cfg, "output_dir": str(tmp_path / "run")}, iterations=3, quiet=True,
+                           generate_hook=kill_replica_1) if "reward_mean" in r]
     assert [(r["weight_version_min"], r["staleness_max"]) for r in recs] == [(0, 0), (0, 1), (1, 1)]
     assert recs[0]["stale_check_passed"] and recs[0]["stale_logprob_diff"] < 1e-4
     assert all(0.5 < r["is_weight_mean"] < 2.0 for r in recs[1:])
     # the batch in flight was generated while the trainer trained: the wait for it is a part of its span
     assert all(r["phase_seconds"]["rollout_wait"] < r["gen_seconds"] for r in recs[1:])
+    # the lost replica's half of the 128 samples was generated again, by the replica left
+    assert killed and [len(r.get("rollout_replicas_lost", [])) for r in recs] == [0, 0, 1]
+    lost = recs[2]["rollout_replicas_lost"][0]
+    assert lost["lost"][0].startswith("rollout replica 1") and (lost["requeued_prompts"], lost["replicas_left"]) == (64, 1)
+    rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts[2]["weight_versions"]) == 128 and set(rollouts[2]["weight_versions"]) == {1}
+    # the channel formed again over one replica; the final sync and evaluation ran through it
+    channel = next(r["channel"] for r in _records(tmp_path / "run") if "channel" in r)
+    assert channel["opened"] == 2 and len(channel["nodes"]["replicas"]) == 1, channel
+    assert (tmp_path / "run" / "final").is_dir()
+    one = tiny("grpo_tiny_async.yaml", world_size=1, **{"train.dp": 1, "reference.dp": 1, "rollout.dp": 1,
+                                                        "eval.num_prompts": 16})
     with pytest.raises(StaleWeightsError, match="iteration 3: .* version 1, more than algorithm.off_policy"):
-        run({**cfg, "output_dir": str(tmp_path / "skipped")}, iterations=4, quiet=True, skip_sync_at=(2,))
+        run({**one, "output_dir": str(tmp_path / "skipped")}, iterations=4, quiet=True, skip_sync_at=(2,))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_replica_lost_while_standing_by_is_dropped_and_the_sync_refills_the_other(ray_session, tmp_path):
+    """The synchronous loop with two vLLM replicas; replica 1 is killed after its rollout, while it
+    stands by in the weight channel. The next sync fails part-way (it may have written some of the
+    other replica's weights), the dead replica is dropped, the channel formed again and the sync
+    run again: the replica left generates iteration 1's whole batch with the trainer's weights —
+    the stale-weights check compares every sample's log-probs with the trainer's."""
+    from recipes.common import warm_start
+    from recipes.loop import run
+
+    cfg = tiny("grpo_tiny_async.yaml", output_dir=str(tmp_path / "run"),
+               **{"eval.num_prompts": 16, "algorithm.off_policy": {"max_staleness": 0}})
+    shutil.copytree(warm_start(load_config(cfg), tmp_path / "init", quiet=True), tmp_path / "run" / "init")
+
+    def kill_replica_1(it, phase, cluster):
+        if (it, phase) == (0, "train"):  # its receive for iteration 1's sync is posted
+            ray_session.kill(cluster.replicas[1])
+
+    recs = [r for r in run(cfg, iterations=2, quiet=True, phase_hook=kill_replica_1) if "reward_mean" in r]
+    assert "rollout_replicas_lost" not in recs[0]
+    (lost,) = recs[1]["rollout_replicas_lost"]
+    assert lost["during"] == "sync" and lost["lost"][0].startswith("rollout replica 1") and lost["replicas_left"] == 1
+    assert all(r["stale_check_passed"] and r["stale_logprob_diff"] < 1e-4 for r in recs), recs
+    assert [r["weight_version_min"] for r in recs] == [0, 1]
