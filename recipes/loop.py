@@ -79,8 +79,9 @@ class Faults:
     weights first (the stale-weights check must catch it); ``crash_at`` — iterations that crash
     after generating (the last checkpoint must survive); ``phase_hook(iteration, phase, cluster)``
     — called as the train phase starts, and around a resize (a test kills a trainer there);
-    ``generate_hook(iteration, cluster)`` — called right after a batch's generation is handed to
-    the rollout engines, with the iteration the batch is for (a test kills a replica there)."""
+    ``generate_hook(iteration, cluster)`` — called right after a batch's generation (or, partial
+    rollout, each segment of it handed out while the update runs) goes to the rollout engines, with
+    the iteration the batch is for (a test kills a replica there, or holds the segments back)."""
 
     skip_sync_at: tuple[int, ...] = ()
     crash_at: tuple[int, ...] = ()
@@ -104,15 +105,17 @@ class Rollout:
     texts: list = field(default_factory=list)      # the decoded responses
     scores: list = field(default_factory=list)     # the reward of each sequence (shaped)
     truncated: list = field(default_factory=list)  # cut at max_new_tokens before the end token
-    versions: list = field(default_factory=list)   # the weights' version each sample was generated with
+    versions: list = field(default_factory=list)   # the weights' version each sample was generated with (its oldest token's)
+    token_versions: list = field(default_factory=list)  # partial rollout: each token's version
     rule_scores: list = field(default_factory=list)   # with a reward model: the rule's part of each score
     model_scores: list = field(default_factory=list)  # ... and the reward model's
     gen_seconds: float = 0.0
     dynamic_sampling: dict | None = None           # what dynamic sampling kept, drew and filled
 
     FIELDS = ("samples", "prompts", "responses", "logprobs", "texts", "scores", "truncated", "versions",
-              "rule_scores", "model_scores")
+              "token_versions", "rule_scores", "model_scores")
     submitted: object = None  # a generation in flight (Cluster.submit_generation), and when it started
+    segments: object = None   # partial rollout: the segmented generation (recipes/partial.py)
     started: float = 0.0
 
     def groups(self, size: int) -> list["Rollout"]:
@@ -142,10 +145,13 @@ class Loop:
         # one-step off-policy: the next iteration's batch generated while this one trains
         off_policy = getattr(cfg.algorithm, "off_policy", None)
         self.max_staleness = off_policy.max_staleness if off_policy is not None else 0
+        self.segment_tokens = off_policy.segment_tokens if off_policy is not None else 0  # partial rollout
         self.ahead: tuple[int, Rollout] | None = None
         self.out_dir = Path(cfg.output_dir)
         self.records: list[dict] = []
         self.cluster = self.log = self.evaluator = self.reward_runner = None
+        self.rebalance = None  # elastic.rebalance: the grown trainer world (recipes/rebalance.py)
+        self.rebalanced: dict | None = None  # this iteration's grow and shrink
         self.timings: dict[str, float] = {}
 
     # --- output ----------------------------------------------------------------------------------
@@ -214,6 +220,13 @@ class Loop:
         self.say(f"{self.cfg.world_size} workers: train {built['trainer']}, rollout {built['rollout']}, "
                  f"{built['params']:,} params; {resumed}ready in {time.perf_counter() - t_start:.1f} s")
         self.evaluator = Evaluator(self.cfg, self.splits, self.tok, self.reward_runner, self.max_ctx)
+        if self.cfg.elastic is not None and self.cfg.elastic.rebalance == "update":
+            from recipes.rebalance import Rebalance
+
+            # built in the background while the first iterations run
+            self.rebalance = Rebalance(self.cluster, self.cfg, self.init_dir, self.quiet)
+            self.say(f"rebalance: a {self.rebalance.world}-rank trainer world over the trainer's and the "
+                     f"replicas' devices is being built for the updates")
 
     # --- one iteration, phase by phase -----------------------------------------------------------
     def iteration(self, it: int, elastic) -> dict:
@@ -228,6 +241,8 @@ class Loop:
             self.evaluate(it, "before")  # where the uninterrupted run evaluated before this iteration
         with self.timed("rollout"):
             roll = ahead or self.rollout(it, draw_prompts(self.cfg, self.splits, it))
+            if roll.segments is not None:  # partial rollout: the unfinished samples, with the weights just synced
+                roll.segments.finish()
         with self.timed("reward"):
             self.reward(roll)
         if getattr(self.cfg.algorithm, "dynamic_sampling", None) is not None:
@@ -238,6 +253,7 @@ class Loop:
         with self.timed("advantages"):
             batch = self.advantages(it, roll)
         self.faults.hook(it, "train", self.cluster)
+        self.grow(it)
         with self.timed("logprobs"):
             checked = self.logprobs(batch)
         stale = max(s["stale_logprob_diff"] for s in checked)
@@ -245,6 +261,7 @@ class Loop:
         if stale <= self.stale_tol:
             with self.timed("update"):
                 stats = self.update(peak)
+        self.shrink(it)
         rec = self.record(it, roll, sync, copied, off, back, checked, stats, peak, t_it)
         if stats is None:
             raise StaleWeightsError(
@@ -273,8 +290,10 @@ class Loop:
         of dynamic sampling; its samples take seeds of their own)."""
         return self.collect(it, self.submit(it, drawn, draw))
 
-    def submit(self, it: int, drawn: list, draw: int = 0) -> Rollout:
-        """The prompts encoded and their generation started (``collect`` waits for it)."""
+    def submit(self, it: int, drawn: list, draw: int = 0, segments: bool = False) -> Rollout:
+        """The prompts encoded and their generation started (``collect`` waits for it).
+        ``segments``: partial rollout — the first segment of every sample (``recipes/partial.py``)."""
+        from recipes.partial import Segments
         from rlhf_switch.rl.tasks import encode_prompt
 
         alg = self.cfg.algorithm
@@ -282,7 +301,11 @@ class Loop:
         roll = Rollout(samples, [encode_prompt(self.tok, s.prompt, alg.max_new_tokens, self.max_ctx) for s in samples])
         roll.started = time.perf_counter()
         seeds = sample_seeds(self.cfg, it, len(samples), first=draw * len(samples))
-        roll.submitted = self.cluster.submit_generation(roll.prompts, seeds, alg.max_new_tokens, alg.temperature)
+        if segments:
+            roll.segments = Segments(self.cluster, roll, seeds, self.segment_tokens, alg.max_new_tokens,
+                                     alg.temperature, self.eos_id, it - 1)
+        else:
+            roll.submitted = self.cluster.submit_generation(roll.prompts, seeds, alg.max_new_tokens, alg.temperature)
         if self.faults.generate_hook is not None:
             self.faults.generate_hook(it, self.cluster)
         return roll
@@ -299,14 +322,20 @@ class Loop:
         """One-step off-policy: iteration ``it + 1``'s batch starts generating now, with the
         weights just synced, while this one trains (the replicas run it before their next receive)."""
         if self.max_staleness and it < self.last:
-            self.ahead = (it + 1, self.submit(it + 1, draw_prompts(self.cfg, self.splits, it + 1)))
+            self.ahead = (it + 1, self.submit(it + 1, draw_prompts(self.cfg, self.splits, it + 1),
+                                              segments=bool(self.segment_tokens)))
 
     def take_ahead(self, it: int) -> Rollout | None:
         """The batch generated ahead for iteration ``it`` (None: none — the first iteration, or the
         synchronous loop); every sample must be at most ``max_staleness`` versions old."""
         if self.ahead is None or self.ahead[0] != it:
             return None
-        roll, self.ahead = self.collect(it, self.ahead[1]), None
+        roll, self.ahead = self.ahead[1], None
+        if roll.segments is not None:  # partial rollout: the round in flight; the rest after the sync
+            roll.segments.collect()
+            roll.versions = [min(v) for v in roll.token_versions]
+        else:
+            roll = self.collect(it, roll)
         old = [v for v in roll.versions if it - v > self.max_staleness]
         if old:
             raise StaleWeightsError(f"iteration {it}: {len(old)} samples were generated with weights of version "
@@ -318,7 +347,10 @@ class Loop:
         """The rollout engines are done until the next sync: they stand by for it, the phase's
         memory mark, the parked trainer state back (``train.offload``)."""
         fault(self.faults.crash_at, it, "after generation")
-        if it + 1 not in self.faults.skip_sync_at:  # a sync comes before the rollout engines are used again
+        # a sync comes before the rollout engines are used again (partial rollout: after more
+        # segments of the batch in flight, which a receive posted now would hold up)
+        segmented = self.ahead is not None and self.ahead[1].segments is not None
+        if it + 1 not in self.faults.skip_sync_at and not segmented:
             self.cluster.stand_by(version=it + 1)
         peak["generate"] = self.cluster.memory_mark(wait=False)
         return self.cluster.reload()
@@ -376,8 +408,26 @@ class Loop:
                 # the samples the stale-weights check compares: those generated with the trainer's
                 # weights; in the synchronous loop every one (a replica that missed a sync reports
                 # its old version, and the check must then catch its log-probs, not skip them)
-                "fresh": [v == it or not self.max_staleness for v in roll.versions],
+                "fresh": ([[v == it for v in tv] for tv in roll.token_versions] if roll.token_versions else
+                          [v == it or not self.max_staleness for v in roll.versions]),
                 **self.algorithm.batch_fields(roll.scores, roll.truncated)}
+
+    def grow(self, it: int) -> None:
+        """``elastic.rebalance: update``: the training state into the grown world (the trainer's
+        devices and the replicas'), where the log-probs and the update run."""
+        if self.rebalance is not None:
+            with self.timed("grow"):
+                self.rebalanced = {"world": self.rebalance.world, "grow": self.rebalance.grow()}
+            self.faults.hook(it, "after_grow", self.cluster)
+
+    def shrink(self, it: int) -> None:
+        """The state back into the trainer's own world, before the record and the next sync."""
+        if self.rebalance is not None:
+            self.faults.hook(it, "before_shrink", self.cluster)
+            with self.timed("shrink"):
+                self.rebalanced["shrink"] = self.rebalance.shrink()
+            self.rebalanced["built_s"] = self.rebalance.built_s
+            self.faults.hook(it, "after_shrink", self.cluster)
 
     def logprobs(self, batch: dict) -> list[dict]:
         """Every trainer rank's old/reference log-probs (PPO: values) of its share, and its part
@@ -388,6 +438,10 @@ class Loop:
         calls = self.cluster.submit("update")
         # the train phase's mark, queued behind the update: it is there when the update returns
         peak["train"] = self.cluster.memory_mark(wait=False)
+        if self.ahead is not None and self.ahead[1].segments is not None:
+            # partial rollout: segments handed out until the update is done
+            nxt, hook = self.ahead[0], self.faults.generate_hook
+            self.ahead[1].segments.pump(calls, None if hook is None else lambda: hook(nxt, self.cluster))
         return self.cluster.collect(calls, "train")
 
     def record(self, it, roll, sync, copied, off, back, checked, stats, peak, t_it) -> dict:
@@ -395,6 +449,8 @@ class Loop:
         peak = {p: read() for p, read in peak.items()}
         rec = run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, self.timings,
                           self.stale_tol, time.perf_counter() - t_it)
+        if self.rebalanced is not None:  # elastic.rebalance: the grown world's size, the moves there and back
+            rec["rebalance"], self.rebalanced = self.rebalanced, None
         lost, self.cluster.replica_events = self.cluster.replica_events, []
         if lost:  # rollout replicas that died mid-generation: their prompts generated again by the others
             rec["rollout_replicas_lost"] = lost
@@ -405,7 +461,8 @@ class Loop:
         self.emit(rec, it)
         self.log.write_rollouts(it, roll.prompts, roll.responses, roll.logprobs, roll.scores,
                                 texts={"prompt_texts": [s.prompt for s in roll.samples], "response_texts": roll.texts,
-                                       "weight_versions": roll.versions})
+                                       "weight_versions": roll.versions,
+                                       **({"token_versions": roll.token_versions} if roll.token_versions else {})})
         loss = f"kl {rec['kl']:.2e}  loss {rec['policy_loss']:+.4f}  " if stats is not None else "no update  "
         self.say(f"it {it}: reward {rec['reward_mean']:.3f}  {loss}gen {rec['gen_tokens_per_s']:.0f} tok/s  "
                  f"switch {sync['seconds'] * 1e3:.0f} ms ({sync['bytes_moved'] / 1024:.0f} KiB) / back "
@@ -489,6 +546,8 @@ def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings
     if roll.dynamic_sampling is not None:
         rec["dynamic_sampling"] = roll.dynamic_sampling
     # the weights' versions the batch was generated with (the trainer's is ``it``), and the rate
+    if roll.token_versions:  # partial rollout: the samples whose generation a weight update interrupted
+        rec["samples_interrupted"] = sum(len(set(v)) > 1 for v in roll.token_versions)
     rec.update(weight_version_min=min(roll.versions), staleness_max=it - min(roll.versions),
                samples_per_s=len(roll.samples) / seconds if seconds > 0 else float("nan"))
     if stats and "is_weight_mean" in first:
@@ -554,6 +613,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
         loop.finish()
         ok = True
     finally:
+        if loop.rebalance is not None:  # before the cluster: the trainer's own world gets its actors back
+            loop.rebalance.close()
         loop.log.close(ok)
         loop.reward_runner.close()
         elastic.close(graceful=ok)

@@ -14,6 +14,8 @@ worked out once: the model's dimensions and whether the actors will see a GPU.
 ``batch``      the batch sizes divide over the replicas and DP ranks, in every world
 ``algorithm``  the algorithm and its pieces resolve (a user's ``module:Class`` imports)
 ``off_policy`` a batch in flight (one-step off-policy) has replicas of their own devices
+``rebalance``  ``elastic.rebalance``: replicas of their own devices, a synchronous loop, and a grown
+               world (layouts scaled along DP) that passes every check
 ``sampling``   the rollout engines sample as the algorithm block asks
 ``prompts``    ``task:`` — its prompts and answers fit the model and tokenizer; ``data:`` — the
                tokenizer loads and fits, every file reads with its keys, some prompts fit
@@ -336,6 +338,16 @@ def _algorithm(cfg: RunConfig, facts: Facts) -> list[str]:
     return []
 
 
+def _replicas_of_their_own(cfg: RunConfig) -> bool:
+    """Whether the rollout runs in replica actors (vLLM) on devices of their own (an engine
+    that is not known counts as one: the engines check names it)."""
+    try:
+        replica = rollout_engine(cfg.rollout.engine).placement == "replica"
+    except EngineError:
+        replica = True
+    return replica and not cfg.rollout.colocate
+
+
 @check("off_policy")
 def _off_policy(cfg: RunConfig, facts: Facts) -> list[str]:
     """One-step off-policy needs rollout replicas of their own devices (they generate while the
@@ -344,11 +356,7 @@ def _off_policy(cfg: RunConfig, facts: Facts) -> list[str]:
     if op is None or op.max_staleness == 0:
         return []
     problems = []
-    try:
-        replica = rollout_engine(cfg.rollout.engine).placement == "replica"
-    except EngineError:
-        replica = True  # the engines check names it
-    if not replica or cfg.rollout.colocate:
+    if not _replicas_of_their_own(cfg):
         problems.append(f"algorithm.off_policy.max_staleness: {op.max_staleness} — generation overlaps training "
                         f"only on rollout replicas of their own devices: rollout.mode: disaggregated with a "
                         f"replica engine (vllm); this run's rollout is {cfg.rollout.engine}, {cfg.rollout.mode}")
@@ -358,6 +366,39 @@ def _off_policy(cfg: RunConfig, facts: Facts) -> list[str]:
     if getattr(cfg.algorithm, "dynamic_sampling", None) is not None:
         problems.append("algorithm.off_policy: dynamic sampling draws its extra rounds synchronously; with a batch "
                         "in flight they would queue behind it — use one of the two")
+    return problems
+
+
+@check("rebalance")
+def _rebalance(cfg: RunConfig, facts: Facts) -> list[str]:
+    """``elastic.rebalance: update`` lends the replicas' devices to the update: there must be
+    replicas on devices of their own, idle while the trainer trains (no batch in flight), and the
+    grown world must be a run of its own that passes every check."""
+    if cfg.elastic is None or cfg.elastic.rebalance == "off":
+        return []
+    problems, e = [], cfg.elastic
+    if not _replicas_of_their_own(cfg):
+        problems.append(f"elastic.rebalance: {e.rebalance} — lends the rollout replicas' own devices to the update: "
+                        f"rollout.mode: disaggregated with a replica engine (vllm); this run's rollout is "
+                        f"{cfg.rollout.engine}, {cfg.rollout.mode}")
+    if cfg.algorithm.off_policy is not None and cfg.algorithm.off_policy.max_staleness:
+        problems.append("elastic.rebalance: the replicas generate while the trainer trains (off_policy.max_staleness: "
+                        f"{cfg.algorithm.off_policy.max_staleness}): their devices are not idle to lend")
+    # a schedule, redundancy: host and on_node_change: resize need colocated devices: refused by the config
+    if cfg.train.offload != "none":
+        problems.append(f"elastic.rebalance: the state moves between worlds from the engines' buffers; "
+                        f"train.offload: {cfg.train.offload} parks it in host memory — use offload: none")
+    if cfg.model.lora is not None:
+        problems.append("elastic.rebalance: a LoRA run's adapters are not moved between worlds yet")
+    if problems:
+        return problems
+    from .elastic.requests import scaled_config
+
+    grown = cfg.world_size + (cfg.world_size // cfg.rollout.tp) * cfg.rollout.tp
+    try:
+        scaled_config(cfg.model_copy(update={"elastic": None}), grown)
+    except ConfigError as err:
+        problems += [f"elastic.rebalance: the grown world of {grown} devices: {p}" for p in (err.problems or [str(err)])]
     return problems
 
 

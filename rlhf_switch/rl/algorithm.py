@@ -90,7 +90,7 @@ class RankBatch:
     response_mask: torch.Tensor | None = None  # every generated token
     advantages: torch.Tensor | None = None
     scores: torch.Tensor | None = None
-    fresh: torch.Tensor | None = None  # [b] bool: generated with the trainer's own weights (None: all)
+    fresh: torch.Tensor | None = None  # [b, T] bool: tokens generated with the trainer's own weights (None: all)
 
     def __post_init__(self):
         if self.response_mask is None:
@@ -120,7 +120,12 @@ class RankBatch:
         totals = mini_batch_totals(batch["prompts"], batch["responses"], pad_id, dp, local_mini, cfg.loss_aggregation,
                                    keep)
         loss_mask = mask if keep is None else mask * torch.tensor(keep[lo:hi], dtype=torch.float32, device=device)[:, None]
-        fresh = torch.tensor(batch["fresh"][lo:hi], dtype=torch.bool, device=device) if "fresh" in batch else None
+        fresh = None
+        if "fresh" in batch:  # per sample (one bool) or per generated token (partial rollout: a list)
+            fresh = torch.zeros_like(mask, dtype=torch.bool)
+            for b, f in enumerate(batch["fresh"][lo:hi]):
+                p, n = len(prompts[b]), len(responses[b])
+                fresh[b, p - 1: p - 1 + n] = torch.tensor(f if isinstance(f, (list, tuple)) else [f] * n, dtype=torch.bool)
         return cls(ids, loss_mask, rollout_lp, totals, local_mini, micro, response_mask=mask, fresh=fresh,
                    **per_sequence)
 
@@ -128,7 +133,7 @@ class RankBatch:
     def checked_mask(self) -> torch.Tensor:
         """The tokens the stale-weights check compares: every generated token of the samples made
         with the trainer's own weights (a stale sample's log-probs are another version's)."""
-        return self.response_mask if self.fresh is None else self.response_mask * self.fresh[:, None]
+        return self.response_mask if self.fresh is None else self.response_mask * self.fresh
 
 
 @dataclass
@@ -331,7 +336,7 @@ class Algorithm:
             return adv, {}
         w = off_policy_weights(old.old, batch.rollout_logprobs, batch.mask, op.correction, cap=op.tis_cap,
                                low=op.icepop_low, high=op.icepop_high)
-        w = torch.where(batch.fresh[:, None], torch.ones_like(w), w)
+        w = torch.where(batch.fresh, torch.ones_like(w), w)
         return adv * w, {"is_weight_mean": float(masked_mean(w, batch.mask))}
 
     @staticmethod

@@ -305,13 +305,25 @@ class OffPolicy(Strict):
     bit for bit. ``correction`` of the update for the gap between the weights that generated a
     stale sample and the trainer's: ``tis`` — truncated importance sampling, each token's loss
     times ``min(π_train/π_rollout, tis_cap)`` (Yao et al. 2025); ``icepop`` — tokens whose ratio is
-    outside ``[icepop_low, icepop_high]`` leave the loss (IcePop, inclusionAI 2025); ``none``."""
+    outside ``[icepop_low, icepop_high]`` leave the loss (IcePop, inclusionAI 2025); ``none``.
+    ``segment_tokens`` K > 0: partial rollout — the batch in flight is generated K tokens at a
+    time while the trainer trains; the update landing interrupts it, and its unfinished samples
+    continue with the new weights after the next sync (each token records the version it was
+    generated with). 0: each sample in one request."""
 
     max_staleness: int = Field(1, ge=0)
     correction: Literal["tis", "icepop", "none"] = "tis"
     tis_cap: float = Field(2.0, gt=0)
     icepop_low: float = Field(0.5, gt=0)
     icepop_high: float = Field(5.0, gt=0)
+    segment_tokens: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _segments_need_a_batch_in_flight(self) -> "OffPolicy":
+        if self.segment_tokens and not self.max_staleness:
+            raise ValueError(f"segment_tokens: {self.segment_tokens} — partial rollout interrupts the batch in "
+                             f"flight: max_staleness: 1")
+        return self
 
     @field_validator("max_staleness")
     @classmethod
@@ -545,6 +557,10 @@ class ElasticConfig(Strict):
     # checks apply). A node lost is recorded; its trainers are redundancy: host's job (restored
     # onto the devices left, layouts scaled along DP, when theirs went with the node)
     on_node_change: Literal["record", "resize"] = "record"
+    # update: the rollout replicas' devices (rollout.mode: disaggregated) join the trainer world for
+    # the log-probs and the update of every iteration — a second trainer world over both, its layouts
+    # scaled along DP, the state moved into it and back (recipes/rebalance.py); off: not
+    rebalance: Literal["off", "update"] = "off"
 
 
 class RunConfig(Strict):

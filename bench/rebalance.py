@@ -1,0 +1,99 @@
+"""The static split against ``elastic.rebalance: update`` on the same job, side by side in one run.
+
+    python -m bench.rebalance [--config configs/grpo_tiny_async.yaml] [--world 1] [--iterations 10]
+        [--seeds 0,1] [--out bench/results/rebalance]
+
+Both runs are the synchronous loop (``off_policy`` removed) with vLLM replicas on devices of their
+own (``rollout.mode: disaggregated``), from the same warm start per seed. ``static``: the trainer
+trains on its ``--world`` devices while the replicas' devices wait for the next sync. ``rebalance``:
+each iteration the training state moves into a world over both (twice the ranks, DP scaled) for
+the log-probs and the update, and back before the sync (``recipes/rebalance.py``). Runs alternate
+per seed, so a load that comes or goes weighs on both. Reported per run: the median seconds per
+iteration (iterations 2..: the grown world is built in the background during the first), its
+train phases (log-probs + update) and the two moves, bytes per move, and whether every check passed;
+then the ratio rebalance / static of the seconds per iteration.
+
+On a CPU box every logical device shares the same cores, so the grown world computes no faster:
+the table measures what the round trip costs, not the speed-up that devices of their own would give.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+from bench.algorithms import ROOT, run_one
+
+MODES = ("static", "rebalance")
+
+
+def summary(out: Path, res: dict) -> dict:
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    its = [r for r in recs if "reward_mean" in r][2:]
+
+    def median(f):
+        return statistics.median(f(r) for r in its)
+
+    res.update(iteration_s=median(lambda r: r["iteration_seconds"]),
+               train_s=median(lambda r: r["phase_seconds"]["logprobs"] + r["phase_seconds"]["update"]),
+               moves_s=median(lambda r: r["phase_seconds"].get("grow", 0.0) + r["phase_seconds"].get("shrink", 0.0)),
+               move_bytes=its[0].get("rebalance", {}).get("grow", {}).get("bytes_moved", 0),
+               train_world=its[0].get("rebalance", {}).get("world", None))
+    return res
+
+
+def main(argv=None) -> int:
+    from recipes.common import warm_start
+    from rlhf_switch.rl.config import load_config
+
+    ap = argparse.ArgumentParser(prog="python -m bench.rebalance", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "grpo_tiny_async.yaml")
+    ap.add_argument("--world", type=int, default=1, help="the trainer's devices (as many replicas of TP 1)")
+    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rebalance")
+    a = ap.parse_args(argv)
+    base = yaml.safe_load(a.config.read_text())
+    base["algorithm"].pop("off_policy", None)
+    w = a.world
+    base.update(world_size=w)
+    for phase in ("train", "reference"):
+        base[phase]["dp"] = w
+    base["rollout"].update(dp=w, tp=1)
+    base.setdefault("checkpoint", {})["save_every"] = 0
+    base.setdefault("eval", {})["num_prompts"] = 50
+    a.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seed in [int(s) for s in a.seeds.split(",")]:
+        init = a.out / f"init_seed{seed}"
+        warm_start(load_config({**base, "seed": seed}), init, quiet=True)
+        for mode in MODES:
+            cfg = yaml.safe_load(yaml.safe_dump(base))
+            if mode == "rebalance":
+                cfg["elastic"] = {"rebalance": "update"}
+            cfg.update(seed=seed, output_dir=str(a.out / f"{mode}_seed{seed}"))
+            r = summary(Path(cfg["output_dir"]), {**run_one(cfg, a.out, init, a.iterations), "mode": mode})
+            results.append(r)
+            print(f"[{mode} seed {seed}] {r['iteration_s']:.2f} s/iteration (train {r['train_s']:.2f} s, moves "
+                  f"{r['moves_s']:.2f} s), checks {'passed' if r['stale_check_passed'] else 'FAILED'}", flush=True)
+    rows = ["| mode | seed | trainer ranks in the update | s / iteration | log-probs + update (s) | grow + shrink (s) | "
+            "bytes per move | held-out change |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rows.append(f"| {r['mode']} | {r['seed']} | {r['train_world'] or w} | {r['iteration_s']:.2f} | {r['train_s']:.2f} | "
+                    f"{r['moves_s']:.3f} | {r['move_bytes']:,} | {r['heldout_change']:+.3f} |")
+    by = {m: [r for r in results if r["mode"] == m] for m in MODES}
+    ratio = statistics.mean(r["iteration_s"] for r in by["rebalance"]) / statistics.mean(
+        r["iteration_s"] for r in by["static"])
+    print("\n".join(rows))
+    print(f"rebalance / static seconds per iteration: {ratio:.2f}x")
+    (a.out / "rebalance.json").write_text(json.dumps({"runs": results, "iteration_s_ratio": ratio}, indent=1))
+    return 0 if all(r["stale_check_passed"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

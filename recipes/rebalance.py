@@ -1,0 +1,126 @@
+"""``elastic.rebalance: update`` — the rollout replicas' devices join the trainer world for the update.
+
+In the synchronous loop with rollout replicas on devices of their own (``rollout.mode:
+disaggregated``), those devices are idle from the end of the rollout to the next sync, and the
+trainer's are idle while the replicas generate. With rebalance, a second trainer world spans both:
+the trainer's N devices and the replicas' M, its layouts the run's scaled along DP
+(``elastic.requests.scaled_config``). It is built once, in the background, while the first
+iterations run (its actors take no share of Ray's: the bundles are the trainer's and the replicas'
+own, like a combined resize's new trainers). Each iteration then:
+
+    rollout     on the replicas, the small world idle
+    grow        the training state (weights, fp32 master, Adam moments, step, LR schedule, RNG)
+                moves from the N-rank world into the (N+M)-rank one: one VPS move over the union
+                of both worlds' ranks (the elastic resize's ``resize_move``), nothing released
+    logprobs,   on N+M ranks
+    update
+    shrink      the state moves back into the N-rank world, which syncs the replicas as always
+
+Both worlds keep their engines: a move overwrites the receiving world's state whole, so the state
+is where it would be without the round trip, bit for bit (``tests/test_rebalance.py``). The
+weight channel stays between the N-rank world and the replicas. ``auto`` (deciding per iteration
+from the measured idle time) and moving devices the other way (trainer devices lent to rollout)
+are not built; nor is it run on CUDA (the grown world's actors would need the replicas' devices
+handed to them, as a colocated replica's are).
+"""
+from __future__ import annotations
+
+import time
+
+from recipes.cluster import wait_all
+
+# (CPU, GPU) the grown world's actors take of Ray's: none — their bundles are held whole by the
+# trainer ranks and the replicas already there (``resize.COMBINED_TRAINER_SLOT``)
+REBALANCE_SLOT = (0.0, 0.0)
+
+
+class Rebalance:
+    """The grown trainer world of a run and the moves into it and back."""
+
+    def __init__(self, cluster, cfg, init_dir, quiet: bool = True):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from actors.hybrid import remote_class
+        from rlhf_switch.elastic.requests import scaled_config
+
+        if cluster.device.is_cuda:  # fail closed: nothing of this ran on a GPU
+            raise ValueError("elastic.rebalance on CUDA is not built yet (the grown world's actors take no GPU share "
+                             "of Ray's; the replicas' devices are not handed to them)")
+        self.cluster, self.ray, self.quiet = cluster, cluster.ray, quiet
+        self.small = cluster.world
+        lent = [s.bundle for s in cluster.resources.replicas for _ in range(cluster.tp)]
+        self.cfg = scaled_config(cfg.model_copy(update={"elastic": None}), self.small + len(lent))
+        self.world = self.cfg.world_size
+        slots = [cluster._slot(b) for b in list(range(self.small)) + lent]
+        cpus, gpus = REBALANCE_SLOT
+        cls = remote_class(num_cpus=cpus, num_gpus=gpus)
+        self.t0 = time.perf_counter()
+        self.workers = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=index)).remote() for pg, index in slots]
+        address = self.workers[0].open_store.remote()
+        self._building = [w.init_world_at.remote(address, r, self.world, cluster.device)
+                          for r, w in enumerate(self.workers)]
+        self._building += [w.build_empty.remote(self.cfg.model_dump(), str(init_dir)) for w in self.workers]
+        self.built_s: float | None = None
+        self._home = None  # the small world's actors while the grown world trains
+
+    @property
+    def grown(self) -> bool:
+        return self._home is not None
+
+    def wait(self) -> float:
+        """Wait for the grown world's build (once); returns the seconds waited now."""
+        if self.built_s is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        wait_all(self.ray, self._building, f"build the grown trainer world ({self.world} ranks)", self.quiet)
+        self.built_s = time.perf_counter() - self.t0
+        return time.perf_counter() - t0
+
+    def grow(self) -> dict:
+        """The state into the grown world, which the cluster's train calls then reach."""
+        if self.grown:
+            raise ValueError("rebalance: the trainer world is grown already")
+        waited = self.wait()
+        out = self._move(self.cluster.workers, self.workers)
+        self._home = self.cluster.workers
+        self.cluster.workers, self.cluster.world = list(self.workers), self.world
+        return {**out, "waited_for_build_s": waited}
+
+    def shrink(self) -> dict:
+        """The state back into the trainer's own world."""
+        if not self.grown:
+            raise ValueError("rebalance: the trainer world is not grown")
+        out = self._move(self.workers, self._home)
+        self.cluster.workers, self.cluster.world, self._home = self._home, self.small, None
+        return out
+
+    def _move(self, senders: list, receivers: list) -> dict:
+        """One move of the whole training state from ``senders`` (only read) to ``receivers``
+        (overwritten) over the union of their ranks."""
+        from rlhf_switch.elastic import ResizePlan
+
+        big, small = tuple(range(self.world)), tuple(range(self.small))
+        plan = ResizePlan(small, big) if len(senders) == self.small else ResizePlan(big, small)
+        t0 = time.perf_counter()
+        host, port = self.ray.get(senders[0].resize_store.remote(), timeout=120)
+        refs = [w.resize_move.remote(plan.endpoint(host, port, "old", r)) for r, w in enumerate(senders)]
+        refs += [w.resize_move.remote(plan.endpoint(host, port, "new", r)) for r, w in enumerate(receivers)]
+        members = self.ray.get(refs, timeout=600)
+        old = [m for m in members if m["side"] == "old"]
+        return {"seconds": time.perf_counter() - t0, "join_s": max(m["join_s"] for m in members),
+                "move_s": max(m["move_s"] for m in members),
+                "bytes_moved": sum(m["bytes_sent"] + m["bytes_local"] for m in old),
+                "bytes_sent": sum(m["bytes_sent"] for m in old)}
+
+    def close(self) -> None:
+        """The grown world's actors shut down (after a shrink: the trainer's own world holds the state)."""
+        if self.grown:
+            self.cluster.workers, self.cluster.world, self._home = self._home, self.small, None
+        try:
+            self.ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+        except Exception:  # noqa: BLE001 - best effort: the actors are killed next
+            pass
+        for w in self.workers:
+            self.ray.kill(w)
+        self.workers = []

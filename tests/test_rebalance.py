@@ -1,0 +1,91 @@
+"""``elastic.rebalance: update`` (``recipes/rebalance.py``): the rollout replicas' devices join the
+trainer world for each update — the training state moves into a world twice the size and back
+within every iteration, bit for bit — and the config's refusals."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from rlhf_switch.rl.config import ConfigError, load_config
+
+from test_off_policy import tiny
+
+
+def _differences(a, b, at: str = "") -> list[str]:
+    """Where two gathered training states (``HybridWorker.gathered_state``: tensors, scalars, RNG)
+    differ, bit for bit."""
+    import torch
+
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{at}: keys {sorted(set(a) ^ set(b))}"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{at}/{k}")]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return [] if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) else [at]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{at}[{i}]")]
+    return [] if a == b else [at]
+
+
+def test_rebalance_refusals():
+    from rlhf_switch.problems import run_problems
+
+    def problems(**changes):
+        return run_problems(load_config(tiny("grpo_tiny_async.yaml", **changes)), skip=("reward",))
+
+    colocated = problems(**{"elastic": {"rebalance": "update"}, "rollout.mode": "colocated",
+                            "algorithm.off_policy": None})
+    assert any("lends the rollout replicas' own devices to the update" in p for p in colocated), colocated
+    in_flight = problems(**{"elastic": {"rebalance": "update"}})
+    assert any("their devices are not idle to lend" in p for p in in_flight), in_flight
+    parked = problems(**{"elastic": {"rebalance": "update"}, "algorithm.off_policy": None, "train.offload": "optimizer"})
+    assert any("train.offload: optimizer parks it in host memory" in p for p in parked), parked
+    # the grown world (4 devices: DP 4) must split the batch: 32 sequences per mini-batch are 8 per
+    # rank, which micro-batches of 16 do not divide
+    odd = problems(**{"elastic": {"rebalance": "update"}, "algorithm.off_policy": None})
+    assert any(p.startswith("elastic.rebalance: the grown world of 4 devices: algorithm.micro_batch_size=16")
+               for p in odd), odd
+    assert problems(**{"elastic": {"rebalance": "update"}, "algorithm.off_policy": None,
+                       "algorithm.micro_batch_size": 8}) == []
+    with pytest.raises(ConfigError, match="rebalance"):
+        load_config(tiny("grpo_tiny_async.yaml", **{"elastic": {"rebalance": "always"}}))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_rebalance_grows_and_shrinks_the_trainer_world_each_iteration_bit_for_bit(ray_session, tmp_path):
+    """One FSDP2 trainer rank and one vLLM replica on a device of its own; each iteration the
+    state moves into a 2-rank world over both devices for the log-probs and the update, and back
+    before the sync. Every move lands the sender's state whole (weights, fp32 master, Adam moments,
+    step, LR schedule, RNG), and the replica fed from the trainer's own world after the move back
+    generates with the weights the grown world trained (the stale check)."""
+    from recipes.common import warm_start
+    from recipes.loop import run
+    from test_elastic import _gathered
+
+    cfg = tiny("grpo_tiny_async.yaml", world_size=1, output_dir=str(tmp_path / "run"),
+               **{"train.dp": 1, "reference.dp": 1, "rollout.dp": 1, "eval.num_prompts": 16,
+                  "algorithm.off_policy": None, "elastic": {"rebalance": "update"}})
+    shutil.copytree(warm_start(load_config(cfg), tmp_path / "init", quiet=True), tmp_path / "run" / "init")
+    states, worlds = {}, {}
+
+    def gather(it, phase, cluster):
+        if phase in ("train", "after_grow", "before_shrink", "after_shrink"):
+            states[(it, phase)], worlds[(it, phase)] = _gathered(ray_session, cluster.workers), cluster.world
+
+    recs = [r for r in run(cfg, iterations=2, quiet=True, phase_hook=gather) if "reward_mean" in r]
+    for it in (0, 1):
+        assert [worlds[(it, p)] for p in ("train", "after_grow", "before_shrink", "after_shrink")] == [1, 2, 2, 1]
+        assert _differences(states[(it, "train")], states[(it, "after_grow")]) == []
+        # the grown world's update changed the state (weights, moments, step): not a trivial comparison
+        changed = _differences(states[(it, "after_grow")], states[(it, "before_shrink")])
+        assert any(d.startswith("/master/") for d in changed) and any(d.startswith("/moments/") for d in changed), changed
+        assert _differences(states[(it, "before_shrink")], states[(it, "after_shrink")]) == []
+        assert states[(it, "after_shrink")]["scalars"]["step"] == states[(it, "train")]["scalars"]["step"] + 4
+    assert _differences(states[(0, "after_shrink")], states[(1, "train")]) == []
+    assert all(r["stale_check_passed"] and r["stale_logprob_diff"] < 1e-4 for r in recs), recs
+    for r in recs:
+        reb = r["rebalance"]
+        assert reb["world"] == 2 and reb["grow"]["bytes_moved"] == reb["shrink"]["bytes_moved"] > 0, reb
+        assert {"grow", "shrink"} <= set(r["phase_seconds"]), r["phase_seconds"]
