@@ -1,13 +1,14 @@
 """Synchronous against one-step off-policy GRPO on the same job, side by side in one run.
 
     python -m bench.async_rollout [--config configs/grpo_tiny_async.yaml] [--iterations 20]
-        [--seeds 0,1,2] [--out bench/results/async_rollout]
+        [--seeds 0,1,2] [--modes sync,one_step] [--segment-tokens 2] [--out bench/results/async_rollout]
 
 Both runs use the config's disaggregated rollout (vLLM replicas on devices of their own) from the
 same warm start per seed: ``sync`` is ``off_policy.max_staleness: 0`` (generate, then train),
 ``one_step`` is ``max_staleness: 1`` (the next batch generates while this one trains, TIS
-correction). Runs alternate per seed (sync, one-step), so a load that comes or goes weighs on
-both. Reported per run: held-out greedy exact match before and after, samples per second (the
+correction), ``partial`` is one-step with partial rollout (``segment_tokens``: the batch in
+flight generated a segment at a time, interrupted by the update). Runs alternate per seed, so a
+load that comes or goes weighs on every mode. Reported per run: held-out greedy exact match before and after, samples per second (the
 median over iterations 2.. of the rollout batch over the iteration's wall time), the exposed wait
 for generation, and whether every check passed; then the ratio of the two modes' samples/s.
 """
@@ -23,7 +24,7 @@ import yaml
 
 from bench.algorithms import ROOT, run_one
 
-MODES = {"sync": 0, "one_step": 1}
+MODES = {"sync": {"max_staleness": 0}, "one_step": {"max_staleness": 1}, "partial": {"max_staleness": 1}}
 
 
 def summary(out: Path, res: dict) -> dict:
@@ -32,7 +33,8 @@ def summary(out: Path, res: dict) -> dict:
     res.update(samples_per_s=statistics.median(r["samples_per_s"] for r in its),
                rollout_wait_s=statistics.median(r["phase_seconds"].get("rollout_wait", 0) + r["phase_seconds"]["rollout"]
                                                 for r in its),
-               staleness=sorted({r["staleness_max"] for r in its}))
+               staleness=sorted({r["staleness_max"] for r in its}),
+               interrupted=statistics.median(r.get("samples_interrupted", 0) for r in its))
     return res
 
 
@@ -45,17 +47,25 @@ def main(argv=None) -> int:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "grpo_tiny_async.yaml")
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--modes", default="sync,one_step", help=f"of {', '.join(MODES)}; the first is the ratios' base")
+    ap.add_argument("--segment-tokens", type=int, default=2, help="partial: tokens per segment")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "async_rollout")
     a = ap.parse_args(argv)
+    modes = a.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
     base = yaml.safe_load(a.config.read_text())
     a.out.mkdir(parents=True, exist_ok=True)
     results = []
     for seed in [int(s) for s in a.seeds.split(",")]:
         init = a.out / f"init_seed{seed}"
         warm_start(load_config({**base, "seed": seed}), init, quiet=True)
-        for mode, k in MODES.items():
+        for mode in modes:
             cfg = yaml.safe_load(yaml.safe_dump(base))
-            cfg["algorithm"]["off_policy"] = {**cfg["algorithm"].get("off_policy", {}), "max_staleness": k}
+            cfg["algorithm"]["off_policy"] = {**cfg["algorithm"].get("off_policy", {}), **MODES[mode]}
+            if mode == "partial":
+                cfg["algorithm"]["off_policy"]["segment_tokens"] = a.segment_tokens
             cfg.update(seed=seed, output_dir=str(a.out / f"{mode}_seed{seed}"))
             cfg.setdefault("checkpoint", {})["save_every"] = 0
             r = summary(Path(cfg["output_dir"]), {**run_one(cfg, a.out, init, a.iterations), "mode": mode})
@@ -63,20 +73,20 @@ def main(argv=None) -> int:
             print(f"[{mode} seed {seed}] held-out {r['heldout_before']:.3f} -> {r['heldout_after']:.3f} "
                   f"({r['heldout_change']:+.3f}), {r['samples_per_s']:.0f} samples/s, staleness {r['staleness']}, "
                   f"checks {'passed' if r['stale_check_passed'] else 'FAILED'}", flush=True)
-    rows = ["| mode | seed | held-out before → after | change | samples/s | exposed generation wait (s) | staleness |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| mode | seed | held-out before → after | change | samples/s | exposed generation wait (s) | staleness | "
+            "samples interrupted |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         rows.append(f"| {r['mode']} | {r['seed']} | {r['heldout_before']:.3f} → {r['heldout_after']:.3f} | "
                     f"{r['heldout_change']:+.3f} | {r['samples_per_s']:.0f} | {r['rollout_wait_s']:.3f} | "
-                    f"{', '.join(map(str, r['staleness']))} |")
-    by = {m: [r for r in results if r["mode"] == m] for m in MODES}
-    ratio = statistics.mean(r["samples_per_s"] for r in by["one_step"]) / statistics.mean(
-        r["samples_per_s"] for r in by["sync"])
+                    f"{', '.join(map(str, r['staleness']))} | {r['interrupted']:.0f} |")
+    by = {m: [r for r in results if r["mode"] == m] for m in modes}
+    rate = {m: statistics.mean(r["samples_per_s"] for r in rs) for m, rs in by.items()}
+    ratios = {m: rate[m] / rate[modes[0]] for m in modes[1:]}
     change = {m: statistics.mean(r["heldout_change"] for r in rs) for m, rs in by.items()}
     print("\n".join(rows))
-    print(f"one-step / sync samples/s: {ratio:.2f}x; mean held-out change: sync {change['sync']:+.3f}, "
-          f"one-step {change['one_step']:+.3f}")
-    (a.out / "async_rollout.json").write_text(json.dumps({"runs": results, "samples_per_s_ratio": ratio}, indent=1))
+    print("; ".join(f"{m} / {modes[0]} samples/s: {x:.2f}x" for m, x in ratios.items()) +
+          "; mean held-out change: " + ", ".join(f"{m} {c:+.3f}" for m, c in change.items()))
+    (a.out / "async_rollout.json").write_text(json.dumps({"runs": results, "samples_per_s_ratios": ratios}, indent=1))
     return 0 if all(r["stale_check_passed"] for r in results) else 1
 
 
