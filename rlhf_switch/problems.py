@@ -49,7 +49,8 @@ from typing import Callable
 from .device import DeviceUnavailable, resolve_device
 from .engines.base import EngineError, phase_engine_problems, rollout_engine, training_engine
 from .families import DEFAULT_CONTEXT, derive_spec, family_problems
-from .rl.config import ConfigError, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig, model_dims
+from .rl.config import (ConfigError, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig, load_config,
+                        model_dims, scaled_along_dp)
 from .rl.data import DataError, load_data_splits, prompt_token_limit, read_columns, read_records
 from .rl.tasks import CharTokenizer, build_task, longest_answer_tokens, longest_prompt_tokens
 from .rl.tokenizer import TokenizerError, load_tokenizer
@@ -392,14 +393,14 @@ def _rebalance(cfg: RunConfig, facts: Facts) -> list[str]:
         problems.append("elastic.rebalance: a LoRA run's adapters are not moved between worlds yet")
     if problems:
         return problems
-    from .elastic.requests import scaled_config
-
     grown = cfg.world_size + (cfg.world_size // cfg.rollout.tp) * cfg.rollout.tp
+    data = cfg.model_dump()
+    data.update(scaled_along_dp(data, grown), elastic=None)
     try:
-        scaled_config(cfg.model_copy(update={"elastic": None}), grown)
+        found = run_problems(load_config(data), cuda_available=facts.cuda_available, skip=("reward",))
     except ConfigError as err:
-        problems += [f"elastic.rebalance: the grown world of {grown} devices: {p}" for p in (err.problems or [str(err)])]
-    return problems
+        found = err.problems or [str(err)]
+    return [f"elastic.rebalance: the grown world of {grown} devices: {p}" for p in found]
 
 
 @check("sampling")

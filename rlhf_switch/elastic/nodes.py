@@ -68,21 +68,12 @@ def scaled_request(now: Mapping[str, Any], world: int) -> dict:
     """A resize request (``requests.request_resize``'s keyword arguments) for a world of
     ``world`` devices, more (a node added) or fewer (a node lost) than ``now``'s, from the config
     in force ``now`` (``RunConfig.at_iteration(...).model_dump()``): the train, rollout,
-    reference and critic layouts scaled along DP (tp and pp kept). Not checked here: a layout that does not
+    reference and critic layouts scaled along DP (``rl.config.scaled_along_dp``). Not checked here: a layout that does not
     scale (``tp·pp`` not dividing ``world``) or a batch the new DP does not divide is refused by
     ``requests.checked_request`` / ``requests.scaled_config`` with the config's own messages."""
-    def scaled(block):
-        if block is None:
-            return None
-        b = dict(block)
-        b["dp"] = max(1, world // (int(b.get("tp", 1)) * int(b.get("pp", 1) or 1)))
-        return b
+    from ..rl.config import scaled_along_dp
 
-    req = {"world_size": int(world), "train": scaled(now["train"]), "rollout": scaled(now["rollout"])}
-    for phase in ("reference", "critic"):
-        if now.get(phase) is not None:
-            req[phase] = scaled(now[phase])
-    return req
+    return scaled_along_dp(now, world)
 
 
 grown_request = scaled_request  # a node added: the name the loop's watch and its tests use

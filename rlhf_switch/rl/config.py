@@ -851,6 +851,24 @@ class ModelDims:
                    moe_intermediate_size=int(cfg["moe_intermediate_size"]) if cfg.get("moe_intermediate_size") else None)
 
 
+def scaled_along_dp(now: Mapping[str, Any], world: int) -> dict:
+    """The fields of a run config (``RunConfig.model_dump()`` data) that change for a world of
+    ``world`` devices: ``world_size`` and the train, rollout, reference and critic layouts scaled
+    along DP (tp and pp kept). Not checked here: loading the changed config checks it."""
+    def scaled(block):
+        if block is None:
+            return None
+        b = dict(block)
+        b["dp"] = max(1, world // (int(b.get("tp", 1)) * int(b.get("pp", 1) or 1)))
+        return b
+
+    out = {"world_size": int(world), "train": scaled(now["train"]), "rollout": scaled(now["rollout"])}
+    for phase in ("reference", "critic"):
+        if now.get(phase) is not None:
+            out[phase] = scaled(now[phase])
+    return out
+
+
 def model_dims(model: ModelConfig) -> ModelDims:
     """The dimensions of the run's model (``ModelConfig.hf_dict``)."""
     cfg = model.hf_dict()
