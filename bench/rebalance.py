@@ -1,17 +1,18 @@
-"""The static split against ``elastic.rebalance: update`` on the same job, side by side in one run.
+"""The static split against ``elastic.rebalance: update`` and ``auto`` on the same job, side by side in one run.
 
     python -m bench.rebalance [--config configs/grpo_tiny_async.yaml] [--world 1] [--iterations 10]
-        [--seeds 0,1] [--out bench/results/rebalance]
+        [--seeds 0,1] [--modes static,update,auto] [--out bench/results/rebalance]
 
 Both runs are the synchronous loop (``off_policy`` removed) with vLLM replicas on devices of their
 own (``rollout.mode: disaggregated``), from the same warm start per seed. ``static``: the trainer
-trains on its ``--world`` devices while the replicas' devices wait for the next sync. ``rebalance``:
+trains on its ``--world`` devices while the replicas' devices wait for the next sync. ``update``:
 each iteration the training state moves into a world over both (twice the ranks, DP scaled) for
-the log-probs and the update, and back before the sync (``recipes/rebalance.py``). Runs alternate
-per seed, so a load that comes or goes weighs on both. Reported per run: the median seconds per
+the log-probs and the update, and back before the sync (``recipes/rebalance.py``). ``auto``: only
+in the iterations where that last took less time. Runs alternate per seed, so a load that comes
+or goes weighs on every mode. Reported per run: the median seconds per
 iteration (iterations 2..: the grown world is built in the background during the first), its
 train phases (log-probs + update) and the two moves, bytes per move, and whether every check passed;
-then the ratio rebalance / static of the seconds per iteration.
+then each mode's ratio to static of the seconds per iteration, and how many iterations ``auto`` grew.
 
 On a CPU box every logical device shares the same cores, so the grown world computes no faster:
 the table measures what the round trip costs, not the speed-up that devices of their own would give.
@@ -28,7 +29,7 @@ import yaml
 
 from bench.algorithms import ROOT, run_one
 
-MODES = ("static", "rebalance")
+MODES = ("static", "update", "auto")
 
 
 def summary(out: Path, res: dict) -> dict:
@@ -41,8 +42,9 @@ def summary(out: Path, res: dict) -> dict:
     res.update(iteration_s=median(lambda r: r["iteration_seconds"]),
                train_s=median(lambda r: r["phase_seconds"]["logprobs"] + r["phase_seconds"]["update"]),
                moves_s=median(lambda r: r["phase_seconds"].get("grow", 0.0) + r["phase_seconds"].get("shrink", 0.0)),
-               move_bytes=its[0].get("rebalance", {}).get("grow", {}).get("bytes_moved", 0),
-               train_world=its[0].get("rebalance", {}).get("world", None))
+               move_bytes=max(r.get("rebalance", {}).get("grow", {}).get("bytes_moved", 0) for r in its),
+               train_world=max((r.get("rebalance", {}).get("world", 0) for r in its), default=0) or None,
+               grown_iterations=sum(bool(r.get("rebalance", {}).get("grown")) for r in its))
     return res
 
 
@@ -56,8 +58,12 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=1, help="the trainer's devices (as many replicas of TP 1)")
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}; static first")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rebalance")
     a = ap.parse_args(argv)
+    modes = a.modes.split(",")
+    if modes[0] != "static" or any(m not in MODES for m in modes):
+        ap.error(f"--modes: static first, then any of {', '.join(MODES[1:])}")
     base = yaml.safe_load(a.config.read_text())
     base["algorithm"].pop("off_policy", None)
     w = a.world
@@ -72,26 +78,29 @@ def main(argv=None) -> int:
     for seed in [int(s) for s in a.seeds.split(",")]:
         init = a.out / f"init_seed{seed}"
         warm_start(load_config({**base, "seed": seed}), init, quiet=True)
-        for mode in MODES:
+        for mode in modes:
             cfg = yaml.safe_load(yaml.safe_dump(base))
-            if mode == "rebalance":
-                cfg["elastic"] = {"rebalance": "update"}
+            if mode != "static":
+                cfg["elastic"] = {"rebalance": mode}
             cfg.update(seed=seed, output_dir=str(a.out / f"{mode}_seed{seed}"))
             r = summary(Path(cfg["output_dir"]), {**run_one(cfg, a.out, init, a.iterations), "mode": mode})
             results.append(r)
             print(f"[{mode} seed {seed}] {r['iteration_s']:.2f} s/iteration (train {r['train_s']:.2f} s, moves "
-                  f"{r['moves_s']:.2f} s), checks {'passed' if r['stale_check_passed'] else 'FAILED'}", flush=True)
-    rows = ["| mode | seed | trainer ranks in the update | s / iteration | log-probs + update (s) | grow + shrink (s) | "
-            "bytes per move | held-out change |", "|---|---|---|---|---|---|---|---|"]
+                  f"{r['moves_s']:.2f} s, grown in {r['grown_iterations']} iterations), checks "
+                  f"{'passed' if r['stale_check_passed'] else 'FAILED'}", flush=True)
+    rows = ["| mode | seed | trainer ranks in the update | iterations grown (2..) | s / iteration | "
+            "log-probs + update (s) | grow + shrink (s) | bytes per move | held-out change |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        rows.append(f"| {r['mode']} | {r['seed']} | {r['train_world'] or w} | {r['iteration_s']:.2f} | {r['train_s']:.2f} | "
-                    f"{r['moves_s']:.3f} | {r['move_bytes']:,} | {r['heldout_change']:+.3f} |")
-    by = {m: [r for r in results if r["mode"] == m] for m in MODES}
-    ratio = statistics.mean(r["iteration_s"] for r in by["rebalance"]) / statistics.mean(
-        r["iteration_s"] for r in by["static"])
+        rows.append(f"| {r['mode']} | {r['seed']} | {r['train_world'] or w} | {r['grown_iterations']} | "
+                    f"{r['iteration_s']:.2f} | {r['train_s']:.2f} | {r['moves_s']:.3f} | {r['move_bytes']:,} | "
+                    f"{r['heldout_change']:+.3f} |")
+    by = {m: [r for r in results if r["mode"] == m] for m in modes}
+    base_s = statistics.mean(r["iteration_s"] for r in by["static"])
+    ratios = {m: statistics.mean(r["iteration_s"] for r in by[m]) / base_s for m in modes[1:]}
     print("\n".join(rows))
-    print(f"rebalance / static seconds per iteration: {ratio:.2f}x")
-    (a.out / "rebalance.json").write_text(json.dumps({"runs": results, "iteration_s_ratio": ratio}, indent=1))
+    print("; ".join(f"{m} / static seconds per iteration: {x:.2f}x" for m, x in ratios.items()))
+    (a.out / "rebalance.json").write_text(json.dumps({"runs": results, "iteration_s_ratios": ratios}, indent=1))
     return 0 if all(r["stale_check_passed"] for r in results) else 1
 
 

@@ -220,13 +220,13 @@ class Loop:
         self.say(f"{self.cfg.world_size} workers: train {built['trainer']}, rollout {built['rollout']}, "
                  f"{built['params']:,} params; {resumed}ready in {time.perf_counter() - t_start:.1f} s")
         self.evaluator = Evaluator(self.cfg, self.splits, self.tok, self.reward_runner, self.max_ctx)
-        if self.cfg.elastic is not None and self.cfg.elastic.rebalance == "update":
+        if self.cfg.elastic is not None and self.cfg.elastic.rebalance != "off":
             from recipes.rebalance import Rebalance
 
             # built in the background while the first iterations run
             self.rebalance = Rebalance(self.cluster, self.cfg, self.init_dir, self.quiet)
-            self.say(f"rebalance: a {self.rebalance.world}-rank trainer world over the trainer's and the "
-                     f"replicas' devices is being built for the updates")
+            self.say(f"rebalance {self.cfg.elastic.rebalance}: a {self.rebalance.world}-rank trainer world over the "
+                     f"trainer's and the replicas' devices is being built for the updates")
 
     # --- one iteration, phase by phase -----------------------------------------------------------
     def iteration(self, it: int, elastic) -> dict:
@@ -413,21 +413,37 @@ class Loop:
                 **self.algorithm.batch_fields(roll.scores, roll.truncated)}
 
     def grow(self, it: int) -> None:
-        """``elastic.rebalance: update``: the training state into the grown world (the trainer's
-        devices and the replicas'), where the log-probs and the update run."""
-        if self.rebalance is not None:
-            with self.timed("grow"):
-                self.rebalanced = {"world": self.rebalance.world, "grow": self.rebalance.grow()}
-            self.faults.hook(it, "after_grow", self.cluster)
+        """``elastic.rebalance``: the training state into the grown world (the trainer's devices
+        and the replicas'), where the log-probs and the update run — every iteration (``update``),
+        or where it last paid (``auto``: ``rebalance.choose``)."""
+        from recipes.rebalance import choose
+
+        reb = self.rebalance
+        if reb is None:
+            return
+        self._train_t0 = time.perf_counter()
+        if self.cfg.elastic.rebalance == "auto":
+            grow, why = choose(reb.built(), reb.last, reb.measured_at, it)
+            self.rebalanced = {"world": reb.world if grow else self.cluster.world, "grown": grow, "why": why}
+            if not grow:
+                return
+        with self.timed("grow"):
+            self.rebalanced = {**(self.rebalanced or {}), "world": reb.world, "grown": True, "grow": reb.grow()}
+        self.faults.hook(it, "after_grow", self.cluster)
 
     def shrink(self, it: int) -> None:
         """The state back into the trainer's own world, before the record and the next sync."""
-        if self.rebalance is not None:
+        reb = self.rebalance
+        if reb is None:
+            return
+        if reb.grown:
             self.faults.hook(it, "before_shrink", self.cluster)
             with self.timed("shrink"):
-                self.rebalanced["shrink"] = self.rebalance.shrink()
-            self.rebalanced["built_s"] = self.rebalance.built_s
+                self.rebalanced["shrink"] = reb.shrink()
             self.faults.hook(it, "after_shrink", self.cluster)
+        # the train phase, the way it went (with the moves when grown): auto's next choice
+        reb.measured(it, time.perf_counter() - self._train_t0, grown="shrink" in self.rebalanced)
+        self.rebalanced["built_s"] = reb.built_s
 
     def logprobs(self, batch: dict) -> list[dict]:
         """Every trainer rank's old/reference log-probs (PPO: values) of its share, and its part

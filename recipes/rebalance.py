@@ -18,9 +18,13 @@ own, like a combined resize's new trainers). Each iteration then:
 
 Both worlds keep their engines: a move overwrites the receiving world's state whole, so the state
 is where it would be without the round trip, bit for bit (``tests/test_rebalance.py``). The
-weight channel stays between the N-rank world and the replicas. ``auto`` (deciding per iteration
-from the measured idle time) and moving devices the other way (trainer devices lent to rollout)
-are not built; nor is it run on CUDA (the grown world's actors would need the replicas' devices
+weight channel stays between the N-rank world and the replicas.
+
+``auto`` grows only where it pays (``choose``): it trains in the trainer's own world until the
+grown one is built, measures one grown iteration, then takes whichever of the two last took less
+(log-probs + update, plus the two moves when grown), measuring the other again every
+``PROBE_EVERY`` iterations. Moving devices the other way (trainer devices lent to rollout) is not
+built; nor is any of it run on CUDA (the grown world's actors would need the replicas' devices
 handed to them, as a colocated replica's are).
 """
 from __future__ import annotations
@@ -32,6 +36,25 @@ from recipes.cluster import wait_all
 # (CPU, GPU) the grown world's actors take of Ray's: none — their bundles are held whole by the
 # trainer ranks and the replicas already there (``resize.COMBINED_TRAINER_SLOT``)
 REBALANCE_SLOT = (0.0, 0.0)
+# rebalance: auto — how many iterations the way not taken goes unmeasured before it is tried again
+PROBE_EVERY = 8
+
+
+def choose(built: bool, last: dict, measured_at: dict, it: int, probe_every: int = PROBE_EVERY) -> tuple[bool, str]:
+    """``rebalance: auto``'s choice for iteration ``it``: (grow, why). ``last``: the seconds the
+    train phase last took each way (``"static"``: log-probs + update in the trainer's world;
+    ``"grown"``: the same in the grown world plus both moves); ``measured_at``: the iteration each
+    was last measured. Pure."""
+    if not built:
+        return False, "the grown world is still building"
+    for way in ("grown", "static"):
+        if way not in last:
+            return way == "grown", f"not measured {way} yet"
+    for way in ("grown", "static"):
+        if it - measured_at[way] > probe_every:
+            return way == "grown", f"{way} last measured at iteration {measured_at[way]}: measured again"
+    grow = last["grown"] < last["static"]
+    return grow, f"grown {last['grown']:.3f} s {'<' if grow else '>='} static {last['static']:.3f} s"
 
 
 class Rebalance:
@@ -63,6 +86,21 @@ class Rebalance:
         self._building += [w.build_empty.remote(self.cfg.model_dump(), str(init_dir)) for w in self.workers]
         self.built_s: float | None = None
         self._home = None  # the small world's actors while the grown world trains
+        self.last: dict[str, float] = {}        # auto: the train phase's last seconds, each way
+        self.measured_at: dict[str, int] = {}  # auto: the iteration each way was last measured
+
+    def built(self) -> bool:
+        """Whether the grown world's build is done (not waited for)."""
+        if self.built_s is None and len(self.ray.wait(self._building, num_returns=len(self._building),
+                                                      timeout=0)[0]) == len(self._building):
+            self.wait()
+        return self.built_s is not None
+
+    def measured(self, it: int, seconds: float, grown: bool) -> None:
+        """The train phase of iteration ``it`` took ``seconds``, in the grown world (with both
+        moves) or the trainer's own: ``auto``'s input."""
+        way = "grown" if grown else "static"
+        self.last[way], self.measured_at[way] = seconds, it
 
     @property
     def grown(self) -> bool:

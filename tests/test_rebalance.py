@@ -89,3 +89,50 @@ def test_rebalance_grows_and_shrinks_the_trainer_world_each_iteration_bit_for_bi
         reb = r["rebalance"]
         assert reb["world"] == 2 and reb["grow"]["bytes_moved"] == reb["shrink"]["bytes_moved"] > 0, reb
         assert {"grow", "shrink"} <= set(r["phase_seconds"]), r["phase_seconds"]
+
+
+def test_auto_grows_where_it_last_paid_and_measures_the_other_way_again():
+    """``rebalance: auto``'s choice (pure): not before the grown world is built; each way measured
+    once; then the faster, the other measured again after ``PROBE_EVERY`` iterations."""
+    from recipes.rebalance import PROBE_EVERY, choose
+
+    assert choose(False, {}, {}, 0) == (False, "the grown world is still building")
+    assert choose(True, {"static": 1.0}, {"static": 0}, 1)[0] is True      # grown not measured yet
+    assert choose(True, {"grown": 0.5}, {"grown": 1}, 2)[0] is False       # static not measured yet
+    last = {"static": 1.0, "grown": 1.4}
+    assert choose(True, last, {"static": 2, "grown": 1}, 3)[0] is False    # the moves cost more than they save
+    assert choose(True, {"static": 1.0, "grown": 0.6}, {"static": 2, "grown": 1}, 3)[0] is True
+    grow, why = choose(True, last, {"static": 1 + PROBE_EVERY + 1, "grown": 1}, 2 + PROBE_EVERY)
+    assert grow and "measured again" in why
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_auto_rebalance_probes_the_grown_world_once_built(ray_session, tmp_path):
+    """``rebalance: auto`` in a real run: the trainer's own world trains while the grown one
+    builds (iteration 0 waits 10 s in its train phase, so the build is done after it); the first
+    iteration after that grows to measure the grown way, and each later one takes the way its
+    record says; every move is a whole round trip and the stale-weights check passes."""
+    import time
+
+    from recipes.common import warm_start
+    from recipes.loop import run
+
+    cfg = tiny("grpo_tiny_async.yaml", world_size=1, output_dir=str(tmp_path / "run"),
+               **{"train.dp": 1, "reference.dp": 1, "rollout.dp": 1, "eval.num_prompts": 16,
+                  "algorithm.off_policy": None, "elastic": {"rebalance": "auto"}})
+    shutil.copytree(warm_start(load_config(cfg), tmp_path / "init", quiet=True), tmp_path / "run" / "init")
+
+    def wait_for_the_build(it, phase, cluster):
+        if (it, phase) == (0, "train"):
+            time.sleep(10)
+
+    recs = [r for r in run(cfg, iterations=4, quiet=True, phase_hook=wait_for_the_build) if "reward_mean" in r]
+    reb = [r["rebalance"] for r in recs]
+    grown = [x["grown"] for x in reb]
+    assert any(grown) and "not measured grown yet" in reb[grown.index(True)]["why"], reb
+    for x in reb:
+        assert x["world"] == (2 if x["grown"] else 1), x
+        if x["grown"]:
+            assert x["grow"]["bytes_moved"] == x["shrink"]["bytes_moved"] > 0, x
+    assert all(r["stale_check_passed"] and r["stale_logprob_diff"] < 1e-4 for r in recs), recs

@@ -559,8 +559,9 @@ class ElasticConfig(Strict):
     on_node_change: Literal["record", "resize"] = "record"
     # update: the rollout replicas' devices (rollout.mode: disaggregated) join the trainer world for
     # the log-probs and the update of every iteration — a second trainer world over both, its layouts
-    # scaled along DP, the state moved into it and back (recipes/rebalance.py); off: not
-    rebalance: Literal["off", "update"] = "off"
+    # scaled along DP, the state moved into it and back (recipes/rebalance.py); auto: only in the
+    # iterations where that last took less time than training alone (measured both ways); off: not
+    rebalance: Literal["off", "update", "auto"] = "off"
 
 
 class RunConfig(Strict):
