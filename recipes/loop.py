@@ -8,6 +8,7 @@ Before iteration 0 the config is checked (``rlhf_switch.problems``: one error li
 problem, before Ray starts), the warm start is made (SFT on the task, cached) and every engine is
 built from it. Each iteration is a fixed sequence of named phases (``Loop.iteration``)::
 
+    rollout_wait  one-step off-policy: the batch generated during the last iteration, collected
     sync        trainer -> rollout engine through the weight channel (a VPS move of the weights);
                 elastic.redundancy: host — the buddies' host copies refreshed; train.offload — the
                 trainer's optimizer state parked in host memory while the rollout runs
@@ -18,10 +19,15 @@ built from it. Each iteration is a fixed sequence of named phases (``Loop.iterat
                 (``rule_weight·rule + model_weight·model``)
     advantages  the algorithm's per-sequence advantages (GRPO: group-normalised; PPO: from the
                 critic, inside the update)
+    grow        elastic.rebalance: the training state into the grown world over the trainer's and
+                the replicas' devices (``recipes/rebalance.py``), where the next two phases run
     logprobs    the trainer's log-probs of the generated tokens (the old policy), the reference's,
                 PPO's values — and the stale-weights check: the trainer's log-probs must equal the
                 rollout engine's within ``--stale-tol``, else ``StaleWeightsError`` before any update
-    update      ``epochs`` passes of optimizer steps (``rlhf_switch.rl.algorithm.Algorithm.update``)
+    update      ``epochs`` passes of optimizer steps (``rlhf_switch.rl.algorithm.Algorithm.update``);
+                one-step off-policy with ``segment_tokens``: the batch in flight handed out a
+                segment at a time meanwhile (``recipes/partial.py``)
+    shrink      elastic.rebalance: the state back into the trainer's own world
     record      one line, one record in metrics.jsonl and the logging backends, the rollouts
     checkpoint  every ``checkpoint.save_every`` iterations
     eval        held-out greedy reward before the first iteration, every ``eval.every`` and at the end
