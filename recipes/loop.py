@@ -477,9 +477,10 @@ class Loop:
         if lost:  # rollout replicas that died mid-generation: their prompts generated again by the others
             rec["rollout_replicas_lost"] = lost
             for ev in lost:
-                self.say(f"it {it}: lost {', '.join(ev['lost'])} mid-generation; its {ev['requeued_prompts']} "
-                         f"prompts generated again by the {ev['replicas_left']} replica(s) left "
-                         f"({ev['seconds']:.1f} s)")
+                where, again = (("during a sync", "the sync run again over") if "during" in ev else
+                                ("mid-generation", f"its {ev['requeued_prompts']} prompts generated again by"))
+                self.say(f"it {it}: lost {', '.join(ev['lost'])} {where}; {again} the {ev['replicas_left']} "
+                         f"replica(s) left ({ev['seconds']:.1f} s)")
         self.emit(rec, it)
         self.log.write_rollouts(it, roll.prompts, roll.responses, roll.logprobs, roll.scores,
                                 texts={"prompt_texts": [s.prompt for s in roll.samples], "response_texts": roll.texts,
