@@ -66,6 +66,29 @@ def run_one(cfg: dict, work: Path, init: Path, iterations: int) -> dict:
             "dynamic_sampling_draws": sum(r.get("dynamic_sampling", {}).get("draws", 0) for r in its)}
 
 
+def side_by_side(base: dict, modes: list[str], seeds: list[int], out: Path, iterations: int, configure,
+                 summarise, report) -> list[dict]:
+    """Each mode's run of ``base``, per seed from one warm start, the modes in turn (a load that
+    comes or goes weighs on every mode): ``configure(cfg, mode)`` changes a copy of ``base``,
+    ``summarise(output_dir, result)`` adds the mode's own figures to ``run_one``'s, ``report(result)``
+    prints it. Returns the results in run order, each with its ``mode``."""
+    from recipes.common import warm_start
+    from rlhf_switch.rl.config import load_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seed in seeds:
+        init = out / f"init_seed{seed}"
+        warm_start(load_config({**base, "seed": seed}), init, quiet=True)
+        for mode in modes:
+            cfg = yaml.safe_load(yaml.safe_dump(base))
+            configure(cfg, mode)
+            cfg.update(seed=seed, output_dir=str(out / f"{mode}_seed{seed}"))
+            results.append(summarise(Path(cfg["output_dir"]), {**run_one(cfg, out, init, iterations), "mode": mode}))
+            report(results[-1])
+    return results
+
+
 def table(results: list[dict]) -> str:
     rows = ["| algorithm | seed | held-out before → after | change | stale check | s / iteration | rollout reward (last 5) |",
             "|---|---|---|---|---|---|---|"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.algorithms import ROOT, run_one
+from bench.algorithms import ROOT, side_by_side
 
 MODES = {"sync": {"max_staleness": 0}, "one_step": {"max_staleness": 1}, "partial": {"max_staleness": 1}}
 
@@ -39,9 +39,6 @@ def summary(out: Path, res: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    from recipes.common import warm_start
-    from rlhf_switch.rl.config import load_config
-
     ap = argparse.ArgumentParser(prog="python -m bench.async_rollout", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "grpo_tiny_async.yaml")
@@ -56,23 +53,20 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
     base = yaml.safe_load(a.config.read_text())
-    a.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for seed in [int(s) for s in a.seeds.split(",")]:
-        init = a.out / f"init_seed{seed}"
-        warm_start(load_config({**base, "seed": seed}), init, quiet=True)
-        for mode in modes:
-            cfg = yaml.safe_load(yaml.safe_dump(base))
-            cfg["algorithm"]["off_policy"] = {**cfg["algorithm"].get("off_policy", {}), **MODES[mode]}
-            if mode == "partial":
-                cfg["algorithm"]["off_policy"]["segment_tokens"] = a.segment_tokens
-            cfg.update(seed=seed, output_dir=str(a.out / f"{mode}_seed{seed}"))
-            cfg.setdefault("checkpoint", {})["save_every"] = 0
-            r = summary(Path(cfg["output_dir"]), {**run_one(cfg, a.out, init, a.iterations), "mode": mode})
-            results.append(r)
-            print(f"[{mode} seed {seed}] held-out {r['heldout_before']:.3f} -> {r['heldout_after']:.3f} "
-                  f"({r['heldout_change']:+.3f}), {r['samples_per_s']:.0f} samples/s, staleness {r['staleness']}, "
-                  f"checks {'passed' if r['stale_check_passed'] else 'FAILED'}", flush=True)
+    base.setdefault("checkpoint", {})["save_every"] = 0
+
+    def configure(cfg: dict, mode: str) -> None:
+        cfg["algorithm"]["off_policy"] = {**cfg["algorithm"].get("off_policy", {}), **MODES[mode]}
+        if mode == "partial":
+            cfg["algorithm"]["off_policy"]["segment_tokens"] = a.segment_tokens
+
+    def report(r: dict) -> None:
+        print(f"[{r['mode']} seed {r['seed']}] held-out {r['heldout_before']:.3f} -> {r['heldout_after']:.3f} "
+              f"({r['heldout_change']:+.3f}), {r['samples_per_s']:.0f} samples/s, staleness {r['staleness']}, "
+              f"checks {'passed' if r['stale_check_passed'] else 'FAILED'}", flush=True)
+
+    results = side_by_side(base, modes, [int(s) for s in a.seeds.split(",")], a.out, a.iterations, configure,
+                           summary, report)
     rows = ["| mode | seed | held-out before → after | change | samples/s | exposed generation wait (s) | staleness | "
             "samples interrupted |", "|---|---|---|---|---|---|---|---|"]
     for r in results:

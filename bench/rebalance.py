@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.algorithms import ROOT, run_one
+from bench.algorithms import ROOT, side_by_side
 
 MODES = ("static", "update", "auto")
 
@@ -49,9 +49,6 @@ def summary(out: Path, res: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    from recipes.common import warm_start
-    from rlhf_switch.rl.config import load_config
-
     ap = argparse.ArgumentParser(prog="python -m bench.rebalance", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "grpo_tiny_async.yaml")
@@ -73,21 +70,18 @@ def main(argv=None) -> int:
     base["rollout"].update(dp=w, tp=1)
     base.setdefault("checkpoint", {})["save_every"] = 0
     base.setdefault("eval", {})["num_prompts"] = 50
-    a.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for seed in [int(s) for s in a.seeds.split(",")]:
-        init = a.out / f"init_seed{seed}"
-        warm_start(load_config({**base, "seed": seed}), init, quiet=True)
-        for mode in modes:
-            cfg = yaml.safe_load(yaml.safe_dump(base))
-            if mode != "static":
-                cfg["elastic"] = {"rebalance": mode}
-            cfg.update(seed=seed, output_dir=str(a.out / f"{mode}_seed{seed}"))
-            r = summary(Path(cfg["output_dir"]), {**run_one(cfg, a.out, init, a.iterations), "mode": mode})
-            results.append(r)
-            print(f"[{mode} seed {seed}] {r['iteration_s']:.2f} s/iteration (train {r['train_s']:.2f} s, moves "
-                  f"{r['moves_s']:.2f} s, grown in {r['grown_iterations']} iterations), checks "
-                  f"{'passed' if r['stale_check_passed'] else 'FAILED'}", flush=True)
+
+    def configure(cfg: dict, mode: str) -> None:
+        if mode != "static":
+            cfg["elastic"] = {"rebalance": mode}
+
+    def report(r: dict) -> None:
+        print(f"[{r['mode']} seed {r['seed']}] {r['iteration_s']:.2f} s/iteration (train {r['train_s']:.2f} s, moves "
+              f"{r['moves_s']:.2f} s, grown in {r['grown_iterations']} iterations), checks "
+              f"{'passed' if r['stale_check_passed'] else 'FAILED'}", flush=True)
+
+    results = side_by_side(base, modes, [int(s) for s in a.seeds.split(",")], a.out, a.iterations, configure,
+                           summary, report)
     rows = ["| mode | seed | trainer ranks in the update | iterations grown (2..) | s / iteration | "
             "log-probs + update (s) | grow + shrink (s) | bytes per move | held-out change |",
             "|---|---|---|---|---|---|---|---|---|"]

@@ -195,19 +195,37 @@ def phase(desc: str, total: int, quiet: bool):
         bar.close()
 
 
-def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900) -> list:
+def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900, died: list | None = None) -> list:
     """``ray.get`` of ``refs`` in order, with a progress bar that advances as each finishes; the
-    first failure is raised at once (the others are not waited for)."""
-    pending = list(refs)
+    first failure is raised at once (the others are not waited for). ``died``: a list that takes
+    the index of each call whose actor died (its result None) instead of raising."""
+    from ray.exceptions import RayActorError
+
+    pending, index = list(refs), {ref: i for i, ref in enumerate(refs)}
     deadline = time.monotonic() + timeout
     with phase(desc, len(refs), quiet) as bar:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
                 raise TimeoutError(f"{desc}: {len(pending)} of {len(refs)} actor calls unfinished after {timeout} s")
-            ray.get(done)  # raises the actor's error here
+            try:
+                ray.get(done)  # raises the actor's error here
+            except RayActorError:
+                if died is None:
+                    raise
+                died.append(index[done[0]])
             bar.update(len(done))
-    return ray.get(refs)
+    return [None if died and i in died else ray.get(ref) for i, ref in enumerate(refs)]
+
+
+def stop_actors(ray, actors: Sequence) -> None:
+    """Shut the engines of ``actors`` down (their worker processes too), then free the actors."""
+    try:
+        ray.get([a.shutdown.remote() for a in actors], timeout=60)
+    except Exception:  # noqa: BLE001 - best effort: the actors are killed next
+        pass
+    for a in actors:
+        ray.kill(a)
 
 
 # config ``placement`` -> the placement group's strategy (SPREAD is Ray's best-effort spread: on one
@@ -456,7 +474,7 @@ class Cluster:
             self.open_channel()
             fill = self.sync()
         except Exception as e:  # noqa: BLE001 - back to the old replicas, then one message
-            self._stop_replicas(incoming.actors)
+            stop_actors(self.ray, incoming.actors)
             (self.cfg, self.replicas, self._replica_gpus, self.tp, self.n_replicas, self.resources) = old
             if not fall_back:
                 raise RuntimeError(f"the new rollout replicas were not taken after the trainer world moved "
@@ -467,7 +485,7 @@ class Cluster:
                              f"{str(e).splitlines()[0] if str(e) else ''}); killed, the old replicas generate on") from e
         stop_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        self._stop_replicas(old[1])
+        stop_actors(self.ray, old[1])
         return {"background_s": background_s, "waited_for_build_s": t1 - t0, "stop_the_world_s": stop_s,
                 "release_s": time.perf_counter() - t2, "bytes_moved": fill["bytes_moved"],
                 "fill_sync_s": fill["seconds"], "old_replicas": len(old[1]), "new_replicas": len(self.replicas),
@@ -477,16 +495,7 @@ class Cluster:
         """Drop new replicas still starting (the run ends, or their resize was abandoned)."""
         incoming, self._incoming = self._incoming, None
         if incoming is not None:
-            self._stop_replicas(incoming.actors)
-
-    def _stop_replicas(self, actors: Sequence) -> None:
-        """Shut the engines of ``actors`` down (their worker processes too), then free the actors."""
-        try:
-            self.ray.get([a.shutdown.remote() for a in actors], timeout=60)
-        except Exception:  # noqa: BLE001 - best effort: the actors are killed next
-            pass
-        for a in actors:
-            self.ray.kill(a)
+            stop_actors(self.ray, incoming.actors)
 
     def _gone(self, actors: Sequence, wait_s: float = 90.0) -> int:
         """How many of ``actors`` Ray reports dead (a call to each fails with ``RayActorError``).
@@ -812,29 +821,15 @@ class Cluster:
             out[0].extend(tokens), out[1].extend(logprobs), out[2].extend(versions)
         return out
 
-    def _collect_shares(self, gen: "Generation", desc: str, timeout: float = 900) -> list[tuple]:
+    def _collect_shares(self, gen: "Generation", desc: str) -> list[tuple]:
         """Each share's (tokens, log-probs, per-sample versions), in share order; the shares of
         replicas that died generated again by the others."""
-        from ray.exceptions import ActorDiedError, RayActorError
-
-        results: list = [None] * len(gen.refs)
-        index = {ref: i for i, ref in enumerate(gen.refs)}
-        pending, deadline, lost = list(gen.refs), time.monotonic() + timeout, []
-        with phase(desc, len(gen.refs), self.quiet) as bar:
-            while pending:
-                done, pending = self.ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                if not done:
-                    raise TimeoutError(f"{desc}: {len(pending)} of {len(gen.refs)} replicas unfinished after {timeout} s")
-                i = index[done[0]]
-                try:
-                    g = self.ray.get(done[0])
-                except (ActorDiedError, RayActorError):
-                    lost.append(i)
-                    continue
-                results[i] = (g["tokens"], g["logprobs"], [g.get("version")] * len(g["tokens"]))
-                bar.update(1)
-        if lost:
-            for i, part in zip(lost, self._requeue(gen, lost)):
+        died: list[int] = []
+        got = wait_all(self.ray, gen.refs, desc, self.quiet, died=died)
+        results = [None if g is None else (g["tokens"], g["logprobs"], [g.get("version")] * len(g["tokens"]))
+                   for g in got]
+        if died:
+            for i, part in zip(died, self._requeue(gen, died)):
                 results[i] = part
         return results
 

@@ -339,7 +339,6 @@ class Loop:
         roll, self.ahead = self.ahead[1], None
         if roll.segments is not None:  # partial rollout: the round in flight; the rest after the sync
             roll.segments.collect()
-            roll.versions = [min(v) for v in roll.token_versions]
         else:
             roll = self.collect(it, roll)
         old = [v for v in roll.versions if it - v > self.max_staleness]

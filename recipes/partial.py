@@ -52,7 +52,8 @@ class Segments:
         return True
 
     def collect(self) -> None:
-        """The round in flight, done: its tokens appended to their samples."""
+        """The round in flight, done: its tokens appended to their samples, and each sample's
+        version (``roll.versions``) that of its oldest token."""
         if self.gen is None:
             return
         tokens, logprobs, versions = self.cluster.collect_generation(self.gen)
@@ -61,6 +62,7 @@ class Segments:
             r.responses[i] += t
             r.logprobs[i] += lp
             r.token_versions[i] += [self.version if v is None else v] * len(t)
+        r.versions = [min(v) if v else self.version for v in r.token_versions]
         self.gen = None
 
     def pump(self, calls: list, on_round=None) -> None:
@@ -82,5 +84,4 @@ class Segments:
         self.collect()
         while self.submit():
             self.collect()
-        self.roll.versions = [min(v) if v else self.version for v in self.roll.token_versions]
         self.roll.gen_seconds = time.perf_counter() - self.roll.started

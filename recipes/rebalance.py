@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 
-from recipes.cluster import wait_all
+from recipes.cluster import stop_actors, wait_all
 
 # (CPU, GPU) the grown world's actors take of Ray's: none — their bundles are held whole by the
 # trainer ranks and the replicas already there (``resize.COMBINED_TRAINER_SLOT``)
@@ -137,28 +137,19 @@ class Rebalance:
         """One move of the whole training state from ``senders`` (only read) to ``receivers``
         (overwritten) over the union of their ranks."""
         from rlhf_switch.elastic import ResizePlan
+        from rlhf_switch.elastic.manager import bytes_moved, union_move
 
         big, small = tuple(range(self.world)), tuple(range(self.small))
         plan = ResizePlan(small, big) if len(senders) == self.small else ResizePlan(big, small)
         t0 = time.perf_counter()
-        host, port = self.ray.get(senders[0].resize_store.remote(), timeout=120)
-        refs = [w.resize_move.remote(plan.endpoint(host, port, "old", r)) for r, w in enumerate(senders)]
-        refs += [w.resize_move.remote(plan.endpoint(host, port, "new", r)) for r, w in enumerate(receivers)]
-        members = self.ray.get(refs, timeout=600)
-        old = [m for m in members if m["side"] == "old"]
+        members = union_move(self.ray, senders, receivers, plan)
         return {"seconds": time.perf_counter() - t0, "join_s": max(m["join_s"] for m in members),
-                "move_s": max(m["move_s"] for m in members),
-                "bytes_moved": sum(m["bytes_sent"] + m["bytes_local"] for m in old),
-                "bytes_sent": sum(m["bytes_sent"] for m in old)}
+                "move_s": max(m["move_s"] for m in members), "bytes_moved": bytes_moved(members),
+                "bytes_sent": sum(m["bytes_sent"] for m in members if m["side"] == "old")}
 
     def close(self) -> None:
         """The grown world's actors shut down (after a shrink: the trainer's own world holds the state)."""
         if self.grown:
             self.cluster.workers, self.cluster.world, self._home = self._home, self.small, None
-        try:
-            self.ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-        except Exception:  # noqa: BLE001 - best effort: the actors are killed next
-            pass
-        for w in self.workers:
-            self.ray.kill(w)
+        stop_actors(self.ray, self.workers)
         self.workers = []

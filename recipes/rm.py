@@ -182,13 +182,13 @@ class RewardWorld:
     def shutdown(self, graceful: bool = True) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        if graceful and self.workers:
-            try:
-                self.ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-            except Exception:  # noqa: BLE001 - best effort: the actors are killed next
-                pass
-        for w in self.workers:
-            self.ray.kill(w)
+        from recipes.cluster import stop_actors
+
+        if graceful:
+            stop_actors(self.ray, self.workers)
+        else:
+            for w in self.workers:
+                self.ray.kill(w)
         self.workers = []
         remove_placement_group(self.pg)
 

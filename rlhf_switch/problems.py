@@ -396,8 +396,10 @@ def _rebalance(cfg: RunConfig, facts: Facts) -> list[str]:
     grown = cfg.world_size + (cfg.world_size // cfg.rollout.tp) * cfg.rollout.tp
     data = cfg.model_dump()
     data.update(scaled_along_dp(data, grown), elastic=None)
+    # the checks whose answer does not depend on the world ran on the run's own config already
+    same = ("prompts", "reward", "logging", "reward_model")
     try:
-        found = run_problems(load_config(data), cuda_available=facts.cuda_available, skip=("reward",))
+        found = run_problems(load_config(data), cuda_available=facts.cuda_available, skip=same)
     except ConfigError as err:
         found = err.problems or [str(err)]
     return [f"elastic.rebalance: the grown world of {grown} devices: {p}" for p in found]

@@ -146,11 +146,31 @@ class ResizeResult:
 
     @property
     def bytes_moved(self) -> int:
-        return sum(m["bytes_sent"] + m["bytes_local"] for m in self.members if m["side"] == "old")
+        return bytes_moved(self.members)
 
     @property
     def bytes_moved_by_engine(self) -> list[int]:
         return bytes_by_engine(self.members)
+
+
+def bytes_moved(members: Sequence[Mapping]) -> int:
+    """The bytes a union move's old side sent or kept (``union_move``'s member reports)."""
+    return sum(m["bytes_sent"] + m["bytes_local"] for m in members if m["side"] == "old")
+
+
+def union_move(ray, old_workers: Sequence, new_workers: Sequence, plan: ResizePlan, timeout_s: float = 600.0,
+               source: str = "engine") -> list[dict]:
+    """One VPS move of the training state over the union of ``old_workers`` (only read; ``source``
+    as ``HybridWorker.resize_move`` takes it) and ``new_workers`` (overwritten): the union store
+    on old rank 0, every member's ``resize_move``. Returns every union rank's move report."""
+    # host copies: the survivors' main calls are stuck in their broken world, so their part runs
+    # in the control group; their engines' own state (a planned resize) is read in order
+    group = {"concurrency_group": CONTROL} if source == "host_copy" else {}
+    host, port = ray.get(old_workers[0].resize_store.options(**group).remote(), timeout=120)
+    refs = [w.resize_move.options(**group).remote(plan.endpoint(host, port, "old", r), source)
+            for r, w in enumerate(old_workers)]
+    refs += [w.resize_move.remote(plan.endpoint(host, port, "new", r)) for r, w in enumerate(new_workers)]
+    return ray.get(refs, timeout=timeout_s)
 
 
 def bytes_by_engine(members: Sequence[Mapping]) -> list[int]:
@@ -235,16 +255,8 @@ class PendingWorld:
         self.wait()
         ray, plan = self.ray, self.plan
         t0 = time.perf_counter()
-        # host copies: the survivors' main calls are stuck in their broken world, so their part runs
-        # in the control group (each is killed after it: nothing waits for the stuck call); their
-        # engines' own state (a planned resize) is read in order, after the last step
-        group = {"concurrency_group": CONTROL} if source == "host_copy" else {}
-        host, port = ray.get(old_workers[0].resize_store.options(**group).remote(), timeout=120)
-        refs = [w.resize_move.options(**group).remote(plan.endpoint(host, port, "old", r), source)
-                for r, w in enumerate(old_workers)]
-        refs += [w.resize_move.remote(plan.endpoint(host, port, "new", r)) for r, w in enumerate(self.workers)]
-        try:
-            members = ray.get(refs, timeout=timeout_s)
+        try:  # host copies: each old actor is killed after its part (nothing waits for its stuck call)
+            members = union_move(ray, old_workers, self.workers, plan, timeout_s, source)
         except Exception as e:  # noqa: BLE001 - the old side only read its state: it trains on
             self.abandon()
             raise ResizeError(f"the stop-the-world move failed ({type(e).__name__}); the new world "
