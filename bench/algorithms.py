@@ -66,6 +66,27 @@ def run_one(cfg: dict, work: Path, init: Path, iterations: int) -> dict:
             "dynamic_sampling_draws": sum(r.get("dynamic_sampling", {}).get("draws", 0) for r in its)}
 
 
+def time_to_reward(records: list[dict], target: float, window: int = 1) -> float | None:
+    """Seconds of training until the rollout reward first reaches ``target``: the summed
+    ``iteration_seconds`` from the start of the first iteration to the end of the first one whose
+    ``reward_mean`` (the reward of the batch it trained on; with ``window`` > 1, the mean over it
+    and the ``window - 1`` iterations before it) is at least ``target``; None when none is.
+    ``records`` are a run's ``metrics.jsonl`` records: the iterations' are those with
+    ``reward_mean``, taken in iteration order; evaluations and checkpoints between them are not
+    counted."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    its = sorted((r for r in records if "reward_mean" in r), key=lambda r: r["iteration"])
+    elapsed, rewards = 0.0, []
+    for r in its:
+        elapsed += r["iteration_seconds"]
+        rewards.append(r["reward_mean"])
+        last = rewards[-window:]
+        if len(last) == window and sum(last) / window >= target:
+            return elapsed
+    return None
+
+
 def side_by_side(base: dict, modes: list[str], seeds: list[int], out: Path, iterations: int, configure,
                  summarise, report) -> list[dict]:
     """Each mode's run of ``base``, per seed from one warm start, the modes in turn (a load that

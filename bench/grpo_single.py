@@ -55,7 +55,7 @@ def token_logprobs(model, ids, targets):
 def run_seed(cfg, seed, a, log=print) -> dict:
     tok = CharTokenizer()
     alg = cfg.algorithm
-    task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
+    task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.length_skew)
     splits = make_splits(task, cfg.task.num_train, cfg.task.num_heldout, cfg.task.seed)
     reward_fn = load_reward_fn(a.reward or cfg.task.reward_fn)
     max_ctx = int(cfg.model.hf_config["max_position_embeddings"])

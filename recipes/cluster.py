@@ -52,6 +52,10 @@ class Resources:
 # what a rollout replica started while the old replicas still run takes of its first device's bundle
 # (CPU, GPU): that bundle's trainer rank (0.5, 0.5) and old replica (0.4, 0.5) leave (0.1, 0) free
 TRANSITION_SLOT = (0.1, 0.0)
+# what a replica lent the trainer's devices (elastic.lend) takes of its first device's bundle (CPU,
+# GPU): the trainer rank there holds (0.5, 1.0) when the replicas have devices of their own; the
+# GPUs are handed to it by id, as a colocated replica's are
+LENT_SLOT = (0.4, 0.0)
 
 
 @dataclass
@@ -83,7 +87,7 @@ class IncomingReplicas:
         self.owner.abandon_replicas()
 
 
-def resources(world: int, tp: int, replica_placement: bool, colocate: bool = True) -> Resources:
+def resources(world: int, tp: int, replica_placement: bool, colocate: bool = True, lend: bool = False) -> Resources:
     """The bundles and actor slots of a run of ``world`` trainer devices whose rollout engine runs
     replicas of TP ``tp`` (``replica_placement``: in actors of their own, vLLM; else inside the
     hybrid workers). Pure.
@@ -92,7 +96,10 @@ def resources(world: int, tp: int, replica_placement: bool, colocate: bool = Tru
     replica that starts on it take half each, and replica ``r``'s TP workers use the ``tp`` whole
     devices of bundles ``r·tp .. r·tp+tp-1`` (a Ray actor holds a share of ONE bundle, so those
     devices are handed to it, ``replica_devices``). Not colocated: the trainer's devices, then one
-    bundle of ``tp`` devices per replica, all its own."""
+    bundle of ``tp`` devices per replica, all its own; ``lend`` (``elastic.lend``): after those
+    replicas, as many again on the trainer's devices — each beside the trainer rank of its first
+    device (``LENT_SLOT``), its TP workers handed that rank's and the next ones' devices as a
+    colocated replica's are."""
     device = {"CPU": 1, "GPU": 1}
     workers = tuple(Slot(i, 0.5, 0.5 if colocate else 1.0) for i in range(world))
     if not replica_placement:
@@ -103,15 +110,26 @@ def resources(world: int, tp: int, replica_placement: bool, colocate: bool = Tru
         return Resources((device,) * world, workers, replicas,
                          tuple(tuple(range(r * tp, (r + 1) * tp)) for r in range(n)))
     replicas = tuple(Slot(world + r, 1, tp) for r in range(n))
-    return Resources((device,) * world + ({"CPU": 1, "GPU": tp},) * n, workers, replicas, ())
+    bundles = (device,) * world + ({"CPU": 1, "GPU": tp},) * n
+    if not lend:
+        return Resources(bundles, workers, replicas, ())
+    lent = tuple(Slot(r * tp, *LENT_SLOT) for r in range(n))
+    return Resources(bundles, workers, replicas + lent,
+                     ((),) * n + tuple(tuple(range(r * tp, (r + 1) * tp)) for r in range(n)))
 
 
-def resources_for(cfg) -> Resources:
-    """``resources`` of a run config."""
+def lent_replicas(res: Resources, world: int, colocate: bool) -> list[int]:
+    """The replicas of ``res`` on the trainer's devices of a run whose replicas have devices of
+    their own (``elastic.lend``): they generate only in the iterations that lend them. Pure."""
+    return [] if colocate else [i for i, s in enumerate(res.replicas) if s.bundle < world]
+
+
+def resources_for(cfg, lend: bool = False) -> Resources:
+    """``resources`` of a run config (of one world: ``lend`` is the run's ``elastic.lend``)."""
     from rlhf_switch.engines.base import rollout_engine
 
     return resources(cfg.world_size, cfg.rollout.tp, rollout_engine(cfg.rollout.engine).placement == "replica",
-                     cfg.rollout.colocate)
+                     cfg.rollout.colocate, lend)
 
 
 def start_ray(cfg, world: int, verbose: bool = False):
@@ -269,10 +287,11 @@ class SyncFailed(RuntimeError):
 class Cluster:
     """The actors of one run and the phases that involve all of them."""
 
-    def __init__(self, cfg, ray, quiet: bool = False, devices: Sequence | None = None):
+    def __init__(self, cfg, ray, quiet: bool = False, devices: Sequence | None = None, lend: bool = False):
         """``devices``: one (placement group, bundle index) per rank, owned by the caller (the
         elastic device manager, whose devices outlive a world); by default the cluster makes and
-        owns a placement group of ``world_size`` devices."""
+        owns a placement group of ``world_size`` devices. ``lend``: replicas on the trainer's
+        devices too (``elastic.lend``; ``resources``)."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -287,8 +306,10 @@ class Cluster:
         self._incoming = None  # new rollout replicas starting in the background (start_replicas)
         self.rollout_cls = rollout_engine(cfg.rollout.engine)
         self.in_world = self.rollout_cls.placement == "worker"
-        self.tp, self.n_replicas = cfg.rollout.tp, world // cfg.rollout.tp
-        self.resources = res = resources_for(cfg)
+        self.resources = res = resources_for(cfg, lend)
+        self.tp, self.n_replicas = cfg.rollout.tp, len(res.replicas) or world // cfg.rollout.tp
+        # elastic.lend: the replicas on the trainer's devices, and whether they generate now
+        self.lent, self.lending = lent_replicas(res, world, cfg.rollout.colocate), False
         self.owns_devices = devices is None
         if devices is None:
             self.pg = placement_group(list(res.bundles), strategy=STRATEGIES[cfg.placement])
@@ -324,6 +345,9 @@ class Cluster:
         seen = ray.get([w.devices_seen.remote() for w in self.workers], timeout=180)
         try:
             self.device = world_device(cfg, all(s["cuda"] for s in seen))
+            if self.lent and self.device.is_cuda:  # fail closed: nothing of this ran on a GPU
+                raise ValueError("elastic.lend on CUDA is not built yet (a replica lent the trainer's GPUs would "
+                                 "need the trainer's memory freed while it generates)")
         except Exception:  # a ConfigError: nothing of this run may stay behind on a joined cluster
             self.shutdown(graceful=False)
             raise
@@ -375,7 +399,9 @@ class Cluster:
         from rlhf_switch.families import context_length
 
         tp = cfg.rollout.tp
-        return RolloutContext(self.hf, self._rollout_spec(cfg), str(init_dir), tp, cfg.world_size // tp, replica,
+        # this run's replicas (with those lent the trainer's devices), or a new layout's
+        replicas = len(self.resources.replicas) if cfg is self.cfg else cfg.world_size // tp
+        return RolloutContext(self.hf, self._rollout_spec(cfg), str(init_dir), tp, replicas, replica,
                               cfg.seed, context_length(self.hf), device=self.device,
                               memory_utilization=cfg.rollout.memory_utilization)
 
@@ -614,7 +640,9 @@ class Cluster:
         devices = [(self._node_of_rank(i), i) for i in range(self.world)]
         for r, slot in enumerate(self.resources.replicas):
             node = self._node_of_rank(r * self.tp, slot.bundle)
-            first = r * self.tp if self.cfg.rollout.colocate else self.world + r * self.tp
+            # on the trainer's devices (colocated, or lent: elastic.lend) from its bundle's, else
+            # on devices of its own after them
+            first = slot.bundle if slot.bundle < self.world else self.world + (slot.bundle - self.world) * self.tp
             devices += [(node, first + t) for t in range(self.tp)]
         return devices
 
@@ -801,11 +829,18 @@ class Cluster:
         a replica lost earlier leaves a count that need not divide), each share's call started."""
         if not self.replicas:
             raise RuntimeError("no rollout replica is left to generate with")
-        eos, R, n = self.hf.get("eos_token_id"), len(self.replicas), len(prompts)
+        replicas = self.generating()
+        eos, R, n = self.hf.get("eos_token_id"), len(replicas), len(prompts)
         cuts = [i * (n // R) + min(i, n % R) for i in range(R + 1)]
-        shares = [(r, prompts[a:b], seeds[a:b]) for r, a, b in zip(self.replicas, cuts, cuts[1:]) if b > a]
+        shares = [(r, prompts[a:b], seeds[a:b]) for r, a, b in zip(replicas, cuts, cuts[1:]) if b > a]
         refs = [r.generate.remote(p, max_new_tokens, temperature, s, eos) for r, p, s in shares]
         return Generation(shares, refs, max_new_tokens, temperature)
+
+    def generating(self) -> list:
+        """The replicas a generation is shared over: all of them — but those lent the trainer's
+        devices (``elastic.lend``) only while ``lending`` (or when no other is left)."""
+        own = [r for i, r in enumerate(self.replicas) if i not in self.lent]
+        return list(self.replicas) if self.lending or not own else own
 
     def collect_generation(self, submitted) -> tuple[list[list[int]], list[list[float]], list[int | None]]:
         """The responses, per-token log-probs and, per sample, the weight version its replica
@@ -890,6 +925,7 @@ class Cluster:
             res, replicas=tuple(res.replicas[i] for i in keep),
             replica_devices=tuple(res.replica_devices[i] for i in keep) if res.replica_devices else ())
         self.n_replicas = len(self.replicas)
+        self.lent = lent_replicas(self.resources, self.world, self.cfg.rollout.colocate)
         if self.replicas:
             self.open_channel()
         return names

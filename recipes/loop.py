@@ -12,7 +12,8 @@ built from it. Each iteration is a fixed sequence of named phases (``Loop.iterat
     sync        trainer -> rollout engine through the weight channel (a VPS move of the weights);
                 elastic.redundancy: host — the buddies' host copies refreshed; train.offload — the
                 trainer's optimizer state parked in host memory while the rollout runs
-    rollout     group_size samples per prompt (then the parked state comes back)
+    rollout     group_size samples per prompt (then the parked state comes back); elastic.lend: also
+                on replicas lent the trainer's devices (``recipes/rebalance.py``: ``Lending``)
     reward      the run's reward function on every sample (in the driver or its reward workers,
                 each call within ``reward_timeout_s``: ``rlhf_switch.reward_workers``); with
                 ``reward.model_path`` also the reward model's score in the workers
@@ -158,6 +159,8 @@ class Loop:
         self.cluster = self.log = self.evaluator = self.reward_runner = None
         self.rebalance = None  # elastic.rebalance: the grown trainer world (recipes/rebalance.py)
         self.rebalanced: dict | None = None  # this iteration's grow and shrink
+        self.lending = None  # elastic.lend: the trainer's devices lent to the rollout (recipes/rebalance.py)
+        self.lent: dict | None = None  # this iteration's
         self.timings: dict[str, float] = {}
 
     # --- output ----------------------------------------------------------------------------------
@@ -216,7 +219,8 @@ class Loop:
         """The actors and engines of the first iteration's world, from the warm start (or the
         checkpoint being resumed)."""
         self.cluster = Cluster(world_cfg, ray, self.quiet,
-                               devices=devices.slots(range(world_cfg.world_size)) if devices else None)
+                               devices=devices.slots(range(world_cfg.world_size)) if devices else None,
+                               lend=self.cfg.elastic is not None and self.cfg.elastic.lend != "off")
         built = self.cluster.build(self.init_dir, self.resume_dir)
         if self.resume_dir is not None and int(built["start"].get("iteration", -1)) != self.first - 1:
             raise RuntimeError(f"{self.resume_dir}: the engines loaded iteration {built['start'].get('iteration')}, "
@@ -226,6 +230,12 @@ class Loop:
         self.say(f"{self.cfg.world_size} workers: train {built['trainer']}, rollout {built['rollout']}, "
                  f"{built['params']:,} params; {resumed}ready in {time.perf_counter() - t_start:.1f} s")
         self.evaluator = Evaluator(self.cfg, self.splits, self.tok, self.reward_runner, self.max_ctx)
+        if self.cfg.elastic is not None and self.cfg.elastic.lend != "off":
+            from recipes.rebalance import Lending
+
+            self.lending = Lending(self.cluster, self.cfg.elastic.lend)
+            self.say(f"lend {self.cfg.elastic.lend}: {len(self.cluster.lent)} rollout replica(s) on the trainer's "
+                     f"devices take a share of the rollout")
         if self.cfg.elastic is not None and self.cfg.elastic.rebalance != "off":
             from recipes.rebalance import Rebalance
 
@@ -246,6 +256,7 @@ class Loop:
         if it == self.first and (it == 0 or (self.cfg.eval.every and it % self.cfg.eval.every == 0)):
             self.evaluate(it, "before")  # where the uninterrupted run evaluated before this iteration
         with self.timed("rollout"):
+            self.lend(it)
             roll = ahead or self.rollout(it, draw_prompts(self.cfg, self.splits, it))
             if roll.segments is not None:  # partial rollout: the unfinished samples, with the weights just synced
                 roll.segments.finish()
@@ -352,6 +363,9 @@ class Loop:
         """The rollout engines are done until the next sync: they stand by for it, the phase's
         memory mark, the parked trainer state back (``train.offload``)."""
         fault(self.faults.crash_at, it, "after generation")
+        if self.lending is not None:  # the lent devices go back to the trainer
+            took = self.timings["rollout"] + self.timings.get("dynamic_sampling", 0.0)
+            self.lent = {**(self.lent or {}), **self.lending.give_back(it, took)}
         # a sync comes before the rollout engines are used again (partial rollout: after more
         # segments of the batch in flight, which a receive posted now would hold up)
         segmented = self.ahead is not None and self.ahead[1].segments is not None
@@ -417,6 +431,12 @@ class Loop:
                           [v == it or not self.max_staleness for v in roll.versions]),
                 **self.algorithm.batch_fields(roll.scores, roll.truncated)}
 
+    def lend(self, it: int) -> None:
+        """``elastic.lend``: whether this rollout takes the trainer's devices too — every iteration
+        (``rollout``) or where it last paid (``auto``); ``rollout_done`` gives them back."""
+        if self.lending is not None:
+            self.lent = self.lending.lend(it)
+
     def grow(self, it: int) -> None:
         """``elastic.rebalance``: the training state into the grown world (the trainer's devices
         and the replicas'), where the log-probs and the update run — every iteration (``update``),
@@ -472,6 +492,8 @@ class Loop:
                           self.stale_tol, time.perf_counter() - t_it)
         if self.rebalanced is not None:  # elastic.rebalance: the grown world's size, the moves there and back
             rec["rebalance"], self.rebalanced = self.rebalanced, None
+        if self.lent is not None:  # elastic.lend: whether the rollout took the trainer's devices, and how long
+            rec["lend"], self.lent = self.lent, None
         lost, self.cluster.replica_events = self.cluster.replica_events, []
         if lost:  # rollout replicas that died mid-generation: their prompts generated again by the others
             rec["rollout_replicas_lost"] = lost

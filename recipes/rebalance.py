@@ -23,9 +23,14 @@ weight channel stays between the N-rank world and the replicas.
 ``auto`` grows only where it pays (``choose``): it trains in the trainer's own world until the
 grown one is built, measures one grown iteration, then takes whichever of the two last took less
 (log-probs + update, plus the two moves when grown), measuring the other again every
-``PROBE_EVERY`` iterations. Moving devices the other way (trainer devices lent to rollout) is not
-built; nor is any of it run on CUDA (the grown world's actors would need the replicas' devices
-handed to them, as a colocated replica's are).
+``PROBE_EVERY`` iterations.
+
+``elastic.lend`` (``Lending``) moves devices the other way: while the synchronous loop waits for
+samples the trainer's devices are idle, so replicas on them (started with the others, fed by the
+same weight channel at every sync) take a share of the rollout's prompts — every iteration
+(``rollout``) or where that last made the rollout shorter (``auto``). Neither is run on CUDA (the
+grown world's actors would need the replicas' devices handed to them, as a colocated replica's
+are; a lent replica would need the trainer's memory freed while it generates).
 """
 from __future__ import annotations
 
@@ -40,21 +45,57 @@ REBALANCE_SLOT = (0.0, 0.0)
 PROBE_EVERY = 8
 
 
-def choose(built: bool, last: dict, measured_at: dict, it: int, probe_every: int = PROBE_EVERY) -> tuple[bool, str]:
-    """``rebalance: auto``'s choice for iteration ``it``: (grow, why). ``last``: the seconds the
-    train phase last took each way (``"static"``: log-probs + update in the trainer's world;
-    ``"grown"``: the same in the grown world plus both moves); ``measured_at``: the iteration each
-    was last measured. Pure."""
+def choose(built: bool, last: dict, measured_at: dict, it: int, probe_every: int = PROBE_EVERY,
+           ways: tuple[str, str] = ("grown", "static")) -> tuple[bool, str]:
+    """``auto``'s choice for iteration ``it``: (take the first of ``ways``, why). ``rebalance:
+    auto``: ``("grown", "static")``, ``last`` the seconds the train phase last took each way
+    (``"static"``: log-probs + update in the trainer's world; ``"grown"``: the same in the grown
+    world plus both moves); ``lend: auto``: ``("lent", "own")``, the rollout phase with the
+    replicas lent the trainer's devices or without. ``measured_at``: the iteration each was last
+    measured. Pure."""
+    tried, default = ways
     if not built:
         return False, "the grown world is still building"
-    for way in ("grown", "static"):
+    for way in ways:
         if way not in last:
-            return way == "grown", f"not measured {way} yet"
-    for way in ("grown", "static"):
+            return way == tried, f"not measured {way} yet"
+    for way in ways:
         if it - measured_at[way] > probe_every:
-            return way == "grown", f"{way} last measured at iteration {measured_at[way]}: measured again"
-    grow = last["grown"] < last["static"]
-    return grow, f"grown {last['grown']:.3f} s {'<' if grow else '>='} static {last['static']:.3f} s"
+            return way == tried, f"{way} last measured at iteration {measured_at[way]}: measured again"
+    take = last[tried] < last[default]
+    return take, f"{tried} {last[tried]:.3f} s {'<' if take else '>='} {default} {last[default]:.3f} s"
+
+
+class Lending:
+    """``elastic.lend``: the trainer's devices lent to the rollout — the cluster's replicas on
+    them (``cluster.lent``, started with the others) take a share of the rollout's prompts in the
+    iterations it lends them: every one (``rollout``) or where that last took less (``auto``:
+    ``choose``, the rollout phase measured each way)."""
+
+    WAYS = ("lent", "own")
+
+    def __init__(self, cluster, mode: str):
+        self.cluster, self.mode = cluster, mode
+        self.last: dict[str, float] = {}
+        self.measured_at: dict[str, int] = {}
+
+    def lend(self, it: int) -> dict:
+        """Whether iteration ``it``'s rollout takes the trainer's devices too; sets the cluster's
+        ``lending`` and returns what the record says of it."""
+        if self.mode == "auto":
+            lend, why = choose(True, self.last, self.measured_at, it, ways=self.WAYS)
+        else:
+            lend, why = True, "lend: rollout"
+        self.cluster.lending = lend
+        return {"lent": lend, "why": why, "replicas": len(self.cluster.generating())}
+
+    def give_back(self, it: int, seconds: float) -> dict:
+        """The rollout is over: the lent replicas stop taking prompts (their devices train again);
+        ``seconds``: what the rollout took, ``auto``'s input."""
+        way = self.WAYS[0] if self.cluster.lending else self.WAYS[1]
+        self.last[way], self.measured_at[way] = seconds, it
+        self.cluster.lending = False
+        return {"rollout_s": seconds}
 
 
 class Rebalance:
@@ -71,7 +112,9 @@ class Rebalance:
                              "of Ray's; the replicas' devices are not handed to them)")
         self.cluster, self.ray, self.quiet = cluster, cluster.ray, quiet
         self.small = cluster.world
-        lent = [s.bundle for s in cluster.resources.replicas for _ in range(cluster.tp)]
+        # the replicas' own devices (not those lent the trainer's: elastic.lend)
+        lent = [s.bundle for i, s in enumerate(cluster.resources.replicas) if i not in cluster.lent
+                for _ in range(cluster.tp)]
         self.cfg = scaled_config(cfg.model_copy(update={"elastic": None}), self.small + len(lent))
         self.world = self.cfg.world_size
         slots = [cluster._slot(b) for b in list(range(self.small)) + lent]

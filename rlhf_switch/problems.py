@@ -16,6 +16,8 @@ worked out once: the model's dimensions and whether the actors will see a GPU.
 ``off_policy`` a batch in flight (one-step off-policy) has replicas of their own devices
 ``rebalance``  ``elastic.rebalance``: replicas of their own devices, a synchronous loop, and a grown
                world (layouts scaled along DP) that passes every check
+``lend``       ``elastic.lend``: replicas of their own devices and a synchronous loop (the trainer's
+               devices are idle while it waits for samples)
 ``sampling``   the rollout engines sample as the algorithm block asks
 ``prompts``    ``task:`` — its prompts and answers fit the model and tokenizer; ``data:`` — the
                tokenizer loads and fits, every file reads with its keys, some prompts fit
@@ -377,14 +379,8 @@ def _rebalance(cfg: RunConfig, facts: Facts) -> list[str]:
     grown world must be a run of its own that passes every check."""
     if cfg.elastic is None or cfg.elastic.rebalance == "off":
         return []
-    problems, e = [], cfg.elastic
-    if not _replicas_of_their_own(cfg):
-        problems.append(f"elastic.rebalance: {e.rebalance} — lends the rollout replicas' own devices to the update: "
-                        f"rollout.mode: disaggregated with a replica engine (vllm); this run's rollout is "
-                        f"{cfg.rollout.engine}, {cfg.rollout.mode}")
-    if cfg.algorithm.off_policy is not None and cfg.algorithm.off_policy.max_staleness:
-        problems.append("elastic.rebalance: the replicas generate while the trainer trains (off_policy.max_staleness: "
-                        f"{cfg.algorithm.off_policy.max_staleness}): their devices are not idle to lend")
+    problems = _idle_to_lend(cfg, "rebalance", "lends the rollout replicas' own devices to the update",
+                             "the replicas generate while the trainer trains", "their devices are not idle to lend")
     # a schedule, redundancy: host and on_node_change: resize need colocated devices: refused by the config
     if cfg.train.offload != "none":
         problems.append(f"elastic.rebalance: the state moves between worlds from the engines' buffers; "
@@ -403,6 +399,31 @@ def _rebalance(cfg: RunConfig, facts: Facts) -> list[str]:
     except ConfigError as err:
         found = err.problems or [str(err)]
     return [f"elastic.rebalance: the grown world of {grown} devices: {p}" for p in found]
+
+
+@check("lend")
+def _lend(cfg: RunConfig, facts: Facts) -> list[str]:
+    """``elastic.lend: rollout`` lends the trainer's devices to the rollout: the rollout must run in
+    replicas of their own devices (the lent ones join them), while the trainer waits for samples
+    (no batch in flight: with one, the trainer trains while the replicas generate)."""
+    if cfg.elastic is None or cfg.elastic.lend == "off":
+        return []
+    return _idle_to_lend(cfg, "lend", "lends the trainer's devices to rollout replicas of their own devices",
+                         "the trainer trains while the replicas generate", "its devices are not idle to lend")
+
+
+def _idle_to_lend(cfg: RunConfig, field: str, lends: str, busy: str, so: str) -> list[str]:
+    """What moving devices between phases (``elastic.<field>``) needs either way: rollout
+    replicas on devices of their own, and the synchronous loop — with a batch in flight neither
+    side is idle while the other works (``busy``, ``so``)."""
+    problems = []
+    if not _replicas_of_their_own(cfg):
+        problems.append(f"elastic.{field}: {getattr(cfg.elastic, field)} — {lends}: rollout.mode: disaggregated "
+                        f"with a replica engine (vllm); this run's rollout is {cfg.rollout.engine}, {cfg.rollout.mode}")
+    if cfg.algorithm.off_policy is not None and cfg.algorithm.off_policy.max_staleness:
+        problems.append(f"elastic.{field}: {busy} (off_policy.max_staleness: "
+                        f"{cfg.algorithm.off_policy.max_staleness}): {so}")
+    return problems
 
 
 @check("sampling")

@@ -138,3 +138,77 @@ def test_cma_runs_bench_checks_every_way_it_times():
     rows = [line.split() for line in out.strip().splitlines()[1:]]
     assert len(rows) == 10 and {r[0] for r in rows} == {"768B", "4096B"}, out
     assert all(float(r[-2]) > 0 for r in rows), out  # CPU ms of each way
+
+
+# ---------------------------------------------------------------- time to reward (no run)
+
+
+def _iterations(rewards, seconds=2.0):
+    return [{"iteration": i, "reward_mean": r, "iteration_seconds": seconds} for i, r in enumerate(rewards)]
+
+
+def test_time_to_reward():
+    from bench.algorithms import time_to_reward
+
+    recs = _iterations([0.1, 0.3, 0.2, 0.5, 0.4])
+    # evaluations (no reward_mean) are not iterations, and the order of the file does not matter
+    recs = [{"iteration": 0, "heldout_reward": 0.9, "eval": "before"}] + recs[::-1]
+    assert time_to_reward(recs, 0.3) == 4.0        # the end of iteration 1: 2 iterations of 2 s
+    assert time_to_reward(recs, 0.1) == 2.0        # the first iteration already reaches it
+    assert time_to_reward(recs, 0.5) == 8.0
+    assert time_to_reward(recs, 0.51) is None      # never
+    assert time_to_reward([], 0.0) is None
+    # with a window, the mean of that many iterations: (0.3 + 0.2 + 0.5) / 3 at iteration 3
+    assert time_to_reward(recs, 1 / 3, window=3) == 8.0
+    uneven = [dict(r, iteration_seconds=s) for r, s in zip(_iterations([0.0, 0.0, 1.0]), (1.5, 0.25, 3.0))]
+    assert time_to_reward(uneven, 1.0) == 4.75
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        time_to_reward(recs, 0.3, window=0)
+
+
+def test_async_rollout_reports_time_to_reward(tmp_path, monkeypatch, capsys):
+    """bench.async_rollout's summary, target, table and JSON on made-up runs of the long config
+    (side_by_side stands in for the runs: each writes a metrics.jsonl as the loop does)."""
+    from bench import async_rollout
+
+    curves = {"sync": [0.1, 0.2, 0.3, 0.4, 0.5], "one_step": [0.1, 0.3, 0.5, 0.5, 0.6]}
+    seconds = {"sync": 3.0, "one_step": 2.0}
+
+    def fake_side_by_side(base, modes, seeds, out, iterations, configure, summarise, report):
+        assert base["task"]["length_skew"] > 0 and base["checkpoint"]["save_every"] == 0
+        results = []
+        for seed in seeds:
+            for mode in modes:
+                cfg = json.loads(json.dumps(base))
+                configure(cfg, mode)
+                run = out / f"{mode}_seed{seed}"
+                run.mkdir(parents=True)
+                recs = [dict(r, samples_per_s=32 / seconds[mode], phase_seconds={"rollout": 0.5},
+                             staleness_max=cfg["algorithm"]["off_policy"]["max_staleness"])
+                        for r in _iterations(curves[mode], seconds[mode])]
+                (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+                res = {"mode": mode, "seed": seed, "heldout_before": 0.1, "heldout_after": 0.2,
+                       "heldout_change": 0.1, "stale_check_passed": True}
+                results.append(summarise(run, res))
+                report(results[-1])
+        return results
+
+    monkeypatch.setattr(async_rollout, "side_by_side", fake_side_by_side)
+    config = os.path.join(ROOT, "configs", "grpo_20m_long.yaml")
+    assert async_rollout.main(["--config", config, "--iterations", "5", "--seeds", "0",
+                               "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "async_rollout.json").read_text())
+    sync, one_step = data["runs"]
+    # the seed's sync run's last 3 iterations: (0.3 + 0.4 + 0.5) / 3
+    assert sync["reward_target"] == one_step["reward_target"] == pytest.approx(0.4)
+    assert sync["time_to_reward_s"] == 12.0 and one_step["time_to_reward_s"] == 6.0
+    assert one_step["reward_final"] == pytest.approx(1.6 / 3) and one_step["staleness"] == [1]
+    assert data["samples_per_s_ratios"]["one_step"] == pytest.approx(1.5)
+    out = capsys.readouterr().out
+    assert "reward target: per seed, sync's" in out and "| time to reward (s) |" in out and "| 0.400 | 12.0 |" in out
+    # a given target; one that is never reached
+    assert async_rollout.main(["--config", config, "--iterations", "5", "--seeds", "0", "--reward-target", "0.55",
+                               "--out", str(tmp_path / "b")]) == 0
+    sync, one_step = json.loads((tmp_path / "b" / "async_rollout.json").read_text())["runs"]
+    assert sync["time_to_reward_s"] is None and one_step["time_to_reward_s"] == 10.0
+    assert "| never |" in capsys.readouterr().out

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from test_loop_inputs import config, write
-from recipes.cluster import Slot, resources, resources_for
+from recipes.cluster import Slot, lent_replicas, resources, resources_for
 from rlhf_switch.problems import device_problems, run_problems, world_device
 from rlhf_switch.device import CPU, DeviceSpec, DeviceUnavailable, resolve_device
 from rlhf_switch.rl.config import ConfigError, load_config
@@ -127,8 +127,16 @@ def test_bundles_and_actor_slots_per_config():
     assert r.bundles == ({"CPU": 1, "GPU": 1},) * 4 + ({"CPU": 1, "GPU": 2},) * 2
     assert r.workers == tuple(Slot(i, 0.5, 1.0) for i in range(4))
     assert r.replicas == (Slot(4, 1, 2), Slot(5, 1, 2)) and r.replica_devices == () and r.devices == 8
+    # elastic.lend: as many replicas again on the trainer's devices, beside the rank of each one's
+    # first device, handed those devices; the bundles are the same
+    r = resources(4, 2, replica_placement=True, colocate=False, lend=True)
+    assert r.bundles == resources(4, 2, True, False).bundles
+    assert r.replicas == (Slot(4, 1, 2), Slot(5, 1, 2), Slot(0, 0.4, 0.0), Slot(2, 0.4, 0.0))
+    assert r.replica_devices == ((), (), (0, 1), (2, 3)) and lent_replicas(r, 4, colocate=False) == [2, 3]
+    assert lent_replicas(resources(4, 2, True), 4, colocate=True) == []
     # every bundle holds what its actors take
-    for res in (resources(4, 2, True), resources(4, 2, True, False), resources(2, 1, False)):
+    for res in (resources(4, 2, True), resources(4, 2, True, False), resources(2, 1, False),
+                resources(4, 2, True, False, lend=True)):
         for b, bundle in enumerate(res.bundles):
             on = [s for s in res.workers + res.replicas if s.bundle == b]
             assert sum(s.num_gpus for s in on) <= bundle["GPU"] and sum(s.num_cpus for s in on) <= bundle["CPU"]

@@ -50,6 +50,15 @@ def test_rebalance_refusals():
                        "algorithm.micro_batch_size": 8}) == []
     with pytest.raises(ConfigError, match="rebalance"):
         load_config(tiny("grpo_tiny_async.yaml", **{"elastic": {"rebalance": "always"}}))
+    # elastic.lend: the trainer's devices join replicas of their own, while the trainer waits for samples
+    lend_colocated = problems(**{"elastic": {"lend": "rollout"}, "rollout.mode": "colocated",
+                                 "algorithm.off_policy": None})
+    assert any("lends the trainer's devices to rollout replicas of their own devices" in p
+               for p in lend_colocated), lend_colocated
+    lend_in_flight = problems(**{"elastic": {"lend": "auto"}})
+    assert any("elastic.lend: the trainer trains while the replicas generate" in p
+               for p in lend_in_flight), lend_in_flight
+    assert problems(**{"elastic": {"lend": "rollout"}, "algorithm.off_policy": None}) == []
 
 
 @pytest.mark.slow
@@ -104,15 +113,24 @@ def test_auto_grows_where_it_last_paid_and_measures_the_other_way_again():
     assert choose(True, {"static": 1.0, "grown": 0.6}, {"static": 2, "grown": 1}, 3)[0] is True
     grow, why = choose(True, last, {"static": 1 + PROBE_EVERY + 1, "grown": 1}, 2 + PROBE_EVERY)
     assert grow and "measured again" in why
+    # lend: auto — the same choice between the rollout with the trainer's devices lent and without
+    ways = ("lent", "own")
+    assert choose(True, {}, {}, 0, ways=ways) == (True, "not measured lent yet")
+    assert choose(True, {"lent": 2.0}, {"lent": 0}, 1, ways=ways) == (False, "not measured own yet")
+    assert choose(True, {"lent": 2.0, "own": 3.0}, {"lent": 0, "own": 1}, 2, ways=ways)[0] is True
+    assert choose(True, {"lent": 3.5, "own": 3.0}, {"lent": 0, "own": 1}, 2, ways=ways)[0] is False
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_auto_rebalance_probes_the_grown_world_once_built(ray_session, tmp_path):
-    """``rebalance: auto`` in a real run: the trainer's own world trains while the grown one
-    builds (iteration 0 waits 10 s in its train phase, so the build is done after it); the first
-    iteration after that grows to measure the grown way, and each later one takes the way its
-    record says; every move is a whole round trip and the stale-weights check passes."""
+def test_auto_moves_devices_each_way_where_it_last_paid(ray_session, tmp_path):
+    """``rebalance: auto`` and ``lend: auto`` in one real run (one trainer rank, one replica of
+    its own, one lent the trainer's device). The update: the trainer's own world trains while the
+    grown one builds (iteration 0 waits 10 s in its train phase, so the build is done after it);
+    the first iteration after that grows to measure the grown way, and each later one takes the way
+    its record says; every move is a whole round trip. The rollout: iteration 0 lends the trainer's
+    device (both replicas generate), iteration 1 does not, then the faster way. The stale-weights
+    check passes throughout — the lent replica is fed by every sync, as the other is."""
     import time
 
     from recipes.common import warm_start
@@ -120,7 +138,7 @@ def test_auto_rebalance_probes_the_grown_world_once_built(ray_session, tmp_path)
 
     cfg = tiny("grpo_tiny_async.yaml", world_size=1, output_dir=str(tmp_path / "run"),
                **{"train.dp": 1, "reference.dp": 1, "rollout.dp": 1, "eval.num_prompts": 16,
-                  "algorithm.off_policy": None, "elastic": {"rebalance": "auto"}})
+                  "algorithm.off_policy": None, "elastic": {"rebalance": "auto", "lend": "auto"}})
     shutil.copytree(warm_start(load_config(cfg), tmp_path / "init", quiet=True), tmp_path / "run" / "init")
 
     def wait_for_the_build(it, phase, cluster):
@@ -136,3 +154,7 @@ def test_auto_rebalance_probes_the_grown_world_once_built(ray_session, tmp_path)
         if x["grown"]:
             assert x["grow"]["bytes_moved"] == x["shrink"]["bytes_moved"] > 0, x
     assert all(r["stale_check_passed"] and r["stale_logprob_diff"] < 1e-4 for r in recs), recs
+    lend = [r["lend"] for r in recs]
+    assert [(x["lent"], x["replicas"]) for x in lend[:2]] == [(True, 2), (False, 1)], lend
+    assert lend[2]["lent"] == (lend[0]["rollout_s"] < lend[1]["rollout_s"]), lend
+    assert all(x["replicas"] == (2 if x["lent"] else 1) for x in lend), lend

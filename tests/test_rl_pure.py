@@ -17,8 +17,8 @@ from rlhf_switch.rl import algorithms as A
 from rlhf_switch.problems import check_run, run_problems
 from rlhf_switch.rl.config import Aggregation, ConfigError, KLEstimator, RunConfig, load_config
 from rlhf_switch.rl.rewards import (RewardError, exact_match, load_reward_fn, partial_credit, score_samples)
-from rlhf_switch.rl.tasks import (TASKS, CharTokenizer, build_task, encode_prompt, longest_answer_tokens,
-                                  longest_prompt_tokens, make_splits)
+from rlhf_switch.rl.tasks import (ENUMERATE_BELOW, TASKS, CharTokenizer, build_task, encode_prompt,
+                                  longest_answer_tokens, longest_prompt_tokens, make_splits)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SHIPPED = ("grpo_tiny.yaml", "grpo_tiny_torch.yaml", "ppo_tiny.yaml")
@@ -64,6 +64,52 @@ def test_addition_draws_short_operands_too():
     prompts = [s.prompt for s in make_splits(build_task("addition", 1, 3), 500, 0, seed=0).train]
     lengths = {len(p.split("+")[0]) for p in prompts}
     assert lengths == {1, 2, 3}
+
+
+# sha256 (first 16 hex digits) of make_splits(build_task(name, lo, hi), 300, 50, seed=3), held-out
+# then train, each "prompt|answer" on a line: the splits of every config from before length_skew
+UNSKEWED_SPLITS = {("addition", 1, 3): "1526ac224d05e860", ("sorting", 1, 6): "3a65f3bbcb0e454b",
+                   ("reversal", 1, 4): "f97c765e8bbf28ec", ("reversal", 63, 127): "120c457bbd465896"}
+
+
+@pytest.mark.parametrize("name, lo, hi", sorted(UNSKEWED_SPLITS))
+def test_length_skew_zero_keeps_the_splits(name, lo, hi):
+    import hashlib
+
+    task = build_task(name, lo, hi)
+    assert task.space_size() > ENUMERATE_BELOW  # sampled: the stream that draw makes
+    assert task == build_task(name, lo, hi, length_skew=0.0)
+    splits = make_splits(task, 300, 50, seed=3)
+    text = "\n".join(f"{s.prompt}|{s.answer}" for s in splits.heldout + splits.train)
+    assert hashlib.sha256(text.encode()).hexdigest()[:16] == UNSKEWED_SPLITS[(name, lo, hi)]
+
+
+def test_length_skew_makes_short_samples_common():
+    lo, hi = 63, 127
+    skewed = build_task("reversal", lo, hi, length_skew=3.5)
+    splits = make_splits(skewed, 2000, 200, seed=0)
+    assert splits == make_splits(skewed, 2000, 200, seed=0)
+    lengths = sorted(len(s.answer) for s in splits.train + splits.heldout)
+    assert all(lo <= n <= hi for n in lengths)
+    for s in splits.train:
+        assert s.answer == _solve(s.prompt)
+    # uniform: mean 95; skew 3.5: mean ~79, median ~75, and still a tail to the longest
+    mean, median = sum(lengths) / len(lengths), lengths[len(lengths) // 2]
+    assert 75 < mean < 84 and 70 < median < 80 and lengths[-1] > 120, (mean, median, lengths[-1])
+    uniform = [len(s.answer) for s in make_splits(build_task("reversal", lo, hi), 2000, 0, seed=0).train]
+    assert sum(uniform) / len(uniform) > 90
+    weights = skewed.length_weights()
+    assert len(weights) == hi - lo + 1 and weights[0] == 1.0 and weights[-1] == pytest.approx(math.exp(-3.5))
+    # addition: the skew is on each operand's digit count
+    operands = [p.split("+")[0] for p in (s.prompt for s in
+                make_splits(build_task("addition", 1, 3, length_skew=4.0), 2000, 0, seed=0).train)]
+    counts = [sum(len(a) == n for a in operands) for n in (1, 2, 3)]
+    assert counts[0] > counts[1] > counts[2] > 0
+    # a listed (small) space holds every prompt once, whatever the skew
+    small = make_splits(build_task("sorting", 1, 2, length_skew=5.0), 90, 20, seed=0)
+    assert small == make_splits(build_task("sorting", 1, 2), 90, 20, seed=0)
+    with pytest.raises(ValueError, match="need length_skew >= 0, got -1"):
+        build_task("reversal", 1, 3, length_skew=-1)
 
 
 def test_bad_task_arguments():
@@ -381,6 +427,35 @@ def test_shipped_config_details():
     assert grpo.algorithm.name == "grpo" and grpo.critic is None and grpo.algorithm.rollout_batch_size == 512
     assert ppo.algorithm.name == "ppo" and ppo.critic is not None and ppo.algorithm.kl_estimator == "k1"
     assert list(ppo.phases()) == ["train", "rollout", "reference", "critic"]
+
+
+def test_long_generation_config():
+    """configs/grpo_20m_long.yaml (bench.async_rollout's long-generation job) passes every check
+    before Ray, and is what its header says: ~20M parameters, 64-128-token answers of skewed
+    lengths, partial credit."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = load_config(CONFIGS / "grpo_20m_long.yaml")
+    assert run_problems(cfg) == []
+    assert load_config(cfg.model_dump()) == cfg
+    assert (cfg.rollout.mode, cfg.rollout.dp, cfg.train.engine) == ("disaggregated", 2, "fsdp2")
+    assert cfg.task.reward_fn == "rlhf_switch.rl.rewards:partial_credit" and cfg.task.length_skew > 0
+    tok, task = CharTokenizer(), build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.length_skew)
+    assert len(tok.encode(task.longest().answer, add_eos=True)) == cfg.algorithm.max_new_tokens == 128
+    assert len(tok.encode("z" * cfg.task.min_len, add_eos=True)) == 64
+    hf = cfg.model.hf_dict()
+    assert hf["max_position_embeddings"] >= longest_prompt_tokens(task, tok) + cfg.algorithm.max_new_tokens
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"}))
+    assert sum(p.numel() for p in model.parameters()) == 20_717_056  # the count in the header
+    assert "20,717,056" in (CONFIGS / "grpo_20m_long.yaml").read_text()
+    with pytest.raises(ConfigError, match="length_skew"):
+        load_config({**cfg.model_dump(), "task": {**cfg.task.model_dump(), "length_skew": -1.0}})
+    # the warm start's cache key names the skew; an unskewed task's key is the one of before it existed
+    from rlhf_switch.rl.sft import fingerprint
+
+    assert fingerprint(cfg)["task"]["length_skew"] == 3.5
+    assert "length_skew" not in fingerprint(load_config(CONFIGS / "grpo_tiny_async.yaml"))["task"]
 
 
 def test_unknown_field_bad_type_and_bad_values_are_listed_one_per_field():

@@ -245,6 +245,9 @@ class TaskConfig(Strict):
     name: Literal["addition", "sorting", "reversal"]
     min_len: int = Field(1, ge=1)
     max_len: int = Field(3, ge=1)
+    # P(length n) ∝ exp(-length_skew·(n-min_len)/(max_len-min_len)): 0 = uniform; > 0 = mostly
+    # short with a tail to max_len. Sampled spaces only: a small one is listed whole (tasks.py)
+    length_skew: float = Field(0.0, ge=0, allow_inf_nan=False)
     num_train: int = Field(2000, ge=1)
     num_heldout: int = Field(200, ge=1)
     seed: int = 0
@@ -562,6 +565,11 @@ class ElasticConfig(Strict):
     # scaled along DP, the state moved into it and back (recipes/rebalance.py); auto: only in the
     # iterations where that last took less time than training alone (measured both ways); off: not
     rebalance: Literal["off", "update", "auto"] = "off"
+    # the other way — rollout: the trainer's devices (idle while the synchronous loop waits for
+    # samples) generate too: replicas lent them (rollout.mode: disaggregated; as many as the
+    # replicas of their own, beside the trainer ranks) take a share of every rollout's prompts;
+    # auto: only in the iterations where that last took less time (measured both ways); off: not
+    lend: Literal["off", "rollout", "auto"] = "off"
 
 
 class RunConfig(Strict):
@@ -881,7 +889,8 @@ def model_dims(model: ModelConfig) -> ModelDims:
 
 def task_prompt_tokens(cfg: RunConfig) -> int:
     """The longest prompt of a ``task:`` run's task, in the character tokenizer's ids."""
-    return longest_prompt_tokens(build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len), CharTokenizer())
+    t = cfg.task
+    return longest_prompt_tokens(build_task(t.name, t.min_len, t.max_len, t.length_skew), CharTokenizer())
 
 
 def longest_sequence_tokens(cfg: RunConfig, max_context: int) -> int:

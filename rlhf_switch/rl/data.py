@@ -152,7 +152,7 @@ def load_splits(cfg: Any, tokenizer=None) -> tuple[Splits, str]:
 
     if cfg.task is not None:
         t = cfg.task
-        splits = make_splits(build_task(t.name, t.min_len, t.max_len), t.num_train, t.num_heldout, t.seed)
+        splits = make_splits(build_task(t.name, t.min_len, t.max_len, t.length_skew), t.num_train, t.num_heldout, t.seed)
         return splits, f"task {t.name}: {len(splits.train)} train prompts, {len(splits.heldout)} held-out"
     if tokenizer is None:
         from .tokenizer import load_tokenizer

@@ -109,7 +109,8 @@ def sft(model: torch.nn.Module, task_cfg: Any, sft_cfg: Any, seed: int, progress
     steps, lr, batch_size = int(_get(sft_cfg, "steps")), float(_get(sft_cfg, "lr")), int(_get(sft_cfg, "batch_size"))
     max_ctx = _max_context(model)
     if samples is None:
-        task = build_task(_get(task_cfg, "name"), _get(task_cfg, "min_len", 1), _get(task_cfg, "max_len", 3))
+        task = build_task(_get(task_cfg, "name"), _get(task_cfg, "min_len", 1), _get(task_cfg, "max_len", 3),
+                          _get(task_cfg, "length_skew", 0.0))
         train = make_splits(task, _get(task_cfg, "num_train", 2000), _get(task_cfg, "num_heldout", 200),
                             _get(task_cfg, "seed", 0)).train
         tok = CharTokenizer()
@@ -307,9 +308,12 @@ def _path_stamp(path: str | os.PathLike) -> list:
 def fingerprint(cfg: Any) -> dict:
     """What a warm-start checkpoint is a function of: the configs, and for files (``model.path``,
     the tokenizer, data files) their paths, sizes and modification times."""
+    task = cfg.task.model_dump(mode="json") if cfg.task is not None else None
+    if task is not None and not task["length_skew"]:
+        del task["length_skew"]  # unskewed: the prompts (and digest) of before the field existed
     fp = {"version": FINGERPRINT_VERSION,
           "hf_config": cfg.model.hf_config,
-          "task": cfg.task.model_dump(mode="json") if cfg.task is not None else None,
+          "task": task,
           "sft": cfg.sft.model_dump(mode="json") if cfg.sft is not None else None,
           "max_new_tokens": cfg.algorithm.max_new_tokens,
           "seed": cfg.seed}

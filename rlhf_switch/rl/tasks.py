@@ -14,6 +14,13 @@ first, so the held-out set depends only on ``(task, seed, num_heldout)`` and nev
 training data is asked for; train and held-out never share a prompt. Small spaces (at most
 ``ENUMERATE_BELOW`` prompts) are listed and shuffled, so they can be used up completely.
 
+``length_skew`` makes short samples common and long ones rare: a sampled length ``n`` (of
+``min_len..max_len``) has probability proportional to
+``exp(-length_skew * (n - min_len) / (max_len - min_len))`` — 0 (the default) is uniform, 3.5
+puts the median about a fifth of the way up the range, with a tail to ``max_len``. It changes only
+how ``draw`` picks a length, so it applies to sampled spaces; a small space that is listed
+(above) holds every length as often as it has prompts of that length, whatever the skew.
+
 The tokenizer is fixed (no training, no file): ids 0–2 are ``<pad>``, ``<bos>``, ``<eos>``, then
 digits, lowercase letters and the symbols ``+-*=,<>`` and space — 47 ids, so a Llama with a
 64-entry vocabulary (already a multiple of vLLM's padding of 64) holds it.
@@ -21,6 +28,7 @@ digits, lowercase letters and the symbols ``+-*=,<>`` and space — 47 ids, so a
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import string
 from dataclasses import dataclass
@@ -94,11 +102,14 @@ class Task:
     name: str
     min_len: int = 1
     max_len: int = 3
+    length_skew: float = 0.0
 
     def __post_init__(self):
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"task {self.name!r}: need 1 <= min_len <= max_len, "
                              f"got min_len={self.min_len}, max_len={self.max_len}")
+        if not (math.isfinite(self.length_skew) and self.length_skew >= 0):
+            raise ValueError(f"task {self.name!r}: need length_skew >= 0, got {self.length_skew}")
 
     def draw(self, rng: random.Random) -> Sample:
         raise NotImplementedError
@@ -115,6 +126,18 @@ class Task:
     def _lengths(self) -> range:
         return range(self.min_len, self.max_len + 1)
 
+    def length_weights(self) -> list[float]:
+        """The relative probability of each of ``_lengths()`` in a draw (``length_skew``)."""
+        span = max(self.max_len - self.min_len, 1)
+        return [math.exp(-self.length_skew * (n - self.min_len) / span) for n in self._lengths()]
+
+    def _length(self, rng: random.Random) -> int:
+        """One length for ``draw``: uniform (``rng.choice``, the stream of every unskewed task)
+        or, with ``length_skew``, weighted by ``length_weights``."""
+        if self.length_skew == 0:
+            return rng.choice(self._lengths())
+        return rng.choices(self._lengths(), weights=self.length_weights())[0]
+
 
 def _numbers_with_digits(n: int) -> range:
     """The non-negative integers written with exactly ``n`` digits (0 counts as one digit)."""
@@ -128,7 +151,7 @@ class AdditionTask(Task):
     def _operand(self, rng: random.Random) -> int:
         # digit count first, then the value: uniform over values would make almost every operand
         # max_len digits long, and the short cases would never be learned
-        return rng.choice(_numbers_with_digits(rng.choice(self._lengths())))
+        return rng.choice(_numbers_with_digits(self._length(rng)))
 
     def _sample(self, a: int, b: int) -> Sample:
         return Sample(f"{a}+{b}=", str(a + b))
@@ -158,7 +181,7 @@ class SortingTask(Task):
         return Sample(f"sort {','.join(digits)}=", ",".join(sorted(digits)))
 
     def draw(self, rng: random.Random) -> Sample:
-        n = rng.choice(self._lengths())
+        n = self._length(rng)
         return self._sample([rng.choice(string.digits) for _ in range(n)])
 
     def space_size(self) -> int:
@@ -180,7 +203,7 @@ class ReversalTask(Task):
         return Sample(f"rev {word}=", word[::-1])
 
     def draw(self, rng: random.Random) -> Sample:
-        n = rng.choice(self._lengths())
+        n = self._length(rng)
         return self._sample("".join(rng.choice(string.ascii_lowercase) for _ in range(n)))
 
     def space_size(self) -> int:
@@ -197,12 +220,12 @@ class ReversalTask(Task):
 TASKS: dict[str, type[Task]] = {"addition": AdditionTask, "sorting": SortingTask, "reversal": ReversalTask}
 
 
-def build_task(name: str, min_len: int = 1, max_len: int = 3) -> Task:
+def build_task(name: str, min_len: int = 1, max_len: int = 3, length_skew: float = 0.0) -> Task:
     try:
         cls = TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
-    return cls(min_len=min_len, max_len=max_len)
+    return cls(min_len=min_len, max_len=max_len, length_skew=length_skew)
 
 
 # A space this small is listed and shuffled rather than sampled: rejection sampling would need
@@ -213,7 +236,7 @@ ENUMERATE_BELOW = 100_000
 def _prompt_stream(task: Task, rng: random.Random) -> Iterator[Sample]:
     """Samples with distinct prompts, in an order fixed by ``rng``'s state; ends when the task's
     space is exhausted (small spaces only — a large one is sampled and never ends)."""
-    if task.space_size() <= ENUMERATE_BELOW:
+    if task.space_size() <= ENUMERATE_BELOW:  # listed: ``length_skew`` does not apply
         everything = list(task.all_samples())
         rng.shuffle(everything)
         yield from everything
