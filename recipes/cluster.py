@@ -308,8 +308,7 @@ class Cluster:
         self.in_world = self.rollout_cls.placement == "worker"
         self.resources = res = resources_for(cfg, lend)
         self.tp, self.n_replicas = cfg.rollout.tp, len(res.replicas) or world // cfg.rollout.tp
-        # elastic.lend: the replicas on the trainer's devices, and whether they generate now
-        self.lent, self.lending = lent_replicas(res, world, cfg.rollout.colocate), False
+        self.lending = False  # elastic.lend: whether the replicas on the trainer's devices generate now
         self.owns_devices = devices is None
         if devices is None:
             self.pg = placement_group(list(res.bundles), strategy=STRATEGIES[cfg.placement])
@@ -836,6 +835,11 @@ class Cluster:
         refs = [r.generate.remote(p, max_new_tokens, temperature, s, eos) for r, p, s in shares]
         return Generation(shares, refs, max_new_tokens, temperature)
 
+    @property
+    def lent(self) -> list[int]:
+        """The replicas on the trainer's devices (``elastic.lend``), by index."""
+        return lent_replicas(self.resources, self.world, self.cfg.rollout.colocate)
+
     def generating(self) -> list:
         """The replicas a generation is shared over: all of them — but those lent the trainer's
         devices (``elastic.lend``) only while ``lending`` (or when no other is left)."""
@@ -925,7 +929,6 @@ class Cluster:
             res, replicas=tuple(res.replicas[i] for i in keep),
             replica_devices=tuple(res.replica_devices[i] for i in keep) if res.replica_devices else ())
         self.n_replicas = len(self.replicas)
-        self.lent = lent_replicas(self.resources, self.world, self.cfg.rollout.colocate)
         if self.replicas:
             self.open_channel()
         return names

@@ -160,7 +160,7 @@ class Loop:
         self.rebalance = None  # elastic.rebalance: the grown trainer world (recipes/rebalance.py)
         self.rebalanced: dict | None = None  # this iteration's grow and shrink
         self.lending = None  # elastic.lend: the trainer's devices lent to the rollout (recipes/rebalance.py)
-        self.lent: dict | None = None  # this iteration's
+        self.lend_record: dict | None = None  # this iteration's: whether it lent, why, the rollout's seconds
         self.timings: dict[str, float] = {}
 
     # --- output ----------------------------------------------------------------------------------
@@ -365,7 +365,7 @@ class Loop:
         fault(self.faults.crash_at, it, "after generation")
         if self.lending is not None:  # the lent devices go back to the trainer
             took = self.timings["rollout"] + self.timings.get("dynamic_sampling", 0.0)
-            self.lent = {**(self.lent or {}), **self.lending.give_back(it, took)}
+            self.lend_record = {**(self.lend_record or {}), **self.lending.give_back(it, took)}
         # a sync comes before the rollout engines are used again (partial rollout: after more
         # segments of the batch in flight, which a receive posted now would hold up)
         segmented = self.ahead is not None and self.ahead[1].segments is not None
@@ -435,20 +435,18 @@ class Loop:
         """``elastic.lend``: whether this rollout takes the trainer's devices too — every iteration
         (``rollout``) or where it last paid (``auto``); ``rollout_done`` gives them back."""
         if self.lending is not None:
-            self.lent = self.lending.lend(it)
+            self.lend_record = self.lending.lend(it)
 
     def grow(self, it: int) -> None:
         """``elastic.rebalance``: the training state into the grown world (the trainer's devices
         and the replicas'), where the log-probs and the update run — every iteration (``update``),
         or where it last paid (``auto``: ``rebalance.choose``)."""
-        from recipes.rebalance import choose
-
         reb = self.rebalance
         if reb is None:
             return
         self._train_t0 = time.perf_counter()
         if self.cfg.elastic.rebalance == "auto":
-            grow, why = choose(reb.built(), reb.last, reb.measured_at, it)
+            grow, why = reb.auto.choose(it, reb.built())
             self.rebalanced = {"world": reb.world if grow else self.cluster.world, "grown": grow, "why": why}
             if not grow:
                 return
@@ -467,7 +465,7 @@ class Loop:
                 self.rebalanced["shrink"] = reb.shrink()
             self.faults.hook(it, "after_shrink", self.cluster)
         # the train phase, the way it went (with the moves when grown): auto's next choice
-        reb.measured(it, time.perf_counter() - self._train_t0, grown="shrink" in self.rebalanced)
+        reb.auto.measured(it, time.perf_counter() - self._train_t0, first="shrink" in self.rebalanced)
         self.rebalanced["built_s"] = reb.built_s
 
     def logprobs(self, batch: dict) -> list[dict]:
@@ -492,8 +490,8 @@ class Loop:
                           self.stale_tol, time.perf_counter() - t_it)
         if self.rebalanced is not None:  # elastic.rebalance: the grown world's size, the moves there and back
             rec["rebalance"], self.rebalanced = self.rebalanced, None
-        if self.lent is not None:  # elastic.lend: whether the rollout took the trainer's devices, and how long
-            rec["lend"], self.lent = self.lent, None
+        if self.lend_record is not None:  # elastic.lend: whether the rollout took the trainer's devices, how long
+            rec["lend"], self.lend_record = self.lend_record, None
         lost, self.cluster.replica_events = self.cluster.replica_events, []
         if lost:  # rollout replicas that died mid-generation: their prompts generated again by the others
             rec["rollout_replicas_lost"] = lost

@@ -35,6 +35,7 @@ are; a lent replica would need the trainer's memory freed while it generates).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from recipes.cluster import stop_actors, wait_all
 
@@ -66,24 +67,40 @@ def choose(built: bool, last: dict, measured_at: dict, it: int, probe_every: int
     return take, f"{tried} {last[tried]:.3f} s {'<' if take else '>='} {default} {last[default]:.3f} s"
 
 
+@dataclass
+class Ways:
+    """``auto``'s measurements of a phase run two ways (``ways``: the one tried first, the default):
+    the seconds each last took and the iteration it was measured at — ``choose``'s input."""
+
+    ways: tuple[str, str]
+    last: dict[str, float] = field(default_factory=dict)
+    measured_at: dict[str, int] = field(default_factory=dict)
+
+    def choose(self, it: int, built: bool = True) -> tuple[bool, str]:
+        """(take the first way at iteration ``it``, why): ``choose``."""
+        return choose(built, self.last, self.measured_at, it, ways=self.ways)
+
+    def measured(self, it: int, seconds: float, first: bool) -> None:
+        """Iteration ``it``'s phase took ``seconds``, the first way or the other."""
+        way = self.ways[0 if first else 1]
+        self.last[way], self.measured_at[way] = seconds, it
+
+
 class Lending:
     """``elastic.lend``: the trainer's devices lent to the rollout — the cluster's replicas on
     them (``cluster.lent``, started with the others) take a share of the rollout's prompts in the
     iterations it lends them: every one (``rollout``) or where that last took less (``auto``:
     ``choose``, the rollout phase measured each way)."""
 
-    WAYS = ("lent", "own")
-
     def __init__(self, cluster, mode: str):
         self.cluster, self.mode = cluster, mode
-        self.last: dict[str, float] = {}
-        self.measured_at: dict[str, int] = {}
+        self.auto = Ways(("lent", "own"))  # the rollout phase, each way
 
     def lend(self, it: int) -> dict:
         """Whether iteration ``it``'s rollout takes the trainer's devices too; sets the cluster's
         ``lending`` and returns what the record says of it."""
         if self.mode == "auto":
-            lend, why = choose(True, self.last, self.measured_at, it, ways=self.WAYS)
+            lend, why = self.auto.choose(it)
         else:
             lend, why = True, "lend: rollout"
         self.cluster.lending = lend
@@ -92,8 +109,7 @@ class Lending:
     def give_back(self, it: int, seconds: float) -> dict:
         """The rollout is over: the lent replicas stop taking prompts (their devices train again);
         ``seconds``: what the rollout took, ``auto``'s input."""
-        way = self.WAYS[0] if self.cluster.lending else self.WAYS[1]
-        self.last[way], self.measured_at[way] = seconds, it
+        self.auto.measured(it, seconds, first=self.cluster.lending)
         self.cluster.lending = False
         return {"rollout_s": seconds}
 
@@ -129,8 +145,7 @@ class Rebalance:
         self._building += [w.build_empty.remote(self.cfg.model_dump(), str(init_dir)) for w in self.workers]
         self.built_s: float | None = None
         self._home = None  # the small world's actors while the grown world trains
-        self.last: dict[str, float] = {}        # auto: the train phase's last seconds, each way
-        self.measured_at: dict[str, int] = {}  # auto: the iteration each way was last measured
+        self.auto = Ways(("grown", "static"))  # the train phase (log-probs + update), each way
 
     def built(self) -> bool:
         """Whether the grown world's build is done (not waited for)."""
@@ -138,12 +153,6 @@ class Rebalance:
                                                       timeout=0)[0]) == len(self._building):
             self.wait()
         return self.built_s is not None
-
-    def measured(self, it: int, seconds: float, grown: bool) -> None:
-        """The train phase of iteration ``it`` took ``seconds``, in the grown world (with both
-        moves) or the trainer's own: ``auto``'s input."""
-        way = "grown" if grown else "static"
-        self.last[way], self.measured_at[way] = seconds, it
 
     @property
     def grown(self) -> bool:
