@@ -618,7 +618,8 @@ class HybridWorker:
         values = self.critic.values(rows.ids) * mask if self.algorithm.needs_critic else None
         stale = float(((old - rows.rollout_logprobs).abs() * checked).max()) if checked.any() else 0.0
         self._prepared = (rows, OldPolicy(old, ref, values))
-        return {"stale_logprob_diff": stale, "logprob_seconds": time.perf_counter() - t0}
+        return {"stale_logprob_diff": stale, "logprob_seconds": time.perf_counter() - t0,
+                "mismatch": mismatch_share(old, rows.rollout_logprobs, checked, trainer.dp_rank)}
 
     def reward_scores(self, batch: dict) -> dict:
         """The reward phase's learned part: the reward model's score — its value at the last
@@ -658,6 +659,17 @@ class HybridWorker:
             self.channel = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def mismatch_share(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, checked: torch.Tensor, dp_rank: int) -> dict:
+    """This DP rank's part of the train–inference mismatch (``rl.algorithms.mismatch_stats``
+    in the driver, over every rank's): ``log π_train - log π_rollout`` of each checked token
+    (those generated with the trainer's own weights), and its sum per sequence with any."""
+    keep = checked.bool()
+    log_ratio = (trainer_lp.float() - rollout_lp.float()).detach()
+    rows = keep.any(-1)
+    seq = torch.where(keep, log_ratio, torch.zeros_like(log_ratio)).sum(-1)[rows]
+    return {"dp_rank": int(dp_rank), "log_ratio": log_ratio[keep].cpu(), "seq_log_ratio": seq.cpu()}
 
 
 def hf_config_of(cfg: RunConfig) -> dict:

@@ -4,9 +4,10 @@
         [--algorithms grpo,rloo,...] [--seeds 0] [--out bench/results/algorithms]
 
 Each algorithm runs the config's job from the same warm start (SFT made once, copied into each
-run), with its own defaults (``rl.choices.ALGORITHM_DEFAULTS``: DAPO's clip-higher, dynamic
-sampling and overlong punishment, GSPO's tiny clip range, …) and the config's batch sizes and
-learning rate. Each run is ``rlhf-switch train`` in a process of its own. Reported per algorithm
+run): the config as a user writes it — the shipped file with ``algorithm.name`` changed, nothing
+else — so each gets its paper's settings (``rl.choices.ALGORITHM_DEFAULTS``: DAPO's clip-higher,
+dynamic sampling and overlong punishment, GSPO's tiny clip range, …) and the config's batch sizes
+and learning rate. Each run is ``rlhf-switch train`` in a process of its own. Reported per algorithm
 and seed: held-out greedy exact match before iteration 0 and after the last, the change, whether
 every iteration's stale-weights check passed, the median seconds per iteration and the rollout
 reward of the last iterations. A JSON and a plot (held-out change per algorithm) go to ``--out``.
@@ -26,14 +27,13 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-# what an algorithm block keeps of the config (the job); the rest are the algorithm's own defaults
-JOB = ("iterations", "prompts_per_iteration", "group_size", "mini_batch_size", "micro_batch_size",
-       "logprob_micro_batch_size", "max_new_tokens", "lr", "temperature", "epochs")
 
 
 def algorithm_config(base: dict, name: str, seed: int, out: Path) -> dict:
+    """The config as a user writes it for algorithm ``name``: the shipped one with ``name``
+    changed and nothing else (its other settings come from the algorithm's paper)."""
     cfg = yaml.safe_load(yaml.safe_dump(base))
-    cfg["algorithm"] = {**{k: v for k, v in base["algorithm"].items() if k in JOB}, "name": name}
+    cfg["algorithm"] = {**base["algorithm"], "name": name}
     cfg.update(seed=seed, output_dir=str(out))
     cfg.setdefault("checkpoint", {})["save_every"] = 0
     return cfg

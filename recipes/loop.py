@@ -111,6 +111,7 @@ class Rollout:
     logprobs: list = field(default_factory=list)   # the rollout engine's, per generated token
     texts: list = field(default_factory=list)      # the decoded responses
     scores: list = field(default_factory=list)     # the reward of each sequence (shaped)
+    raw_scores: list = field(default_factory=list)  # ... before shaping (what dynamic sampling compares)
     truncated: list = field(default_factory=list)  # cut at max_new_tokens before the end token
     versions: list = field(default_factory=list)   # the weights' version each sample was generated with (its oldest token's)
     token_versions: list = field(default_factory=list)  # partial rollout: each token's version
@@ -119,7 +120,7 @@ class Rollout:
     gen_seconds: float = 0.0
     dynamic_sampling: dict | None = None           # what dynamic sampling kept, drew and filled
 
-    FIELDS = ("samples", "prompts", "responses", "logprobs", "texts", "scores", "truncated", "versions",
+    FIELDS = ("samples", "prompts", "responses", "logprobs", "texts", "scores", "raw_scores", "truncated", "versions",
               "token_versions", "rule_scores", "model_scores")
     submitted: object = None  # a generation in flight (Cluster.submit_generation), and when it started
     segments: object = None   # partial rollout: the segmented generation (recipes/partial.py)
@@ -383,6 +384,7 @@ class Loop:
         if self.cfg.reward is not None:
             raw = self.model_reward(roll, raw)
         roll.truncated = self.algorithm.truncated(roll.responses, self.eos_id)
+        roll.raw_scores = list(raw)
         roll.scores = self.algorithm.shape_scores(raw, roll.responses)
 
     def resample(self, it: int, roll: Rollout) -> Rollout:
@@ -394,7 +396,7 @@ class Loop:
         while True:
             gen_s += roll.gen_seconds
             for g in roll.groups(alg.group_size):
-                (kept if self.algorithm.has_signal(g.scores) else dropped).append(g)
+                (kept if self.algorithm.has_signal(g.scores, g.raw_scores) else dropped).append(g)
             if len(kept) >= alg.prompts_per_iteration or draws == alg.dynamic_sampling.max_draws:
                 break
             draws += 1
@@ -508,7 +510,7 @@ class Loop:
         loss = f"kl {rec['kl']:.2e}  loss {rec['policy_loss']:+.4f}  " if stats is not None else "no update  "
         self.say(f"it {it}: reward {rec['reward_mean']:.3f}  {loss}gen {rec['gen_tokens_per_s']:.0f} tok/s  "
                  f"switch {sync['seconds'] * 1e3:.0f} ms ({sync['bytes_moved'] / 1024:.0f} KiB) / back "
-                 f"{back['seconds'] * 1e3:.0f} ms  stale Δlogp {rec['stale_logprob_diff']:.1e}  "
+                 f"{back['seconds'] * 1e3:.0f} ms  {stale_check_said(rec, self.stale_tol)}  "
                  f"[{rec['iteration_seconds']:.1f} s]")
         return rec
 
@@ -545,9 +547,23 @@ class Loop:
                  f"per member process: {channel['groups_per_member']}")
 
 
+def stale_check_said(rec: dict, tol: float) -> str:
+    """The iteration line's part on the stale-weights check and the train–inference mismatch:
+    whether the check passed and over how many tokens, or that it compared none (every sample
+    of the batch was generated with older weights)."""
+    n = rec.get("stale_check_tokens", 0)
+    if not n:
+        return "stale check: no token compared (every sample older than the trainer's weights)"
+    verdict = "passed" if rec["stale_check_passed"] else f"FAILED (> {tol:g})"
+    return (f"stale check {verdict} ({n} tokens, Δlogp max {rec['stale_logprob_diff']:.1e}, "
+            f"p99 {rec['mismatch_logprob_diff_p99']:.1e}, mismatch KL {rec['mismatch_kl']:.1e})")
+
+
 def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings, stale_tol, seconds) -> dict:
     """One iteration's record: rewards, losses, timings, bytes and memory per phase. ``stats``:
     the update's per-rank reports (None when the stale-weights check stopped it)."""
+    from rlhf_switch.rl.algorithms import mismatch_over_ranks
+
     stale = max(s["stale_logprob_diff"] for s in checked)
     n_tokens, gen_s = sum(len(r) for r in roll.responses), roll.gen_seconds
     first = stats[0] if stats else {}
@@ -558,8 +574,12 @@ def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings
     if stats:
         rec.update({k: sum(s[k] for s in stats) / len(stats) for k in ("policy_loss", "kl", "clipfrac")},
                    grad_norm=first["grad_norm"])
+    # the train–inference mismatch over the tokens generated with the trainer's weights (the ones
+    # the stale check compares): |Δlogp| max / mean / p99, the k3 KL, the sequences' IS ratios
+    rec.update(mismatch_over_ranks([s["mismatch"] for s in checked if "mismatch" in s]))
     rec.update({
         "stale_logprob_diff": stale, "stale_check_passed": stale <= stale_tol,
+        "stale_check_tokens": rec.get("mismatch_tokens", 0),
         "gen_tokens": n_tokens, "gen_seconds": gen_s, "gen_tokens_per_s": n_tokens / gen_s if gen_s > 0 else float("nan"),
         "switch_train_to_rollout_s": sync["seconds"],
         # the weights stay where they are in the trainer; the parked state (train.offload) comes back
@@ -592,8 +612,11 @@ def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings
         rec["samples_interrupted"] = sum(len(set(v)) > 1 for v in roll.token_versions)
     rec.update(weight_version_min=min(roll.versions), staleness_max=it - min(roll.versions),
                samples_per_s=len(roll.samples) / seconds if seconds > 0 else float("nan"))
-    if stats and "is_weight_mean" in first:
-        rec.update(is_weight_mean=sum(s["is_weight_mean"] for s in stats) / len(stats))
+    if stats and "is_weight_sum" in first:  # off_policy.correction: over the whole batch (each DP rank once)
+        shares = list({s.get("dp_rank", i): s for i, s in enumerate(stats)}.values())
+        tokens = sum(s["tokens"] for s in shares)
+        rec.update(is_weight_mean=sum(s["is_weight_sum"] for s in shares) / tokens if tokens else float("nan"),
+                   is_masked_tokens=sum(s["is_masked_tokens"] for s in shares))
     rec.update(truncated=sum(roll.truncated), phase_seconds=dict(timings), iteration_seconds=seconds,
                example={"prompt": roll.samples[0].prompt, "response": roll.texts[0], "answer": roll.samples[0].answer})
     return rec

@@ -166,7 +166,7 @@ def test_every_named_algorithm_builds_its_pieces():
         estimator, loss = ALGORITHMS[name]
         assert type(alg.estimator).__name__.lower().startswith(estimator.replace("_", "")[:4]), (name, alg.estimator)
         assert alg.policy_loss.__name__.startswith(loss.split("_")[0]) and not alg.needs_critic
-        assert alg.kl_in_loss == (name != "reinforce_pp"), name
+        assert alg.kl_in_loss == (name not in ("reinforce_pp", "rloo")), name
 
 
 # --- DAPO's options, usable with any group estimator -----------------------------------------------
@@ -215,7 +215,9 @@ def test_a_users_algorithm_class_and_pieces():
     grpo = 0.5 / (2 ** 0.5 / 2 + 1e-6)  # (1 - mean) / (unbiased std + eps) for the group (1, 0)
     assert isinstance(alg, HalfAdvantages) and alg.sequence_advantages([1.0, 0.0]) == pytest.approx([grpo / 2, -grpo / 2])
     alg = Algorithm.build(config("grpo", group_size=2, advantage="rloo", policy_loss="cispo").algorithm)
-    assert alg.sequence_advantages([1.0, 0.0]) == [1.0, -1.0] and alg.policy_loss.__name__ == "cispo_policy_loss"
+    # RLOO's rewards carry the KL: its advantages are made on the trainer ranks, not in the driver
+    assert alg.sequence_advantages([1.0, 0.0]) is None and type(alg.estimator).__name__ == "RlooAdvantages"
+    assert alg.policy_loss.__name__ == "cispo_policy_loss" and not alg.kl_in_loss
     with pytest.raises(ValueError, match="algorithm.name 'test_algorithms:config' is not a subclass"):
         Algorithm.build(config("test_algorithms:config").algorithm)
     with pytest.raises(ValueError, match="cannot be imported: ModuleNotFoundError"):

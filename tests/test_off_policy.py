@@ -29,15 +29,15 @@ def tiny(name: str = "grpo_tiny_fsdp.yaml", **changes) -> dict:
 
 
 def test_tis_truncates_and_icepop_masks_the_ratio():
-    """TIS (Yao et al. 2025; verl ``rollout_is``): min(π_train/π_rollout, C); IcePop: 1 inside
-    [low, high], else 0."""
+    """TIS (Yao et al. 2025; verl ``rollout_is``): min(π_train/π_rollout, C); IcePop: the ratio
+    inside [low, high], else 0 (tests/test_rl_paper.py has the sequence-level forms)."""
     lp = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
-    behaviour = torch.tensor([[-1.0, -2.0, 0.0, -1.5]])  # ratios 1, e, 1/e, e^0.5
+    behaviour = torch.tensor([[-1.1, -2.0, 0.0, -1.5]])  # ratios e^0.1, e, 1/e, e^0.5
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     tis = A.off_policy_weights(lp, behaviour, mask, "tis", cap=2.0)
-    assert torch.allclose(tis, torch.tensor([[1.0, 2.0, torch.e ** -1, 0.0]]))
+    assert torch.allclose(tis, torch.tensor([[torch.e ** 0.1, 2.0, torch.e ** -1, 0.0]]))
     ice = A.off_policy_weights(lp, behaviour, mask, "icepop", low=0.5, high=2.0)
-    assert ice.tolist() == [[1.0, 0.0, 0.0, 0.0]]  # e > 2 and 1/e < 0.5 leave the loss
+    assert torch.allclose(ice, torch.tensor([[torch.e ** 0.1, 0.0, 0.0, 0.0]]))  # e > 2 and 1/e < 0.5 leave the loss
     with pytest.raises(ValueError, match="unknown off-policy correction"):
         A.off_policy_weights(lp, behaviour, mask, "vtrace")
 

@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .algorithms import (aggregate, cispo_loss, discounted_returns, global_masked_whiten, grpo_advantages, gspo_loss,
-                         kl_penalty, masked_mean, masked_whiten, off_policy_weights, overlong_penalty, policy_loss,
-                         ppo_batch, rloo_advantages, token_rewards)
+                         kl_penalty, masked_mean, masked_sum, masked_whiten, off_policy_weights, overlong_penalty,
+                         policy_loss, ppo_batch, rloo_advantages, token_rewards)
 from .choices import ALGORITHMS, ESTIMATOR_NEEDS, Aggregation
 from .choices import POLICY_LOSSES as LOSS_NAMES
 
@@ -175,11 +175,39 @@ class GroupAdvantages:
         return batch.advantages[:, None] * batch.mask, None
 
 
-class RlooAdvantages(GroupAdvantages):
-    """RLOO's estimator: each sample's score minus the mean of the rest of its group."""
+def _over_dp(values: torch.Tensor, engine: Any) -> torch.Tensor:
+    """``values [b]`` of every DP rank of ``engine``, in DP-rank order (``[dp·b]``: the whole
+    batch, rank ``r``'s share at ``[r·b, (r+1)·b)``). Collective over its DP group."""
+    if engine.dp == 1:
+        return values
+    import torch.distributed as dist
 
-    def sequence(self, scores: Sequence[float], cfg: Any) -> list[float]:
-        return rloo_advantages(torch.tensor(scores), cfg.group_size).tolist()
+    tagged = torch.cat([torch.tensor([float(engine.dp_rank)], dtype=torch.float64), values.double()])
+    parts = [torch.empty_like(tagged) for _ in range(engine.dp)]
+    dist.all_gather(parts, tagged, group=engine.dp_group)
+    return torch.cat([p[1:] for p in sorted(parts, key=lambda p: int(p[0]))]).to(values.dtype)
+
+
+class RlooAdvantages(GroupAdvantages):
+    """RLOO's estimator (Ahmadian et al. 2024; verl's recipe): each sample's reward — its score,
+    less ``kl_coef·Σ_t KL_t`` (the KL to the reference as a reward, ``use_kl_in_reward``) — minus
+    the mean of the other samples' rewards in its group. On the trainer ranks, which hold the
+    log-probs: each rank's rewards gathered over DP first (a group may span two ranks' shares)."""
+
+    kl_in_reward = True
+
+    def sequence(self, scores: Sequence[float], cfg: Any) -> None:
+        return None
+
+    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
+        rewards = batch.scores.double()
+        if old.ref is not None and cfg.kl_coef:
+            kl = kl_penalty(old.old, old.ref, cfg.kl_estimator, cfg.kl_clamp)
+            rewards = rewards - cfg.kl_coef * masked_sum(kl, batch.response_mask, dim=-1).double()
+        every = rloo_advantages(_over_dp(rewards, actor), cfg.group_size)
+        b = rewards.shape[0]
+        mine = every[actor.dp_rank * b:(actor.dp_rank + 1) * b].float()
+        return mine[:, None] * batch.mask, None
 
 
 class GroupWhitenedAdvantages(GroupAdvantages):
@@ -205,7 +233,7 @@ class ReinforcePlusPlusAdvantages:
         return None
 
     def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
-        kl = (kl_penalty(old.old, old.ref, cfg.kl_estimator) * batch.mask if old.ref is not None
+        kl = (kl_penalty(old.old, old.ref, cfg.kl_estimator, cfg.kl_clamp) * batch.mask if old.ref is not None
               else torch.zeros_like(batch.mask))
         returns = discounted_returns(token_rewards(batch.scores, batch.mask, kl, cfg.kl_coef), batch.mask, cfg.gamma)
         return _whiten_over_dp(returns, batch.mask, actor) * batch.mask, returns
@@ -223,15 +251,15 @@ class GaeAdvantages:
 
     def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
         out = ppo_batch(old.old, old.ref, old.values, batch.scores, batch.mask, kl_coef=cfg.kl_coef,
-                        kl_estimator=cfg.kl_estimator, gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages,
-                        group=critic.dp_group)
+                        kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, gamma=cfg.gamma, lam=cfg.lam,
+                        whiten=cfg.whiten_advantages, group=critic.dp_group)
         return out["advantages"], out["returns"]
 
 
 def ppo_clip_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: Any):
-    """PPO-clip (``policy_loss``); ``clip_eps_high`` for DAPO's clip-higher."""
+    """PPO-clip (``policy_loss``); ``clip_eps_high`` for DAPO's clip-higher, ``dual_clip``."""
     return policy_loss(lp, old_lp, adv, mask, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
-                       aggregation=cfg.loss_aggregation, norm_len=cfg.max_new_tokens)
+                       aggregation=cfg.loss_aggregation, norm_len=cfg.max_new_tokens, dual_clip=cfg.dual_clip)
 
 
 def gspo_policy_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: Any):
@@ -327,22 +355,29 @@ class Algorithm:
         return [float(s) + float(p) for s, p in zip(scores, penalty)]
 
     def correct_off_policy(self, adv: torch.Tensor, batch: RankBatch, old: OldPolicy) -> tuple[torch.Tensor, dict]:
-        """``off_policy.correction`` of the stale samples' advantages: each token's times its
-        importance weight (``off_policy_weights``: trainer's over rollout engine's probability,
-        truncated or masked) — the same as weighing its loss, which every registered loss is linear
-        in for a positive weight. Samples generated with the trainer's own weights keep weight 1."""
+        """``off_policy.correction``: each token's advantage times its importance weight
+        (``off_policy_weights``: the trainer's probability over the rollout engine's, truncated or
+        masked, per token or per sequence) — the same as weighing its loss, which every registered
+        loss is linear in for a non-negative weight. ``correct: all`` weighs every token (the
+        rollout engine's mismatch with the trainer is corrected on fresh samples too); ``stale``
+        only those generated with older weights than the trainer's (the rest keep weight 1)."""
         op = getattr(self.cfg, "off_policy", None)
-        if op is None or not op.max_staleness or op.correction == "none" or batch.fresh is None:
+        if op is None or op.correction in (None, "none"):
             return adv, {}
-        w = off_policy_weights(old.old, batch.rollout_logprobs, batch.mask, op.correction, cap=op.tis_cap,
-                               low=op.icepop_low, high=op.icepop_high)
-        w = torch.where(batch.fresh, torch.ones_like(w), w)
-        return adv * w, {"is_weight_mean": float(masked_mean(w, batch.mask))}
+        w = off_policy_weights(old.old, batch.rollout_logprobs, batch.mask, op.correction, cap=op.cap, low=op.low,
+                               high=op.high)
+        if op.correct == "stale" and batch.fresh is not None:
+            w = torch.where(batch.fresh, torch.ones_like(w), w)
+        return adv * w, {"is_weight_sum": float(masked_sum(w, batch.mask)),
+                         "is_masked_tokens": int(((w == 0) & batch.mask.bool()).sum())}
 
-    @staticmethod
-    def has_signal(group_scores: Sequence[float]) -> bool:
-        """A group whose samples did not all get the same reward (dynamic sampling keeps it)."""
-        return len(set(group_scores)) > 1
+    def has_signal(self, group: Sequence[float], raw: Sequence[float] | None = None) -> bool:
+        """A group whose samples did not all get the same reward (dynamic sampling keeps it):
+        compared on the reward before shaping (``raw``; DAPO's accuracy) unless
+        ``dynamic_sampling.filter_on: shaped`` (``group``, the shaped rewards)."""
+        ds = getattr(self.cfg, "dynamic_sampling", None)
+        seen = group if raw is None or (ds is not None and ds.filter_on == "shaped") else raw
+        return len(set(seen)) > 1
 
     # each trainer rank -----------------------------------------------------------------------------
     def update(self, actor: Any, critic: Any, batch: RankBatch, old: OldPolicy) -> dict:
@@ -370,8 +405,8 @@ class Algorithm:
                     rows = slice(m.start + s.start, m.start + s.stop)
                     mask = batch.mask[rows]
                     pl, st = self.policy_loss(lp, old.old[rows], adv[rows], mask, cfg)
-                    kl_mean = aggregate(kl_penalty(lp, ref[rows], cfg.kl_estimator), mask, cfg.loss_aggregation,
-                                        cfg.max_new_tokens)
+                    kl_mean = aggregate(kl_penalty(lp, ref[rows], cfg.kl_estimator, cfg.kl_clamp), mask,
+                                        cfg.loss_aggregation, cfg.max_new_tokens)
                     loss = pl + cfg.kl_coef * kl_mean if kl_in_loss else pl
                     return loss * (loss_weight(mask, cfg.loss_aggregation) * scale), {
                         "policy_loss": float(pl.detach()), "kl": float(kl_mean.detach()),
@@ -395,7 +430,7 @@ class Algorithm:
             out.update(value_mean=float(masked_mean(old.values, batch.mask)),
                        return_mean=float(masked_mean(returns, batch.mask)))
         out.update(is_stats)
-        out.update(tokens=int(batch.mask.sum()),
+        out.update(tokens=int(batch.mask.sum()), dp_rank=int(getattr(actor, "dp_rank", 0)),
                    old_vs_ref_kl=float(masked_mean(kl_penalty(old.old, ref, "k3"), batch.mask))
                    if batch.mask.any() else 0.0)
         return out

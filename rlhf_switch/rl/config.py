@@ -39,8 +39,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from ..families import context_length
-from .choices import (ALGORITHM_DEFAULTS, ALGORITHMS, CRITIC_FREE, ESTIMATOR_NEEDS, POLICY_LOSSES, Aggregation,
-                      KLEstimator)
+from .choices import (ALGORITHM_DEFAULTS, ALGORITHMS, CRITIC_FREE, ESTIMATOR_NEEDS, PAPER_RULES, POLICY_LOSSES,
+                      Aggregation, KLEstimator, off_paper)
 from .rewards import DEFAULT_MATH_REWARD, DEFAULT_REWARDS, parse_reward_spec
 from .tasks import CharTokenizer, build_task, longest_prompt_tokens
 
@@ -301,31 +301,62 @@ class DataConfig(Strict):
 
 class OffPolicy(Strict):
     """``algorithm.off_policy``: train on samples generated with weights up to ``max_staleness``
-    updates old. 1: one-step off-policy — rollout replicas of their own devices (``rollout.mode:
-    disaggregated``) generate the next batch while the trainer trains on this one, the weights
-    synced between their requests; each sample records the weight version it was generated with
-    (the replica's own count, checked against what the driver expects). 0: the synchronous loop,
-    bit for bit. ``correction`` of the update for the gap between the weights that generated a
-    stale sample and the trainer's: ``tis`` — truncated importance sampling, each token's loss
-    times ``min(π_train/π_rollout, tis_cap)`` (Yao et al. 2025); ``icepop`` — tokens whose ratio is
-    outside ``[icepop_low, icepop_high]`` leave the loss (IcePop, inclusionAI 2025); ``none``.
+    updates old, and correct the update for the rollout engine's policy. 1: one-step off-policy —
+    rollout replicas of their own devices (``rollout.mode: disaggregated``) generate the next batch
+    while the trainer trains on this one, the weights synced between their requests; each sample
+    records the weight version it was generated with (the replica's own count, checked against
+    what the driver expects). 0: the synchronous loop (bit for bit, with ``correction: none``).
+
+    ``correction`` of the update for the gap between the policy that generated a sample (the
+    rollout engine: older weights, and another implementation of the same ones — the
+    train-inference mismatch) and the trainer's, with ``ρ = π_train/π_rollout``
+    (``rl.algorithms.off_policy_weights``): ``tis`` — each token's loss times ``min(ρ_t, cap)``
+    (truncated importance sampling, Yao et al. 2025); ``icepop`` — ``ρ_t`` inside ``[low,
+    high]``, 0 outside (the token leaves the loss; IcePop, inclusionAI 2025); ``seq_tis`` —
+    ``min(ρ_seq, cap)`` on every token of the sequence, ``ρ_seq = Π_t ρ_t``; ``seq_mask`` —
+    ``ρ_seq`` inside ``[low, high]``, else the whole sequence leaves the loss (masked IS);
+    ``none``. Default: ``tis`` with a batch in flight (``max_staleness: 1``), ``none`` without.
+    ``correct``: which tokens — ``all`` (the papers' and verl's: every token, the mismatch of fresh
+    samples too) or ``stale`` (only tokens generated with older weights than the trainer's).
+
     ``segment_tokens`` K > 0: partial rollout — the batch in flight is generated K tokens at a
     time while the trainer trains; the update landing interrupts it, and its unfinished samples
     continue with the new weights after the next sync (each token records the version it was
     generated with). 0: each sample in one request."""
 
     max_staleness: int = Field(1, ge=0)
-    correction: Literal["tis", "icepop", "none"] = "tis"
-    tis_cap: float = Field(2.0, gt=0)
-    icepop_low: float = Field(0.5, gt=0)
-    icepop_high: float = Field(5.0, gt=0)
+    correction: Literal["tis", "icepop", "seq_tis", "seq_mask", "none"] | None = None
+    correct: Literal["all", "stale"] = "all"
+    cap: float = Field(2.0, gt=0)
+    low: float = Field(0.5, gt=0)
+    high: float = Field(5.0, gt=0)
     segment_tokens: int = Field(0, ge=0)
+
+    # the names these fields had when only tis and icepop existed (configs and run directories of that time)
+    OLD_NAMES: ClassVar[dict[str, str]] = {"tis_cap": "cap", "icepop_low": "low", "icepop_high": "high"}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or not any(k in data for k in cls.OLD_NAMES):
+            return data
+        data = dict(data)
+        for old, new in cls.OLD_NAMES.items():
+            if old in data:
+                if new in data:
+                    raise ValueError(f"{old} and {new} are one setting ({old} is its old name); give {new} only")
+                data[new] = data.pop(old)
+        return data
 
     @model_validator(mode="after")
     def _segments_need_a_batch_in_flight(self) -> "OffPolicy":
+        if self.correction is None:  # written back, so a saved config names the correction it ran with
+            self.__dict__["correction"] = "tis" if self.max_staleness else "none"
         if self.segment_tokens and not self.max_staleness:
             raise ValueError(f"segment_tokens: {self.segment_tokens} — partial rollout interrupts the batch in "
                              f"flight: max_staleness: 1")
+        if self.low >= self.high:
+            raise ValueError(f"low: {self.low} is not below high: {self.high} (the band ρ must fall in)")
         return self
 
     @field_validator("max_staleness")
@@ -359,7 +390,13 @@ class AlgorithmBase(Strict):
     clip_eps: float = Field(0.2, gt=0, le=1)
     clip_eps_high: float | None = Field(None, gt=0)
     loss_aggregation: Aggregation = "token-mean"
+    # PPO's dual clip c > 1 (Ye et al. 2020; verl's clip_ratio_c = 3): where A < 0 a token's loss is
+    # at most -c·A. None: off (the PPO paper's)
+    dual_clip: float | None = Field(None, gt=1)
     kl_coef: float = Field(0.0, ge=0)
+    # every per-token KL estimate clamped to ±this (verl's bound on k3, low_var_kl): one token the
+    # reference finds unlikely cannot dominate the loss or the reward. None: unclamped
+    kl_clamp: float | None = Field(10.0, gt=0)
     max_new_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -382,6 +419,10 @@ class DynamicSampling(Strict):
     then: the batch is filled with dropped groups (zero advantage), and the record says how many."""
 
     max_draws: int = Field(4, ge=1)
+    # which reward a group must differ in: the reward (the reward function's — DAPO's accuracy — or
+    # the combined rule and model reward) before any shaping, as DAPO filters; or the shaped one
+    # (after the overlong punishment)
+    filter_on: Literal["reward", "shaped"] = "reward"
 
 
 class Overlong(Strict):
@@ -418,6 +459,9 @@ class PolicyGradientConfig(AlgorithmBase):
     gamma: float = Field(1.0, ge=0, le=1)
     dynamic_sampling: DynamicSampling | None = None
     overlong: Overlong | None = None
+    # fields whose value leaves the algorithm's paper on purpose (rl.choices.PAPER_RULES): used as
+    # given, with a warning at start, instead of refused
+    off_paper: list[str] = []
 
     @model_validator(mode="before")
     @classmethod
@@ -474,7 +518,41 @@ class PolicyGradientConfig(AlgorithmBase):
         if self.overlong is not None and self.overlong.buffer_len > self.max_new_tokens:
             raise ValueError(f"algorithm.overlong.buffer_len: {self.overlong.buffer_len} is more than max_new_tokens="
                              f"{self.max_new_tokens}")
+        self._check_paper()
         return self
+
+    def _check_paper(self) -> None:
+        """The rule of docs/algorithms.md: a value that leaves the algorithm's paper is refused —
+        every such field in one error — unless ``off_paper`` names it."""
+        rules = {r.field for r in PAPER_RULES.get(self.name, ())}
+        unknown = [f for f in self.off_paper if f not in rules]
+        if unknown:
+            known = ", ".join(sorted(rules)) or "none: it fixes no field"
+            raise ValueError(f"algorithm.off_paper: {', '.join(unknown)} — not a setting {self.name}'s paper fixes "
+                             f"(those it fixes: {known})")
+        broken = [(rule, value) for rule, value in off_paper(self.name, self._values())
+                  if rule.field not in self.off_paper]
+        if broken:
+            raise ValueError("\n".join(
+                f"algorithm.{rule.field}: {_shown(value)} — {self.name}'s paper has {rule.paper}; remove the field to "
+                f"take {self.name}'s setting, or list it in algorithm.off_paper to keep yours" for rule, value in broken))
+
+    def _values(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in type(self).model_fields}
+
+    def off_paper_notes(self) -> list[str]:
+        """One line per field ``off_paper`` keeps outside the algorithm's paper (said at start)."""
+        return [f"algorithm.{rule.field}: {_shown(value)} — {self.name}'s paper has {rule.paper}; kept, as "
+                f"algorithm.off_paper says" for rule, value in off_paper(self.name, self._values())]
+
+
+def _shown(value: Any) -> str:
+    """A config value as the user wrote it (a block as its fields, None as null)."""
+    if value is None:
+        return "null"
+    if isinstance(value, BaseModel):
+        return str(value.model_dump())
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 class PpoConfig(AlgorithmBase):
