@@ -205,6 +205,8 @@ class Loop:
         self.splits, read_line = load_splits(cfg, self.tok)  # prompts rendered (chat template), too-long dropped
         self.say(read_line)
         # its workers (if any) start now and import the function while the warm start runs
+        for note in getattr(cfg.algorithm, "off_paper_notes", lambda: [])():  # algorithm.off_paper's choices
+            self.say(f"note: {note}")
         self.reward_runner = RewardRunner(cfg.reward_fn, cfg.reward_workers, cfg.reward_timeout_s, say=self.say)
         self.say(f"reward: {self.reward_runner!r}")
         hf = cfg.model.hf_dict()

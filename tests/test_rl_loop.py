@@ -41,6 +41,13 @@ def test_grpo_deepspeed_vllm_sync_verified_and_stale_weights_caught(ray_session,
         assert rec["gen_tokens"] > 0 and rec["bytes_moved"] > 0 and rec["switch_train_to_rollout_s"] > 0
     assert recs[1]["kl"] > 0, "iteration 0's update did not move the policy away from the reference"
     assert not recs[2]["stale_check_passed"] and recs[2]["bytes_moved"] == 0
+    # the train-inference mismatch in every record; the stale engine (one update behind) raises it
+    # far above the synced iterations' (fp32: rounding only)
+    for rec in recs:
+        assert rec["stale_check_tokens"] == rec["mismatch_tokens"] == rec["gen_tokens"] > 0, rec
+        assert rec["mismatch_logprob_diff_max"] == rec["stale_logprob_diff"]
+    synced = max(max(r["mismatch_logprob_diff_p99"], r["mismatch_kl"]) for r in recs[:2])
+    assert recs[2]["mismatch_logprob_diff_p99"] > 100 * synced and recs[2]["mismatch_kl"] > 100 * synced, recs
     # the crash left its last checkpoint (after iteration 1) complete and loadable
     last = latest_checkpoint(out / "checkpoints")
     assert last is not None and last.name == "step_2"
