@@ -14,6 +14,37 @@ class StaleWeightsError(RuntimeError):
     """The rollout engine generated with weights other than the trainer's."""
 
 
+class StaleTolerance:
+    """The stale-weights check's bound on ``max |log π_train - log π_rollout|`` over the tokens
+    generated with the trainer's weights. Given (``--stale-tol T``): that. Else by the compute
+    dtype: float32 — ``FLOOR`` (1e-4: rounding is ~1e-6 there); bfloat16/float16 — calibrated on
+    the run's first iteration, where the trainer and the rollout engine hold the same weights
+    (both loaded from one warm start or checkpoint, then synced): ``FACTOR`` × that iteration's
+    largest gap, at least ``FLOOR``. A first gap above ``CEILING`` (far more than the dtype's
+    rounding) is not calibrated on: the check fails it with the ceiling as its bound."""
+
+    FLOOR = 1e-4
+    FACTOR = 4.0
+    CEILING = {"bfloat16": 0.5, "float16": 0.1}
+
+    def __init__(self, given: float | None, compute_dtype: str):
+        self.dtype = compute_dtype
+        self.value = given if given is not None else (self.FLOOR if compute_dtype not in self.CEILING else None)
+        self.source = "given" if given is not None else ("float32" if self.value is not None else "")
+
+    def bound(self, first_gap: float) -> float:
+        """The bound for this iteration's check; ``first_gap``: its largest gap, which calibrates
+        the bound when none is set yet (the run's first iteration)."""
+        if self.value is None:
+            ceiling = self.CEILING[self.dtype]
+            if first_gap > ceiling:
+                self.value, self.source = ceiling, f"{self.dtype} ceiling (first gap {first_gap:.3g} not calibrated on)"
+            else:
+                self.value = max(self.FLOOR, self.FACTOR * first_gap)
+                self.source = f"{self.dtype}: {self.FACTOR:g} x the first iteration's {first_gap:.3g}"
+        return self.value
+
+
 # --- the warm start and held-out evaluation --------------------------------------------------------
 
 def warm_start(cfg, out_dir: Path, quiet: bool = False) -> Path:

@@ -56,8 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recipes.cluster import Cluster, start_ray
-from recipes.common import (Evaluator, RunFinished, StaleWeightsError, draw_extra_prompts, draw_prompts, fault,
-                            prune_checkpoints, resolve_resume, sample_seeds, warm_start, write_run_config)
+from recipes.common import (Evaluator, RunFinished, StaleTolerance, StaleWeightsError, draw_extra_prompts,
+                            draw_prompts, fault, prune_checkpoints, resolve_resume, sample_seeds, warm_start,
+                            write_run_config)
 from recipes.run_log import MetricsLog, is_iteration_record, plot_run
 
 __all__ = ["run", "main", "StaleWeightsError"]
@@ -143,12 +144,17 @@ class Loop:
     what comes before and after them (``start``, ``finish``). ``ElasticControl`` changes
     ``cluster`` and ``cfg`` between iterations (a resize, a recovery)."""
 
-    def __init__(self, cfg, iterations: int, first: int, resume_dir, stale_tol: float, quiet: bool,
+    def __init__(self, cfg, iterations: int, first: int, resume_dir, stale_tol: float | None, quiet: bool,
                  faults: Faults):
+        from rlhf_switch.device import cuda_available, resolve_device
         from rlhf_switch.rl.algorithm import Algorithm
 
         self.cfg, self.name, self.last, self.first = cfg, cfg.algorithm.name, iterations - 1, first
-        self.iterations, self.resume_dir, self.stale_tol, self.quiet = iterations, resume_dir, stale_tol, quiet
+        self.iterations, self.resume_dir, self.quiet = iterations, resume_dir, quiet
+        # the stale-weights check's bound: given, or by the compute dtype (calibrated in bf16/fp16)
+        dtype = resolve_device(cfg.device, cuda_available(), cfg.model.dtype).compute_dtype
+        self.stale = StaleTolerance(stale_tol, dtype)
+        self.stale_tol = self.stale.value  # None until the first iteration calibrates it
         self.faults, self.algorithm = faults, Algorithm.build(cfg.algorithm)
         # one-step off-policy: the next iteration's batch generated while this one trains
         off_policy = getattr(cfg.algorithm, "off_policy", None)
@@ -277,6 +283,7 @@ class Loop:
         with self.timed("logprobs"):
             checked = self.logprobs(batch)
         stale = max(s["stale_logprob_diff"] for s in checked)
+        self.stale_tol = self.stale.bound(stale)
         stats = None
         if stale <= self.stale_tol:
             with self.timed("update"):
@@ -492,6 +499,7 @@ class Loop:
         peak = {p: read() for p, read in peak.items()}
         rec = run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, self.timings,
                           self.stale_tol, time.perf_counter() - t_it)
+        rec["stale_tol_source"] = self.stale.source
         if self.rebalanced is not None:  # elastic.rebalance: the grown world's size, the moves there and back
             rec["rebalance"], self.rebalanced = self.rebalanced, None
         if self.lend_record is not None:  # elastic.lend: whether the rollout took the trainer's devices, how long
@@ -580,7 +588,7 @@ def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings
     # the stale check compares): |Δlogp| max / mean / p99, the k3 KL, the sequences' IS ratios
     rec.update(mismatch_over_ranks([s["mismatch"] for s in checked if "mismatch" in s]))
     rec.update({
-        "stale_logprob_diff": stale, "stale_check_passed": stale <= stale_tol,
+        "stale_logprob_diff": stale, "stale_check_passed": stale <= stale_tol, "stale_tol": stale_tol,
         "stale_check_tokens": rec.get("mismatch_tokens", 0),
         "gen_tokens": n_tokens, "gen_seconds": gen_s, "gen_tokens_per_s": n_tokens / gen_s if gen_s > 0 else float("nan"),
         "switch_train_to_rollout_s": sync["seconds"],
@@ -625,7 +633,7 @@ def run_metrics(it, roll, sync, copied, off, back, checked, stats, peak, timings
 
 
 def run(config_source, iterations: int | None = None, output_dir: str | None = None,
-        stale_tol: float = 1e-4, quiet: bool = False, resume: str | bool | None = None,
+        stale_tol: float | None = None, quiet: bool = False, resume: str | bool | None = None,
         skip_sync_at: tuple[int, ...] = (), crash_at: tuple[int, ...] = (), algorithm: str | None = None,
         verbose: bool = False, phase_hook=None, generate_hook=None) -> list[dict]:
     """Run the loop; returns this call's per-iteration records (also in
@@ -722,9 +730,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                          "(checkpoints/step_K or final/), or from DIR, up to the total; the records written after "
                          "that checkpoint are dropped from metrics.jsonl and rollouts.jsonl. A finished run (final/ "
                          "holds iteration N-1) is reported as finished, exit 0; a larger N continues it")
-    ap.add_argument("--stale-tol", type=float, default=1e-4, metavar="T",
+    ap.add_argument("--stale-tol", type=float, default=None, metavar="T",
                     help="the stale-weights check: the largest difference between the trainer's and the rollout "
-                         "engine's log-probs of the generated tokens that passes (default: %(default)g)")
+                         "engine's log-probs of the generated tokens that passes (default: 1e-4 in float32; in "
+                         "bfloat16/float16, 4x the first iteration's gap, where both hold the same weights)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars and no per-iteration lines")
     ap.add_argument("--verbose", action="store_true",
                     help="vLLM's INFO logs too (default: its warnings and errors only, so they do not interleave "

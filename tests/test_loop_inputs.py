@@ -277,3 +277,20 @@ def test_rays_token_auth_notice_is_dropped_while_the_embedded_instance_starts(ca
         logger.warning(notice)  # outside ray.init of the embedded instance: untouched
     assert [r.getMessage()[:45] for r in caplog.records] == ["Token authentication is disabled for this Ray",
                                                               "Token authentication is enabled for this Ray "]
+
+
+def test_stale_tolerance_by_dtype():
+    """The stale check's bound: given; 1e-4 in float32; in bf16/fp16 calibrated once on the first
+    iteration's gap (4x, at least 1e-4), and a first gap beyond the dtype's ceiling not calibrated on."""
+    from recipes.common import StaleTolerance
+
+    assert StaleTolerance(3e-3, "bfloat16").bound(0.2) == 3e-3
+    fp32 = StaleTolerance(None, "float32")
+    assert fp32.value == 1e-4 and fp32.bound(5.0) == 1e-4 and fp32.source == "float32"
+    bf16 = StaleTolerance(None, "bfloat16")
+    assert bf16.value is None
+    assert bf16.bound(0.03) == pytest.approx(0.12) and bf16.bound(0.5) == pytest.approx(0.12)  # once, then fixed
+    assert "first iteration's 0.03" in bf16.source
+    assert StaleTolerance(None, "bfloat16").bound(1e-6) == 1e-4
+    wild = StaleTolerance(None, "float16")
+    assert wild.bound(3.0) == 0.1 and "not calibrated on" in wild.source
