@@ -62,14 +62,6 @@ def apply_lora(model: torch.nn.Module, lora: LoraSpec, dropout: float = 0.0) -> 
     return inject_adapter_in_model(config, model, adapter_name=ADAPTER)
 
 
-def dropout_of(model: torch.nn.Module) -> float:
-    """The largest LoRA dropout probability in ``model`` (0.0 without LoRA)."""
-    from peft.tuners.lora import LoraLayer
-
-    return max((float(d.p) for m in model.modules() if isinstance(m, LoraLayer)
-                for d in m.lora_dropout.values() if isinstance(d, torch.nn.Dropout)), default=0.0)
-
-
 def initial_adapters(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """The adapters a run starts from, the same on any process: peft's default initialisation —
     ``A`` Kaiming-uniform (``a = √5``), ``B`` zero, so the adapted model starts as the base — drawn

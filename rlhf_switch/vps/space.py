@@ -95,10 +95,6 @@ def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def flat_index(shape: Sequence[int], coord: Sequence[int]) -> int:
-    return sum(c * s for c, s in zip(coord, row_major_strides(shape)))
-
-
 def flat_range_to_boxes(shape: Sequence[int], start: int, stop: int,
                         origin: Sequence[int] | None = None) -> list[Box]:
     """Split the flat range ``[start, stop)`` of a row-major tensor into boxes, in flat order.
@@ -149,16 +145,3 @@ def _split(shape: tuple[int, ...], start: int, stop: int, prefix: tuple[int, ...
         out.append(Box(prefix + (first,) + rest, top + (whole_end,) + shape[1:]))
     if stop % inner:  # ragged tail inside slice `last`
         _split(shape[1:], 0, stop - last * inner, prefix + (last,), out)
-
-
-def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """torch.chunk semantics: ceil(n/parts) per part, the last ones short or empty."""
-    size = -(-n // parts) if n else 0
-    return [(min(i * size, n), min((i + 1) * size, n)) for i in range(parts)]
-
-
-def even_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    if n % parts:
-        raise ValueError(f"{n} is not divisible by {parts}")
-    size = n // parts
-    return [(i * size, (i + 1) * size) for i in range(parts)]

@@ -173,12 +173,6 @@ class ModelSpec:
             object.__setattr__(self, "_digest", cached)
         return cached
 
-    def with_dtype(self, dtype: str) -> "ModelSpec":
-        return ModelSpec(self.name, tuple(TensorSpec(t.name, t.shape, dtype, t.tp, t.layer, t.anchor, t.expert)
-                                          for t in self.tensors),
-                         self.num_layers, self.attention, self.fused, self.tied_lm_head, self.num_experts,
-                         self.lora)
-
     # --- LoRA adapters ------------------------------------------------------------------------------
     def lora_targets(self, targets: Sequence[str]) -> tuple[str, ...]:
         """The tensors of decoder layers that the module names ``targets`` (``q_proj``, …) adapt:
