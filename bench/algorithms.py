@@ -141,7 +141,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     from recipes.common import warm_start
-    from rlhf_switch.rl.choices import CRITIC_FREE
+    from rlhf_switch.rl.estimators import CRITIC_FREE
     from rlhf_switch.rl.config import load_config
 
     ap = argparse.ArgumentParser(prog="python -m bench.algorithms", description=__doc__,

@@ -12,7 +12,8 @@ worked out once: the model's dimensions and whether the actors will see a GPU.
 ``layouts``    every phase's layout covers the world and splits the model (heads, KV heads, MLP
                width, layers), in every world of an ``elastic.schedule`` too
 ``batch``      the batch sizes divide over the replicas and DP ranks, in every world
-``algorithm``  the algorithm and its pieces resolve (a user's ``module:Class`` imports)
+``algorithm``  the algorithm and its pieces resolve (a user's ``module:Class`` imports), its fields
+               fit its estimator and its paper, the run has the critic and reference it needs
 ``off_policy`` a batch in flight (one-step off-policy) has replicas of their own devices
 ``rebalance``  ``elastic.rebalance``: replicas of their own devices, a synchronous loop, and a grown
                world (layouts scaled along DP) that passes every check
@@ -53,6 +54,7 @@ from .engines.base import EngineError, phase_engine_problems, rollout_engine, tr
 from .families import DEFAULT_CONTEXT, derive_spec, family_problems
 from .rl.config import (ConfigError, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig, load_config,
                         model_dims, scaled_along_dp)
+from .rl.algorithm_rules import algorithm_problems
 from .rl.data import DataError, load_data_splits, prompt_token_limit, read_columns, read_records
 from .rl.tasks import CharTokenizer, build_task, longest_answer_tokens, longest_prompt_tokens
 from .rl.tokenizer import TokenizerError, load_tokenizer
@@ -328,16 +330,18 @@ def _batch(cfg: RunConfig, facts: Facts) -> list[str]:
 
 @check("algorithm")
 def _algorithm(cfg: RunConfig, facts: Facts) -> list[str]:
-    """The algorithm resolves (a user's ``module:Class`` or pieces import) and has what it needs."""
+    """The algorithm resolves (a user's ``module:Class`` or pieces import), its fields fit each
+    other, its estimator and its paper, and the run has the blocks it needs
+    (``rl.algorithm_rules``)."""
     from .rl.algorithm import Algorithm
 
+    problems = algorithm_problems(cfg)
+    if problems:
+        return problems
     try:
-        algorithm = Algorithm.build(cfg.algorithm)
+        Algorithm.build(cfg.algorithm)
     except ValueError as e:
         return [str(e)]
-    if algorithm.needs_critic and cfg.critic is None:
-        return [f"algorithm: {cfg.algorithm.name}'s advantage estimator uses a critic, and only algorithm.name: "
-                f"ppo has a critic block"]
     return []
 
 

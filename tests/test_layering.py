@@ -157,7 +157,7 @@ def test_the_cycle_check_sees_a_cycle():
     graph = module_graph()
     assert graph["rlhf_switch.rl.algorithm"] >= {"rlhf_switch.rl.algorithms"}
     graph["rlhf_switch.rl.algorithms"] = graph["rlhf_switch.rl.algorithms"] | {"rlhf_switch.rl.algorithm"}
-    assert ["rlhf_switch.rl.algorithm", "rlhf_switch.rl.algorithms"] in cycles(graph)
+    assert any({"rlhf_switch.rl.algorithm", "rlhf_switch.rl.algorithms"} <= set(c) for c in cycles(graph))
 
 
 def test_no_function_of_the_loop_is_over_80_lines():

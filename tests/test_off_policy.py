@@ -164,8 +164,11 @@ def test_a_replica_lost_while_standing_by_is_dropped_and_the_sync_refills_the_ot
 def test_partial_rollout_config():
     assert load_config(tiny("grpo_tiny_async.yaml", **{"algorithm.off_policy": {
         "max_staleness": 1, "segment_tokens": 2}})).algorithm.off_policy.segment_tokens == 2
-    with pytest.raises(ConfigError, match="segment_tokens: 2 — partial rollout interrupts the batch in flight"):
-        load_config(tiny("grpo_tiny_async.yaml", **{"algorithm.off_policy": {"max_staleness": 0, "segment_tokens": 2}}))
+    from rlhf_switch.rl.algorithm_rules import algorithm_problems
+
+    assert algorithm_problems(load_config(tiny("grpo_tiny_async.yaml", **{"algorithm.off_policy": {
+        "max_staleness": 0, "segment_tokens": 2}}))) == [
+        "algorithm.off_policy.segment_tokens: 2 — partial rollout interrupts the batch in flight: max_staleness: 1"]
 
 
 @pytest.mark.slow

@@ -4,17 +4,17 @@ rollout batch's per-sequence advantages (``sequence_advantages``); every trainer
 update with it (``update``). The formulas are ``rl/algorithms.py``'s; this module only assembles
 them, so a new algorithm is a new combination of registered pieces, not a new update loop.
 
-Two registered pieces make an algorithm (``ALGORITHMS``):
+Two registered pieces make an algorithm (``rl.choices.ALGORITHMS``):
 
-- an advantage estimator (``ESTIMATORS``): ``group`` — a sample's score against its group's (the
-  ``group_size`` samples of one prompt), one number per sequence, computed by the driver, which
-  holds every group; ``gae`` — the critic's values, per-token rewards with the KL penalty and GAE,
-  whitened over the DP group, computed on each trainer rank (it needs the critic's outputs);
-- a policy loss (``POLICY_LOSSES``): ``ppo_clip`` — PPO-clip with clip-higher, aggregated by
-  ``loss_aggregation``.
+- an advantage estimator (``rl.estimators``: one class each, declaring what it needs — groups, a
+  critic, a reference — and the config fields it reads); ``group`` — a sample's score against its
+  group's, per sequence, in the driver, which holds every group; ``gae`` — the critic's values,
+  per-token rewards with the KL penalty and GAE, on each trainer rank;
+- a policy loss (``POLICY_LOSSES``): ``ppo_clip`` (PPO-clip with clip-higher and dual clip),
+  ``gspo``, ``cispo``, each aggregated by ``loss_aggregation``.
 
-The KL to the reference is either a term of the loss (``kl_in_loss``: GRPO) or a per-token reward
-(PPO, inside ``gae``).
+The KL to the reference is either a term of the loss (``kl_in_loss``: GRPO) or in the estimator's
+rewards (its ``kl_in_reward``: PPO, RLOO, REINFORCE++).
 
 Every rank gets the whole rollout batch and takes its DP share (``RankBatch``). Each micro-batch's
 loss is weighed by its share of the whole mini-batch over all DP ranks (tokens for ``token-mean``,
@@ -25,17 +25,17 @@ collective is needed for them.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .algorithms import (aggregate, cispo_loss, discounted_returns, global_masked_whiten, grpo_advantages, gspo_loss,
-                         kl_penalty, masked_mean, masked_sum, masked_whiten, off_policy_weights, overlong_penalty,
-                         policy_loss, ppo_batch, rloo_advantages, token_rewards)
-from .choices import ALGORITHMS, ESTIMATOR_NEEDS, Aggregation
+from .algorithms import (aggregate, cispo_loss, gspo_loss, kl_penalty, masked_mean, masked_sum, off_policy_weights,
+                         overlong_penalty, policy_loss)
+from .choices import ALGORITHMS, Aggregation
 from .choices import POLICY_LOSSES as LOSS_NAMES
+from .estimators import estimator_class
+from .imports import import_named
 
 
 # --- the batch, as one trainer rank holds it ------------------------------------------------------
@@ -149,112 +149,9 @@ class OldPolicy:
 
 
 # --- the registered pieces ------------------------------------------------------------------------
-# An estimator turns scores into advantages: ``sequence(scores, cfg)`` in the driver (None: nothing
-# there) and ``tokens(batch, old, cfg, actor, critic)`` on each trainer rank -> (advantages [b, T-1],
-# the critic's targets or None). A policy loss: ``(lp, old_lp, advantages, mask, cfg) -> (loss,
-# stats)``. ``rl.choices.ESTIMATOR_NEEDS`` says what each estimator needs (groups, a critic, the KL
-# as a reward); a user's own piece (``algorithm.advantage`` / ``policy_loss: module:Name``) has the
-# same form and declares ``needs_critic``/``kl_in_reward`` as attributes where they are true.
-
-def _whiten_over_dp(values: torch.Tensor, mask: torch.Tensor, engine: Any) -> torch.Tensor:
-    """Whitened over the whole batch: every DP rank of ``engine`` holds a share of it."""
-    return masked_whiten(values, mask) if engine.dp == 1 else global_masked_whiten(values, mask, group=engine.dp_group)
-
-
-class GroupAdvantages:
-    """GRPO's estimator: each sample's score minus its group's mean, over the group's std + eps
-    when ``norm_adv_by_std`` (DeepSeekMath; Dr. GRPO drops the std). Per sequence, in the driver,
-    which holds every group."""
-
-    needs_critic = kl_in_reward = False
-
-    def sequence(self, scores: Sequence[float], cfg: Any) -> list[float]:
-        return grpo_advantages(torch.tensor(scores), cfg.group_size, cfg.norm_adv_by_std, cfg.adv_eps).tolist()
-
-    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
-        return batch.advantages[:, None] * batch.mask, None
-
-
-def _over_dp(values: torch.Tensor, engine: Any) -> torch.Tensor:
-    """``values [b]`` of every DP rank of ``engine``, in DP-rank order (``[dp·b]``: the whole
-    batch, rank ``r``'s share at ``[r·b, (r+1)·b)``). Collective over its DP group."""
-    if engine.dp == 1:
-        return values
-    import torch.distributed as dist
-
-    tagged = torch.cat([torch.tensor([float(engine.dp_rank)], dtype=torch.float64), values.double()])
-    parts = [torch.empty_like(tagged) for _ in range(engine.dp)]
-    dist.all_gather(parts, tagged, group=engine.dp_group)
-    return torch.cat([p[1:] for p in sorted(parts, key=lambda p: int(p[0]))]).to(values.dtype)
-
-
-class RlooAdvantages(GroupAdvantages):
-    """RLOO's estimator (Ahmadian et al. 2024; verl's recipe): each sample's reward — its score,
-    less ``kl_coef·Σ_t KL_t`` (the KL to the reference as a reward, ``use_kl_in_reward``) — minus
-    the mean of the other samples' rewards in its group. On the trainer ranks, which hold the
-    log-probs: each rank's rewards gathered over DP first (a group may span two ranks' shares)."""
-
-    kl_in_reward = True
-
-    def sequence(self, scores: Sequence[float], cfg: Any) -> None:
-        return None
-
-    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
-        rewards = batch.scores.double()
-        if old.ref is not None and cfg.kl_coef:
-            kl = kl_penalty(old.old, old.ref, cfg.kl_estimator, cfg.kl_clamp)
-            rewards = rewards - cfg.kl_coef * masked_sum(kl, batch.response_mask, dim=-1).double()
-        every = rloo_advantages(_over_dp(rewards, actor), cfg.group_size)
-        b = rewards.shape[0]
-        mine = every[actor.dp_rank * b:(actor.dp_rank + 1) * b].float()
-        return mine[:, None] * batch.mask, None
-
-
-class GroupWhitenedAdvantages(GroupAdvantages):
-    """REINFORCE++-baseline's estimator (OpenRLHF; verl's ``reinforce_plus_plus_baseline``): the
-    group's mean subtracted in the driver, then every token's value whitened over the whole batch
-    on the trainer ranks (across DP)."""
-
-    def sequence(self, scores: Sequence[float], cfg: Any) -> list[float]:
-        return grpo_advantages(torch.tensor(scores), cfg.group_size, norm_by_std=False).tolist()
-
-    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
-        return _whiten_over_dp(batch.advantages[:, None] * batch.mask, batch.mask, actor) * batch.mask, None
-
-
-class ReinforcePlusPlusAdvantages:
-    """REINFORCE++'s estimator (Hu 2025): per-token rewards (the score on the last token, the KL
-    penalty ``-kl_coef·KL`` on each), discounted returns (``gamma``), whitened over the whole
-    batch across DP. No critic, no groups. On the trainer ranks."""
-
-    needs_critic, kl_in_reward = False, True
-
-    def sequence(self, scores: Sequence[float], cfg: Any) -> None:
-        return None
-
-    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
-        kl = (kl_penalty(old.old, old.ref, cfg.kl_estimator, cfg.kl_clamp) * batch.mask if old.ref is not None
-              else torch.zeros_like(batch.mask))
-        returns = discounted_returns(token_rewards(batch.scores, batch.mask, kl, cfg.kl_coef), batch.mask, cfg.gamma)
-        return _whiten_over_dp(returns, batch.mask, actor) * batch.mask, returns
-
-
-class GaeAdvantages:
-    """PPO's estimator: per-token rewards (the score on the last token, ``-kl_coef·KL`` on each),
-    GAE on the critic's values, whitened over the critic's DP group (``ppo_batch``). Per token, on
-    each trainer rank; returns the advantages and the critic's targets."""
-
-    needs_critic, kl_in_reward = True, True
-
-    def sequence(self, scores: Sequence[float], cfg: Any) -> None:
-        return None
-
-    def tokens(self, batch: RankBatch, old: OldPolicy, cfg: Any, actor: Any, critic: Any):
-        out = ppo_batch(old.old, old.ref, old.values, batch.scores, batch.mask, kl_coef=cfg.kl_coef,
-                        kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, gamma=cfg.gamma, lam=cfg.lam,
-                        whiten=cfg.whiten_advantages, group=critic.dp_group)
-        return out["advantages"], out["returns"]
-
+# An estimator (``rl.estimators``: registered classes declaring what they need and read) turns scores
+# into advantages. A policy loss: ``(lp, old_lp, advantages, mask, cfg) -> (loss, stats)``, with
+# ``stats["clipfrac"]``; a user's own is ``algorithm.policy_loss: module:function``.
 
 def ppo_clip_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: Any):
     """PPO-clip (``policy_loss``); ``clip_eps_high`` for DAPO's clip-higher, ``dual_clip``."""
@@ -274,20 +171,8 @@ def cispo_policy_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor,
                       aggregation=cfg.loss_aggregation, norm_len=cfg.max_new_tokens)
 
 
-ESTIMATORS: dict[str, Callable[[], Any]] = {"group": GroupAdvantages, "rloo": RlooAdvantages,
-                                            "group_whitened": GroupWhitenedAdvantages,
-                                            "reinforce_pp": ReinforcePlusPlusAdvantages, "gae": GaeAdvantages}
 POLICY_LOSSES: dict[str, Callable] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
-assert set(ESTIMATORS) == set(ESTIMATOR_NEEDS) and set(POLICY_LOSSES) == set(LOSS_NAMES)
-
-
-def import_named(path: str, what: str) -> Any:
-    """A user's ``module:Name``, imported; ``ValueError`` naming ``what`` when it cannot be."""
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what} {path!r} cannot be imported: {type(e).__name__}: {e}") from None
+assert set(POLICY_LOSSES) == set(LOSS_NAMES)
 
 
 # --- the algorithm --------------------------------------------------------------------------------
@@ -305,12 +190,11 @@ class Algorithm:
         estimator, loss = ALGORITHMS.get(cfg.name, (self.estimator_name, self.loss_name))
         estimator = getattr(cfg, "advantage", None) or estimator
         loss = getattr(cfg, "policy_loss", None) or loss
-        self.estimator = (ESTIMATORS[estimator]() if estimator in ESTIMATORS
-                          else import_named(estimator, "algorithm.advantage")())
+        self.estimator = estimator_class(estimator)()
         self.policy_loss = POLICY_LOSSES[loss] if loss in POLICY_LOSSES else import_named(loss, "algorithm.policy_loss")
-        self.needs_critic = bool(getattr(self.estimator, "needs_critic", False))
+        self.needs_critic = self.estimator.critic
         # the KL to the reference: a per-token reward of the estimator's, or a term of the loss
-        self.kl_in_loss = not getattr(self.estimator, "kl_in_reward", False)
+        self.kl_in_loss = not self.estimator.kl_in_reward
 
     @staticmethod
     def build(cfg: Any) -> "Algorithm":

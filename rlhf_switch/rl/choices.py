@@ -14,19 +14,10 @@ KLEstimator = Literal["k1", "k2", "k3"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
-# the advantage estimators (rl/algorithm.py: ESTIMATORS) and what each needs: groups of samples of
-# one prompt (group_size >= 2), a critic, the KL to the reference as a per-token reward
-# (instead of a term of the loss)
-ESTIMATOR_NEEDS: dict[str, dict[str, bool]] = {
-    "group": {"groups": True, "critic": False, "kl_in_reward": False},
-    "rloo": {"groups": True, "critic": False, "kl_in_reward": True},
-    "group_whitened": {"groups": True, "critic": False, "kl_in_reward": False},
-    "reinforce_pp": {"groups": False, "critic": False, "kl_in_reward": True},
-    "gae": {"groups": False, "critic": True, "kl_in_reward": True},
-}
 POLICY_LOSSES: tuple[str, ...] = ("ppo_clip", "gspo", "cispo")
 
-# algorithm.name -> (advantage estimator, policy loss); PPO's own block is the one with a critic
+# algorithm.name -> (advantage estimator, policy loss); what each estimator needs and reads is its
+# class's declaration (rl/estimators.py)
 ALGORITHMS: dict[str, tuple[str, str]] = {
     "grpo": ("group", "ppo_clip"),
     "dr_grpo": ("group", "ppo_clip"),
@@ -60,6 +51,8 @@ ALGORITHM_DEFAULTS: dict[str, dict] = {
     "gspo": {"clip_eps": 3e-4, "clip_eps_high": 4e-4, "loss_aggregation": "seq-mean-token-mean", "kl_coef": 0.0},
     # CISPO (MiniMax-M1, 2025): the importance weight clipped above only, token-mean, no KL
     "cispo": {"clip_eps": 1.0, "clip_eps_high": 0.28, "loss_aggregation": "token-mean", "kl_coef": 0.0},
+    # PPO (Schulman et al. 2017; InstructGPT's KL): one sample per prompt, the KL as a per-token reward (k1)
+    "ppo": {"group_size": 1, "kl_coef": 0.05, "kl_estimator": "k1"},
 }
 
 
@@ -106,4 +99,12 @@ def off_paper(name: str, block: Mapping[str, Any]) -> list[tuple[PaperRule, Any]
     return [(rule, block.get(rule.field)) for rule in PAPER_RULES.get(name, ()) if not rule.holds(block)]
 
 
-CRITIC_FREE: tuple[str, ...] = tuple(n for n, (est, _) in ALGORITHMS.items() if not ESTIMATOR_NEEDS[est]["critic"])
+
+
+def shown(value: Any) -> str:
+    """A config value as the user wrote it (a block as its fields, None as null)."""
+    if value is None:
+        return "null"
+    if hasattr(value, "model_dump"):
+        return str(value.model_dump())
+    return repr(value) if isinstance(value, str) else str(value)

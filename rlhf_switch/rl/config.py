@@ -33,14 +33,16 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 import re
-from typing import Annotated, Any, ClassVar, Literal, Mapping, Union
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from ..families import context_length
-from .choices import (ALGORITHM_DEFAULTS, ALGORITHMS, CRITIC_FREE, ESTIMATOR_NEEDS, PAPER_RULES, POLICY_LOSSES,
-                      Aggregation, KLEstimator, off_paper)
+from .choices import ALGORITHM_DEFAULTS, ALGORITHMS, POLICY_LOSSES, Aggregation, KLEstimator, off_paper, shown
+from .estimators import ESTIMATORS, estimator_class
+from .estimators import all_fields as all_estimator_fields
 from .rewards import DEFAULT_MATH_REWARD, DEFAULT_REWARDS, parse_reward_spec
 from .tasks import CharTokenizer, build_task, longest_prompt_tokens
 
@@ -349,14 +351,9 @@ class OffPolicy(Strict):
         return data
 
     @model_validator(mode="after")
-    def _segments_need_a_batch_in_flight(self) -> "OffPolicy":
+    def _default_correction(self) -> "OffPolicy":
         if self.correction is None:  # written back, so a saved config names the correction it ran with
             self.__dict__["correction"] = "tis" if self.max_staleness else "none"
-        if self.segment_tokens and not self.max_staleness:
-            raise ValueError(f"segment_tokens: {self.segment_tokens} — partial rollout interrupts the batch in "
-                             f"flight: max_staleness: 1")
-        if self.low >= self.high:
-            raise ValueError(f"low: {self.low} is not below high: {self.high} (the band ρ must fall in)")
         return self
 
     @field_validator("max_staleness")
@@ -437,148 +434,111 @@ class Overlong(Strict):
     mask_truncated: bool = False
 
 
-class PolicyGradientConfig(AlgorithmBase):
-    """The critic-free algorithms (``rl.choices.ALGORITHMS``: grpo, dr_grpo, dapo, rloo,
-    reinforce_pp, reinforce_pp_baseline, gspo, cispo) and a user's own (``name: module:Class``, a
-    subclass of ``rl.algorithm.Algorithm``). Each algorithm's defaults come from its paper
-    (``rl.choices.ALGORITHM_DEFAULTS``); a field given in the config wins. ``advantage`` and
-    ``policy_loss`` replace the algorithm's pieces by a registered name or ``module:Name``.
-    ``gamma``: REINFORCE++'s discount. ``dynamic_sampling`` and ``overlong``: DAPO's options, usable
-    with any algorithm here."""
+class AlgorithmFields(AlgorithmBase):
+    """The ``algorithm`` block's fields every algorithm has. ``name``: a registered algorithm
+    (``rl.choices.ALGORITHMS``: its estimator and policy loss) or a user's ``module:Class`` (a
+    subclass of ``rl.algorithm.Algorithm``); each algorithm's defaults come from its paper
+    (``rl.choices.ALGORITHM_DEFAULTS``), a field given in the config is used as given (the paper's
+    range is checked before the run: ``rl.algorithm_rules``). ``advantage`` and ``policy_loss``
+    replace the algorithm's pieces by a registered name or ``module:Name``. ``dynamic_sampling``
+    and ``overlong``: DAPO's options, usable with any group estimator. ``AlgorithmConfig`` adds the
+    fields the registered estimators declare (``rl.estimators``); a user's estimator may declare
+    fields of its own, which the block then takes too."""
 
-    TAG: ClassVar[str] = "policy_gradient"
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     name: str
     advantage: str | None = None
     policy_loss: str | None = None
     group_size: int = Field(8, ge=1)
-    norm_adv_by_std: bool = True
-    adv_eps: float = Field(1e-6, gt=0)
     kl_coef: float = Field(0.001, ge=0)
     kl_estimator: KLEstimator = "k3"
-    gamma: float = Field(1.0, ge=0, le=1)
     dynamic_sampling: DynamicSampling | None = None
     overlong: Overlong | None = None
     # fields whose value leaves the algorithm's paper on purpose (rl.choices.PAPER_RULES): used as
-    # given, with a warning at start, instead of refused
+    # given, with a note at start, instead of refused
     off_paper: list[str] = []
 
     @model_validator(mode="before")
     @classmethod
     def _algorithm_defaults(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and data.get("name") in ALGORITHM_DEFAULTS:
-            return {**ALGORITHM_DEFAULTS[data["name"]], **data}
+        """The algorithm's paper defaults under the config's fields, and a user estimator's own
+        fields (its declared defaults, checked against its declared types); any other field the
+        block does not know is refused, the closest known name suggested."""
+        if not isinstance(data, Mapping):
+            return data
+        data = {**ALGORITHM_DEFAULTS.get(data.get("name"), {}), **data}
+        own = _user_estimator_fields(data)
+        known = set(cls.model_fields) | set(own)
+        unknown = sorted(k for k in data if k not in known)
+        if unknown:
+            raise ValueError("\n".join(_unknown_field(f"algorithm.{k}", k, sorted(known), "algorithm") for k in unknown))
+        for field, (kind, info) in own.items():
+            value = data.get(field, info.get_default(call_default_factory=True))
+            try:
+                data[field] = TypeAdapter(Annotated[kind, info]).validate_python(value)
+            except ValidationError as e:
+                raise ValueError(f"algorithm.{field}: {e.errors(include_url=False)[0]['msg']} (got {_shorten(value)})") \
+                    from None
         return data
 
     @field_validator("name")
     @classmethod
     def _known_or_user_class(cls, name: str) -> str:
-        if name in CRITIC_FREE or USER_CLASS.match(name):
+        if name in ALGORITHMS or USER_CLASS.match(name):
             return name
-        known = ", ".join(CRITIC_FREE + ("ppo",))
-        close = difflib.get_close_matches(name, CRITIC_FREE + ("ppo",), n=1)
+        close = difflib.get_close_matches(name, tuple(ALGORITHMS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown algorithm {name!r}{hint} (known: {known}; or your own as 'module:Class')")
+        raise ValueError(f"unknown algorithm {name!r}{hint} (known: {', '.join(ALGORITHMS)}; or your own as "
+                         f"'module:Class')")
 
     @field_validator("advantage", "policy_loss")
     @classmethod
     def _piece_form(cls, piece: str | None, info) -> str | None:
-        known = tuple(ESTIMATOR_NEEDS) if info.field_name == "advantage" else POLICY_LOSSES
+        known = tuple(ESTIMATORS) if info.field_name == "advantage" else POLICY_LOSSES
         if piece is None or piece in known or USER_CLASS.match(piece):
             return piece
         raise ValueError(f"unknown {info.field_name.replace('_', ' ')} {piece!r} (known: {', '.join(known)}; "
                          f"or your own as 'module:Name')")
 
-    @field_validator("norm_adv_by_std", "adv_eps", "gamma")
-    @classmethod
-    def _read_by_the_estimator(cls, value: Any, info) -> Any:
-        """A field the chosen estimator does not read is refused, not ignored (a saved config
-        repeats the defaults: those pass; a user's own estimator may read any)."""
-        by = {"gamma": "reinforce_pp", "norm_adv_by_std": "group", "adv_eps": "group"}[info.field_name]
-        name = info.data.get("name")
-        estimator = info.data.get("advantage") or ALGORITHMS.get(name, (None,))[0]
-        if estimator in ESTIMATOR_NEEDS and estimator != by and value != cls.model_fields[info.field_name].default:
-            raise ValueError(f"the {by} estimator's; {name} uses {estimator}, which does not read it")
-        return value
-
     @model_validator(mode="after")
-    def _pieces_fit(self) -> "PolicyGradientConfig":
-        estimator = self.advantage or ALGORITHMS.get(self.name, ("group",))[0]
-        needs = ESTIMATOR_NEEDS.get(estimator)
-        if needs is not None and needs["critic"]:
-            raise ValueError(f"algorithm.advantage: {estimator} needs a critic; use algorithm.name: ppo")
-        if needs is not None and needs["groups"] and self.group_size < 2:
-            raise ValueError(f"algorithm.group_size: {self.group_size} — the {estimator} estimator compares the samples of a "
-                             f"prompt with each other: it needs group_size >= 2")
-        if self.dynamic_sampling is not None and needs is not None and not needs["groups"]:
-            raise ValueError(f"algorithm.dynamic_sampling: drops groups whose samples all got the same reward; the "
-                             f"{estimator} estimator does not work on groups")
-        if self.overlong is not None and self.overlong.buffer_len is None:
+    def _resolve(self) -> "AlgorithmFields":
+        if self.overlong is not None and self.overlong.buffer_len is None:  # written back: a saved config says it
             self.overlong.__dict__["buffer_len"] = max(1, self.max_new_tokens // 4)
-        if self.overlong is not None and self.overlong.buffer_len > self.max_new_tokens:
-            raise ValueError(f"algorithm.overlong.buffer_len: {self.overlong.buffer_len} is more than max_new_tokens="
-                             f"{self.max_new_tokens}")
-        self._check_paper()
         return self
 
-    def _check_paper(self) -> None:
-        """The rule of docs/algorithms.md: a value that leaves the algorithm's paper is refused —
-        every such field in one error — unless ``off_paper`` names it."""
-        rules = {r.field for r in PAPER_RULES.get(self.name, ())}
-        unknown = [f for f in self.off_paper if f not in rules]
-        if unknown:
-            known = ", ".join(sorted(rules)) or "none: it fixes no field"
-            raise ValueError(f"algorithm.off_paper: {', '.join(unknown)} — not a setting {self.name}'s paper fixes "
-                             f"(those it fixes: {known})")
-        broken = [(rule, value) for rule, value in off_paper(self.name, self._values())
-                  if rule.field not in self.off_paper]
-        if broken:
-            raise ValueError("\n".join(
-                f"algorithm.{rule.field}: {_shown(value)} — {self.name}'s paper has {rule.paper}; remove the field to "
-                f"take {self.name}'s setting, or list it in algorithm.off_paper to keep yours" for rule, value in broken))
+    @property
+    def estimator(self) -> str:
+        """The advantage estimator's name: ``advantage``, else the algorithm's (a user's
+        ``Algorithm`` subclass starts from GRPO's)."""
+        return self.advantage or ALGORITHMS.get(self.name, ALGORITHMS["grpo"])[0]
 
-    def _values(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in type(self).model_fields}
+    def values(self) -> dict[str, Any]:
+        """Every field's value, a user estimator's own fields too."""
+        return {**{f: getattr(self, f) for f in type(self).model_fields}, **(self.model_extra or {})}
 
     def off_paper_notes(self) -> list[str]:
         """One line per field ``off_paper`` keeps outside the algorithm's paper (said at start)."""
-        return [f"algorithm.{rule.field}: {_shown(value)} — {self.name}'s paper has {rule.paper}; kept, as "
-                f"algorithm.off_paper says" for rule, value in off_paper(self.name, self._values())]
+        return [f"algorithm.{rule.field}: {shown(value)} — {self.name}'s paper has {rule.paper}; kept, as "
+                f"algorithm.off_paper says" for rule, value in off_paper(self.name, self.values())]
 
 
-def _shown(value: Any) -> str:
-    """A config value as the user wrote it (a block as its fields, None as null)."""
-    if value is None:
-        return "null"
-    if isinstance(value, BaseModel):
-        return str(value.model_dump())
-    return repr(value) if isinstance(value, str) else str(value)
+def _user_estimator_fields(data: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The fields a user's estimator (``advantage: module:Class``) declares beyond the block's
+    (none where it does not import: the algorithm check says why)."""
+    advantage = data.get("advantage")
+    if not (isinstance(advantage, str) and USER_CLASS.match(advantage)):
+        return {}
+    try:
+        cls = estimator_class(advantage)
+    except ValueError:
+        return {}
+    return {k: v for k, v in cls.fields_read().items() if k not in AlgorithmConfig.model_fields}
 
 
-class PpoConfig(AlgorithmBase):
-    """PPO: a critic and GAE; the KL to the reference is a per-token reward (k1 by default)."""
-
-    TAG: ClassVar[str] = "ppo"
-
-    name: Literal["ppo"]
-    group_size: int = Field(1, ge=1)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    critic_lr: float = Field(1e-5, gt=0)
-    value_clip_eps: float | None = Field(0.2, gt=0)
-    whiten_advantages: bool = True
-    kl_coef: float = Field(0.05, ge=0)
-    kl_estimator: KLEstimator = "k1"
-
-
-def _algorithm_block(data: Any) -> str:
-    name = data.get("name") if isinstance(data, Mapping) else getattr(data, "name", None)
-    return PpoConfig.TAG if name == "ppo" else PolicyGradientConfig.TAG
-
-
-# the block's fields by algorithm: PPO's (a critic), or the critic-free ones
-AlgorithmConfig = Annotated[Union[Annotated[PolicyGradientConfig, Tag(PolicyGradientConfig.TAG)],
-                                  Annotated[PpoConfig, Tag(PpoConfig.TAG)]], Discriminator(_algorithm_block)]
+# the block: the shared fields and every registered estimator's declared ones (rl.estimators)
+AlgorithmConfig = create_model("AlgorithmConfig", __base__=AlgorithmFields, __module__=__name__,
+                               **all_estimator_fields())
 
 
 class SftConfig(Strict):
@@ -725,13 +685,6 @@ class RunConfig(Strict):
         problems = []
         if (self.task is None) == (self.data is None):
             problems.append("task/data: give exactly one of task (generated prompts) or data (prompt files)")
-        if self.algorithm.name == "ppo" and self.critic is None:
-            problems.append("critic: PPO needs a critic block (engine and layout of the value model)")
-        if self.algorithm.name != "ppo" and self.critic is not None:
-            problems.append(f"critic: {self.algorithm.name} has no critic; remove the block")
-        if self.algorithm.kl_coef > 0 and self.reference is None:
-            problems.append(f"reference: algorithm.kl_coef={self.algorithm.kl_coef} needs a reference "
-                            f"block (or set kl_coef: 0)")
         before = self  # the world in force before each entry
         for i, e in enumerate(self.elastic.schedule if self.elastic else []):
             where = f"elastic.schedule[{i}]"
@@ -849,17 +802,21 @@ def _shorten(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _unknown_field(path: str, key: str, known: list[str], parent_path: str) -> str:
+    """``path: unknown field in <parent>; did you mean 'x'? (known: ...)``."""
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    where = f" in {parent_path}" if parent_path else ""
+    return f"{path}: unknown field{where}{hint} (known: {', '.join(known)})"
+
+
 def _format_error(err: Mapping[str, Any], root: type[BaseModel] | None = None) -> list[str]:
     loc = tuple(err["loc"])
     kind = err["type"]
     if kind == "extra_forbidden":
         path, _ = _walk(loc, root)
         parent_path, parents = _walk(loc[:-1], root)
-        known = sorted({f for m in parents for f in m.model_fields})
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        where = f" in {parent_path}" if parent_path else ""
-        return [f"{path}: unknown field{where}{hint} (known: {', '.join(known)})"]
+        return [_unknown_field(path, str(loc[-1]), sorted({f for m in parents for f in m.model_fields}), parent_path)]
     path, models = _walk(loc, root)
     if kind == "value_error":
         # our own validators: one problem per line, most already starting with their field's path
