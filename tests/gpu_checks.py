@@ -466,7 +466,7 @@ def rows(r: dict) -> list[tuple[str, str, str, bool]]:
             what = ("8B shape" if cuda else "8B heads, 1/8 width") + \
                 f", {s['num_hidden_layers']} of {b['true_layers']} layers"
             out.append((f"{what}: handoff {r['handoff']} ({carrier}) vs one device copy", "bf16",
-                        f"{b['bytes'] / 1e9:.2f} GB, {b['buckets']} buckets; {b['warm_seconds'] * 1e3:.1f} ms warm "
+                        f"{b['bytes'] / 1e9:.2f} GB, {b['buckets']} bucket(s); {b['warm_seconds'] * 1e3:.1f} ms warm "
                         f"({b['cold_seconds'] * 1e3:.1f} cold) vs {b['copy_seconds'] * 1e3:.1f} ms: "
                         f"{b['ratio']:.2f}×; bit-exact: {'yes' if all(b['exact']) else b['exact']}",
                         all(b["exact"]) and b["moved_bytes"] == b["bytes"]))
