@@ -388,7 +388,7 @@ def big_handoff(end: ChannelEnd, rollout: RolloutProcess, device_kind: str, laye
     # the baseline first, before the handoff's buffers take the memory: one copy of the same bytes
     one = torch.empty(nbytes, dtype=torch.uint8, device=device)
     copy_s = timed_median(lambda: torch.empty_like(one).copy_(one), str(device), repeats)
-    del one
+    one = None  # freed before the handoff's buffers
     if device.type == "cuda":
         torch.cuda.empty_cache()
     src_buffers = allocate(src, TRAINER, fill=None, device=device)
