@@ -55,15 +55,17 @@ def _pattern(frag, dtype: torch.dtype, device) -> torch.Tensor:
     return (v % 251).to(dtype)
 
 
-def _fill(layout, bufs, device) -> None:
-    for f in layout.fragments(0):
+def fill_pattern(layout, bufs, device, rank: int = 0) -> None:
+    """Rank ``rank``'s fragments of ``layout`` in ``bufs`` set to ``_pattern``."""
+    for f in layout.fragments(rank):
         fragment_view(bufs[f.buffer], f).copy_(_pattern(f, bufs[f.buffer].dtype, device))
 
 
-def _exact(layout, bufs, device) -> bool:
-    """Every fragment of the destination equals a direct construction of it, bit for bit."""
+def pattern_exact(layout, bufs, device, rank: int = 0) -> bool:
+    """Every fragment of rank ``rank`` of the destination equals a direct construction of it, bit
+    for bit."""
     return all(torch.equal(fragment_view(bufs[f.buffer], f), _pattern(f, bufs[f.buffer].dtype, device))
-               for f in layout.fragments(0))
+               for f in layout.fragments(rank))
 
 
 def _views(t, src_bufs, dst_bufs):
@@ -81,7 +83,7 @@ def _gather_then_load(plan, src_bufs, dst_bufs) -> None:
         dst.copy_(src.clone())
 
 
-def _timed(fn, device: str, repeats: int) -> float:
+def timed_median(fn, device: str, repeats: int) -> float:
     """The median of ``repeats`` runs of ``fn`` after one that warms the allocator and kernels."""
     times = []
     for _ in range(repeats + 1):
@@ -112,18 +114,18 @@ def bench(size: str, dtype: str, device: str, repeats: int) -> dict:
         plan = plan_rank(src, dst, 0)
         sched = build_schedule(plan, 64 << 20)
         src_bufs = allocate(src, 0, fill=None, device=device)
-        _fill(src, src_bufs, device)
+        fill_pattern(src, src_bufs, device)
         nbytes = plan.bytes_local
         dst_bufs = allocate(dst, 0, fill=float("nan"), device=device)
-        gathered = _timed(lambda: _gather_then_load(plan, src_bufs, dst_bufs), device, repeats)
-        baseline_ok = _exact(dst, dst_bufs, device)
+        gathered = timed_median(lambda: _gather_then_load(plan, src_bufs, dst_bufs), device, repeats)
+        baseline_ok = pattern_exact(dst, dst_bufs, device)
         del dst_bufs
         dst_bufs = allocate(dst, 0, fill=float("nan"), device=device)
-        med = _timed(lambda: _run(sched, sched.batches, src_bufs, dst_bufs, _NoPeers(), None), device, repeats)
-        ok = _exact(dst, dst_bufs, device)
+        med = timed_median(lambda: _run(sched, sched.batches, src_bufs, dst_bufs, _NoPeers(), None), device, repeats)
+        ok = pattern_exact(dst, dst_bufs, device)
         del src_bufs, dst_bufs
         a, b = (torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
-        floor = _timed(lambda: b.copy_(a), device, repeats)  # the same bytes as one contiguous copy
+        floor = timed_median(lambda: b.copy_(a), device, repeats)  # the same bytes as one contiguous copy
         del a, b
         out[name] = {"bytes": nbytes, "pieces": len(plan.local), "median_s": med, "GBps": nbytes / med / 1e9,
                      "exact": ok, "floor_s": floor, "gather_then_load_s": gathered,

@@ -3,6 +3,7 @@ starts (``rlhf_switch.problems.device_problems``) and the bundles and actor slot
 (``recipes.cluster.resources``) — pure functions, so every GPU combination is checked on CPU."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -172,25 +173,62 @@ def test_fsdp2_bf16_compute_over_an_fp32_master(world2):
         assert r["moved"] and r["loss"] == r["loss"], r
 
 
-def test_the_gpu_check_script_runs_its_checks_on_cpu():
-    """``tests/gpu_checks.py`` (what a bare GPU machine runs: FSDP2 on one rank, a weight sync into
-    the torch rollout engine, its log-probs against the trainer's) runs the same code on CPU with
-    gloo, in float32 and with bf16 compute over the fp32 master, and with LoRA adapters, and its
-    checks hold."""
-    import json
+BARE_MACHINE = """import sys
+for _name in ("ray", "vllm", "deepspeed"):  # not on the lent GPU machine: importing them fails
+    sys.modules[_name] = None
+"""
 
-    for dtype, tol in (("float32", 1e-4), ("bfloat16", 5e-2)):
-        out = subprocess.run([sys.executable, str(REPO / "tests" / "gpu_checks.py"), "--device", "cpu",
-                              "--dtype", dtype, "--steps", "2"], cwd=REPO, capture_output=True, text=True,
-                             timeout=300)
-        assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-        r = json.loads(out.stdout)
-        assert r["ok"] and r["sync_exact"] and r["compute_dtype"] == dtype and r["master_dtypes"] == ["torch.float32"]
-        assert r["engine_dtypes"] == [f"torch.{dtype}"] and 0 <= r["logprob_max_diff"] <= tol, r
-        assert r["sync"] == "full" and r["sync_bytes"] == r["params"] * (4 if dtype == "float32" else 2), r
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "gpu_checks.py"), "--device", "cpu", "--dtype", "float32",
-                          "--steps", "2", "--lora", "8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+def _gpu_checks(tmp_path, *args: str) -> dict:
+    """``tests/gpu_checks.py --device cpu ARGS`` in a fresh process where Ray, vLLM and DeepSpeed
+    cannot be imported (a ``sitecustomize`` that the rollout process it spawns inherits), as on a
+    bare GPU machine; its figures (``--json``), after checking that the table came last."""
+    (tmp_path / "bare").mkdir(exist_ok=True)
+    (tmp_path / "bare" / "sitecustomize.py").write_text(BARE_MACHINE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "bare"), str(REPO)]))
+    figures = tmp_path / f"gpu_checks{len(list(tmp_path.glob('*.json')))}.json"
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "gpu_checks.py"), "--device", "cpu", *args,
+                          "--json", str(figures)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    r = json.loads(out.stdout)  # LoRA: the engine takes the base once, then each sync moves the adapters alone
-    assert r["ok"] and r["sync"] == "adapters" and 0 < r["sync_bytes"] < r["params"] * 4 // 20, r
+    r = json.loads(figures.read_text())
+    lines = out.stdout.rstrip().splitlines()
+    assert lines[-len(r["rows"]) - 2:][:2] == ["| check | dtype | measured | ok |", "|---|---|---|---|"], out.stdout
+    assert all(line.endswith("| yes |") for line in lines[-len(r["rows"]):]), out.stdout
+    return r
 
+
+def test_the_gpu_check_script_runs_its_checks_on_cpu(tmp_path):
+    """``tests/gpu_checks.py`` (what a bare GPU machine runs) runs the same code on CPU: a trainer
+    process (FSDP2, world of one) and a rollout process joined by a weight channel with the
+    colocated handoff (shared memory here, CUDA IPC there), in bf16 compute over the fp32 master
+    and in fp32: every sync bit-exact in the rollout engine (cold and warm, handles per bucket,
+    nothing over the group), its log-probs within the dtype's tolerance of the trainer's forward,
+    the optimizer state offloaded and reloaded bit for bit with the memory really released; the
+    8B-shape handoff (1/8 as wide on CPU) bit-exact at every move. Then LoRA: the base once, then
+    the adapters alone. Checks, not timings."""
+    r = _gpu_checks(tmp_path, "--steps", "1")
+    assert r["ok"] and r["handoff"] == "ipc" and r["colocated"] == [[1, 0]] and r["backend"] == "gloo"
+    assert list(r["dtypes"]) == ["bfloat16", "float32"]
+    for dtype, p in r["dtypes"].items():
+        size = 4 if dtype == "float32" else 2
+        assert p["compute_dtype"] == dtype and p["master_dtype"] == "float32" and p["sync"] == "full", p
+        assert p["sync_differs"] == [] and p["warm_differs"] == [], p
+        assert p["sync_bytes"] == p["warm_bytes"] == p["params"] * size, p
+        # the worker's bytes come by handle, one per bucket, none over the group
+        assert p["handoff"] == "ipc" and p["handles"] == p["buckets"] >= 1 and p["bytes_over_group_to_worker"] == 0
+        assert 0 <= p["logprob_max_diff"] <= {"float32": 1e-4, "bfloat16": 5e-2}[dtype], p
+        o, m = p["offload"], p["offload"]["memory"]
+        # FSDP2's parameters are its fp32 master: the optimizer state that leaves is Adam's two moments
+        assert o["changed"] == [] and o["released_now"] and o["moved"] == o["reloaded"] == o["moments_bytes"] \
+            == 2 * 4 * p["params"], o
+        assert o["released"] == o["taken"] and m["before"] - m["parked"] == o["released"] and m["reloaded"] == m["before"]
+        assert len(p["losses"]) == 2 and p["losses"][1] < p["losses"][0], p["losses"]  # a step, then one after the reload
+    b = r["big"]
+    assert all(b["exact"]) and len(b["exact"]) == 4 and b["moved_bytes"] == b["bytes"] == 2 * b["params"], b
+    assert b["shape"]["num_attention_heads"] == 32 and b["shape"]["num_key_value_heads"] == 8 and b["ratio"] > 0
+
+    r = _gpu_checks(tmp_path, "--dtypes", "float32", "--steps", "1", "--lora", "8", "--big-layers", "0")
+    p = r["dtypes"]["float32"]  # LoRA: the engine takes the base once, then each sync moves the adapters alone
+    assert r["ok"] and "big" not in r and p["sync"] == "adapters" and p["sync_differs"] == p["warm_differs"] == []
+    assert 0 < p["sync_bytes"] == p["warm_bytes"] < p["params"] * 4 // 20 < p["warm_start_bytes"], p
+    assert p["offload"]["changed"] == [] and p["logprob_max_diff"] <= 1e-4, p

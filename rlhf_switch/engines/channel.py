@@ -220,6 +220,10 @@ class ChannelEnd:
         self._handoff_store = dist.PrefixStore("vps-handoff", store) if handoff == "ipc" else None
         self._gather = self._own = None  # ipc: the bucket layouts (held by trainer ranks / by the workers)
         self._buckets = None  # ipc, a trainer rank holding buckets: made at the first move, reused
+        # ipc, that trainer rank: each worker's handles, exported once per set of buckets. The same
+        # bytes every sync, so the worker maps them once; a CUDA storage exported again would carry
+        # a new IPC event and reference counter, and the worker would unmap and map it every sync
+        self._exported: dict[int, bytes] | None = None
         self._opened = None  # ipc, a worker: (the handles' bytes, the buckets they map)
         # the move's comm, made once; it knows the channel's store, where a failed move's reports
         # go (``PeerLost`` then names the member that is gone)
@@ -309,7 +313,7 @@ class ChannelEnd:
                                   f"trainer rank; nothing was moved")
             self._gather = bucket_layout(dst, self.colocated, self.budget_bytes)
             self._own = bucket_layout(dst, {w: w for w in self.colocated}, self.budget_bytes)
-            self._buckets = self._opened = None
+            self._buckets = self._opened = self._exported = None
         self.src, self.dst = src, dst
         self._stats.plans += 1
 
@@ -392,11 +396,13 @@ class ChannelEnd:
         store, report = self._handoff_store, None
         if mine:  # hand each colocated worker its buckets' handles, then wait for its copy
             handoff.settle(self._buckets)
+            if self._exported is None:  # worker w's buckets, as both bucket layouts name them
+                self._exported = {w: pickle.dumps(handoff.export({n: self._buckets[n] for n in self._own.buffers(w)}))
+                                  for w in mine}
             handles = 0
             for w in mine:
-                names = list(self._own.buffers(w))  # worker w's buckets, as both bucket layouts name them
-                store.set(f"{seq}/handles/{w}", pickle.dumps(handoff.export({n: self._buckets[n] for n in names})))
-                handles += len(names)
+                store.set(f"{seq}/handles/{w}", self._exported[w])
+                handles += len(self._own.buffers(w))
             failed = {}
             for w in mine:
                 # the worker's copy of its bytes: the move's deadline for them, then it is lost
@@ -453,7 +459,7 @@ class ChannelEnd:
     def close(self) -> None:
         self.group = self._comm = None
         self._store = self._handoff_store = None
-        self._buckets = self._opened = None
+        self._buckets = self._opened = self._exported = None
         self.src = self.dst = None
 
 
