@@ -544,3 +544,16 @@ def test_agent_config_is_strict_and_gives_the_limits():
         with pytest.raises(ValueError):
             AgentConfig(**{"max_turns": 3, "max_total_tokens": 10, **bad})
     assert math.isfinite(cfg.pool.start_timeout_s)
+
+
+def test_a_session_reset_twice_raises_and_leaves_the_first_episode_its_environment():
+    pool = LocalEnvPool()
+    req = guess.request(Sample("guess=", "32"), "same", TOK)
+
+    async def go():
+        assert not (await pool.reset("same", "guess", req.sample)).failed
+        with pytest.raises(ValueError, match="already open"):
+            await run_episode(scripted([ids("32,")]), pool, req, TOK, guess.limits(64))
+        assert "same" in pool.host.envs  # the first owner's environment is still there
+        return await pool.step("same", "32,")
+    assert run(go()).done

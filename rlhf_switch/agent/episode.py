@@ -178,8 +178,9 @@ async def run_episode(generate: Generate, pool: Any, request: EpisodeRequest, co
         ep.observations.append(text)
         return True
 
+    # a caller's mistake (the session already open) raises here, before this episode owns the session
+    reply = await pool.reset(request.session, request.env, request.sample, request.env_kwargs)
     try:
-        reply = await pool.reset(request.session, request.env, request.sample, request.env_kwargs)
         ep.env_seconds += reply.seconds
         if reply.failed:
             ep._finish(reply.finish_reason, reply.error)

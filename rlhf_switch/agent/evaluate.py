@@ -74,7 +74,7 @@ class BatchedGreedy:
         return out
 
     def _decode_rows(self, rows, prompts, max_new, stops, out) -> None:
-        ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long)
+        ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=next(self.model.parameters()).device)
         live = [True] * len(rows)
         res = self.model(input_ids=ids, use_cache=True)
         for step in range(max(max_new[i] for i in rows)):
