@@ -277,9 +277,12 @@ class RayEnvPool:
             self.replaced[why] += 1
         if w.dead:
             self._kill(w)
-        else:
+            if w in self._retired:
+                self._retired.remove(w)
+        else:  # (a second timeout on a worker already retired changes nothing)
             w.retired = True
-            self._retired.append(w)
+            if w not in self._retired:
+                self._retired.append(w)
             self._kill_if_idle(w)
 
     def _kill(self, w: _Worker) -> None:

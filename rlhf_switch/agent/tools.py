@@ -62,7 +62,7 @@ TOOLS: dict[str, Callable[..., Tool] | str] = {"calc": "rlhf_switch.agent.calc:C
 
 
 def register_tool(name: str) -> Callable[[type], type]:
-    """Class decorator: ``@register_tool("calc")`` makes ``build_tool("calc")`` build the class."""
+    """Class decorator: ``@register_tool("echo")`` makes ``build_tool("echo")`` build the class."""
     def add(cls: type) -> type:
         TOOLS[name] = cls
         return cls
