@@ -45,6 +45,8 @@ LAYERS = {"device": set(), "vps": set(), "routing": {"vps"}, "families": {"vps"}
           "engines": {"vps", "routing", "families", "models", "rl", "compat", "launch", "device"},
           # the reward function's worker processes run rl's rewards
           "reward_workers": {"rl"},
+          # environments, tools and episodes: rl's tasks, rewards and SFT pieces
+          "agent": {"rl"},
           # the pre-start checks ask the config, the engines' registry and the device, and call the reward
           "problems": {"vps", "families", "models", "rl", "engines", "device", "reward_workers"},
           "elastic": {"vps", "routing", "families", "models", "rl", "compat", "launch", "engines", "device",

@@ -1,0 +1,73 @@
+"""Environments that misbehave, for tests/test_agent.py and tests/test_agent_pool.py: imported by
+name ("agent_envs:Raises") in the test process and in the pool's Ray workers (this directory is on
+their PYTHONPATH)."""
+from __future__ import annotations
+
+import os
+import time
+
+from rlhf_switch.agent.env import Environment, StepResult
+
+
+class Raises(Environment):
+    def reset(self, sample):
+        return ""
+
+    def step(self, action):
+        raise RuntimeError("the environment broke")
+
+
+class NonString(Environment):
+    def reset(self, sample):
+        return ""
+
+    def step(self, action):
+        return StepResult(["not", "text"])
+
+
+class BadReset(Environment):
+    def reset(self, sample):
+        return 42
+
+
+class Chatty(Environment):
+    """Answers every turn with ``n`` characters (``n``: the sample's answer)."""
+
+    def reset(self, sample):
+        self.n = int(sample.answer)
+        return ""
+
+    def step(self, action):
+        return StepResult("a" * self.n)
+
+
+class OutOfVocabulary(Environment):
+    def reset(self, sample):
+        return ""
+
+    def step(self, action):
+        return StepResult("Ünicode")
+
+
+class Sleeps(Environment):
+    """Each step sleeps the sample's answer in seconds."""
+
+    def reset(self, sample):
+        self.seconds = float(sample.answer)
+        return ""
+
+    def step(self, action):
+        time.sleep(self.seconds)
+        return StepResult("late")
+
+
+class Pid(Environment):
+    """Answers with the process it runs in; done after the sample's answer turns."""
+
+    def reset(self, sample):
+        self.turns, self.left = 0, int(sample.answer)
+        return ""
+
+    def step(self, action):
+        self.left -= 1
+        return StepResult(f"{os.getpid()} ", 0.0, self.left <= 0)
