@@ -20,7 +20,7 @@ return fails that sample with the message, not the caller.
 """
 from __future__ import annotations
 
-import importlib
+from ..rl.imports import import_named
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -79,20 +79,6 @@ def register_environment(name: str) -> Callable[[type], type]:
     return add
 
 
-def import_object(spec: str, what: str) -> Any:
-    """``module:Name`` (``Name`` may be dotted) imported; ``ValueError`` naming ``what`` when it
-    cannot be. The same contract as the project's other ``module:Class`` plug-ins; this one imports
-    no torch, so environment workers start light."""
-    module, _, name = spec.partition(":")
-    try:
-        obj = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what} {spec!r} cannot be imported: {type(e).__name__}: {e}") from None
-    return obj
-
-
 def environment_class(spec: str) -> Callable[..., Any]:
     """The class ``spec`` names: a registered name, or ``module:Class`` (imported)."""
     spec = ENVIRONMENTS.get(spec, spec)
@@ -102,7 +88,7 @@ def environment_class(spec: str) -> Callable[..., Any]:
         raise EnvError(f"unknown environment {spec!r}; registered: {', '.join(sorted(ENVIRONMENTS))} "
                        f"(or name your own as 'module:Class')")
     try:
-        obj = import_object(spec, "environment")
+        obj = import_named(spec, "environment")
     except ValueError as e:
         raise EnvError(str(e)) from None
     missing = [m for m in ("reset", "step", "close") if not callable(getattr(obj, m, None))]

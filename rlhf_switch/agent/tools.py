@@ -37,7 +37,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from .env import Environment, StepResult, import_object
+from ..rl.imports import import_named
+from .env import Environment, StepResult
 
 
 class Tool:
@@ -78,7 +79,7 @@ def build_tool(spec: str | Tool) -> Tool:
         return spec()
     if ":" not in spec:
         raise ValueError(f"unknown tool {spec!r}; registered: {', '.join(sorted(TOOLS))} (or 'module:Class')")
-    tool = import_object(spec, "tool")()
+    tool = import_named(spec, "tool")()
     if not (isinstance(getattr(tool, "name", None), str) and callable(getattr(tool, "call", None))):
         raise ValueError(f"tool {spec!r} has no name or no call method")
     return tool
