@@ -269,3 +269,37 @@ def test_each_kind_of_estimator_and_loss_runs_the_loop(ray_session, tmp_path):
         if name == "dapo":
             assert all(set(r["dynamic_sampling"]) == {"groups_with_signal", "draws", "filled_with_dropped"}
                        for r in recs)
+
+
+# --- an estimator from outside the package ----------------------------------------------------------
+
+USER_ESTIMATOR = "user_pkg.estimators:CriticBaseline"
+
+
+def test_an_estimator_from_outside_the_package_declares_its_needs_and_fields():
+    """One file of a user's (``tests/user_pkg/estimators.py``): its declared field is a field of the
+    block, its critic is required, and its advantages are what it computes."""
+    data = yaml.safe_load((CONFIGS / "ppo_tiny.yaml").read_text())
+    data["algorithm"].update(name="grpo", advantage=USER_ESTIMATOR, group_size=2, baseline_scale=0.5,
+                             off_policy=None)
+    for key in ("gamma", "lam", "whiten_advantages"):
+        data["algorithm"].pop(key, None)
+    cfg = load_config(data)
+    assert cfg.algorithm.baseline_scale == 0.5 and cfg.algorithm.critic_lr == data["algorithm"]["critic_lr"]
+    assert algorithm_problems(cfg) == []
+    alg = Algorithm.build(cfg.algorithm)
+    assert alg.needs_critic and alg.kl_in_loss and alg.sequence_advantages([1.0, 0.0]) is None
+    batch = _rank_batch(scores=[1.0, 0.0, 1.0, 0.0])
+    values = torch.full((4, 4), 0.4) * batch.mask
+    adv, returns = alg.estimator.tokens(batch, OldPolicy(batch.mask * 0, None, values), cfg.algorithm, OneRank(), None)
+    assert torch.allclose(adv, (torch.tensor([1.0, 0, 1, 0])[:, None] - 0.2) * batch.mask)
+    assert torch.allclose(returns, torch.tensor([1.0, 0, 1, 0])[:, None] * batch.mask)
+    # its needs and fields are checked as a built-in's are
+    no_critic = load_config({**data, "critic": None})
+    assert any(p.startswith("critic: grpo's estimator (user_pkg.estimators:CriticBaseline) uses a critic")
+               for p in algorithm_problems(no_critic))
+    with pytest.raises(ConfigError, match="algorithm.baseline_scale: Input should be greater than 0"):
+        load_config({**data, "algorithm": {**data["algorithm"], "baseline_scale": -1.0}})
+    with pytest.raises(ConfigError, match="algorithm.baseline_scal: unknown field in algorithm; did you mean "
+                                          "'baseline_scale'"):
+        load_config({**data, "algorithm": {**data["algorithm"], "baseline_scal": 1.0}})
