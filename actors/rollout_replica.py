@@ -49,6 +49,10 @@ class RolloutReplica:
 
         return node_of_this_process()
 
+    def channel_destination(self, layout):
+        """The engine's own form of the rollout layout ``layout`` (``RolloutEngine.channel_destination``)."""
+        return self.engine.channel_destination(layout)
+
     def channel_open(self, endpoint) -> dict:
         t0 = time.perf_counter()
         self.engine.channel_open(endpoint)
