@@ -16,7 +16,8 @@ DeepSpeed
     ``cache_deepspeed_cpu_device_count``.
 vLLM
     ``disable_vllm_cpu_prepacking`` (+ ``plain_cpu_linear``, ``restore_vllm_cpu_prepacking``),
-    ``disable_vllm_cpu_moe_prepacking`` (+ ``plain_cpu_moe``),
+    ``disable_vllm_cpu_moe_prepacking`` (+ ``plain_cpu_moe``), ``apply_vllm_cpu_kernels`` /
+    ``vllm_cpu_kernels`` (``VLLM_CPU_KERNELS``: plain or vLLM's own CPU kernels),
     ``VLLM_ENV`` / ``set_vllm_env_defaults``, ``set_vllm_log_level``, ``vllm_cpu_omp_binding`` /
     ``vllm_cpu_omp_threads_bind``, ``vllm_dist_ident``.
 """

@@ -6,10 +6,14 @@
     rollout.load_from(world, train_layout, trainer_buffers, *args)  # VPS move trainer ranks -> workers
     tokens, logprobs = rollout.generate([[1, 2, 3]], max_tokens=8)
 
-``rollout.layout`` is ``vllm_layout(spec, tp)``. Before anything moves it is checked against what
-the engine's workers really hold (``vps_describe``: names, shapes, dtypes, no prepacked layers);
-an engine built for another model or vocabulary is refused with the mismatch named. A TP vLLM
-cannot run is refused (``LayoutError``) before the engine starts.
+``rollout.layout`` is ``vllm_layout(spec, tp)`` — with the layers vLLM keeps in a processed form
+in that form (``processed_layout``). Before anything moves it is checked against what the
+engine's workers really hold (``vps_describe``: names, shapes, dtypes) and what each layer's
+kernel really reads (``vps_probe``, ``plan_processing``: ``engines/vllm_processed.py``); an engine
+built for another model or vocabulary, or a layer no write reaches, is refused with the mismatch
+named, and so is a destination that would write a processed layer in another form
+(``check_destination``). A TP vLLM cannot run is refused (``LayoutError``) before the engine
+starts.
 
 The move goes through a weight channel (``engines/channel.py``): trainer ranks ``0..n-1`` and
 vLLM workers ``n..n+tp-1`` form one gloo group over a TCPStore, both layouts placed on it
@@ -104,10 +108,12 @@ def plan_processing(descriptions: Sequence[dict], probes: Sequence[dict], candid
             continue
         tried = [f"the checkpoint form in place: {results[0]['plain'][1]}"]
         form = next((i for i in range(len(candidates.get(name, ()))) if all(r["forms"][i][0] for r in results)), None)
-        if candidates.get(name):
-            tried.append("its processed forms: " + "; ".join(
-                f"{next(iter(c.values())).name}: {'ok' if results[0]['forms'][i][0] else results[0]['forms'][i][1]}"
-                for i, c in enumerate(candidates[name])))
+        names = [next(iter(c.values())).name for c in candidates.get(name, ())]
+        if form is not None:
+            tried.append(f"its processed form: {names[form]}")
+        elif names:
+            tried.append(f"none of its {len(names)} candidate processed forms ({', '.join(names)}): "
+                         f"{results[0]['forms'][0][1]}, …")
         else:
             tried.append("no processed form known for it")
         loaded = all(r["loader"][0] for r in results)

@@ -408,7 +408,7 @@ class BlockedExperts(NamedTuple):
     @property
     def name(self) -> str:
         E, N, K = self.live
-        return f"blocked rows of {self.block}, padded to [{E}, {N}, {K}]"
+        return f"{self.block}-row blocks of [{E}, {N}, {K}]"
 
     def problems(self) -> list[str]:
         (E, N, K), (E2, N2, K2), h, b = self.created, self.live, self.halves, self.block
