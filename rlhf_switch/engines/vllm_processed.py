@@ -442,10 +442,17 @@ class LoaderPath:
         return {**live, **{b: t.view(-1) for b, t in self.staged.items()}}
 
     @torch.no_grad()
-    def apply(self) -> int:
-        """Each layer's processing on the weights the move just wrote, adopted by the live layer.
-        Returns the layers processed."""
+    def apply(self, written: set[str] | frozenset[str] | None = None) -> int:
+        """Each layer's processing on the weights the move just wrote, adopted by the live layer;
+        ``written``: the buffers the move wrote (None: all) — a layer it did not write keeps its
+        weights (its staging holds no checkpoint form of them). Returns the layers processed."""
+        done = 0
         for layer in self.layers:
+            if written is not None and not set(layer.buffers.values()) <= written:
+                if set(layer.buffers.values()) & written:
+                    raise ValueError(f"{layer.name}: the move wrote some of its buffers, not all; "
+                                     f"vLLM's processing needs all of them")
+                continue
             m = layer.module
             made = created(m)
             checkpoint = {}
@@ -457,4 +464,5 @@ class LoaderPath:
                     t = p.detach().reshape(shape)
                 checkpoint[loc] = t.clone()
             adopt(m, process(m, checkpoint))
-        return len(self.layers)
+            done += 1
+        return done

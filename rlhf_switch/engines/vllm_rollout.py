@@ -65,7 +65,7 @@ class Processing:
     forms: Mapping[str, BlockedExperts] = field(default_factory=dict)  # buffer -> form (path form)
     loader: tuple[str, ...] = ()                                       # layers of path loader
     found: Mapping[str, str] = field(default_factory=dict)            # layer -> the probe's findings
-    buffers: Mapping[str, str] = field(default_factory=dict)          # buffer -> its layer
+    buffers: Mapping[str, str] = field(default_factory=dict)          # buffer -> its (processed) layer
 
     def processed(self) -> dict[str, str]:
         """Layers not written plain -> path."""
@@ -135,19 +135,23 @@ def plan_processing(descriptions: Sequence[dict], probes: Sequence[dict], candid
         raise EngineMismatch(f"{engine} keeps {len(problems)} layer(s) in a form the weight channel cannot write "
                              f"(nothing was moved): " + " | ".join(problems[:6])
                              + (f" | … ({len(problems)} in all)" if len(problems) > 6 else ""))
-    owner = {p["buffer"]: name for name, layer in layers.items() for p in layer["params"].values()}
+    owner: dict[str, str] = {}  # a buffer two layers share (a tied LM head's) belongs to the processed one
+    for name, layer in layers.items():
+        for p in layer["params"].values():
+            if paths.get(owner.get(p["buffer"]), "plain") == "plain":
+                owner[p["buffer"]] = name
     return Processing(paths, forms, tuple(loader), found, owner)
 
 
 def check_engine(layout: Layout, descriptions: Sequence[dict], engine: str = "the vLLM engine",
                  processing: Processing | None = None) -> None:
     """Compare ``layout`` (a ``vllm_layout``, or its ``processed_layout``) with the workers'
-    ``vps_describe`` answers, in worker order; raise ``EngineMismatch`` naming every difference.
-    ``processing``: the layers not written plain — their parameters are checked in the form vLLM
-    created them in (the form the layout writes), a processed form's against the live
-    parameter's size."""
+    ``vps_describe`` answers, in worker order; raise ``EngineMismatch`` naming every difference:
+    parameter names, and each parameter's shape and dtype as vLLM created it (the checkpoint form
+    the layout writes — another model, vocabulary or TP shows here). With ``processing`` (the
+    engine's ``plan_processing``), also what each layer keeps: a plain layer's live parameter is
+    the created one (contiguous), a processed form's has the form's shape."""
     spec, tp = layout.spec, layout.world_size
-    processing = processing or Processing()
     problems: list[str] = []
     if len(descriptions) != tp:
         problems.append(f"the engine has {len(descriptions)} workers, the layout {tp}")
@@ -158,7 +162,7 @@ def check_engine(layout: Layout, descriptions: Sequence[dict], engine: str = "th
                             f"(PP {d.get('pp_size', 1)}); the layout is TP{tp} without PP")
             continue
         have = d["params"]
-        made = {p["buffer"]: p for layer in d.get("layers", {}).values() for p in layer["params"].values()}
+        made = {p["buffer"]: p["created"] for layer in d.get("layers", {}).values() for p in layer["params"].values()}
         want = {PREFIX + lt.buffer: param_shape(spec, lt) for lt in worker_tensors(spec, tp, rank)}
         bufs = layout.buffers(rank)
         for name in sorted(set(want) - set(have)):
@@ -167,20 +171,22 @@ def check_engine(layout: Layout, descriptions: Sequence[dict], engine: str = "th
             problems.append(f"{where} has parameter {name[len(PREFIX):]!r} {have[name][0]} that the layout "
                             f"of {spec.name!r} does not know (it would never be written)")
         for name in sorted(set(have) & set(want)):
-            shape, dtype, contiguous = have[name]
-            path = processing.paths.get(processing.buffers.get(name), "plain")
+            live_shape, live_dtype, contiguous = have[name]
+            shape, dtype = made.get(name, (live_shape, live_dtype))
             short = name[len(PREFIX):]
-            if path != "plain":  # the layout writes the form vLLM created it in
-                shape, dtype = made[name]["created"]
             if tuple(shape) != tuple(want[name]):
                 problems.append(f"{where} {short} is {list(shape)}, the layout says {list(want[name])}")
             if dtype != bufs[name].dtype:
                 problems.append(f"{where} {short} is {dtype}, the layout says {bufs[name].dtype}")
-            if path == "plain" and not contiguous:
-                problems.append(f"{where} {short} is not contiguous")
+            if processing is None:
+                continue
+            path = processing.paths.get(processing.buffers.get(name), "plain")
             form = processing.forms.get(name)
-            if form is not None and tuple(have[name][0]) != tuple(form.live):
-                problems.append(f"{where} {short} is {have[name][0]}; its processed form is {list(form.live)}")
+            if path == "plain" and (tuple(live_shape) != tuple(shape) or live_dtype != dtype or not contiguous):
+                problems.append(f"{where} {short} is kept as {live_shape} {live_dtype}"
+                                f"{'' if contiguous else ' (not contiguous)'}, written in place as {list(shape)} {dtype}")
+            if form is not None and tuple(live_shape) != tuple(form.live):
+                problems.append(f"{where} {short} is {live_shape}; its processed form is {list(form.live)}")
     if problems:
         shown = "; ".join(problems[:12]) + (f"; … ({len(problems)} in all)" if len(problems) > 12 else "")
         raise EngineMismatch(f"{engine} does not hold {layout.name} of model {spec.name!r}: {shown}")
@@ -277,6 +283,7 @@ class VLLMRollout:
                 raise EngineMismatch(f"{engine} was asked for cpu_kernels {cpu_kernels!r} but its workers run "
                                      f"{sorted(kernels)}: a worker process keeps the kernels of the first engine "
                                      f"it loaded (start this engine in a process of its own)")
+            check_engine(base, self.description, engine)  # the model itself, before probing its layers
             self.processing = self._plan(base, processed_weights, engine)
             if self.processing.forms:
                 self.layout = processed_layout(base, dict(self.processing.forms))
@@ -312,7 +319,10 @@ class VLLMRollout:
                 problems.append(f"the destination {dst.name} has no rank {r} for worker {t}")
                 continue
             mine, theirs = self.layout.buffers(t), dst.buffers(r)
-            form_buffers = {b for b in theirs if b in self.processing.forms}
+            # a processed form must be written as such, and a layer synced through vLLM's
+            # processing whole (its staging holds nothing else): their fragments exactly the engine's
+            loader = set(self.processing.loader)
+            form_buffers = {b for b in theirs if b in self.processing.forms or self.processing.buffers.get(b) in loader}
             for b, spec in theirs.items():
                 if b in mine and spec != mine[b] and b not in form_buffers:
                     problems.append(f"worker {t} {b[len(PREFIX):]}: the destination declares {spec}, "
@@ -323,7 +333,8 @@ class VLLMRollout:
                 if got != want or any(theirs[b] != mine[b] for b in form_buffers):
                     layers = sorted({self.processing.buffers.get(b, b) for b in form_buffers})
                     problems += [f"worker {t} {n}: vLLM keeps it processed, and the destination {dst.name} does "
-                                 f"not write that form ({self.processing.found.get(n, '')})" for n in layers]
+                                 f"not write it whole in the form the engine syncs it in "
+                                 f"({self.processing.paths.get(n)}: {self.processing.found.get(n, '')})" for n in layers]
         if problems:
             raise EngineMismatch(f"vLLM engine for {self.model!r} cannot be written through {dst.name} "
                                  f"(nothing was opened or moved): " + " | ".join(problems[:6])

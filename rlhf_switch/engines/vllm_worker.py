@@ -211,7 +211,8 @@ class VpsWorkerExtension:
             import time
 
             t0 = time.perf_counter()
-            report["processed_layers"] = loader.apply()
+            channel = self._vps_channel
+            report["processed_layers"] = loader.apply({f.buffer for f in channel.dst.fragments(channel.rank)})
             report["phases"]["processing"] = time.perf_counter() - t0
         scaling = getattr(self, "_vps_lora_scaling", None)
         if scaling is not None:  # vLLM keeps B·alpha/r in its slots (LoRALayerWeights.optimize)
