@@ -234,7 +234,13 @@ class VLLMRollout:
     (``enable_lora``, one adapter slot, ``max_lora_rank`` the smallest vLLM has for ``r``), loads
     one adapter — the run's initial one, from a peft directory — pins it into slot 0, and
     generates every request with it (``LoRARequest``); the weight channel then writes the trained
-    adapters into that slot (``vllm_lora_layout``) and the workers fold alpha/r into ``B``."""
+    adapters into that slot (``vllm_lora_layout``) and the workers fold alpha/r into ``B``.
+
+    ``cpu_kernels``: ``plain`` (every CPU layer computes from its parameters as loaded) or ``vllm``
+    (vLLM's own prepacked CPU kernels, their post-load processing kept). ``processed_weights``
+    (``auto`` | ``loader`` | ``refuse``): how a layer vLLM processed after loading is written
+    (``plan_processing``); ``processing`` is what was decided, ``layout`` the engine's destination
+    with it (docs/weight-channel.md, "Weights vLLM processes after loading")."""
 
     def __init__(self, model: str, spec: ModelSpec, tp: int = 1, *, dtype: str = "float32",
                  seed: int = 0, max_model_len: int = 256, enforce_eager: bool = True,
