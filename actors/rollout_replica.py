@@ -49,6 +49,12 @@ class RolloutReplica:
 
         return node_of_this_process()
 
+    def channel_destination(self, layout):
+        """The engine's own form of the rollout layout ``layout`` (``RolloutEngine.channel_destination``);
+        None where that is ``layout`` itself (nothing to send back)."""
+        own = self.engine.channel_destination(layout)
+        return None if own is layout else own
+
     def channel_open(self, endpoint) -> dict:
         t0 = time.perf_counter()
         self.engine.channel_open(endpoint)

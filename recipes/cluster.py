@@ -620,6 +620,8 @@ class Cluster:
             n, total = self.world, self.world + self.n_replicas * self.tp
             # the replicas' layout of what a sync moves (all weights; a LoRA run's adapters or merged weights)
             dst = self.ray.get(self.workers[0].channel_destination.remote(self.tp, self.n_replicas), timeout=120)
+            if self.replicas:  # as the engines must be written (vLLM layers kept in a processed form)
+                dst = self.ray.get(self.replicas[0].channel_destination.remote(dst), timeout=120) or dst
             host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=60)
             ep = Endpoint(host, port, total, 0, place(src, range(n), total), place(dst, range(n, total), total),
                           budget_bytes or DEFAULT_BUDGET, verify=self.cfg.verify,

@@ -16,7 +16,8 @@ DeepSpeed
     ``cache_deepspeed_cpu_device_count``.
 vLLM
     ``disable_vllm_cpu_prepacking`` (+ ``plain_cpu_linear``, ``restore_vllm_cpu_prepacking``),
-    ``disable_vllm_cpu_moe_prepacking`` (+ ``plain_cpu_moe``),
+    ``disable_vllm_cpu_moe_prepacking`` (+ ``plain_cpu_moe``), ``apply_vllm_cpu_kernels`` /
+    ``vllm_cpu_kernels`` (``VLLM_CPU_KERNELS``: plain or vLLM's own CPU kernels),
     ``VLLM_ENV`` / ``set_vllm_env_defaults``, ``set_vllm_log_level``, ``vllm_cpu_omp_binding`` /
     ``vllm_cpu_omp_threads_bind``, ``vllm_dist_ident``.
 """
@@ -340,6 +341,52 @@ def disable_vllm_cpu_moe_prepacking() -> bool:
     cls.process_weights_after_loading = _plain_moe_weights
     cls.apply = _plain_moe_apply
     return True
+
+
+# Which CPU kernels a vLLM engine's worker processes run: "plain" (the two patches above: every layer
+# computes from its parameters as loaded) or "vllm" (vLLM's own prepacked kernels and post-load
+# processing, left as they are: engines/vllm_processed.py finds what each layer's kernel reads)
+VLLM_CPU_KERNELS = "RLHF_SWITCH_VLLM_CPU_KERNELS"
+CPU_KERNEL_CHOICES = ("plain", "vllm")
+
+
+def vllm_cpu_kernels_choice(environ: Mapping[str, str] = os.environ) -> str:
+    """The CPU kernels this process's vLLM workers run (``VLLM_CPU_KERNELS``; default ``plain``)."""
+    choice = environ.get(VLLM_CPU_KERNELS, "plain")
+    if choice not in CPU_KERNEL_CHOICES:
+        raise ValueError(f"{VLLM_CPU_KERNELS}={choice!r}: expected one of {', '.join(CPU_KERNEL_CHOICES)}")
+    return choice
+
+
+def apply_vllm_cpu_kernels(choice: str) -> bool:
+    """At import of the worker extension (before vLLM loads the model): ``plain`` applies
+    ``disable_vllm_cpu_prepacking`` and ``disable_vllm_cpu_moe_prepacking``; ``vllm`` applies
+    neither (and undoes them where this process applied them before). Returns whether the plain
+    kernels are in place.
+
+    Why a choice: the plain kernels make every CPU layer's parameter the tensor its kernel reads,
+    so a VPS move writes the checkpoint form in place; vLLM's own kernels are faster on CPU but
+    keep processed copies (oneDNN-prepacked linears, padded and blocked MoE experts) — a run with
+    them syncs those layers through their processed form's layout or vLLM's post-load processing
+    (``engines/vllm_processed.py``). Process-wide, like the patches: one choice per worker process."""
+    if choice not in CPU_KERNEL_CHOICES:
+        raise ValueError(f"CPU kernels {choice!r}: expected one of {', '.join(CPU_KERNEL_CHOICES)}")
+    if choice == "vllm":
+        restore_vllm_cpu_prepacking()
+        return False
+    return disable_vllm_cpu_prepacking() and disable_vllm_cpu_moe_prepacking()
+
+
+@contextlib.contextmanager
+def vllm_cpu_kernels(choice: str) -> Iterator[None]:
+    """Around ``vllm.LLM(...)``: ``VLLM_CPU_KERNELS`` = ``choice`` for the processes it starts
+    (its engine core and workers import the worker extension, which reads it:
+    ``apply_vllm_cpu_kernels``), restored after. An engine core in this very process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) reads it too, at its first import of the extension."""
+    if choice not in CPU_KERNEL_CHOICES:
+        raise ValueError(f"CPU kernels {choice!r}: expected one of {', '.join(CPU_KERNEL_CHOICES)}")
+    with _environ({VLLM_CPU_KERNELS: choice}):
+        yield
 
 
 # vLLM reads these when it starts (the engine and its worker processes inherit them). Drivers set

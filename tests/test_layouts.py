@@ -801,3 +801,45 @@ def test_padding_only_vocab_shard_buffer_has_the_tensor_dtype():
                 wrong.append(f"PYTHONHASHSEED={seed}: tensor 'v' is {vocab_dtype} (other tensor "
                              f"{other}) but rank 1's padding-only buffer 'param/v' is {d1}")
     assert not wrong, "; ".join(wrong)
+
+
+@pytest.mark.parametrize("tp, inter, block", [(1, 48, 16), (2, 48, 16), (2, 64, 16), (1, 64, 8)])
+def test_blocked_experts_layout_is_pad_then_block_transpose(tp, inter, block):
+    """``processed_layout`` with ``BlockedExperts`` forms places every expert element where an
+    independent construction puts it: each expert's rows padded (w13: gate and up halves each to
+    the next multiple of 32; w2: its columns), then viewed as ``[E, N'/b, b, K']`` and the last
+    two dims swapped. Padding elements belong to no fragment; every other buffer is untouched."""
+    from rlhf_switch.models import model_spec
+    from rlhf_switch.testing.tiny_models import tiny_config
+    from rlhf_switch.vps.layouts.vllm import expert_forms, processed_layout, vllm_layout
+    from rlhf_switch.vps.materialize import coverage_masks
+
+    spec = model_spec(tiny_config("qwen3_moe", moe_intermediate_size=inter))
+    E, H, i = 4, 64, inter // tp
+    pad = -(-i // 32) * 32
+    base = vllm_layout(spec, tp)
+    forms = {}
+    for name in base.buffers(0):
+        if name.endswith("w13_weight"):
+            forms[name] = next(f for f in expert_forms(name, (E, 2 * i, H), (E, 2 * pad, H)) if f.block == block)
+        elif name.endswith("w2_weight"):
+            forms[name] = next(f for f in expert_forms(name, (E, H, i), (E, H, pad)) if f.block == block)
+    layout = processed_layout(base, forms)
+    state = {t.name: torch.randn(t.shape, generator=torch.Generator().manual_seed(k)) for k, t in enumerate(spec.tensors)}
+    for r in range(tp):
+        plain = materialize(base, r, lambda key: state[key.tensor])
+        got, masks = materialize(layout, r, lambda key: state[key.tensor]), coverage_masks(layout, r)
+        for name, b in layout.buffers(r).items():
+            form = forms.get(name)
+            if form is None:
+                assert torch.equal(bits(got[name]), bits(plain[name])), name
+                continue
+            created = plain[name].view(form.created)
+            padded = created.new_zeros(form.live)
+            half, half2 = form.created[1] // form.halves, form.live[1] // form.halves
+            for h in range(form.halves):
+                padded[:, h * half2:h * half2 + half, :form.created[2]] = created[:, h * half:(h + 1) * half]
+            want = padded.view(E, form.live[1] // block, block, form.live[2]).transpose(-1, -2).reshape(-1)
+            assert b.numel == want.numel()
+            assert torch.equal(bits(got[name]), bits(want)), name
+            assert int(masks[name].sum()) == created.numel()  # padding: covered by no fragment

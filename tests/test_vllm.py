@@ -277,8 +277,10 @@ def test_layout_truth_real_tp2_workers(rollout, hf_model, spec):
     # KV heads split (TP2 <= 4 KV heads): worker 1's k rows are heads 2..3
     assert any(f.key.tensor.endswith("k_proj.weight") and f.box.lo[0] == 64 for f in layout.fragments(1))
     assert checked > 20
-    # the engine computes from these very tensors: no prepacked layer anywhere
-    assert all(d["prepacked"] == [] and d["prepacking_disabled"] for d in rollout.description)
+    # the engine computes from these very tensors: every layer's kernel probed plain (the default
+    # plain CPU kernels), nothing kept in a processed form
+    assert all(d["plain_kernels"] and d["cpu_kernels"] == "plain" for d in rollout.description)
+    assert set(rollout.processing.paths.values()) == {"plain"} and rollout.processing.paths
 
 
 def test_layout_truth_vllm_loaders_tp1_tp4_gqa(world):

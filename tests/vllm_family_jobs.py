@@ -140,3 +140,68 @@ def train_fsdp2(cfg: dict, steps: int, seed: int = 0):
 def trainer_weights() -> dict:
     """This rank's trainer weight buffers (the live parameters), as its layout names them."""
     return _TRAINER["fsdp2"].adapter.weights().tensors
+
+
+def processed_forms_check(cases, seed: int = 0) -> list[dict]:
+    """For each ``(model_dir, tp)``: vLLM's model for this rank's TP rank, loaded by its own loader
+    and processed by its own post-load processing with vLLM's CPU kernels (none of
+    ``compat``'s plain-kernel patches), then probed (``vllm_processed.probe``) and planned
+    (``vllm_rollout.plan_processing``) as an engine's workers are. Returns per case the layers'
+    paths, the forms chosen, and every difference between the parameters vLLM processed and what
+    the processed layout (``processed_layout``) places, bit for bit — for each buffer whose live
+    parameter holds the layout's elements (plain and processed-form layers)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    from rlhf_switch import compat
+    from rlhf_switch.engines import vllm_processed
+    from rlhf_switch.engines.vllm_rollout import candidate_forms, plan_processing
+    from rlhf_switch.models import model_spec
+    from rlhf_switch.vps.layouts.vllm import processed_layout, vllm_layout
+    from rlhf_switch.vps.materialize import bits, coverage_masks, materialize
+
+    compat.apply_vllm_cpu_kernels("vllm")  # vLLM's own CPU kernels and post-load processing
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    with set_current_vllm_config(VllmConfig()), compat.vllm_dist_ident():
+        ps.init_distributed_environment(world, rank, backend="gloo")
+        for model_dir, tp in cases:
+            hf_config = json.loads(open(os.path.join(model_dir, "config.json")).read())
+            spec = model_spec(hf_config)
+            hf = load_file(os.path.join(model_dir, "model.safetensors"))
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, backend="gloo")
+            try:
+                t_rank = ps.get_tensor_model_parallel_rank()
+                model_config = ModelConfig(model=model_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True)
+                vllm_config = VllmConfig(model_config=model_config, parallel_config=ParallelConfig(tensor_parallel_size=tp))
+                with set_current_vllm_config(vllm_config):  # as vLLM's loader: created forms recorded, loaded, processed
+                    model = initialize_model(vllm_config=vllm_config)
+                    model.load_weights(iter(hf.items()))
+                    process_weights_after_loading(model, model_config, torch.device("cpu"))
+                base = vllm_layout(spec, tp, replicas=world // tp)
+                layers = vllm_processed.describe(model)
+                candidates = candidate_forms(layers)
+                probes = vllm_processed.probe(model, base, rank, candidates, seed=seed)
+                plan = plan_processing([{"layers": layers}], [probes], candidates, "auto")
+                layout = processed_layout(base, dict(plan.forms))
+                want, masks = materialize(layout, rank, lambda key: hf[key.tensor]), coverage_masks(layout, rank)
+                differences = []
+                for name, p in model.named_parameters():
+                    b = "param/" + name
+                    if plan.paths[plan.buffers[b]] == "loader" and p.numel() != want[b].numel():
+                        continue  # kept only as a prepacked copy: not comparable element by element
+                    if p.numel() != want[b].numel():
+                        differences.append(f"TP{tp} rank {t_rank} {name}: {p.numel()} elements, layout {want[b].numel()}")
+                    elif not torch.equal(bits(p.data.reshape(-1))[masks[b]], bits(want[b])[masks[b]]):
+                        differences.append(f"TP{tp} rank {t_rank} {name}: elements differ")
+                out.append({"paths": dict(plan.paths), "forms": {b: tuple(f) for b, f in plan.forms.items()},
+                            "found": dict(plan.found), "differences": differences})
+            finally:
+                ps.destroy_model_parallel()
+    return out
+

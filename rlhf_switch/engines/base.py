@@ -268,6 +268,12 @@ class RolloutEngine(ABC):
             raise ValueError(f"{type(self).__name__} does not take LoRA adapters; sync merged weights")
 
     # placement "replica": the engine's own workers join the channel
+    def channel_destination(self, layout: "Any") -> "Any":
+        """``layout`` (the rollout layout of what a sync moves, every replica's) as this engine's
+        workers must be written — e.g. vLLM layers it keeps in a processed form in that form
+        (``engines/vllm_processed.py``). Default: as it is."""
+        return layout
+
     def channel_open(self, endpoint: "Any") -> None:
         raise NotImplementedError(f"{type(self).__name__} does not join a channel itself (placement {self.placement!r})")
 

@@ -6,10 +6,14 @@
     rollout.load_from(world, train_layout, trainer_buffers, *args)  # VPS move trainer ranks -> workers
     tokens, logprobs = rollout.generate([[1, 2, 3]], max_tokens=8)
 
-``rollout.layout`` is ``vllm_layout(spec, tp)``. Before anything moves it is checked against what
-the engine's workers really hold (``vps_describe``: names, shapes, dtypes, no prepacked layers);
-an engine built for another model or vocabulary is refused with the mismatch named. A TP vLLM
-cannot run is refused (``LayoutError``) before the engine starts.
+``rollout.layout`` is ``vllm_layout(spec, tp)`` — with the layers vLLM keeps in a processed form
+in that form (``processed_layout``). Before anything moves it is checked against what the
+engine's workers really hold (``vps_describe``: names, shapes, dtypes) and what each layer's
+kernel really reads (``vps_probe``, ``plan_processing``: ``engines/vllm_processed.py``); an engine
+built for another model or vocabulary, or a layer no write reaches, is refused with the mismatch
+named, and so is a destination that would write a processed layer in another form
+(``check_destination``). A TP vLLM cannot run is refused (``LayoutError``) before the engine
+starts.
 
 The move goes through a weight channel (``engines/channel.py``): trainer ranks ``0..n-1`` and
 vLLM workers ``n..n+tp-1`` form one gloo group over a TCPStore, both layouts placed on it
@@ -26,14 +30,15 @@ from __future__ import annotations
 
 import pickle
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 from .. import compat
 from ..routing.executor import DEFAULT_BUDGET
 from ..rl.tokenizer import has_tokenizer
 from ..vps.layout import Layout, LayoutError
-from ..vps.layouts.vllm import param_shape, vllm_layout, vllm_lora_layout, vllm_lora_rank, worker_tensors
+from ..vps.layouts.vllm import (BlockedExperts, expert_forms, param_shape, processed_layout, vllm_layout,
+                                vllm_lora_layout, vllm_lora_rank, worker_tensors)
 from ..vps.placement import place
 from ..vps.spec import ModelSpec
 from .base import RolloutContext, RolloutEngine
@@ -46,9 +51,106 @@ class EngineMismatch(LayoutError):
     """The running engine's workers do not hold what the layout says (other model, vocab, TP...)."""
 
 
-def check_engine(layout: Layout, descriptions: Sequence[dict], engine: str = "the vLLM engine") -> None:
-    """Compare ``layout`` (a ``vllm_layout``) with the workers' ``vps_describe`` answers, in worker
-    order; raise ``EngineMismatch`` naming every difference."""
+PROCESSED_WEIGHTS = ("auto", "loader", "refuse")
+
+
+@dataclass(frozen=True)
+class Processing:
+    """How the channel writes each layer of the engine (``engines/vllm_processed.py``): ``plain``
+    (the checkpoint form in place), ``form`` (its processed form's layout, in place) or
+    ``loader`` (the checkpoint form, then vLLM's processing of the layer), and what the probe
+    found for every layer that is not plain."""
+
+    paths: Mapping[str, str] = field(default_factory=dict)            # layer -> path
+    forms: Mapping[str, BlockedExperts] = field(default_factory=dict)  # buffer -> form (path form)
+    loader: tuple[str, ...] = ()                                       # layers of path loader
+    found: Mapping[str, str] = field(default_factory=dict)            # layer -> the probe's findings
+    buffers: Mapping[str, str] = field(default_factory=dict)          # buffer -> its (processed) layer
+
+    def processed(self) -> dict[str, str]:
+        """Layers not written plain -> path."""
+        return {n: p for n, p in self.paths.items() if p != "plain"}
+
+
+def candidate_forms(layers: Mapping[str, dict]) -> dict[str, list[dict]]:
+    """Per expert layer of a worker's ``vps_describe`` ``layers``, the processed forms to probe:
+    one ``{buffer: form}`` per block size that fits every buffer of the layer."""
+    out = {}
+    for name, layer in layers.items():
+        if "experts" not in layer["kinds"]:
+            continue
+        per = {}
+        for p in layer["params"].values():
+            per[p["buffer"]] = {f.block: f for f in expert_forms(p["buffer"], tuple(p["created"][0]),
+                                                                  tuple(p["live"][0]))}
+        blocks = sorted(set.intersection(*(set(v) for v in per.values()))) if per else []
+        out[name] = [{b: per[b][block] for b in per} for block in blocks]
+    return out
+
+
+def plan_processing(descriptions: Sequence[dict], probes: Sequence[dict], candidates: Mapping[str, list],
+                    mode: str = "auto", engine: str = "the vLLM engine") -> Processing:
+    """Each layer's path from every worker's probe (``vps_probe``): ``plain`` where its kernel
+    reads the checkpoint form in place; else (``mode`` ``auto``) the first candidate form every
+    worker's kernel reads, else (``auto``, ``loader``) vLLM's processing re-run on the moved
+    weights where that computes them; else — and for any processed layer with ``mode``
+    ``refuse`` — ``EngineMismatch`` naming every such layer and what was tried."""
+    if mode not in PROCESSED_WEIGHTS:
+        raise ValueError(f"processed_weights {mode!r}: expected one of {', '.join(PROCESSED_WEIGHTS)}")
+    paths, forms, loader, found, problems = {}, {}, [], {}, []
+    layers = descriptions[0]["layers"]
+    for name in probes[0]:
+        results = [p[name] for p in probes]
+        kinds = "/".join(layers[name]["kinds"])
+        plain = all(r["plain"][0] for r in results)
+        if plain:
+            paths[name] = "plain"
+            continue
+        tried = [f"the checkpoint form in place: {results[0]['plain'][1]}"]
+        form = next((i for i in range(len(candidates.get(name, ()))) if all(r["forms"][i][0] for r in results)), None)
+        names = [next(iter(c.values())).name for c in candidates.get(name, ())]
+        if form is not None:
+            tried.append(f"its processed form: {names[form]}")
+        elif names:
+            tried.append(f"none of its {len(names)} candidate processed forms ({', '.join(names)}): "
+                         f"{results[0]['forms'][0][1]}, …")
+        else:
+            tried.append("no processed form known for it")
+        loaded = all(r["loader"][0] for r in results)
+        tried.append(f"vLLM's processing re-run on moved weights: "
+                     f"{'ok' if loaded else next(r['loader'][1] for r in results if not r['loader'][0])}")
+        found[name] = "; ".join(tried)
+        if mode == "auto" and form is not None:
+            paths[name] = "form"
+            forms.update(candidates[name][form])
+        elif mode != "refuse" and loaded:
+            paths[name] = "loader"
+            loader.append(name)
+        else:
+            why = ("processed_weights refuse" if mode == "refuse" else
+                   "processed_weights loader, which does not use its processed form" if form is not None else
+                   "no write its kernel reads")
+            problems.append(f"{name} ({kinds}): {why} — {found[name]}")
+    if problems:
+        raise EngineMismatch(f"{engine} keeps {len(problems)} layer(s) in a form the weight channel cannot write "
+                             f"(nothing was moved): " + " | ".join(problems[:6])
+                             + (f" | … ({len(problems)} in all)" if len(problems) > 6 else ""))
+    owner: dict[str, str] = {}  # a buffer two layers share (a tied LM head's) belongs to the processed one
+    for name, layer in layers.items():
+        for p in layer["params"].values():
+            if paths.get(owner.get(p["buffer"]), "plain") == "plain":
+                owner[p["buffer"]] = name
+    return Processing(paths, forms, tuple(loader), found, owner)
+
+
+def check_engine(layout: Layout, descriptions: Sequence[dict], engine: str = "the vLLM engine",
+                 processing: Processing | None = None) -> None:
+    """Compare ``layout`` (a ``vllm_layout``, or its ``processed_layout``) with the workers'
+    ``vps_describe`` answers, in worker order; raise ``EngineMismatch`` naming every difference:
+    parameter names, and each parameter's shape and dtype as vLLM created it (the checkpoint form
+    the layout writes — another model, vocabulary or TP shows here). With ``processing`` (the
+    engine's ``plan_processing``), also what each layer keeps: a plain layer's live parameter is
+    the created one (contiguous), a processed form's has the form's shape."""
     spec, tp = layout.spec, layout.world_size
     problems: list[str] = []
     if len(descriptions) != tp:
@@ -59,10 +161,8 @@ def check_engine(layout: Layout, descriptions: Sequence[dict], engine: str = "th
             problems.append(f"{where} is TP rank {d.get('tp_rank')} of {d.get('tp_size')} "
                             f"(PP {d.get('pp_size', 1)}); the layout is TP{tp} without PP")
             continue
-        if d.get("prepacked"):
-            problems.append(f"{where} computes with prepacked copies of {len(d['prepacked'])} layers "
-                            f"(e.g. {d['prepacked'][0]}): in-place writes would be ignored")
         have = d["params"]
+        made = {p["buffer"]: p["created"] for layer in d.get("layers", {}).values() for p in layer["params"].values()}
         want = {PREFIX + lt.buffer: param_shape(spec, lt) for lt in worker_tensors(spec, tp, rank)}
         bufs = layout.buffers(rank)
         for name in sorted(set(want) - set(have)):
@@ -71,13 +171,22 @@ def check_engine(layout: Layout, descriptions: Sequence[dict], engine: str = "th
             problems.append(f"{where} has parameter {name[len(PREFIX):]!r} {have[name][0]} that the layout "
                             f"of {spec.name!r} does not know (it would never be written)")
         for name in sorted(set(have) & set(want)):
-            shape, dtype, contiguous = have[name]
+            live_shape, live_dtype, contiguous = have[name]
+            shape, dtype = made.get(name, (live_shape, live_dtype))
+            short = name[len(PREFIX):]
             if tuple(shape) != tuple(want[name]):
-                problems.append(f"{where} {name[len(PREFIX):]} is {list(shape)}, the layout says {list(want[name])}")
+                problems.append(f"{where} {short} is {list(shape)}, the layout says {list(want[name])}")
             if dtype != bufs[name].dtype:
-                problems.append(f"{where} {name[len(PREFIX):]} is {dtype}, the layout says {bufs[name].dtype}")
-            if not contiguous:
-                problems.append(f"{where} {name[len(PREFIX):]} is not contiguous")
+                problems.append(f"{where} {short} is {dtype}, the layout says {bufs[name].dtype}")
+            if processing is None:
+                continue
+            path = processing.paths.get(processing.buffers.get(name), "plain")
+            form = processing.forms.get(name)
+            if path == "plain" and (tuple(live_shape) != tuple(shape) or live_dtype != dtype or not contiguous):
+                problems.append(f"{where} {short} is kept as {live_shape} {live_dtype}"
+                                f"{'' if contiguous else ' (not contiguous)'}, written in place as {list(shape)} {dtype}")
+            if form is not None and tuple(live_shape) != tuple(form.live):
+                problems.append(f"{where} {short} is {live_shape}; its processed form is {list(form.live)}")
     if problems:
         shown = "; ".join(problems[:12]) + (f"; … ({len(problems)} in all)" if len(problems) > 12 else "")
         raise EngineMismatch(f"{engine} does not hold {layout.name} of model {spec.name!r}: {shown}")
@@ -125,14 +234,28 @@ class VLLMRollout:
     (``enable_lora``, one adapter slot, ``max_lora_rank`` the smallest vLLM has for ``r``), loads
     one adapter — the run's initial one, from a peft directory — pins it into slot 0, and
     generates every request with it (``LoRARequest``); the weight channel then writes the trained
-    adapters into that slot (``vllm_lora_layout``) and the workers fold alpha/r into ``B``."""
+    adapters into that slot (``vllm_lora_layout``) and the workers fold alpha/r into ``B``.
+
+    ``cpu_kernels``: ``plain`` (every CPU layer computes from its parameters as loaded) or ``vllm``
+    (vLLM's own prepacked CPU kernels, their post-load processing kept). ``processed_weights``
+    (``auto`` | ``loader`` | ``refuse``): how a layer vLLM processed after loading is written
+    (``plan_processing``); ``processing`` is what was decided, ``layout`` the engine's destination
+    with it (docs/weight-channel.md, "Weights vLLM processes after loading")."""
 
     def __init__(self, model: str, spec: ModelSpec, tp: int = 1, *, dtype: str = "float32",
                  seed: int = 0, max_model_len: int = 256, enforce_eager: bool = True,
-                 backend: str | None = None, sleep_mode: bool | None = None, **engine_kwargs):
+                 backend: str | None = None, sleep_mode: bool | None = None, processed_weights: str = "auto",
+                 cpu_kernels: str = "plain", **engine_kwargs):
         self.spec = spec
         self.tp = tp
         self.model = model
+        if processed_weights not in PROCESSED_WEIGHTS:
+            raise ValueError(f"processed_weights {processed_weights!r}: expected one of {', '.join(PROCESSED_WEIGHTS)}")
+        if cpu_kernels not in compat.CPU_KERNEL_CHOICES:
+            raise ValueError(f"cpu_kernels {cpu_kernels!r}: expected one of {', '.join(compat.CPU_KERNEL_CHOICES)}")
+        if cpu_kernels != "plain" and spec.lora is not None:
+            raise ValueError("cpu_kernels 'vllm' with LoRA adapters: vLLM's LoRA layers wrap the processed base "
+                             "layers, which the weight channel does not sync yet; use cpu_kernels 'plain'")
         # refuses a TP vLLM cannot run (LayoutError) before anything starts
         base = vllm_layout(spec.base(), tp, dtype=dtype)
         self.layout = base if spec.lora is None else vllm_lora_layout(spec, tp, dtype=dtype)
@@ -154,17 +277,74 @@ class VLLMRollout:
         if spec.lora is not None:  # one adapter, in slot 0 (vllm_lora_layout)
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(spec.lora.r))
         kwargs.update(engine_kwargs)
-        with compat.vllm_cpu_omp_threads_bind(tp, self.is_cpu):  # read by the processes LLM() starts
+        # both read by the processes LLM() starts (and by an engine core in this process)
+        with compat.vllm_cpu_omp_threads_bind(tp, self.is_cpu), compat.vllm_cpu_kernels(cpu_kernels):
             self.llm = LLM(**kwargs)
         self._asleep = False
         try:
             self.description = self._rpc("vps_describe")
-            check_engine(base, self.description, f"vLLM engine for {model!r}")
+            engine = f"vLLM engine for {model!r}"
+            kernels = {d.get("cpu_kernels") for d in self.description}
+            if self.is_cpu and kernels != {cpu_kernels}:
+                raise EngineMismatch(f"{engine} was asked for cpu_kernels {cpu_kernels!r} but its workers run "
+                                     f"{sorted(kernels)}: a worker process keeps the kernels of the first engine "
+                                     f"it loaded (start this engine in a process of its own)")
+            check_engine(base, self.description, engine)  # the model itself, before probing its layers
+            self.processing = self._plan(base, processed_weights, engine)
+            if self.processing.forms:
+                self.layout = processed_layout(base, dict(self.processing.forms))
+            check_engine(self.layout if spec.lora is None else base, self.description, engine, self.processing)
+            self.staged_bytes = sum(self._rpc("vps_processing", list(self.processing.loader)))
             if spec.lora is not None:
                 self._load_adapter(seed)
         except BaseException:
             self.shutdown()
             raise
+
+    def _plan(self, base: Layout, mode: str, engine: str) -> Processing:
+        """Probe every layer's kernel (``vps_probe``, on copies) and decide how each is written."""
+        candidates = candidate_forms(self.description[0]["layers"])
+        self.probes = self._rpc("vps_probe", pickle.dumps(base), pickle.dumps(candidates))
+        return plan_processing(self.description, self.probes, candidates, mode, engine)
+
+    def destination(self, layout: Layout) -> Layout:
+        """``layout`` (a ``vllm_layout`` of any number of replicas of this engine, or a selection
+        of it) as this engine's workers must be written: its processed layers in their form."""
+        forms = {b: f for b, f in self.processing.forms.items()}
+        return processed_layout(layout, forms) if forms else layout
+
+    def check_destination(self, dst: Layout, first_rank: int = 0) -> None:
+        """Refuse (``EngineMismatch``, naming the layers) a destination whose ranks
+        ``first_rank..+tp`` would write a parameter of this engine in another form than its
+        kernels read — e.g. the checkpoint form into a processed layer with no loader path —
+        before anything is opened or moved."""
+        problems = []
+        for t in range(self.tp):
+            r = first_rank + t
+            if r >= dst.world_size:
+                problems.append(f"the destination {dst.name} has no rank {r} for worker {t}")
+                continue
+            mine, theirs = self.layout.buffers(t), dst.buffers(r)
+            # a processed form must be written as such, and a layer synced through vLLM's
+            # processing whole (its staging holds nothing else): their fragments exactly the engine's
+            loader = set(self.processing.loader)
+            form_buffers = {b for b in theirs if b in self.processing.forms or self.processing.buffers.get(b) in loader}
+            for b, spec in theirs.items():
+                if b in mine and spec != mine[b] and b not in form_buffers:
+                    problems.append(f"worker {t} {b[len(PREFIX):]}: the destination declares {spec}, "
+                                    f"the engine {mine[b]}")
+            if form_buffers:
+                want = [f for f in self.layout.fragments(t) if f.buffer in form_buffers]
+                got = [f for f in dst.fragments(r) if f.buffer in form_buffers]
+                if got != want or any(theirs[b] != mine[b] for b in form_buffers):
+                    layers = sorted({self.processing.buffers.get(b, b) for b in form_buffers})
+                    problems += [f"worker {t} {n}: vLLM keeps it processed, and the destination {dst.name} does "
+                                 f"not write it whole in the form the engine syncs it in "
+                                 f"({self.processing.paths.get(n)}: {self.processing.found.get(n, '')})" for n in layers]
+        if problems:
+            raise EngineMismatch(f"vLLM engine for {self.model!r} cannot be written through {dst.name} "
+                                 f"(nothing was opened or moved): " + " | ".join(problems[:6])
+                                 + (f" | … ({len(problems)} in all)" if len(problems) > 6 else ""))
 
     def _load_adapter(self, seed: int) -> None:
         """The run's initial adapter (``engines.lora.initial_adapters``) loaded from a peft directory
@@ -190,7 +370,7 @@ class VLLMRollout:
     # --- the layout -----------------------------------------------------------------------------------
     def check(self, layout: Layout) -> None:
         """Check another vLLM layout against this engine's workers (what the constructor does)."""
-        check_engine(layout, self.description, f"vLLM engine for {self.model!r}")
+        check_engine(layout, self.description, f"vLLM engine for {self.model!r}", self.processing)
 
     # --- sleep / wake (a capability: real on GPU, refused by vLLM on CPU) -----------------------------
     def sleep(self, level: int = 1) -> bool:
@@ -232,6 +412,7 @@ class VLLMRollout:
             raise LayoutError(f"cannot load {src_layout.name} of model {src_layout.spec.name!r} "
                               f"({src_layout.spec.digest}) into {dst.name} of model {dst.spec.name!r} "
                               f"({dst.spec.digest}): different models; nothing was moved")
+        self.check_destination(dst)  # a processed layer it would write in another form: refused here
         total = n + self.tp
         mode, colocated = resolve_handoff(handoff, list(range(n)) + list(range(self.tp)), n)
         t0 = time.perf_counter()
@@ -271,6 +452,7 @@ class VLLMRollout:
         """Every worker joins the run's weight channel (``engines.channel.Endpoint``) as rank
         ``endpoint.first_rank + tp_rank`` and keeps both layouts. Blocks until every member joined."""
         e = endpoint
+        self.check_destination(e.dst, e.first_rank)
         return self._rpc("vps_channel_open", e.host, e.port, e.first_rank, e.world_size, pickle.dumps(e.src),
                          pickle.dumps(e.dst), e.timeout_s, e.budget_bytes, e.standby_s, e.verify, e.verify_fraction,
                          e.handoff, [list(p) for p in e.colocated], e.backend, timeout=e.timeout_s + 60)
@@ -422,6 +604,9 @@ class VLLMRolloutEngine(RolloutEngine):
     def generate(self, prompts, max_new_tokens, temperature, seeds, eos_token_id):
         return self.rollout.generate(prompts, max_new_tokens, greedy=temperature == 0, seed=list(seeds),
                                      temperature=temperature or 1.0, eos_token_id=eos_token_id)
+
+    def channel_destination(self, layout: Layout) -> Layout:
+        return self.rollout.destination(layout)
 
     def channel_open(self, endpoint) -> None:
         self.rollout.channel_open(endpoint)

