@@ -274,7 +274,7 @@ class HybridWorker:
             self.rollout = self.rollout_cls.build(RolloutContext(
                 hf, self.spec, init_dir, tp, self.replicas, self.replica, cfg.seed,
                 context_length(hf), tp_rank=self.tp_rank, group=groups[self.replica],
-                device=self.device))
+                device=self.device, options=dict(cfg.rollout.options)))
             self.rollout.weight_sync(self._weight_sync().mode)
 
     def _load_weights(self, path: str, engine, read=None) -> None:

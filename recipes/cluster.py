@@ -402,7 +402,7 @@ class Cluster:
         replicas = len(self.resources.replicas) if cfg is self.cfg else cfg.world_size // tp
         return RolloutContext(self.hf, self._rollout_spec(cfg), str(init_dir), tp, replicas, replica,
                               cfg.seed, context_length(self.hf), device=self.device,
-                              memory_utilization=cfg.rollout.memory_utilization)
+                              memory_utilization=cfg.rollout.memory_utilization, options=dict(cfg.rollout.options))
 
     def _rollout_spec(self, cfg):
         """The model a replica holds: the base, or with a LoRA run's adapters where each sync

@@ -489,3 +489,20 @@ def table() -> str:
 
 if __name__ == "__main__":
     print(table())
+
+
+def test_rollout_options_are_the_engines_own():
+    """``rollout.options``: what the engine declares it takes (``RolloutEngine.options``), else refused
+    before the run with the option named."""
+    from rlhf_switch.engines.base import phase_engine_problems
+    from rlhf_switch.rl.config import RolloutLayout
+
+    ok = RolloutLayout(engine="vllm", tp=1, options={"cpu_kernels": "vllm", "processed_weights": "loader"})
+    assert phase_engine_problems("rollout", ok, None) == []
+    bad = RolloutLayout(engine="vllm", tp=1, options={"cpu_kernels": "amx", "prefix": 1})
+    assert phase_engine_problems("rollout", bad, None) == [
+        "rollout.options.cpu_kernels: 'amx' — one of plain, vllm",
+        "rollout.options.prefix: not an option of this engine (it takes: cpu_kernels, processed_weights)"]
+    torch_engine = RolloutLayout(engine="torch", tp=1, options={"cpu_kernels": "plain"})
+    assert phase_engine_problems("rollout", torch_engine, None) == [
+        "rollout.options.cpu_kernels: not an option of this engine (it takes: none)"]

@@ -224,9 +224,19 @@ class RolloutEngine(ABC):
     # them itself (``weight_sync("adapters")``); else it takes merged weights (engines/lora.py)
     takes_adapters: ClassVar[bool] = False
 
+    # the options ``rollout.options`` may give this engine (handed to ``build`` as ``ctx.options``),
+    # each with the values it takes
+    options: ClassVar[Mapping[str, tuple]] = {}
+
     @classmethod
     def layout_problems(cls, phase: str, layout: Any, dims: Any) -> list[str]:
         problems = []
+        for key, value in dict(getattr(layout, "options", None) or {}).items():
+            if key not in cls.options:
+                takes = ", ".join(cls.options) or "none"
+                problems.append(f"{phase}.options.{key}: not an option of this engine (it takes: {takes})")
+            elif value not in cls.options[key]:
+                problems.append(f"{phase}.options.{key}: {value!r} — one of {', '.join(map(str, cls.options[key]))}")
         if layout.pp > 1:
             problems.append(f"{phase}: rollout engines run tensor parallel replicas only; pp={layout.pp} "
                             f"must be 1 (use tp and dp)")

@@ -579,6 +579,8 @@ class VLLMRolloutEngine(RolloutEngine):
     placement = "replica"
     compute_dtypes = ("float32", "bfloat16", "float16")
     takes_adapters = True  # into vLLM's LoRA slot (vllm_lora_layout); tests/test_lora.py
+    # docs/weight-channel.md, "Weights vLLM processes after loading"
+    options = {"cpu_kernels": compat.CPU_KERNEL_CHOICES, "processed_weights": PROCESSED_WEIGHTS}
 
     @classmethod
     def rollout_layout(cls, spec: ModelSpec, tp: int, replicas: int, dtype: str = "float32") -> Layout:

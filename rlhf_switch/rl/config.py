@@ -123,6 +123,9 @@ class RolloutLayout(PhaseLayout):
     colocate: bool = True
     # vLLM's share of each device's memory (weights + KV cache); None: 0.5 colocated, 0.9 alone
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    # the engine's own options, handed to it as they are (the engine says which it takes: vllm's
+    # cpu_kernels: plain | vllm and processed_weights: auto | loader | refuse, docs/weight-channel.md)
+    options: dict[str, Any] = {}
 
     @model_validator(mode="before")
     @classmethod
