@@ -389,6 +389,32 @@ def vllm_cpu_kernels(choice: str) -> Iterator[None]:
         yield
 
 
+CHAT_TEMPLATE_WARMUP_FAILED = "Chat template warmup failed"
+
+
+@contextlib.contextmanager
+def quiet_vllm_chat_template_warmup() -> Iterator[None]:
+    """Around ``LLM(...)`` of an engine started without a tokenizer (``skip_tokenizer_init``: the
+    project feeds token ids): drop vLLM's "Chat template warmup failed" warning and its traceback.
+    Why: vllm-cpu 0.32's ``LLM.__init__`` renders a warm-up chat through the renderer
+    (``vllm/renderers/base.py`` ``BaseRenderer.warmup``), which has no tokenizer here and fails;
+    vLLM logs that at WARNING with the traceback, a traceback on every run's first screen. Only that
+    one record of that one logger is filtered, and only while the engine starts. Still needed? A
+    vLLM that skips the warm-up without a tokenizer would no longer log it."""
+    import logging
+
+    class DropWarmupFailure(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(CHAT_TEMPLATE_WARMUP_FAILED)
+
+    logger, drop = logging.getLogger("vllm.renderers.base"), DropWarmupFailure()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 # vLLM reads these when it starts (the engine and its worker processes inherit them). Drivers set
 # them (unless the user did) before Ray or an engine starts, so every actor/worker inherits them.
 VLLM_ENV = {

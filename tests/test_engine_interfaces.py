@@ -206,3 +206,21 @@ def test_pipeline_trainer_in_the_loop_equals_fsdp2(ray_session, tmp_path, world,
     assert p["example"] == f["example"] and p["reward_mean"] == f["reward_mean"]
     for key in ("policy_loss", "kl", "grad_norm"):
         assert abs(p[key] - f[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, p[key], f[key])
+
+
+def test_vllm_chat_template_warmup_warning_is_dropped_only_while_an_engine_starts(caplog):
+    """``compat.quiet_vllm_chat_template_warmup``: vLLM's "Chat template warmup failed" (with its
+    traceback, logged by ``vllm.renderers.base`` when an engine starts without a tokenizer) is not
+    shown while the engine starts; the same logger's other records, and that record outside the
+    scope, pass."""
+    import logging
+
+    from rlhf_switch import compat
+
+    log = logging.getLogger("vllm.renderers.base")
+    with caplog.at_level(logging.WARNING, logger="vllm.renderers.base"):
+        with compat.quiet_vllm_chat_template_warmup():
+            log.warning("Chat template warmup failed", exc_info=False)
+            log.warning("something else")
+        log.warning("Chat template warmup failed")
+    assert [r.getMessage() for r in caplog.records] == ["something else", "Chat template warmup failed"]

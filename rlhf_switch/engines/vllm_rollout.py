@@ -278,7 +278,8 @@ class VLLMRollout:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(spec.lora.r))
         kwargs.update(engine_kwargs)
         # both read by the processes LLM() starts (and by an engine core in this process)
-        with compat.vllm_cpu_omp_threads_bind(tp, self.is_cpu), compat.vllm_cpu_kernels(cpu_kernels):
+        with compat.vllm_cpu_omp_threads_bind(tp, self.is_cpu), compat.vllm_cpu_kernels(cpu_kernels), \
+                compat.quiet_vllm_chat_template_warmup():
             self.llm = LLM(**kwargs)
         self._asleep = False
         try:
