@@ -100,17 +100,14 @@ def test_grpo_200_iterations_leave_the_actors_flat(tmp_path):
     import ray
 
     from recipes.grpo import run
-    from rlhf_switch.compat import set_vllm_env_defaults
-    from helpers import REPO, small
+    from conftest import start_local_ray
+    from helpers import small
 
     cfg = small("grpo_tiny_fsdp.yaml", tmp_path / "run", train={"engine": "fsdp2", "dp": 2},
                 rollout={"engine": "torch", "tp": 2, "dp": 1}, reference={"engine": "fsdp2", "dp": 2})
     cfg["algorithm"]["iterations"] = GRPO_ITERATIONS
     cfg.update(checkpoint={"save_every": 0, "keep": 1}, eval={"every": 0, "num_prompts": 4}, logging=[])
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in paths if p != str(REPO)])
-    set_vllm_env_defaults()
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    start_local_ray()
     samples, stop = [], threading.Event()
     metrics = tmp_path / "run" / "metrics.jsonl"
 
