@@ -229,11 +229,14 @@ def phase(desc: str, total: int, quiet: bool):
         bar.close()
 
 
-def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900, died: list | None = None) -> list:
+def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900, died: list | None = None,
+             failed=None) -> list:
     """``ray.get`` of ``refs`` in order, with a progress bar that advances as each finishes; the
     first failure is raised at once (the others are not waited for). ``died``: a list that takes
-    the index of each call whose actor died (its result None) instead of raising."""
-    from ray.exceptions import RayActorError
+    the index of each call whose actor died (its result None) instead of raising. ``failed(index,
+    error)``: the exception raised instead of Ray's ``RayTaskError`` when a call raised (the caller
+    names the member; the error is chained)."""
+    from ray.exceptions import RayActorError, RayTaskError
 
     pending, index = list(refs), {ref: i for i, ref in enumerate(refs)}
     deadline = time.monotonic() + timeout
@@ -248,6 +251,10 @@ def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900, died
                 if died is None:
                     raise
                 died.append(index[done[0]])
+            except RayTaskError as e:
+                if failed is None:
+                    raise
+                raise failed(index[done[0]], e) from e
             bar.update(len(done))
     return [None if died and i in died else ray.get(ref) for i, ref in enumerate(refs)]
 
@@ -288,6 +295,21 @@ def rank_bundles(bundle_nodes: Sequence[str], group: int = 1) -> list[int]:
                 f"{[n[:8] for n in spanned]}: its workers run inside one actor on one node. Devices per node "
                 f"{counts}: use placement: pack, or nodes whose device counts are multiples of {group}")
     return order
+
+
+class RolloutEngineFailed(RuntimeError):
+    """A rollout engine that failed to start or while generating — its call raised, or its replica
+    died and none is left to generate its share: one line naming the member (rollout replica, or
+    the trainer rank whose actor runs the engine, with its node) and the engine's own error."""
+
+
+def engine_error(error: Exception) -> str:
+    """``Type: first line of the message`` of the exception a Ray call raised inside the actor (the
+    engine's own, ``RayTaskError.cause``), not Ray's wrapper with the remote traceback."""
+    cause = getattr(error, "cause", None)
+    cause = cause if isinstance(cause, BaseException) else error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0] if lines else '(no message)'}"
 
 
 class SyncFailed(RuntimeError):
@@ -404,7 +426,8 @@ class Cluster:
         built = self.all("build", self.cfg.model_dump(), str(init_dir), str(resume_dir) if resume_dir else None,
                          self.device, desc="build engines")
         if starts:
-            wait_all(self.ray, starts, "start rollout replicas", self.quiet)
+            wait_all(self.ray, starts, "start rollout replicas", self.quiet, failed=lambda i, e: RolloutEngineFailed(
+                f"{self._replica_name(i)} failed to start its engine: {engine_error(e)}"))
         self.open_channel()
         return built[0]
 
@@ -836,7 +859,9 @@ class Cluster:
         ``Generation``, each replica's contiguous share of the prompts in flight; the torch engine in
         the trainer's actors runs it now and returns its results)."""
         if self.in_world:
-            return self.all("generate", prompts, max_new_tokens, temperature, list(seeds), desc="generate")
+            refs = self.submit("generate", prompts, max_new_tokens, temperature, list(seeds))
+            return wait_all(self.ray, refs, "generate", self.quiet, failed=lambda rank, e: RolloutEngineFailed(
+                f"the rollout engine of {self._trainer_name(rank)} failed while generating: {engine_error(e)}"))
         return self._share_out(list(prompts), list(seeds), max_new_tokens, temperature)
 
     def _share_out(self, prompts: list, seeds: list, max_new_tokens: int, temperature: float) -> "Generation":
@@ -880,7 +905,9 @@ class Cluster:
         """Each share's (tokens, log-probs, per-sample versions), in share order; the shares of
         replicas that died generated again by the others."""
         died: list[int] = []
-        got = wait_all(self.ray, gen.refs, desc, self.quiet, died=died)
+        got = wait_all(self.ray, gen.refs, desc, self.quiet, died=died,
+                       failed=lambda i, e: RolloutEngineFailed(f"{self._replica_name(self._index(gen.shares[i][0]))} "
+                                                               f"failed while generating: {engine_error(e)}"))
         results = [None if g is None else (g["tokens"], g["logprobs"], [g.get("version")] * len(g["tokens"]))
                    for g in got]
         if died:
@@ -895,6 +922,9 @@ class Cluster:
         t0 = time.perf_counter()
         dead = [gen.shares[i][0] for i in lost]
         names = self.drop_replicas(dead)
+        if not self.replicas:
+            raise RolloutEngineFailed(f"{', '.join(names)} died while generating (its actor lost) and no rollout "
+                                      f"replica is left to generate its share")
         n = sum(len(gen.shares[i][1]) for i in lost)
         parts = []
         for i in lost:
@@ -905,6 +935,10 @@ class Cluster:
         self.replica_events.append({"lost": names, "requeued_prompts": n, "replicas_left": len(self.replicas),
                                     "seconds": time.perf_counter() - t0})
         return parts
+
+    def _index(self, replica) -> int:
+        """The index of replica actor ``replica`` in the run's replicas."""
+        return next(i for i, r in enumerate(self.replicas) if r is replica)
 
     def _dead(self, actors: Sequence) -> list:
         """Those of ``actors`` that Ray reports dead."""

@@ -55,7 +55,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipes.cluster import Cluster, start_ray
+from recipes.cluster import Cluster, RolloutEngineFailed, SyncFailed, start_ray
 from recipes.common import (Evaluator, RunFinished, StaleWeightsError, draw_extra_prompts, draw_prompts, fault,
                             prune_checkpoints, resolve_resume, sample_seeds, warm_start, write_run_config)
 from recipes.run_log import MetricsLog, is_iteration_record, plot_run
@@ -708,7 +708,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_args(a: argparse.Namespace, algorithm: str | None = None) -> int:
-    """Run the loop with parsed options; the exit code (2: bad input, 3: stale weights)."""
+    """Run the loop with parsed options; the exit code (2: bad input, 3: stale weights, 4: a member
+    of the run failed — a rollout engine, a weight sync —, said in one line)."""
     from rlhf_switch.rl.config import ConfigError
     from rlhf_switch.rl.rewards import RewardError
 
@@ -721,6 +722,9 @@ def run_args(a: argparse.Namespace, algorithm: str | None = None) -> int:
     except StaleWeightsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except (RolloutEngineFailed, SyncFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     return 0
 
 
