@@ -150,10 +150,25 @@ def kernel_cache_dirs(key: str, root: str | None = None) -> dict[str, str]:
     return {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"), "VLLM_CACHE_ROOT": str(base / "vllm")}
 
 
+def torch_default_inductor_cache() -> str:
+    """torch inductor's own default cache directory (torch 2.13's
+    ``torch._inductor.runtime.cache_dir_utils.default_cache_dir``, without importing torch)."""
+    import getpass
+    import re
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
 def use_kernel_caches_of_this_machine(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
     """Point torch inductor's and vLLM's caches (``KERNEL_CACHES``) of this process — and of the
     processes it starts — at this machine's keyed directories, where not set already (a user's
-    own stays). Returns the directories in effect.
+    own stays; torch's default, which torch writes into the environment of any process that
+    looked its cache up — an embedded Ray's workers inherit the driver's —, is not one). Returns
+    the directories in effect.
 
     Why: torch inductor's default cache (``/tmp/torchinductor_<user>``) is shared by every run of
     the user and its entries are not keyed by the ISA in effect: on an AVX-512 machine, a run that
@@ -163,6 +178,9 @@ def use_kernel_caches_of_this_machine(environ: MutableMapping[str, str] = os.env
     would meet the same. Call it in the process that compiles, before anything compiles: the key is
     this machine's."""
     dirs = kernel_cache_dirs(kernel_cache_key(cpu_flags(), environ, compiler_versions()))
+    if environ.get("TORCHINDUCTOR_CACHE_DIR") and \
+            os.path.abspath(environ["TORCHINDUCTOR_CACHE_DIR"]) == torch_default_inductor_cache():
+        del environ["TORCHINDUCTOR_CACHE_DIR"]
     for k, v in dirs.items():
         environ.setdefault(k, v)
     return {k: environ[k] for k in dirs}

