@@ -238,8 +238,9 @@ def test_a_rollout_engine_failing_mid_run_ends_the_cli_run_with_one_line(two_nod
     from helpers import REPO
 
     nodes, ids = two_nodes
-    cfg = small("grpo_tiny.yaml", tmp_path / "run", placement="pack", ray_address=nodes.address,
-                rollout={"engine": "engine_faults:VLLMFailingMidRun", "tp": 1, "dp": 2},
+    dp1 = {"engine": "deepspeed", "zero_stage": 3, "tp": 1, "pp": 1, "dp": 1}  # one device: the least to start
+    cfg = small("grpo_tiny.yaml", tmp_path / "run", world=1, ray_address=nodes.address, train=dp1, reference=dp1,
+                rollout={"engine": "engine_faults:VLLMFailingMidRun", "tp": 1, "dp": 1},
                 checkpoint={"save_every": 0, "keep": 1})
     cfg["algorithm"]["iterations"] = 2
     path = tmp_path / "cfg.yaml"
