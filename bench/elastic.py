@@ -300,14 +300,12 @@ def main(argv=None) -> int:
     if args.sizes:
         import ray
 
-        from rlhf_switch.compat import set_vllm_env_defaults
+        from rlhf_switch.runtime_env import job_runtime_env
 
-        # the actors import this checkout (bench.elastic.BenchWorker) from PYTHONPATH
-        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in paths if p != str(REPO)])
-        set_vllm_env_defaults()
         ckpt_root = Path(tempfile.mkdtemp(prefix="elastic-bench-", dir=args.ckpt_dir or os.path.expanduser("~")))
-        ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+        # the actors import this checkout (bench.elastic.BenchWorker): its path travels in the job
+        ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env=job_runtime_env())
         try:
             bench = Bench(ray, ckpt_root)
             for size in args.sizes:

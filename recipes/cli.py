@@ -75,6 +75,9 @@ def main(argv=None) -> int:
     if a.command is None:
         ap.print_usage(sys.stderr)
         return 2
+    from rlhf_switch.runtime_env import use_kernel_caches_of_this_machine
+
+    use_kernel_caches_of_this_machine()  # this process compiles too (the warm start), before anything does
     if a.command == "tune":
         from recipes.tune import main_args
 

@@ -11,15 +11,12 @@ background, then the channel is formed again over them and one sync fills them (
 """
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
-
-REPO = str(Path(__file__).resolve().parents[1])
 
 
 @dataclass(frozen=True)
@@ -136,30 +133,27 @@ def start_ray(cfg, world: int, verbose: bool = False):
     """Ray for this run: the session already running in this process (tests share one per
     module), the cluster at ``ray_address``, or an embedded one. Returns (ray, owned).
 
+    Everything the run's actors need from their environment travels in the job's
+    ``runtime_env`` (``rlhf_switch.runtime_env.job_runtime_env``): the rollout engine's variables
+    (``RolloutEngine.process_env``: vLLM's, its log level INFO only when ``verbose``), the project's
+    code — this checkout's path on an embedded Ray, the packages shipped (``py_modules``) to a
+    cluster joined at ``ray_address`` —, and the hook that keys the compiled-kernel caches on each
+    worker's machine. Nothing is set in the driver's environment. A session already running must
+    carry the same (``session_env``).
+
     The embedded instance has the CPUs the run's bundles need (``resources_for``) and, on a run
     that resolves to ``cpu`` here, as many logical GPUs (Ray then only counts them: nothing
-    computes on them); on ``cuda`` Ray counts this machine's real GPUs itself.
-
-    vLLM's log level (``VLLM_LOGGING_LEVEL``, read when vLLM is imported in each of its processes)
-    is WARNING unless ``verbose`` (INFO) or set by the user: set here, in the driver's environment,
-    before Ray starts the processes that inherit it. Starting the embedded instance, Ray's notice
-    that it enabled token authentication (its default for a new local cluster) is not printed:
-    ``quiet_default_token_auth_notice``."""
+    computes on them); on ``cuda`` Ray counts this machine's real GPUs itself. Starting it, Ray's
+    notice that it enabled token authentication (its default for a new local cluster) is not
+    printed: ``quiet_default_token_auth_notice``."""
     import ray
 
-    # the actors must import this checkout's packages; vLLM's environment is read when it starts
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if REPO not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([REPO] + paths)
-    from rlhf_switch.compat import set_vllm_env_defaults, set_vllm_log_level
-
-    set_vllm_log_level(verbose)
-    if cfg.rollout.engine == "vllm":
-        set_vllm_env_defaults()
+    env = run_runtime_env(cfg, verbose)
     if ray.is_initialized():
+        session_env(ray, env)
         return ray, False
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address, log_to_driver=True)
+        ray.init(address=cfg.ray_address, runtime_env=env, log_to_driver=True)
     else:  # never join a stale cluster on the machine
         from rlhf_switch.device import cuda_available, resolve_device
 
@@ -168,8 +162,30 @@ def start_ray(cfg, world: int, verbose: bool = False):
         with quiet_default_token_auth_notice():
             ray.init(address="local", num_cpus=max(world, int(res.cpus)),
                      num_gpus=max(world, res.devices) if logical else None,
-                     log_to_driver=True, include_dashboard=False)
+                     log_to_driver=True, include_dashboard=False, runtime_env=env)
     return ray, True
+
+
+def run_runtime_env(cfg, verbose: bool = False) -> dict:
+    """The job's ``runtime_env`` of a run of ``cfg`` (``start_ray``)."""
+    from rlhf_switch.engines.base import rollout_engine
+    from rlhf_switch.runtime_env import job_runtime_env
+
+    return job_runtime_env(rollout_engine(cfg.rollout.engine).process_env(verbose), ship_code=bool(cfg.ray_address))
+
+
+def session_env(ray, needed: dict) -> None:
+    """A Ray session this process joined before the run (``ray.init`` by the caller): its job's
+    ``runtime_env`` must carry what the run's actors need (``needed``), or ``RuntimeError`` says
+    what is missing and how to start it — before any actor starts."""
+    from rlhf_switch.runtime_env import missing_from_job
+
+    missing = missing_from_job(needed, ray.get_runtime_context().runtime_env)
+    if missing:
+        raise RuntimeError(
+            f"the Ray session this process joined does not carry what the run's actors need from their environment "
+            f"(missing: {', '.join(missing)}); start it with ray.init(..., runtime_env=rlhf_switch.runtime_env."
+            f"job_runtime_env(...)) as recipes.cluster.run_runtime_env(cfg) builds it, or let the run start Ray")
 
 
 TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
@@ -213,11 +229,14 @@ def phase(desc: str, total: int, quiet: bool):
         bar.close()
 
 
-def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900, died: list | None = None) -> list:
+def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900, died: list | None = None,
+             failed=None) -> list:
     """``ray.get`` of ``refs`` in order, with a progress bar that advances as each finishes; the
     first failure is raised at once (the others are not waited for). ``died``: a list that takes
-    the index of each call whose actor died (its result None) instead of raising."""
-    from ray.exceptions import RayActorError
+    the index of each call whose actor died (its result None) instead of raising. ``failed(index,
+    error)``: the exception raised instead of Ray's ``RayTaskError`` when a call raised (the caller
+    names the member; the error is chained)."""
+    from ray.exceptions import RayActorError, RayTaskError
 
     pending, index = list(refs), {ref: i for i, ref in enumerate(refs)}
     deadline = time.monotonic() + timeout
@@ -232,6 +251,10 @@ def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900, died
                 if died is None:
                     raise
                 died.append(index[done[0]])
+            except RayTaskError as e:
+                if failed is None:
+                    raise
+                raise failed(index[done[0]], e) from e
             bar.update(len(done))
     return [None if died and i in died else ray.get(ref) for i, ref in enumerate(refs)]
 
@@ -272,6 +295,21 @@ def rank_bundles(bundle_nodes: Sequence[str], group: int = 1) -> list[int]:
                 f"{[n[:8] for n in spanned]}: its workers run inside one actor on one node. Devices per node "
                 f"{counts}: use placement: pack, or nodes whose device counts are multiples of {group}")
     return order
+
+
+class RolloutEngineFailed(RuntimeError):
+    """A rollout engine that failed to start or while generating — its call raised, or its replica
+    died and none is left to generate its share: one line naming the member (rollout replica, or
+    the trainer rank whose actor runs the engine, with its node) and the engine's own error."""
+
+
+def engine_error(error: Exception) -> str:
+    """``Type: first line of the message`` of the exception a Ray call raised inside the actor (the
+    engine's own, ``RayTaskError.cause``), not Ray's wrapper with the remote traceback."""
+    cause = getattr(error, "cause", None)
+    cause = cause if isinstance(cause, BaseException) else error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0] if lines else '(no message)'}"
 
 
 class SyncFailed(RuntimeError):
@@ -388,7 +426,8 @@ class Cluster:
         built = self.all("build", self.cfg.model_dump(), str(init_dir), str(resume_dir) if resume_dir else None,
                          self.device, desc="build engines")
         if starts:
-            wait_all(self.ray, starts, "start rollout replicas", self.quiet)
+            wait_all(self.ray, starts, "start rollout replicas", self.quiet, failed=lambda i, e: RolloutEngineFailed(
+                f"{self._replica_name(i)} failed to start its engine: {engine_error(e)}"))
         self.open_channel()
         return built[0]
 
@@ -822,7 +861,9 @@ class Cluster:
         ``Generation``, each replica's contiguous share of the prompts in flight; the torch engine in
         the trainer's actors runs it now and returns its results)."""
         if self.in_world:
-            return self.all("generate", prompts, max_new_tokens, temperature, list(seeds), desc="generate")
+            refs = self.submit("generate", prompts, max_new_tokens, temperature, list(seeds))
+            return wait_all(self.ray, refs, "generate", self.quiet, failed=lambda rank, e: RolloutEngineFailed(
+                f"the rollout engine of {self._trainer_name(rank)} failed while generating: {engine_error(e)}"))
         return self._share_out(list(prompts), list(seeds), max_new_tokens, temperature)
 
     def _share_out(self, prompts: list, seeds: list, max_new_tokens: int, temperature: float) -> "Generation":
@@ -866,7 +907,9 @@ class Cluster:
         """Each share's (tokens, log-probs, per-sample versions), in share order; the shares of
         replicas that died generated again by the others."""
         died: list[int] = []
-        got = wait_all(self.ray, gen.refs, desc, self.quiet, died=died)
+        got = wait_all(self.ray, gen.refs, desc, self.quiet, died=died,
+                       failed=lambda i, e: RolloutEngineFailed(f"{self._replica_name(self._index(gen.shares[i][0]))} "
+                                                               f"failed while generating: {engine_error(e)}"))
         results = [None if g is None else (g["tokens"], g["logprobs"], [g.get("version")] * len(g["tokens"]))
                    for g in got]
         if died:
@@ -881,6 +924,9 @@ class Cluster:
         t0 = time.perf_counter()
         dead = [gen.shares[i][0] for i in lost]
         names = self.drop_replicas(dead)
+        if not self.replicas:
+            raise RolloutEngineFailed(f"{', '.join(names)} died while generating (its actor lost) and no rollout "
+                                      f"replica is left to generate its share")
         n = sum(len(gen.shares[i][1]) for i in lost)
         parts = []
         for i in lost:
@@ -891,6 +937,10 @@ class Cluster:
         self.replica_events.append({"lost": names, "requeued_prompts": n, "replicas_left": len(self.replicas),
                                     "seconds": time.perf_counter() - t0})
         return parts
+
+    def _index(self, replica) -> int:
+        """The index of replica actor ``replica`` in the run's replicas."""
+        return next(i for i, r in enumerate(self.replicas) if r is replica)
 
     def _dead(self, actors: Sequence) -> list:
         """Those of ``actors`` that Ray reports dead."""

@@ -55,10 +55,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+<<<<<<< HEAD
 from recipes.cluster import Cluster, start_ray
 from recipes.common import (Evaluator, RunFinished, StaleTolerance, StaleWeightsError, draw_extra_prompts,
                             draw_prompts, fault, prune_checkpoints, resolve_resume, sample_seeds, warm_start,
                             write_run_config)
+=======
+from recipes.cluster import Cluster, RolloutEngineFailed, SyncFailed, start_ray
+from recipes.common import (Evaluator, RunFinished, StaleWeightsError, draw_extra_prompts, draw_prompts, fault,
+                            prune_checkpoints, resolve_resume, sample_seeds, warm_start, write_run_config)
+>>>>>>> raystart
 from recipes.run_log import MetricsLog, is_iteration_record, plot_run
 
 __all__ = ["run", "main", "StaleWeightsError"]
@@ -742,7 +748,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_args(a: argparse.Namespace, algorithm: str | None = None) -> int:
-    """Run the loop with parsed options; the exit code (2: bad input, 3: stale weights)."""
+    """Run the loop with parsed options; the exit code (2: bad input, 3: stale weights, 4: a member
+    of the run failed — a rollout engine, a weight sync —, said in one line)."""
     from rlhf_switch.rl.config import ConfigError
     from rlhf_switch.rl.rewards import RewardError
 
@@ -755,6 +762,9 @@ def run_args(a: argparse.Namespace, algorithm: str | None = None) -> int:
     except StaleWeightsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except (RolloutEngineFailed, SyncFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     return 0
 
 

@@ -34,13 +34,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
-REPO = str(Path(__file__).resolve().parents[1])
 RM_DESCRIPTION = """\
 Train a reward model from preference pairs (prompt, chosen, rejected) with the Bradley-Terry loss
 on the project's training engines; the result (<output_dir>/final) is what a run's
@@ -126,24 +124,25 @@ def trunk_start(cfg, tokenizer, train, out: Path, quiet: bool) -> str | None:
 def start_ray(cfg, verbose: bool = False):
     """Ray for this run, as the loop starts it (``recipes.cluster.start_ray``): the session already
     running in this process, the cluster at ``ray_address``, or an embedded one with
-    ``world_size`` CPUs (and as many logical GPUs where the run resolves to cpu)."""
+    ``world_size`` CPUs (and as many logical GPUs where the run resolves to cpu); the project's code
+    reaches the actors in the job's ``runtime_env`` (``rlhf_switch.runtime_env``)."""
     import ray
 
-    from recipes.cluster import quiet_default_token_auth_notice
+    from recipes.cluster import quiet_default_token_auth_notice, session_env
     from rlhf_switch.device import cuda_available, resolve_device
+    from rlhf_switch.runtime_env import job_runtime_env
 
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if REPO not in paths:  # the actors import this checkout's packages
-        os.environ["PYTHONPATH"] = os.pathsep.join([REPO] + paths)
+    env = job_runtime_env(ship_code=bool(cfg.ray_address))
     if ray.is_initialized():
+        session_env(ray, env)
         return ray, False
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address, log_to_driver=True)
+        ray.init(address=cfg.ray_address, runtime_env=env, log_to_driver=True)
     else:
         logical = resolve_device(cfg.device, cuda_available(), cfg.model.dtype).kind == "cpu"
         with quiet_default_token_auth_notice():
             ray.init(address="local", num_cpus=cfg.world_size, num_gpus=cfg.world_size if logical else None,
-                     log_to_driver=verbose, include_dashboard=False)
+                     log_to_driver=verbose, include_dashboard=False, runtime_env=env)
     return ray, True
 
 

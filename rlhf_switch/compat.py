@@ -16,9 +16,14 @@ DeepSpeed
     ``cache_deepspeed_cpu_device_count``.
 vLLM
     ``disable_vllm_cpu_prepacking`` (+ ``plain_cpu_linear``, ``restore_vllm_cpu_prepacking``),
+<<<<<<< HEAD
     ``disable_vllm_cpu_moe_prepacking`` (+ ``plain_cpu_moe``), ``apply_vllm_cpu_kernels`` /
     ``vllm_cpu_kernels`` (``VLLM_CPU_KERNELS``: plain or vLLM's own CPU kernels),
     ``VLLM_ENV`` / ``set_vllm_env_defaults``, ``set_vllm_log_level``, ``vllm_cpu_omp_binding`` /
+=======
+    ``disable_vllm_cpu_moe_prepacking`` (+ ``plain_cpu_moe``),
+    ``VLLM_ENV`` / ``vllm_env`` / ``set_vllm_env_defaults``, ``vllm_cpu_omp_binding`` /
+>>>>>>> raystart
     ``vllm_cpu_omp_threads_bind``, ``vllm_dist_ident``.
 """
 from __future__ import annotations
@@ -343,6 +348,7 @@ def disable_vllm_cpu_moe_prepacking() -> bool:
     return True
 
 
+<<<<<<< HEAD
 # Which CPU kernels a vLLM engine's worker processes run: "plain" (the two patches above: every layer
 # computes from its parameters as loaded) or "vllm" (vLLM's own prepacked kernels and post-load
 # processing, left as they are: engines/vllm_processed.py finds what each layer's kernel reads)
@@ -417,35 +423,43 @@ def quiet_vllm_chat_template_warmup() -> Iterator[None]:
 
 # vLLM reads these when it starts (the engine and its worker processes inherit them). Drivers set
 # them (unless the user did) before Ray or an engine starts, so every actor/worker inherits them.
+=======
+# vLLM reads these when it starts (in the engine's process and its worker processes). A run's
+# actors get them in the job's Ray runtime_env (rlhf_switch.runtime_env, through
+# VLLMRolloutEngine.process_env: ``vllm_env``), never from the driver's environment; a process that
+# runs an engine itself takes them with ``set_vllm_env_defaults``
+>>>>>>> raystart
 VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",             # a local checkpoint directory; nothing to download
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",     # GiB of KV cache per CPU engine: plenty for tiny models
-    "VLLM_CACHE_ROOT": os.path.join("/tmp", f"rlhf-switch-vllm-cache-{os.getuid()}"),
-    "VLLM_LOGGING_LEVEL": "WARNING",   # see set_vllm_log_level (INFO: rlhf-switch train --verbose)
+    "VLLM_LOGGING_LEVEL": "WARNING",   # INFO with rlhf-switch train --verbose (vllm_env)
 }
 
 
+def vllm_env(verbose: bool = False) -> dict[str, str]:
+    """The environment a vLLM engine's processes need (``VLLM_ENV``); ``verbose``: vLLM's INFO logs
+    too. Why: vLLM's CPU defaults reserve a KV cache sized for real models
+    (``VLLM_CPU_KVCACHE_SPACE``, GiB; without it vllm-cpu 0.32 reserves 92% of the host's memory and
+    refuses to start where less is free: "Available memory on node 0 ... is less than desired CPU
+    memory utilization"), and look checkpoints up online. vLLM 0.32 logs at INFO by default (engine
+    config, model loading, every ``collective_rpc``...) from every replica and worker process;
+    through Ray's log forwarding those lines interleave with the driver's progress bars. Not scoped:
+    vLLM reads them when its processes start (``vllm.envs``)."""
+    return {**VLLM_ENV, "VLLM_LOGGING_LEVEL": "INFO" if verbose else VLLM_ENV["VLLM_LOGGING_LEVEL"]}
+
+
 def set_vllm_env_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
-    """``VLLM_ENV`` into ``environ`` where not set already. Why: vLLM's CPU defaults reserve a KV
-    cache sized for real models (``VLLM_CPU_KVCACHE_SPACE``, GiB) and look checkpoints up online;
-    its cache root defaults to the home directory shared by every checkout. Not scoped: vLLM's
-    processes (and Ray actors) read these when they start, after any scope the driver could hold."""
+    """For a process that runs a vLLM engine itself (tests, the calibration's child): ``VLLM_ENV``
+    into ``environ`` where not set already, and this machine's compiled-kernel caches
+    (``runtime_env.use_kernel_caches_of_this_machine``; vLLM's cache root otherwise defaults to the
+    home directory shared by every checkout and machine). Not scoped: vLLM's processes read these
+    when they start, after any scope the caller could hold."""
+    from .runtime_env import use_kernel_caches_of_this_machine
+
     for k, v in VLLM_ENV.items():
         environ.setdefault(k, v)
-
-
-def set_vllm_log_level(verbose: bool = False, environ: MutableMapping[str, str] = os.environ) -> None:
-    """``VLLM_LOGGING_LEVEL``: ``VLLM_ENV``'s (WARNING) where not set already, INFO when
-    ``verbose``. Why: vLLM 0.32 logs at INFO by default (engine config, model loading, KV cache,
-    every ``collective_rpc``…) from every replica and worker process; through Ray's log forwarding
-    those lines interleave with the driver's progress bars. Not scoped: vLLM reads it when it is
-    imported in each of its processes (``vllm.envs``), so the driver sets it before Ray starts the
-    actors that inherit its environment. Needed as long as the default is INFO."""
-    if verbose:
-        environ["VLLM_LOGGING_LEVEL"] = "INFO"
-    else:
-        environ.setdefault("VLLM_LOGGING_LEVEL", VLLM_ENV["VLLM_LOGGING_LEVEL"])
+    use_kernel_caches_of_this_machine(environ)
 
 
 def vllm_engine_core_in_this_process(environ: MutableMapping[str, str] = os.environ) -> None:

@@ -55,25 +55,37 @@ def pytest_addoption(parser):
                      help="moves of the soak test (tests/test_soak.py; default sized for a few minutes)")
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def prepare_ray_env() -> None:
-    """Before a Ray instance starts (its processes inherit the driver's environment): the loop's
-    actors find the repository on ``PYTHONPATH``, vLLM's processes its CPU defaults."""
-    from rlhf_switch.compat import set_vllm_env_defaults
+def test_runtime_env(**env_vars: str) -> dict:
+    """The ``runtime_env`` of the tests' own Ray sessions: a run's (``rlhf_switch.runtime_env``,
+    with vLLM's variables), ``tests/`` on ``PYTHONPATH`` too (engines the tests name
+    ``module:Class``), and ``env_vars``."""
+    from rlhf_switch.compat import vllm_env
+    from rlhf_switch.runtime_env import job_runtime_env
 
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in paths if p != REPO])
-    set_vllm_env_defaults()
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != HERE]
+    env = job_runtime_env(vllm_env(), environ={**os.environ, "PYTHONPATH": os.pathsep.join([HERE] + paths)})
+    env["env_vars"].update(env_vars)
+    return env
+
+
+test_runtime_env.__test__ = False  # a helper, not a test
+
+
+def start_local_ray(**env_vars: str):
+    """A local Ray session (4 logical CPUs and GPUs) whose job carries ``test_runtime_env``."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env=test_runtime_env(**env_vars))
+    return ray
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray session per test module (``prepare_ray_env``; 4 logical CPUs and GPUs)."""
-    import ray
-
-    prepare_ray_env()
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    """One local Ray session per test module (``start_local_ray``)."""
+    ray = start_local_ray()
     yield ray
     ray.shutdown()

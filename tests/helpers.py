@@ -1,13 +1,13 @@
 """Helpers the loop tests share, each defined once: the tiny vLLM-shaped Llama their runs train,
 a run config built on it (``small``), the run log's records, bitwise equality of two saved
-training states, and a Ray cluster of several nodes on this machine (``ray_cluster``). Test modules import these from here, not from one another.
+training states. Test modules import these from here, not from one another (a cluster of nodes
+started as an operator starts them: ``ray_nodes.py``).
 
 Kept light at the top level (no torch, ray or vllm): modules import it at collection, and the
 loop's driver imports ``digit_reward`` by name (``helpers:digit_reward``) from the configs."""
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,25 +56,3 @@ def same_full_state(a, b) -> bool:
 
     return (all(torch.equal(a.master[n], b.master[n]) for n in b.master) and
             all(torch.equal(a.moments[f][n], b.moments[f][n]) for f in b.moments for n in b.moments[f]))
-
-
-@contextmanager
-def ray_cluster(nodes: int, cpus: int, gpus: int):
-    """A Ray cluster of ``nodes`` nodes on this machine (``cpus`` CPUs and ``gpus`` logical GPUs
-    each), the driver connected; yields (ray, the cluster, the handles of the nodes added after
-    the head); shut down after."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from conftest import prepare_ray_env
-
-    prepare_ray_env()  # before the raylets start: their workers inherit the environment
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "num_gpus": gpus, "include_dashboard": False})
-    try:
-        added = [cluster.add_node(num_cpus=cpus, num_gpus=gpus) for _ in range(nodes - 1)]
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        yield ray, cluster, added
-    finally:
-        ray.shutdown()
-        cluster.shutdown()

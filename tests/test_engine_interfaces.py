@@ -25,7 +25,6 @@ from rlhf_switch.engines.torch_engines import FSDP2Engine
 from rlhf_switch.engines.torch_rollout import TorchRolloutEngine
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 pytestmark = pytest.mark.slow
 COUNTS = "RLHF_SWITCH_TEST_ENGINE_CALLS"
 
@@ -62,16 +61,12 @@ def _calls(directory: Path, what: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def ray_session(tmp_path_factory):
-    import ray
+    from conftest import start_local_ray
 
-    from rlhf_switch.compat import set_vllm_env_defaults
-
-    # the actors import this file's engines by name, and count into this directory
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(HERE))]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE)] + paths)
+    # the actors import this file's engines by name (tests/ is on their PYTHONPATH), and count
+    # into this directory
     os.environ[COUNTS] = str(tmp_path_factory.mktemp("engine-calls"))
-    set_vllm_env_defaults()
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    ray = start_local_ray(**{COUNTS: os.environ[COUNTS]})
     yield ray
     ray.shutdown()
 

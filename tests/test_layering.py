@@ -40,7 +40,7 @@ def test_compat_imports_no_third_party_engine_at_module_level():
 
 
 # inside the package, each layer may import only the layers below it
-LAYERS = {"device": set(), "vps": set(), "routing": {"vps"}, "families": {"vps"}, "models": {"vps", "families"},
+LAYERS = {"device": set(), "runtime_env": set(), "vps": set(), "routing": {"vps"}, "families": {"vps"}, "models": {"vps", "families"},
           "testing": {"vps", "families", "models", "rl"}, "rl": {"vps", "families", "models"},
           "engines": {"vps", "routing", "families", "models", "rl", "compat", "launch", "device"},
           # the reward function's worker processes run rl's rewards

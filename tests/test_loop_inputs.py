@@ -248,20 +248,6 @@ def test_checkpoint_config_names_the_dtype_without_the_deprecated_attribute(tmp_
     assert written["dtype"] == written["torch_dtype"] == "float32"
 
 
-def test_vllm_log_level_is_warning_unless_verbose():
-    from rlhf_switch.compat import set_vllm_env_defaults, set_vllm_log_level
-
-    env: dict = {}
-    set_vllm_env_defaults(env)
-    assert env["VLLM_LOGGING_LEVEL"] == "WARNING"
-    set_vllm_log_level(True, env)
-    set_vllm_env_defaults(env)
-    assert env["VLLM_LOGGING_LEVEL"] == "INFO"
-    env = {"VLLM_LOGGING_LEVEL": "DEBUG"}  # the user's own setting stays
-    set_vllm_log_level(False, env)
-    assert env["VLLM_LOGGING_LEVEL"] == "DEBUG"
-
-
 def test_rays_token_auth_notice_is_dropped_while_the_embedded_instance_starts(caplog):
     import logging
 

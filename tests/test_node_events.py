@@ -5,12 +5,12 @@
   grown cluster makes (layouts scaled along DP), checked by ``requests.checked_request``.
 - The loop's watch (``recipes.elastic_control.watch_nodes``) on plain ``ray.nodes()``-shaped lists: every
   change an ``event`` record, a node added a request in the run's mailbox (or not, and why).
-- A real Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``, 2 CPUs and 2
-  logical GPUs each; slow): GRPO (ZeRO-3 DP2, torch rollout) starts on the head's two devices;
-  the second node is added while iteration 0 trains (from the loop's thread: Ray's
-  ``Cluster.add_node`` installs a signal handler, main thread only); the loop records
-  ``node_added`` before iteration 1, requests 4 devices, builds DP4 during iteration 1 and
-  commits it before iteration 2, and the run finishes on both nodes.
+- Nodes started as an operator starts them (``tests/ray_nodes.py``: ``ray start`` processes with
+  environments of their own, 2 CPUs and 2 logical GPUs each; slow): GRPO (ZeRO-3 DP2, torch
+  rollout) joins the head by the config's ``ray_address`` and starts on its two devices; a second
+  node joins (``ray start --address``) while iteration 0 trains; the loop records ``node_added``
+  before iteration 1, requests 4 devices, builds DP4 during iteration 1 and commits it before
+  iteration 2, and the run finishes on both nodes.
 """
 from __future__ import annotations
 
@@ -143,12 +143,12 @@ def test_the_loop_watch_records_every_change_and_requests_a_resize_for_a_node_ad
 
 @pytest.fixture(scope="module")
 def head_node():
-    """A Ray cluster of one node (2 CPUs, 2 logical GPUs: 2 devices) on this machine, its driver
-    connected; the test adds the second node. Shut down at module end."""
-    from helpers import ray_cluster
+    """One node started as an operator starts it (``ray_nodes.operator_cluster``; 2 CPUs, 2 logical
+    GPUs: 2 devices); the test adds the second. Stopped at module end."""
+    from ray_nodes import operator_cluster
 
-    with ray_cluster(1, cpus=2, gpus=2) as (ray, cluster, _):
-        yield ray, cluster
+    with operator_cluster(1) as nodes:
+        yield nodes
 
 
 @pytest.mark.slow
@@ -159,23 +159,22 @@ def test_a_node_added_during_a_grpo_run_grows_it_dp2_to_dp4(head_node, tmp_path)
     from rlhf_switch.elastic.requests import read_answer
     from helpers import records
 
-    ray, ray_cluster = head_node
+    nodes = head_node
     out = tmp_path / "grow"
-    cfg = _config(out, 2)
+    cfg = {**_config(out, 2), "ray_address": nodes.address}
     cfg["elastic"] = {"on_node_change": "resize"}
-    head = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    seen = {}
 
     def hook(it, phase, cluster):
-        # a node joins while iteration 0 trains (seen at its end). In the loop's own thread:
-        # ray.cluster_utils' add_node installs a SIGTERM handler, which Python allows only there
+        # a node joins while iteration 0 trains (seen at its end, once Ray reports it)
         if it == 0 and phase == "train":
-            ray_cluster.add_node(num_cpus=2, num_gpus=2)
-            ray_cluster.wait_for_nodes()
+            seen["head"] = nodes.node_id(cluster.ray, nodes.head)
+            seen["added"] = nodes.wait_seen(cluster.ray, nodes.add())
 
     recs = run(cfg, quiet=True, phase_hook=hook)
     (added,) = [r for r in recs if r.get("event", {}).get("kind") == "node_added"]
     ev = added["event"]
-    assert added["iteration"] == 1 and ev["node_id"] not in head, ev
+    assert added["iteration"] == 1 and ev["node_id"] == seen["added"] != seen["head"], (ev, seen)
     assert (ev["devices"], ev["cluster_devices"]) == (2, 4) and ev["action"].startswith("resize requested: 4"), ev
     (resize,) = [r for r in recs if "resize" in r]
     r = resize["resize"]

@@ -5,13 +5,15 @@ the devices left — a smaller world, the layouts scaled along DP — when their
   checked as the config is (``requests.scaled_config``: a batch the new DP does not divide, a
   world too small for a buddy, one ``ConfigError``), ``Devices.renumber``, and the loop's node
   watch naming what a recovery did with a lost node's trainers.
-- A real Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``, 2 CPUs and 2
-  logical GPUs each; slow): GRPO ZeRO-3 DP4 with ``redundancy: host`` on all four devices; the
-  second node is removed (its trainers' processes ``kill -9``'d, then ``remove_node``, not
-  graceful: its raylet and the rest killed) as iteration 1's train phase starts. Its placement groups cannot be placed again (the head has no
-  free device), so the loop shrinks to DP2 on the head's two devices, restores the state of
-  iteration 1's refresh from the head ranks' host copies (the buddies were on the other node)
-  bit for bit, runs iteration 1 again and ends at iteration 2 with no checkpoint.
+- Two nodes started as an operator starts them (``tests/ray_nodes.py``: ``ray start`` processes
+  with environments of their own, 2 CPUs and 2 logical GPUs each; slow): GRPO ZeRO-3 DP4 with
+  ``redundancy: host`` joins them by the config's ``ray_address`` and runs on all four devices;
+  the second node goes as a machine does (every process of it — raylet, trainers, the rest —
+  ``kill -9``'d at once) as iteration 1's train phase starts. Its placement groups cannot be
+  placed again (the head has no free device), so the loop shrinks to DP2 on the head's two
+  devices, restores the state of iteration 1's refresh from the head ranks' host copies (the
+  buddies were on the other node) bit for bit, runs iteration 1 again and ends at iteration 2
+  with no checkpoint.
 """
 from __future__ import annotations
 
@@ -90,44 +92,41 @@ def test_the_node_lost_record_says_what_the_recovery_did(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """A Ray cluster of two nodes (2 CPUs, 2 logical GPUs each: 2 devices each) on this machine,
-    its driver connected; yields (ray, the cluster, the second node's handle)."""
-    from helpers import ray_cluster
+    """Two nodes started as an operator starts them (``ray_nodes.operator_cluster``; 2 CPUs, 2
+    logical GPUs each: 2 devices each). Stopped at module end."""
+    from ray_nodes import operator_cluster
 
-    with ray_cluster(2, cpus=2, gpus=2) as (ray, cluster, (second,)):
-        yield ray, cluster, second
+    with operator_cluster(2) as nodes:
+        yield nodes
 
 
 @pytest.mark.slow
 def test_a_node_lost_shrinks_grpo_dp4_to_dp2_on_the_survivors_without_a_checkpoint(two_nodes, tmp_path):
-    import os
-    import signal
-
     from test_elastic import _differences, _gathered
     from helpers import records
 
     from recipes.grpo import run
 
-    ray, ray_cluster, second = two_nodes
-    head = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - {second.node_id}
+    nodes = two_nodes
+    second = nodes.workers[0]
     out = tmp_path / "shrink"
     seen: dict = {}
 
     def remove_in_train(it, phase, cluster):
         if it != 1:
             return
+        ray = cluster.ray
         seen.setdefault("states", []).append(_gathered(ray, cluster.workers))
         if len(seen["states"]) == 1:  # as iteration 1's train phase starts: synced, copied, generated
-            seen["ranks_on_it"] = [r for r, n in enumerate(cluster.rank_nodes()) if second.node_id[:8] in n]
-            # the node goes as a machine does: its trainers' processes with it (kill -9), then its
-            # raylet and the rest; a worker left running would hold its peers in the step's
-            # collective until the gloo timeout (120 s) before they fail
-            pids = ray.get([cluster.workers[r].pid.remote() for r in seen["ranks_on_it"]], timeout=60)
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)
-            ray_cluster.remove_node(second, allow_graceful=False)
+            seen["head"] = nodes.node_id(ray, nodes.head)
+            seen["second"] = nodes.node_id(ray, second)
+            seen["ranks_on_it"] = [r for r, n in enumerate(cluster.rank_nodes()) if seen["second"][:8] in n]
+            # the node goes as a machine does: its raylet, its trainers' processes and the rest at
+            # once (a worker left running would hold its peers in the step's collective until the
+            # gloo timeout, 120 s, before they fail)
+            nodes.kill(second)
 
-    recs = run(_config(out, 4), quiet=True, phase_hook=remove_in_train)
+    recs = run({**_config(out, 4), "ray_address": nodes.address}, quiet=True, phase_hook=remove_in_train)
     assert len(seen["ranks_on_it"]) == 2, seen  # DP4 on both nodes: two ranks each
     (event,) = [r["recovery"] for r in recs if "recovery" in r]
     assert event["kind"] == "trainer_lost" and event["lost_ranks"] == seen["ranks_on_it"], event
@@ -136,7 +135,7 @@ def test_a_node_lost_shrinks_grpo_dp4_to_dp2_on_the_survivors_without_a_checkpoi
     assert "world 2" in event["new"] and "'dp': 2" in event["new"] and "shrunk" in event["new"], event
     assert event["restored_iteration"] == 1 and event["bytes_moved"] > 0
     (lost,) = [r for r in recs if r.get("event", {}).get("kind") == "node_lost"]
-    assert lost["iteration"] == 1 and lost["event"]["node_id"] == second.node_id, lost
+    assert lost["iteration"] == 1 and lost["event"]["node_id"] == seen["second"], lost
     assert lost["event"]["action"].startswith(f"trainer rank(s) {seen['ranks_on_it']} lost with it: recovered "
                                               f"to 2 devices"), lost
     # the state at the re-run's train phase (DP2, restored from the host copies) is the state at
@@ -147,7 +146,7 @@ def test_a_node_lost_shrinks_grpo_dp4_to_dp2_on_the_survivors_without_a_checkpoi
     assert all(r["redundancy_bytes"] > 0 for r in steps)
     assert not (out / "checkpoints").exists()
     where = next(x["channel"]["nodes"] for x in records(out) if "channel" in x)
-    assert len(where["trainers"]) == 2 and {m["node_id"] for m in where["trainers"]} <= head, where
+    assert len(where["trainers"]) == 2 and {m["node_id"] for m in where["trainers"]} == {seen["head"]}, where
     print(f"\nnode lost in iteration 1's train phase: ranks {event['lost_ranks']} lost, DP4 -> DP2 in "
           f"{event['seconds']:.1f} s (detect {event['detect_s']:.1f} of which probe {event['probe_s']:.1f}, build {event['build_s']:.1f}, move "
-          f"{event['move_s']:.2f} s), {event['bytes_moved']} B from the host copies")
+          f"{event['move_s']:.2f} s), {event['bytes_moved']} B")

@@ -142,32 +142,17 @@ def test_grpo_200_iterations_leave_the_actors_flat(tmp_path):
     is at most ``GRPO_RSS_SLOPE`` per iteration. A list in ``HybridWorker.update`` that kept
     1 MiB per iteration (by hand, then removed): median growth +131.4 / +130.6 MiB, slope
     +1037 / +1033 KiB per iteration — failed. (~70 s here.)"""
-    import os
     import threading
 
-    import ray
-
     from recipes.grpo import run
-    from rlhf_switch.compat import set_vllm_env_defaults
-    from helpers import REPO, small
+    from conftest import start_local_ray
+    from helpers import small
 
     cfg = small("grpo_tiny_fsdp.yaml", tmp_path / "run", train={"engine": "fsdp2", "dp": 2},
                 rollout={"engine": "torch", "tp": 2, "dp": 1}, reference={"engine": "fsdp2", "dp": 2})
     cfg["algorithm"]["iterations"] = GRPO_ITERATIONS
     cfg.update(checkpoint={"save_every": 0, "keep": 1}, eval={"every": 0, "num_prompts": 4}, logging=[])
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in paths if p != str(REPO)])
-    set_vllm_env_defaults()
-    saved = {k: os.environ.get(k) for k in ACTOR_MALLOC}
-    os.environ.update(ACTOR_MALLOC)  # the embedded Ray's processes inherit it (read by glibc at their start)
-    try:
-        ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    ray = start_local_ray(**ACTOR_MALLOC)  # in the job's runtime_env: glibc reads it when each actor starts
     samples, stop = [], threading.Event()
     metrics = tmp_path / "run" / "metrics.jsonl"
 

