@@ -55,16 +55,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-<<<<<<< HEAD
-from recipes.cluster import Cluster, start_ray
+from recipes.cluster import Cluster, RolloutEngineFailed, SyncFailed, start_ray
 from recipes.common import (Evaluator, RunFinished, StaleTolerance, StaleWeightsError, draw_extra_prompts,
                             draw_prompts, fault, prune_checkpoints, resolve_resume, sample_seeds, warm_start,
                             write_run_config)
-=======
-from recipes.cluster import Cluster, RolloutEngineFailed, SyncFailed, start_ray
-from recipes.common import (Evaluator, RunFinished, StaleWeightsError, draw_extra_prompts, draw_prompts, fault,
-                            prune_checkpoints, resolve_resume, sample_seeds, warm_start, write_run_config)
->>>>>>> raystart
 from recipes.run_log import MetricsLog, is_iteration_record, plot_run
 
 __all__ = ["run", "main", "StaleWeightsError"]

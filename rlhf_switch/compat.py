@@ -16,14 +16,10 @@ DeepSpeed
     ``cache_deepspeed_cpu_device_count``.
 vLLM
     ``disable_vllm_cpu_prepacking`` (+ ``plain_cpu_linear``, ``restore_vllm_cpu_prepacking``),
-<<<<<<< HEAD
     ``disable_vllm_cpu_moe_prepacking`` (+ ``plain_cpu_moe``), ``apply_vllm_cpu_kernels`` /
     ``vllm_cpu_kernels`` (``VLLM_CPU_KERNELS``: plain or vLLM's own CPU kernels),
-    ``VLLM_ENV`` / ``set_vllm_env_defaults``, ``set_vllm_log_level``, ``vllm_cpu_omp_binding`` /
-=======
-    ``disable_vllm_cpu_moe_prepacking`` (+ ``plain_cpu_moe``),
+    ``quiet_vllm_chat_template_warmup``,
     ``VLLM_ENV`` / ``vllm_env`` / ``set_vllm_env_defaults``, ``vllm_cpu_omp_binding`` /
->>>>>>> raystart
     ``vllm_cpu_omp_threads_bind``, ``vllm_dist_ident``.
 """
 from __future__ import annotations
@@ -348,7 +344,6 @@ def disable_vllm_cpu_moe_prepacking() -> bool:
     return True
 
 
-<<<<<<< HEAD
 # Which CPU kernels a vLLM engine's worker processes run: "plain" (the two patches above: every layer
 # computes from its parameters as loaded) or "vllm" (vLLM's own prepacked kernels and post-load
 # processing, left as they are: engines/vllm_processed.py finds what each layer's kernel reads)
@@ -421,14 +416,10 @@ def quiet_vllm_chat_template_warmup() -> Iterator[None]:
         logger.removeFilter(drop)
 
 
-# vLLM reads these when it starts (the engine and its worker processes inherit them). Drivers set
-# them (unless the user did) before Ray or an engine starts, so every actor/worker inherits them.
-=======
 # vLLM reads these when it starts (in the engine's process and its worker processes). A run's
 # actors get them in the job's Ray runtime_env (rlhf_switch.runtime_env, through
 # VLLMRolloutEngine.process_env: ``vllm_env``), never from the driver's environment; a process that
 # runs an engine itself takes them with ``set_vllm_env_defaults``
->>>>>>> raystart
 VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",             # a local checkpoint directory; nothing to download
     "TRANSFORMERS_OFFLINE": "1",
