@@ -7,7 +7,7 @@ Both runs are the synchronous loop (``off_policy`` removed) with vLLM replicas o
 own (``rollout.mode: disaggregated``), from the same warm start per seed. ``static``: the trainer
 trains on its ``--world`` devices while the replicas' devices wait for the next sync. ``update``:
 each iteration the training state moves into a world over both (twice the ranks, DP scaled) for
-the log-probs and the update, and back before the sync (``recipes/rebalance.py``). ``auto``: only
+the log-probs and the update, and back before the sync (``recipes/elastic/rebalance.py``). ``auto``: only
 in the iterations where that last took less time. ``lend`` (``elastic.lend: rollout``): the other
 way — replicas on the trainer's devices take a share of every rollout; ``lend_auto``: only where
 that last made the rollout shorter. Runs alternate per seed, so a load that comes

@@ -13,7 +13,7 @@ built from it. Each iteration is a fixed sequence of named phases (``Loop.iterat
                 elastic.redundancy: host — the buddies' host copies refreshed; train.offload — the
                 trainer's optimizer state parked in host memory while the rollout runs
     rollout     group_size samples per prompt (then the parked state comes back); elastic.lend: also
-                on replicas lent the trainer's devices (``recipes/rebalance.py``: ``Lending``)
+                on replicas lent the trainer's devices (``recipes/elastic/rebalance.py``: ``Lending``)
     reward      the run's reward function on every sample (in the driver or its reward workers,
                 each call within ``reward_timeout_s``: ``rlhf_switch.reward_workers``); with
                 ``reward.model_path`` also the reward model's score in the workers
@@ -21,7 +21,7 @@ built from it. Each iteration is a fixed sequence of named phases (``Loop.iterat
     advantages  the algorithm's per-sequence advantages (GRPO: group-normalised; PPO: from the
                 critic, inside the update)
     grow        elastic.rebalance: the training state into the grown world over the trainer's and
-                the replicas' devices (``recipes/rebalance.py``), where the next two phases run
+                the replicas' devices (``recipes/elastic/rebalance.py``), where the next two phases run
     logprobs    the trainer's log-probs of the generated tokens (the old policy), the reference's,
                 PPO's values — and the stale-weights check: the trainer's log-probs must equal the
                 rollout engine's within ``--stale-tol``, else ``StaleWeightsError`` before any update
@@ -33,7 +33,7 @@ built from it. Each iteration is a fixed sequence of named phases (``Loop.iterat
     checkpoint  every ``checkpoint.save_every`` iterations
     eval        held-out greedy reward before the first iteration, every ``eval.every`` and at the end
 
-Between iterations ``ElasticControl`` (``recipes/elastic_control.py``) runs the planned resizes,
+Between iterations ``ElasticControl`` (``recipes/elastic/control.py``) runs the planned resizes,
 resize requests and node events, and recovers a lost trainer. At the end the final policy is
 evaluated and saved to ``<output_dir>/final`` (a HF checkpoint transformers and vLLM load, plus the
 optimizer state) and a PNG of reward and time per phase is written.
@@ -164,9 +164,9 @@ class Loop:
         self.out_dir = Path(cfg.output_dir)
         self.records: list[dict] = []
         self.cluster = self.log = self.evaluator = self.reward_runner = None
-        self.rebalance = None  # elastic.rebalance: the grown trainer world (recipes/rebalance.py)
+        self.rebalance = None  # elastic.rebalance: the grown trainer world (recipes/elastic/rebalance.py)
         self.rebalanced: dict | None = None  # this iteration's grow and shrink
-        self.lending = None  # elastic.lend: the trainer's devices lent to the rollout (recipes/rebalance.py)
+        self.lending = None  # elastic.lend: the trainer's devices lent to the rollout (recipes/elastic/rebalance.py)
         self.lend_record: dict | None = None  # this iteration's: whether it lent, why, the rollout's seconds
         self.timings: dict[str, float] = {}
 
@@ -240,13 +240,13 @@ class Loop:
                  f"{built['params']:,} params; {resumed}ready in {time.perf_counter() - t_start:.1f} s")
         self.evaluator = Evaluator(self.cfg, self.splits, self.tok, self.reward_runner, self.max_ctx)
         if self.cfg.elastic is not None and self.cfg.elastic.lend != "off":
-            from recipes.rebalance import Lending
+            from recipes.elastic.lending import Lending
 
             self.lending = Lending(self.cluster, self.cfg.elastic.lend)
             self.say(f"lend {self.cfg.elastic.lend}: {len(self.cluster.lent)} rollout replica(s) on the trainer's "
                      f"devices take a share of the rollout")
         if self.cfg.elastic is not None and self.cfg.elastic.rebalance != "off":
-            from recipes.rebalance import Rebalance
+            from recipes.elastic.rebalance import Rebalance
 
             # built in the background while the first iterations run
             self.rebalance = Rebalance(self.cluster, self.cfg, self.init_dir, self.quiet)
@@ -642,7 +642,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     continues after the checkpoint's iteration up to ``iterations - 1``; a finished run returns
     ``[]`` at once (module docstring). ``verbose``: vLLM's INFO logs too. ``skip_sync_at``,
     ``crash_at``, ``phase_hook``, ``generate_hook``: fault injection for tests (``Faults``)."""
-    from recipes.elastic_control import ElasticControl
+    from recipes.elastic.control import ElasticControl
 
     cfg, iterations = prepare(config_source, iterations, output_dir)
     name = cfg.algorithm.name

@@ -3,7 +3,7 @@
 
 - ``rlhf_switch.elastic.nodes`` (pure): two snapshots of ``ray.nodes()`` compared; the request a
   grown cluster makes (layouts scaled along DP), checked by ``requests.checked_request``.
-- The loop's watch (``recipes.elastic_control.watch_nodes``) on plain ``ray.nodes()``-shaped lists: every
+- The loop's watch (``recipes.elastic.nodes.watch_nodes``) on plain ``ray.nodes()``-shaped lists: every
   change an ``event`` record, a node added a request in the run's mailbox (or not, and why).
 - Nodes started as an operator starts them (``tests/ray_nodes.py``: ``ray start`` processes with
   environments of their own, 2 CPUs and 2 logical GPUs each; slow): GRPO (ZeRO-3 DP2, torch
@@ -100,7 +100,7 @@ class Nodes:
 
 
 def test_the_loop_watch_records_every_change_and_requests_a_resize_for_a_node_added(tmp_path):
-    from recipes.elastic_control import watch_nodes
+    from recipes.elastic.nodes import watch_nodes
     from rlhf_switch.elastic import requests
     from rlhf_switch.rl.config import load_config
 

@@ -70,7 +70,7 @@ def test_devices_renumber_keeps_the_world_on_0_to_n():
 
 
 def test_the_node_lost_record_says_what_the_recovery_did(tmp_path):
-    from recipes.elastic_control import watch_nodes
+    from recipes.elastic.nodes import watch_nodes
     from rlhf_switch.elastic.nodes import snapshot
     from rlhf_switch.rl.config import load_config
     from test_node_events import Nodes, node

@@ -1,4 +1,4 @@
-"""``elastic.rebalance: update`` (``recipes/rebalance.py``): the rollout replicas' devices join the
+"""``elastic.rebalance: update`` (``recipes/elastic/rebalance.py``): the rollout replicas' devices join the
 trainer world for each update — the training state moves into a world twice the size and back
 within every iteration, bit for bit — and the config's refusals."""
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_rebalance_grows_and_shrinks_the_trainer_world_each_iteration_bit_for_bi
 def test_auto_grows_where_it_last_paid_and_measures_the_other_way_again():
     """``rebalance: auto``'s choice (pure): not before the grown world is built; each way measured
     once; then the faster, the other measured again after ``PROBE_EVERY`` iterations."""
-    from recipes.rebalance import PROBE_EVERY, choose
+    from recipes.elastic.rebalance import PROBE_EVERY, choose
 
     assert choose(False, {}, {}, 0) == (False, "the grown world is still building")
     assert choose(True, {"static": 1.0}, {"static": 0}, 1)[0] is True      # grown not measured yet

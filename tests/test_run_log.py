@@ -14,7 +14,7 @@ def _iteration(it: int) -> dict:
 
 def _log(out: Path, events: bool) -> list[dict]:
     """A run log written by ``MetricsLog`` as the loop writes it (the resize record is the one
-    ``recipes.elastic_control.ElasticControl`` writes)."""
+    ``recipes.elastic.control.ElasticControl`` writes)."""
     from recipes.run_log import MetricsLog
 
     log = MetricsLog(out, [])

@@ -585,7 +585,7 @@ class ElasticEntry(Strict):
 
 # the rollout engines an elastic.schedule entry may name: torch resizes with the trainer world (it
 # lives in the trainer's actors); vLLM replicas change their layout (TP × replicas), on the same
-# trainer world or with it (one resize: recipes/resize.py)
+# trainer world or with it (one resize: recipes/elastic/resize.py)
 ELASTIC_ROLLOUT = ("torch", "vllm")
 
 
@@ -603,7 +603,7 @@ class ElasticConfig(Strict):
     on_node_change: Literal["record", "resize"] = "record"
     # update: the rollout replicas' devices (rollout.mode: disaggregated) join the trainer world for
     # the log-probs and the update of every iteration — a second trainer world over both, its layouts
-    # scaled along DP, the state moved into it and back (recipes/rebalance.py); auto: only in the
+    # scaled along DP, the state moved into it and back (recipes/elastic/rebalance.py); auto: only in the
     # iterations where that last took less time than training alone (measured both ways); off: not
     rebalance: Literal["off", "update", "auto"] = "off"
     # the other way — rollout: the trainer's devices (idle while the synchronous loop waits for

@@ -6,7 +6,7 @@ how a demo or test fills the source layout. The only place in ``vps`` that touch
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -60,6 +60,12 @@ def coverage_masks(layout: Layout, rank: int) -> dict[str, torch.Tensor]:
     for f in layout.fragments(rank):
         fragment_view(masks[f.buffer], f).fill_(True)
     return masks
+
+
+def read_fragments(layout: Layout, rank: int, buffers: Mapping[str, torch.Tensor]):
+    """Yield ``(fragment, view)`` for every fragment of ``rank``, reading the live buffers."""
+    for f in layout.fragments(rank):
+        yield f, fragment_view(buffers[f.buffer], f)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

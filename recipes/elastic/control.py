@@ -12,17 +12,17 @@ at four points, and the steps it takes.
                                             # the error raised
 
 What each step moves is ``rlhf_switch.elastic``'s (resize plans, background worlds, host copies,
-recovery) and ``recipes/resize.py``'s (vLLM replicas with the trainer world); this module decides
+recovery) and ``recipes/elastic/resize.py``'s (vLLM replicas with the trainer world); this module decides
 when, records what happened (one run-log record per event) and answers resize requests.
 """
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from recipes.cluster import Cluster
 from recipes.common import resolve_resume, write_run_config
-from recipes.resize import rollout_layout, trainer_layout
+from recipes.elastic.nodes import snapshot_nodes, watch_nodes
+from recipes.elastic.resize import rollout_layout, trainer_layout
 
 NO_COPY = {"bytes": 0, "seconds": 0.0}
 
@@ -151,7 +151,7 @@ class ElasticControl:
                 pending = cluster.start_replicas(new, init_dir)
                 pending.started_at, pending.config = it, new
                 return pending
-            from recipes.resize import start_combined_resize
+            from recipes.elastic.resize import start_combined_resize
 
             return start_combined_resize(self.ray, cluster, new, self.devices, init_dir, it)
         plan = ResizePlan(tuple(range(cluster.world)), tuple(range(new.world_size)))
@@ -169,7 +169,7 @@ class ElasticControl:
 
         cluster = self.loop.cluster
         if not cluster.in_world:
-            from recipes.resize import PendingCombined
+            from recipes.elastic.resize import PendingCombined
 
             if isinstance(pending, PendingCombined):
                 return self._commit_combined_resize(pending, it, request)
@@ -209,8 +209,8 @@ class ElasticControl:
 
     def _commit_combined_resize(self, pending, it: int, request) -> dict:
         """Before iteration ``it``: the new trainer world and its new vLLM replicas take over in one
-        stop-the-world (``recipes/resize.py``); either side not built: both abandoned, one message."""
-        from recipes.resize import commit_combined_resize
+        stop-the-world (``recipes/elastic/resize.py``); either side not built: both abandoned, one message."""
+        from recipes.elastic.resize import commit_combined_resize
 
         event = commit_combined_resize(self.ray, self.loop.cluster, pending, self.devices, it)
         if request is not None:
@@ -386,64 +386,3 @@ class ElasticControl:
             self.loop.cluster.shutdown(graceful=graceful)
         if self.devices is not None:
             self.devices.release_all()
-
-
-def snapshot_nodes(ray) -> dict:
-    from rlhf_switch.elastic.nodes import snapshot
-
-    return snapshot(ray.nodes())
-
-
-def watch_nodes(out_dir: Path, cfg, seen: dict, ray, it: int, say, recovered: list[dict] = ()) -> tuple[dict, list[dict]]:
-    """At the boundary before iteration ``it``: Ray's nodes compared with ``seen``; every node
-    added or lost is an ``event`` record. With ``elastic.on_node_change: resize`` a node added is
-    also a resize request to every device now available (layouts scaled along DP), written to the
-    run's mailbox as ``requests.request_resize`` writes one: the controller checks it right after,
-    as any request (refused with the config's messages, or a schedule entry at ``it + 1``). A node
-    lost took its trainers with it: its record says what the recovery since the last watch
-    (``recovered``, the recovery events naming the node) did with them. Returns the new snapshot
-    and the records."""
-    from rlhf_switch.elastic import nodes
-
-    now = nodes.snapshot(ray.nodes())
-    changes = nodes.node_changes(seen, now)
-    if not changes:
-        return now, []
-    before, total = nodes.cluster_devices(seen), nodes.cluster_devices(now)
-    notes = []
-    for c in changes:
-        ev = {"kind": c.kind, "node_id": c.node_id, "devices": c.devices, "gpus": c.gpus, "cpus": c.cpus,
-              "cluster_devices": total, "old": f"{before} devices", "new": f"{total} devices"}
-        if c.kind == "node_lost":
-            done = [r for r in recovered if any(c.node_id[:8] in n.split()[-1] for n in r.get("lost_nodes", ()))]
-            if done:  # rank_nodes names a node "address id[:8]"
-                ev["action"] = f"trainer rank(s) {done[-1]['lost_ranks']} lost with it: {done[-1]['action']}"
-            else:
-                ev["action"] = "recorded (a lost trainer is elastic.redundancy: host's job)"
-        notes.append({"iteration": it, "event": ev})
-        say(f"{c.kind.replace('_', ' ')} before iteration {it}: {c.node_id[:12]} ({c.devices} devices); "
-            f"the cluster has {total} devices")
-    added = [n for n in notes if n["event"]["kind"] == "node_added"]
-    if added:
-        _answer_node_added(added[-1]["event"], out_dir, cfg, it, total)
-    return now, notes
-
-
-def _answer_node_added(ev: dict, out_dir: Path, cfg, it: int, total: int) -> None:
-    """``ev``'s action for a node added: recorded, or a resize request to all ``total`` devices."""
-    from rlhf_switch.elastic import ResizeError, nodes, requests
-
-    target = cfg.at_iteration(it + 1)  # the world in force after this boundary (a due entry included)
-    if cfg.elastic.on_node_change != "resize":
-        ev["action"] = "recorded (elastic.on_node_change: record)"
-    elif total <= target.world_size:
-        ev["action"] = f"no resize: the run already uses {target.world_size} devices"
-    else:
-        dumped = {k: (getattr(target, k).model_dump() if getattr(target, k) is not None else None)
-                  for k in ("train", "rollout", "reference")}
-        try:
-            rid = requests.request_resize(out_dir, reason="node_added", **nodes.grown_request(dumped, total))
-            ev["action"] = f"resize requested: {total} devices (request {rid})"
-            ev["request"] = rid
-        except ResizeError as e:  # another request waits in the mailbox: that one goes first
-            ev["action"] = f"no resize: {e}"
