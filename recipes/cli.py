@@ -33,7 +33,7 @@ def parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser and its ``train`` sub-parser."""
     from recipes import rm as rm_recipe
     from recipes import tune as tune_recipe
-    from recipes.loop import add_arguments
+    from recipes.train import add_arguments
 
     ap = argparse.ArgumentParser(prog="rlhf-switch", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands")
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from recipes.loop import run_args
+    from recipes.train import run_args
 
     return run_args(a, algorithm)
 

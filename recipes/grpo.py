@@ -1,10 +1,10 @@
 """GRPO: ``python -m recipes.grpo CONFIG [options]`` (the same as ``rlhf-switch train CONFIG`` for a
-GRPO config). The loop is ``recipes.loop``: see its docstring for the phases and options."""
+GRPO config). The recipe is ``recipes.train``: see its docstring for the options, ``recipes.loop`` for the phases."""
 from __future__ import annotations
 
 import sys
 
-from recipes.loop import StaleWeightsError, main as _main, run as _run
+from recipes.train import StaleWeightsError, main as _main, run as _run
 
 __all__ = ["run", "main", "StaleWeightsError"]
 

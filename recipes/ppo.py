@@ -1,10 +1,10 @@
 """PPO (with a critic): ``python -m recipes.ppo CONFIG [options]`` (the same as ``rlhf-switch train CONFIG`` for a
-PPO config). The loop is ``recipes.loop``: see its docstring for the phases and options."""
+PPO config). The recipe is ``recipes.train``: see its docstring for the options, ``recipes.loop`` for the phases."""
 from __future__ import annotations
 
 import sys
 
-from recipes.loop import StaleWeightsError, main as _main, run as _run
+from recipes.train import StaleWeightsError, main as _main, run as _run
 
 __all__ = ["run", "main", "StaleWeightsError"]
 

@@ -255,7 +255,7 @@ def test_each_kind_of_estimator_and_loss_runs_the_loop(ray_session, tmp_path):
     import shutil
 
     from recipes.common import warm_start
-    from recipes.loop import run
+    from recipes.train import run
 
     init = warm_start(config("grpo"), tmp_path / "init", quiet=True)
     for name in ("rloo", "reinforce_pp", "gspo", "dapo"):

@@ -332,7 +332,7 @@ def small_vocab_model(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name, change, expected", BAD_DATA, ids=[r[0] for r in BAD_DATA])
 def test_bad_data_input_exits_2_before_ray(name, change, expected, model_dir, small_vocab_model, tmp_path,
                                            capsys, monkeypatch):
-    import recipes.loop as loop
+    import recipes.train as loop
 
     def no_ray(*a, **k):
         raise AssertionError("Ray was started for a bad input")
@@ -357,7 +357,7 @@ def test_gpu_recipes_pass_every_check_before_ray(name, model_type, tmp_path):
     the loop makes before Ray — layouts against its world, engines against its family, batch
     sizes, data keys — with a tiny random model of its family and the shipped GSM8K-format files
     (GSM8K's own keys) in place of the user's copies."""
-    from recipes.loop import prepare
+    from recipes.train import prepare
     from rlhf_switch.testing.tiny_models import build_model_dir
 
     cfg = yaml.safe_load((REPO / "configs" / name).read_text())

@@ -129,3 +129,19 @@ def test_the_documentation_site_builds_strictly(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"mkdocs build --strict failed:\n{out.stdout}\n{out.stderr}"
     assert (tmp_path / "site" / "index.html").exists()
+
+
+def test_the_phase_list_is_the_codes():
+    """docs/loop.md's "One iteration" list and the loop's docstring name the phases of
+    ``recipes.loop.PHASES``, in its order."""
+    import re
+
+    from recipes.loop import PHASES
+    from recipes.loop import loop as loop_module
+
+    text = (REPO / "docs" / "loop.md").read_text()
+    section = text[text.index("## One iteration"):text.index("How the loop is built")]
+    assert tuple(re.findall(r"^\d+\. `(\w+)`", section, re.M)) == PHASES
+    doc = loop_module.__doc__
+    listed = re.findall(r"^    (\w+)\s", doc[doc.index("The phases of one iteration"):doc.index("Between iterations")], re.M)
+    assert tuple(listed) == PHASES

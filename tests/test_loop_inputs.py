@@ -76,7 +76,7 @@ def test_a_prompt_longer_than_the_context(tmp_path, capsys):
 
 
 def test_what_the_loop_does_not_run_is_refused_up_front():
-    from recipes.loop import prepare
+    from recipes.train import prepare
     from rlhf_switch.rl.config import ConfigError
 
     # every phase's engine is asked, through the registry, whether it runs its layout
@@ -182,7 +182,7 @@ def _checkpoint(path: Path, iteration: int, critic: bool = False) -> Path:
 
 
 def test_resume_of_a_finished_run_says_so_without_starting_ray(tmp_path, capsys, monkeypatch):
-    import recipes.loop as loop
+    import recipes.train as loop
     from recipes.cli import main
 
     def must_not_run(*a, **k):

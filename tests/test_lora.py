@@ -260,7 +260,7 @@ def test_lora_grpo_loop_syncs_adapters_and_passes_the_stale_check(ray_session, t
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from recipes.loop import run
+    from recipes.train import run
 
     cfg = yaml.safe_load((REPO / "configs" / "grpo_tiny_lora.yaml").read_text())
     cfg.update(output_dir=str(tmp_path), tensorboard=False)

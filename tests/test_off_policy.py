@@ -68,7 +68,7 @@ def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(ray_session, tmp_pa
     from safetensors.torch import load_file
 
     from recipes.common import warm_start
-    from recipes.loop import run
+    from recipes.train import run
 
     init = warm_start(load_config(tiny()), tmp_path / "init", quiet=True)
     outs = {}
@@ -98,7 +98,7 @@ def test_one_step_off_policy_with_disaggregated_vllm_replicas(ray_session, tmp_p
     generated again by the other (with the same weights' version), the channel is formed again over
     it and the run finishes. A weight sync that does not happen is caught as a version two behind."""
     from recipes.common import warm_start
-    from recipes.loop import StaleWeightsError, run
+    from recipes.train import StaleWeightsError, run
 
     cfg = tiny("grpo_tiny_async.yaml", **{"eval.num_prompts": 16})
     init = warm_start(load_config(cfg), tmp_path / "init", quiet=True)
@@ -143,7 +143,7 @@ def test_a_replica_lost_while_standing_by_is_dropped_and_the_sync_refills_the_ot
     run again: the replica left generates iteration 1's whole batch with the trainer's weights —
     the stale-weights check compares every sample's log-probs with the trainer's."""
     from recipes.common import warm_start
-    from recipes.loop import run
+    from recipes.train import run
 
     cfg = tiny("grpo_tiny_async.yaml", output_dir=str(tmp_path / "run"),
                **{"eval.num_prompts": 16, "algorithm.off_policy": {"max_staleness": 0}})
@@ -182,7 +182,7 @@ def test_partial_rollout_continues_interrupted_samples_with_the_new_weights(ray_
     import time
 
     from recipes.common import warm_start
-    from recipes.loop import run
+    from recipes.train import run
 
     cfg = tiny("grpo_tiny_async.yaml", world_size=1, output_dir=str(tmp_path / "run"),
                **{"train.dp": 1, "reference.dp": 1, "rollout.dp": 1, "eval.num_prompts": 16,

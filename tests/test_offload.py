@@ -118,7 +118,7 @@ def test_grpo_with_offload_is_bit_identical_to_none(ray_session, tmp_path):
 def test_offload_is_refused_before_ray_for_engines_without_it(tmp_path):
     import yaml
 
-    from recipes.loop import main, prepare
+    from recipes.train import main, prepare
     from rlhf_switch.rl.config import ConfigError
 
     cfg = _loop_config(tmp_path, "optimizer")

@@ -70,7 +70,7 @@ def test_rebalance_grows_and_shrinks_the_trainer_world_each_iteration_bit_for_bi
     step, LR schedule, RNG), and the replica fed from the trainer's own world after the move back
     generates with the weights the grown world trained (the stale check)."""
     from recipes.common import warm_start
-    from recipes.loop import run
+    from recipes.train import run
     from test_elastic import _gathered
 
     cfg = tiny("grpo_tiny_async.yaml", world_size=1, output_dir=str(tmp_path / "run"),
@@ -134,7 +134,7 @@ def test_auto_moves_devices_each_way_where_it_last_paid(ray_session, tmp_path):
     import time
 
     from recipes.common import warm_start
-    from recipes.loop import run
+    from recipes.train import run
 
     cfg = tiny("grpo_tiny_async.yaml", world_size=1, output_dir=str(tmp_path / "run"),
                **{"train.dp": 1, "reference.dp": 1, "rollout.dp": 1, "eval.num_prompts": 16,

@@ -1,19 +1,22 @@
-"""Elastic control between the loop's iterations: one controller (``ElasticControl``) the loop calls
-at four points, and the steps it takes.
+"""Elastic control between the loop's iterations: one controller (``ElasticControl``) the recipe
+calls at four points, and the steps it takes.
 
-    elastic = ElasticControl(loop)
-    loop.build(..., elastic.acquire(ray))   # the run's devices, when anything elastic may move them
-    elastic.between_iterations(it)          # a due resize committed (stop-the-world), Ray's node
-                                            # events recorded, a resize request taken, the next
-                                            # resize's world started in the background
-    elastic.refresh_host_copy(it)           # in the sync phase (elastic.redundancy: host)
-    it = elastic.recover(error, it)         # an iteration failed: a lost trainer restored from the
-                                            # buddies' host copies (or the newest checkpoint), or
-                                            # the error raised
+    elastic = ElasticControl(state)            # the run's RunState (recipes.loop.loop), shared with the loop
+    cluster = Cluster(..., elastic.acquire(ray))  # the run's devices, when anything elastic may move them
+    elastic.between_iterations(it)             # a due resize committed (stop-the-world), Ray's node
+                                               # events recorded, a resize request taken, the next
+                                               # resize's world started in the background
+    elastic.refresh_host_copy(it)              # in the sync phase (elastic.redundancy: host)
+    it = elastic.recover(error, it)            # an iteration failed: a lost trainer restored from the
+                                               # buddies' host copies (or the newest checkpoint), or
+                                               # the error raised
 
-What each step moves is ``rlhf_switch.elastic``'s (resize plans, background worlds, host copies,
-recovery) and ``recipes/elastic/resize.py``'s (vLLM replicas with the trainer world); this module decides
-when, records what happened (one run-log record per event) and answers resize requests.
+It reaches the run only through that state — the config in force and the cluster (which a resize
+or a recovery replaces), where the run writes, ``emit``, ``say``, ``hook`` and ``drop_rerun`` —,
+never the loop. What each step moves is ``rlhf_switch.elastic``'s (resize plans, background
+worlds, host copies, recovery) and ``recipes.elastic.resize``'s (vLLM replicas with the trainer
+world); this module decides when, records what happened (one run-log record per event) and answers
+resize requests.
 """
 from __future__ import annotations
 
@@ -24,19 +27,19 @@ from recipes.common import resolve_resume, write_run_config
 from recipes.elastic.nodes import snapshot_nodes, watch_nodes
 from recipes.elastic.resize import rollout_layout, trainer_layout
 
-NO_COPY = {"bytes": 0, "seconds": 0.0}
+NO_COPY = {"bytes": 0, "seconds": 0.0}  # elastic.redundancy: none — nothing refreshed
 
 
 class ElasticControl:
     """The loop's elastic state: the schedule still ahead, the world being built for the next
     resize (``pending``), the resize requests accepted, Ray's nodes as last seen and the iteration
-    of the last host-copy refresh. Changes ``loop.cluster`` and ``loop.cfg`` where a resize or a
+    of the last host-copy refresh. Changes ``state.cluster`` and ``state.cfg`` where a resize or a
     recovery changes the world."""
 
-    def __init__(self, loop):
-        cfg = loop.cfg
-        self.loop, self.elastic = loop, cfg.elastic
-        self.schedule = [e for e in (cfg.elastic.schedule if cfg.elastic else []) if loop.first < e.iteration <= loop.last]
+    def __init__(self, state):
+        cfg = state.cfg
+        self.state, self.elastic = state, cfg.elastic
+        self.schedule = [e for e in (cfg.elastic.schedule if cfg.elastic else []) if state.first < e.iteration <= state.last]
         self.redundancy = cfg.elastic.redundancy if cfg.elastic else "none"
         self.ray = self.devices = self.pending = self.nodes_seen = None
         self.requested: dict[int, dict] = {}  # iteration -> the resize request that scheduled it
@@ -45,7 +48,7 @@ class ElasticControl:
 
     def most_devices(self) -> int:
         """The most devices any world of the run uses (Ray is started for them)."""
-        now = self.loop.cfg.at_iteration(self.loop.first)
+        now = self.state.cfg.at_iteration(self.state.first)
         return max([now.world_size] + [e.world_size for e in self.schedule])
 
     def acquire(self, ray):
@@ -53,12 +56,12 @@ class ElasticControl:
         resize requests (torch rollout or colocated vLLM replicas), a lost trainer's replacement."""
         from rlhf_switch.elastic.manager import Devices
 
-        cfg, self.ray = self.loop.cfg, ray
+        cfg, self.ray = self.state.cfg, ray
         if cfg.elastic is not None and (cfg.elastic.schedule or cfg.rollout.engine == "torch"
                                         or (cfg.rollout.engine == "vllm" and cfg.rollout.colocate)
                                         or self.redundancy == "host"):
             self.devices = Devices(ray)
-            self.devices.acquire(range(cfg.at_iteration(self.loop.first).world_size))
+            self.devices.acquire(range(cfg.at_iteration(self.state.first).world_size))
         return self.devices
 
     def started(self) -> None:
@@ -70,28 +73,28 @@ class ElasticControl:
     def between_iterations(self, it: int) -> None:
         """Before iteration ``it``: the resize due now, node events, a resize request, and the
         background build of the next resize (started one iteration ahead)."""
-        loop, hook = self.loop, self.loop.faults.hook
+        state = self.state
         if self.schedule and self.schedule[0].iteration == it:  # the resize due now: stop-the-world
-            hook(it, "before_resize", loop.cluster)
+            state.hook(it, "before_resize")
             if self.pending is None:  # its build abandoned for a recovery that restored this iteration
                 self.pending = self._start_resize(self.schedule[0], it)
             rec = self._commit_resize(self.pending, self.schedule.pop(0), it, self.requested.pop(it, None))
-            hook(it, "after_resize", loop.cluster)
+            state.hook(it, "after_resize")
             self.pending = None
-            loop.emit(rec, it)
+            state.emit(rec, it)
             if "abandoned" not in rec["resize"]:
                 # the new world's actors hold no host copies until its first refresh (this
                 # iteration's, after the sync): a loss before it falls back to the checkpoint
                 self.refreshed_at = None
         if self.elastic is not None:
-            self.nodes_seen, notes = watch_nodes(loop.out_dir, loop.cfg, self.nodes_seen, self.ray, it, loop.say,
+            self.nodes_seen, notes = watch_nodes(state.out_dir, state.cfg, self.nodes_seen, self.ray, it, state.say,
                                                  self.recovered)
             self.recovered = []
             for note in notes:
-                loop.emit(note, it)
+                state.emit(note, it)
             note = self._take_request(it)
             if note is not None:
-                loop.emit(note, it)
+                state.emit(note, it)
         if self.schedule and self.pending is None and self.schedule[0].iteration - 1 <= it:
             self.pending = self._start_resize(self.schedule[0], it)
 
@@ -99,7 +102,7 @@ class ElasticControl:
         """``elastic.redundancy: host``: the trainer's state as of now kept by a buddy rank."""
         if self.redundancy != "host":
             return NO_COPY
-        copied = self.loop.cluster.refresh_host_copy({"iteration": it})
+        copied = self.state.cluster.refresh_host_copy({"iteration": it})
         self.refreshed_at = it
         return copied
 
@@ -111,8 +114,8 @@ class ElasticControl:
         from rlhf_switch.elastic import requests
         from rlhf_switch.rl.config import ConfigError
 
-        loop = self.loop
-        req = requests.take_request(loop.out_dir)
+        state = self.state
+        req = requests.take_request(state.out_dir)
         if req is None:
             return None
         held = None
@@ -120,19 +123,19 @@ class ElasticControl:
             res = self.ray.cluster_resources()
             held = int(min(res.get("GPU", 0), res.get("CPU", 0)))
         try:
-            new, entry = requests.checked_request(loop.cfg, req, it + 1, loop.last, held)
+            new, entry = requests.checked_request(state.cfg, req, it + 1, state.last, held)
         except ConfigError as e:
-            requests.answer(loop.out_dir, req, "refused", str(e), problems=e.problems, iteration=it)
-            loop.say(str(e))
+            requests.answer(state.out_dir, req, "refused", str(e), problems=e.problems, iteration=it)
+            state.say(str(e))
             return {"iteration": it, "event": {"kind": "request_refused", "request": req, "problems": e.problems}}
         self.schedule.append(entry)
         self.schedule.sort(key=lambda e: e.iteration)
         self.requested[entry.iteration] = req
-        loop.cfg = new
-        write_run_config(loop.out_dir, new)  # the accepted entry in the run's config.yaml: a resume resizes too
-        requests.answer(loop.out_dir, req, "accepted", f"resize to {entry.world_size} devices before iteration "
+        state.cfg = new
+        write_run_config(state.out_dir, new)  # the accepted entry in the run's config.yaml: a resume resizes too
+        requests.answer(state.out_dir, req, "accepted", f"resize to {entry.world_size} devices before iteration "
                         f"{entry.iteration}; the new world is built during iteration {it}", iteration=entry.iteration)
-        loop.say(f"resize request {req.get('id')} accepted: {entry.world_size} devices before iteration "
+        state.say(f"resize request {req.get('id')} accepted: {entry.world_size} devices before iteration "
                  f"{entry.iteration}")
         return None
 
@@ -144,8 +147,8 @@ class ElasticControl:
         from rlhf_switch.elastic import ResizePlan
         from rlhf_switch.elastic.manager import start_world
 
-        cluster, init_dir = self.loop.cluster, self.loop.init_dir
-        new = self.loop.cfg.at_iteration(entry.iteration)
+        cluster, init_dir = self.state.cluster, self.state.init_dir
+        new = self.state.cfg.at_iteration(entry.iteration)
         if not cluster.in_world:  # vLLM replicas: their layout, or the trainer world with them
             if (new.world_size, new.train, new.reference) == (cluster.world, cluster.cfg.train, cluster.cfg.reference):
                 pending = cluster.start_replicas(new, init_dir)
@@ -167,7 +170,7 @@ class ElasticControl:
         ``request``: the resize request this entry came from, answered here."""
         from rlhf_switch.elastic import ResizeError
 
-        cluster = self.loop.cluster
+        cluster = self.state.cluster
         if not cluster.in_world:
             from recipes.elastic.resize import PendingCombined
 
@@ -196,7 +199,7 @@ class ElasticControl:
         weight channel re-formed over the trainer ranks and them, one sync fills them, the old
         ones shut down). New replicas that cannot be taken: abandoned with one message, the old
         ones generate on."""
-        cluster = self.loop.cluster
+        cluster = self.state.cluster
         old = rollout_layout(cluster.cfg)
         try:
             swap = cluster.swap_replicas()
@@ -212,7 +215,7 @@ class ElasticControl:
         stop-the-world (``recipes/elastic/resize.py``); either side not built: both abandoned, one message."""
         from recipes.elastic.resize import commit_combined_resize
 
-        event = commit_combined_resize(self.ray, self.loop.cluster, pending, self.devices, it)
+        event = commit_combined_resize(self.ray, self.state.cluster, pending, self.devices, it)
         if request is not None:
             event["kind"] = "requested"
             if request.get("reason"):
@@ -228,9 +231,9 @@ class ElasticControl:
         it came from one) answered ``abandoned``, and its record (``event``: what is known of it)."""
         from rlhf_switch.elastic import requests
 
-        self.loop.say(f"{part}resize before iteration {it} abandoned: {why}")
+        self.state.say(f"{part}resize before iteration {it} abandoned: {why}")
         if request is not None:
-            requests.answer(self.loop.out_dir, request, "abandoned", why, iteration=it)
+            requests.answer(self.state.out_dir, request, "abandoned", why, iteration=it)
         return {"iteration": it, "resize": {"kind": "requested" if request else "planned", **(event or {}),
                                             "abandoned": why}}
 
@@ -242,9 +245,9 @@ class ElasticControl:
 
         old, new = event["old"], event["new"]
         if request is not None:
-            requests.answer(self.loop.out_dir, request, "done", f"{part}resized before iteration {it}: {old} -> {new}",
+            requests.answer(self.state.out_dir, request, "done", f"{part}resized before iteration {it}: {old} -> {new}",
                             iteration=it, event=event)
-        self.loop.say(f"{part}resized before iteration {it}: {old} -> {new}; {built} "
+        self.state.say(f"{part}resized before iteration {it}: {old} -> {new}; {built} "
                       f"({event['iterations_during_build']} iteration(s) meanwhile, {event['waited_for_build_s']:.1f} s "
                       f"waited), stop-the-world {event['stop_the_world_s']:.2f} s{moved}, {event['bytes_moved']} B moved")
         return {"iteration": it, "resize": event, "resize_stop_the_world_s": event["stop_the_world_s"],
@@ -258,17 +261,17 @@ class ElasticControl:
         to run again. Anything else: ``error`` is raised."""
         if self.redundancy != "host":
             raise error
-        loop = self.loop
-        failed_at, world = time.perf_counter(), loop.cluster.world
+        state = self.state
+        failed_at, world = time.perf_counter(), state.cluster.world
         if self.pending is not None:  # the next resize's new world, being built: it goes first
-            loop.emit(self._abandon_build(self.schedule[0], error, it), it)
+            state.emit(self._abandon_build(self.schedule[0], error, it), it)
         it, rec = self._recover_trainer(error, failed_at)
         self.refreshed_at = None  # the recovered world's actors hold no host copies until its first refresh
-        if loop.cluster.world < world:  # shrunk to the devices left: the resizes that need more are dropped
-            for note in self._drop_entries(loop.cluster.world, it):
-                loop.emit(note, it)
-        loop.drop_rerun(it)
-        loop.emit(rec, it)
+        if state.cluster.world < world:  # shrunk to the devices left: the resizes that need more are dropped
+            for note in self._drop_entries(state.cluster.world, it):
+                state.emit(note, it)
+        state.drop_rerun(it)
+        state.emit(rec, it)
         self.recovered.append(rec["recovery"])
         return it
 
@@ -308,13 +311,13 @@ class ElasticControl:
         from rlhf_switch.elastic.recovery import StateLost, WorldLost, lost_ranks, recover
         from rlhf_switch.elastic.requests import scaled_config
 
-        loop, cluster = self.loop, self.loop.cluster
+        state, cluster = self.state, self.state.cluster
         probe_s = time.perf_counter()
         lost = lost_ranks(self.ray, cluster.workers)
         probe_s = time.perf_counter() - probe_s
         if not lost:
             raise error
-        loop.say(f"trainer rank(s) {lost} lost ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+        state.say(f"trainer rank(s) {lost} lost ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
         old, old_cfg, where = trainer_layout(cluster.cfg), cluster.cfg, cluster.rank_nodes()
         smaller = {}
 
@@ -327,7 +330,7 @@ class ElasticControl:
                 raise StateLost("the trainer was lost before its state was first copied to the buddies", lost, lost)
             rec = recover(self.ray, remote_class(num_cpus=0.5, num_gpus=0.5), old_cfg.model_dump(), self.devices,
                           range(cluster.world), cluster.workers, lost, shift=cluster.buddy_shift,
-                          init_dir=str(loop.init_dir), device=cluster.device, failed_at=failed_at,
+                          init_dir=str(state.init_dir), device=cluster.device, failed_at=failed_at,
                           config_for=config_for)
         except (StateLost, WorldLost) as e:
             return self._fall_back_to_checkpoint(e, failed_at)
@@ -344,7 +347,7 @@ class ElasticControl:
         event.update(restored_iteration=restored, lost_nodes=sorted({where[r] for r in rec.lost}), probe_s=probe_s,
                      action=f"recovered to {new_cfg.world_size} devices from the host copies" +
                             (" (a smaller world)" if rec.devices_gone else ""))
-        loop.say(f"recovered without a checkpoint in {rec.seconds:.1f} s onto {trainer_layout(new_cfg)} ({how}; "
+        state.say(f"recovered without a checkpoint in {rec.seconds:.1f} s onto {trainer_layout(new_cfg)} ({how}; "
                  f"build {rec.build_s:.1f} s, move {rec.move_s:.2f} s, {rec.bytes_moved} B from the survivors' host "
                  f"copies); iteration {restored} runs again")
         return restored, {"iteration": restored, "recovery": event, "recovery_seconds": rec.seconds}
@@ -355,23 +358,23 @@ class ElasticControl:
         (none, or the run's devices not all placed: a clear error)."""
         from rlhf_switch.elastic.recovery import WorldLost
 
-        loop = self.loop
+        state = self.state
         try:
-            ckpt, at = resolve_resume(True, loop.out_dir, loop.iterations)
+            ckpt, at = resolve_resume(True, state.out_dir, state.iterations)
         except FileNotFoundError:
             raise RuntimeError(f"trainer lost and not recoverable: {lost}; and the run has no checkpoint to fall "
                                f"back to (checkpoint.save_every)") from lost
-        cfg = loop.cluster.cfg
+        cfg = state.cluster.cfg
         missing = sorted(set(range(cfg.world_size)) - set(self.devices.placed(range(cfg.world_size))))
         if missing:  # a lost node's devices: the checkpoint needs the run's whole world back
             raise RuntimeError(f"trainer lost and not recoverable: {lost}; and devices {missing} of the run's "
                                f"{cfg.world_size} are not placed any more, so the checkpoint {ckpt} has no world "
                                f"to load into") from lost
-        loop.say(f"{lost}: falling back to the newest checkpoint {ckpt} (iteration {at}); iteration {at + 1} "
+        state.say(f"{lost}: falling back to the newest checkpoint {ckpt} (iteration {at}); iteration {at + 1} "
                  f"runs again")
-        loop.cluster.shutdown(graceful=False)
-        loop.cluster = Cluster(cfg, self.ray, loop.quiet, devices=self.devices.slots(range(cfg.world_size)))
-        loop.cluster.build(loop.init_dir, ckpt)
+        state.cluster.shutdown(graceful=False)
+        state.cluster = Cluster(cfg, self.ray, state.quiet, devices=self.devices.slots(range(cfg.world_size)))
+        state.cluster.build(state.init_dir, ckpt)
         event = {"kind": "trainer_lost", "lost_ranks": lost.lost, "unrecoverable": lost.unrecoverable,
                  **({"devices_gone": lost.devices_gone} if isinstance(lost, WorldLost) else {}),
                  "fell_back_to": str(ckpt), "restored_iteration": at + 1, "seconds": time.perf_counter() - failed_at}
@@ -382,7 +385,7 @@ class ElasticControl:
         """A build still running abandoned, the run's actors stopped, its devices released."""
         if self.pending is not None:
             self.pending.abandon()
-        if self.loop.cluster is not None:
-            self.loop.cluster.shutdown(graceful=graceful)
+        if self.state.cluster is not None:
+            self.state.cluster.shutdown(graceful=graceful)
         if self.devices is not None:
             self.devices.release_all()

@@ -59,13 +59,29 @@ def loss_weight(mask: torch.Tensor, aggregation: Aggregation) -> torch.Tensor:
     return mask.sum() if aggregation == "token-mean" else (mask.sum(-1) > 0).sum().float()
 
 
+def per_token(prompts: Sequence[Sequence[int]], values: Sequence[Sequence[Any]], like: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-response-token ``values`` (one list per sequence) on the ``[B, T-1]`` grid of
+    ``pad_batch``'s mask (``like``): sequence ``b``'s token ``t`` at column ``len(prompt)-1+t``, 0
+    elsewhere."""
+    out = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    for b, vals in enumerate(values):
+        p = len(prompts[b])
+        out[b, p - 1: p - 1 + len(vals)] = torch.tensor(list(vals), dtype=dtype)
+    return out
+
+
 def mini_batch_totals(prompts: Sequence, responses: Sequence, pad_id: int, dp: int, local_mini: int,
-                      aggregation: Aggregation, keep: Sequence[float] | None = None) -> torch.Tensor:
+                      aggregation: Aggregation, keep: Sequence[float] | None = None,
+                      loss_mask: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """Each mini-batch's weight over all ``dp`` ranks (``loss_weight`` of every rank's rows of it,
     summed in float64), from the whole batch every rank is given: the integer counts an
     all-reduce of each rank's own totals would sum — exact in any order — without the collective.
-    Rank ``r`` holds rows ``[r·per, (r+1)·per)``."""
+    Rank ``r`` holds rows ``[r·per, (r+1)·per)``. ``loss_mask``: per response token, 0 where the
+    loss does not count it (an environment's tokens); ``keep``: per sequence."""
     mask = pad_batch(prompts, responses, pad_id)[2]  # a row's mask does not depend on the padding
+    if loss_mask is not None:
+        mask = mask * per_token(prompts, loss_mask, mask)
     if keep is not None:
         mask = mask * torch.tensor(keep, dtype=torch.float32)[:, None]
     per = len(prompts) // dp
@@ -82,12 +98,12 @@ class RankBatch:
     overlong filtering) takes a sequence out of the loss, not out of the stale-weights check."""
 
     ids: torch.Tensor
-    mask: torch.Tensor                # the tokens the loss counts: the response's, less any masked sequence
+    mask: torch.Tensor                # the tokens the loss counts: the model's in the response, less any masked sequence
     rollout_logprobs: torch.Tensor
     totals: torch.Tensor
     local_mini: int
     micro: int
-    response_mask: torch.Tensor | None = None  # every generated token
+    response_mask: torch.Tensor | None = None  # every token the model generated
     advantages: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     fresh: torch.Tensor | None = None  # [b, T] bool: tokens generated with the trainer's own weights (None: all)
@@ -98,8 +114,9 @@ class RankBatch:
 
     @classmethod
     def of(cls, batch: dict, dp: int, dp_rank: int, pad_id: int, cfg: Any, device: torch.device) -> "RankBatch":
-        """Rank ``dp_rank``'s share of ``batch`` (``prompts``, ``responses``, ``rollout_logprobs``
-        and ``advantages`` or ``scores``; the whole rollout batch) under the algorithm block ``cfg``."""
+        """Rank ``dp_rank``'s share of ``batch`` (``rl.experience.Experience.rank_batch``: ``prompts``,
+        ``responses``, ``rollout_logprobs``, optionally ``loss_mask`` and ``fresh`` per token, and
+        ``advantages`` or ``scores``; the whole rollout batch) under the algorithm block ``cfg``."""
         B, mini = len(batch["prompts"]), cfg.train_batch_size
         if B % mini or mini % dp:
             raise ValueError(f"batch {B}, mini-batch {mini} and DP {dp} do not divide")
@@ -107,10 +124,9 @@ class RankBatch:
         lo, hi = dp_rank * per, (dp_rank + 1) * per
         prompts, responses = batch["prompts"][lo:hi], batch["responses"][lo:hi]
         ids, _, mask = (t.to(device) for t in pad_batch(prompts, responses, pad_id))
-        rollout_lp = torch.zeros_like(mask)
-        for b, lps in enumerate(batch["rollout_logprobs"][lo:hi]):
-            p = len(prompts[b])
-            rollout_lp[b, p - 1: p - 1 + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        rollout_lp = per_token(prompts, batch["rollout_logprobs"][lo:hi], mask)
+        if "loss_mask" in batch:  # the model's tokens only: an environment's are neither trained nor checked
+            mask = mask * per_token(prompts, batch["loss_mask"][lo:hi], mask)
         local_mini, micro = mini // dp, min(cfg.micro_batch_size, mini // dp)
         if local_mini % micro:
             raise ValueError(f"micro_batch_size {micro} does not divide the per-rank mini-batch {local_mini}")
@@ -118,14 +134,12 @@ class RankBatch:
                         for k in ("advantages", "scores") if k in batch}
         keep = batch.get("keep")
         totals = mini_batch_totals(batch["prompts"], batch["responses"], pad_id, dp, local_mini, cfg.loss_aggregation,
-                                   keep)
+                                   keep, batch.get("loss_mask"))
         loss_mask = mask if keep is None else mask * torch.tensor(keep[lo:hi], dtype=torch.float32, device=device)[:, None]
         fresh = None
-        if "fresh" in batch:  # per sample (one bool) or per generated token (partial rollout: a list)
-            fresh = torch.zeros_like(mask, dtype=torch.bool)
-            for b, f in enumerate(batch["fresh"][lo:hi]):
-                p, n = len(prompts[b]), len(responses[b])
-                fresh[b, p - 1: p - 1 + n] = torch.tensor(f if isinstance(f, (list, tuple)) else [f] * n, dtype=torch.bool)
+        if "fresh" in batch:  # per sample (one bool) or per generated token (a list)
+            fresh = per_token(prompts, [f if isinstance(f, (list, tuple)) else [f] * len(r)
+                                        for f, r in zip(batch["fresh"][lo:hi], responses)], mask, torch.bool)
         return cls(ids, loss_mask, rollout_lp, totals, local_mini, micro, response_mask=mask, fresh=fresh,
                    **per_sequence)
 

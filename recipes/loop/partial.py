@@ -20,49 +20,45 @@ SEED_STRIDE = 1_000_003
 
 
 class Segments:
-    """One batch's segmented generation on the rollout replicas: what each sample has so far
-    (``roll.responses``, ``roll.logprobs``, ``roll.token_versions``) and the round in flight."""
+    """One batch's segmented generation on the rollout replicas: what each sample has so far (its
+    ``response``, ``logprobs``, ``versions``: ``rl.experience.SampleExperience``) and the round in
+    flight."""
 
-    def __init__(self, cluster, roll, seeds, segment_tokens: int, max_new_tokens: int, temperature: float,
+    def __init__(self, cluster, exp, segment_tokens: int, max_new_tokens: int, temperature: float,
                  eos_id: int | None, version: int):
-        self.cluster, self.roll, self.seeds = cluster, roll, list(seeds)
+        self.cluster, self.exp, self.started = cluster, exp, time.perf_counter()
         self.k, self.max_new, self.temperature, self.eos = segment_tokens, max_new_tokens, temperature, eos_id
         self.version = version  # a version for an engine that keeps none (the driver's iteration)
-        n = len(roll.prompts)
-        roll.responses, roll.logprobs, roll.token_versions = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+        exp.segmented = True
         self.rounds, self.todo, self.gen = 0, [], None
         self.submit()
 
     def done(self, i: int) -> bool:
-        r = self.roll.responses[i]
+        r = self.exp.samples[i].response
         return len(r) >= self.max_new or (bool(r) and self.eos is not None and r[-1] == self.eos)
 
     def submit(self) -> bool:
         """The next round: every unfinished sample's next ``k`` tokens. False when none is left."""
-        self.todo = [i for i in range(len(self.roll.prompts)) if not self.done(i)]
+        samples = self.exp.samples
+        self.todo = [i for i in range(len(samples)) if not self.done(i)]
         if not self.todo:
             self.gen = None
             return False
-        r = self.roll
-        n_new = min(self.k, self.max_new - len(r.responses[self.todo[0]]))  # every unfinished one: the same length
-        prompts = [r.prompts[i] + r.responses[i] for i in self.todo]
-        seeds = [(self.seeds[i] + SEED_STRIDE * self.rounds) % 2**31 for i in self.todo]
+        n_new = min(self.k, self.max_new - len(samples[self.todo[0]].response))  # every unfinished one: the same length
+        prompts = [samples[i].prompt + samples[i].response for i in self.todo]
+        seeds = [(samples[i].seed + SEED_STRIDE * self.rounds) % 2**31 for i in self.todo]
         self.gen = self.cluster.submit_generation(prompts, seeds, n_new, self.temperature)
         self.rounds += 1
         return True
 
     def collect(self) -> None:
-        """The round in flight, done: its tokens appended to their samples, and each sample's
-        version (``roll.versions``) that of its oldest token."""
+        """The round in flight, done: its tokens appended to their samples, each with the version
+        of the weights that generated it."""
         if self.gen is None:
             return
         tokens, logprobs, versions = self.cluster.collect_generation(self.gen)
-        r = self.roll
         for i, t, lp, v in zip(self.todo, tokens, logprobs, versions):
-            r.responses[i] += t
-            r.logprobs[i] += lp
-            r.token_versions[i] += [self.version if v is None else v] * len(t)
-        r.versions = [min(v) if v else self.version for v in r.token_versions]
+            self.exp.samples[i].generated(t, lp, self.version if v is None else v)
         self.gen = None
 
     def pump(self, calls: list, on_round=None) -> None:
@@ -84,4 +80,4 @@ class Segments:
         self.collect()
         while self.submit():
             self.collect()
-        self.roll.gen_seconds = time.perf_counter() - self.roll.started
+        self.exp.gen_seconds = time.perf_counter() - self.started

@@ -1,0 +1,161 @@
+"""Where an iteration's samples come from: the rollout source, one per run mode.
+
+==================  ===================================================================================
+``Synchronous``     each iteration generates its own batch after the sync (``max_staleness: 0``)
+``OneStepAhead``    iteration i+1's batch is generated while iteration i trains (``max_staleness: 1``):
+                    every sample is at most one update old; one batch in flight
+``Partial``         one step ahead, the batch in flight generated K tokens at a time
+                    (``segment_tokens``): the update landing interrupts it, and its unfinished samples
+                    continue with the new weights after the next sync (``recipes.loop.partial``)
+==================  ===================================================================================
+
+A source owns the generation's submission and collection and the batch in flight. The loop asks it,
+in order: ``take(it)`` — the batch made ahead for ``it`` (None: none); ``generate(it, drawn)`` —
+a batch made now; ``finish(exp)`` — after the sync, what the batch still lacks; ``ahead(it)`` —
+start the next iteration's batch; ``stands_by()`` — whether the rollout engines may post their
+receive for the next sync now; ``during_update(calls)`` — work while the update runs.
+"""
+from __future__ import annotations
+
+import time
+
+from recipes.common import StaleWeightsError, draw_prompts, sample_seeds
+from rlhf_switch.rl.experience import Experience, SampleExperience
+
+
+class Synchronous:
+    """Each iteration's batch generated after its sync, with the trainer's weights."""
+
+    max_staleness = 0
+
+    def __init__(self, loop):
+        self.loop = loop
+
+    def take(self, it: int) -> Experience | None:
+        return None
+
+    def generate(self, it: int, drawn: list, draw: int = 0) -> Experience:
+        """``group_size`` samples of each prompt ``drawn``, generated now (``draw``: an extra round
+        of dynamic sampling, whose samples take seeds of their own)."""
+        return self._collect(it, *self._submit(it, drawn, draw))
+
+    def finish(self, exp: Experience) -> None:
+        pass
+
+    def ahead(self, it: int) -> None:
+        pass
+
+    def stands_by(self) -> bool:
+        return True
+
+    def during_update(self, calls: list) -> None:
+        pass
+
+    # --- the generation's parts ------------------------------------------------------------------------
+    def _samples(self, it: int, drawn: list, draw: int) -> Experience:
+        """The batch's samples, prompts encoded and seeds drawn, nothing generated yet."""
+        from rlhf_switch.rl.tasks import encode_prompt
+
+        loop, alg = self.loop, self.loop.cfg.algorithm
+        sources = [s for s in drawn for _ in range(alg.group_size)]
+        seeds = sample_seeds(loop.cfg, it, len(sources), first=draw * len(sources))
+        return Experience([SampleExperience(encode_prompt(loop.tok, s.prompt, alg.max_new_tokens, loop.max_ctx), s,
+                                            i // alg.group_size, seed) for i, (s, seed) in enumerate(zip(sources, seeds))])
+
+    def _submit(self, it: int, drawn: list, draw: int = 0) -> tuple[Experience, object, float]:
+        """The batch's generation started (``_collect`` waits for it)."""
+        exp, started = self._samples(it, drawn, draw), time.perf_counter()
+        alg = self.loop.cfg.algorithm
+        submitted = self.loop.cluster.submit_generation(exp.column("prompt"), exp.column("seed"), alg.max_new_tokens,
+                                                        alg.temperature)
+        self.loop.faults.generate_hook_for(it, self.loop.cluster)
+        return exp, submitted, started
+
+    def _collect(self, it: int, exp: Experience, submitted, started: float) -> Experience:
+        """The generation done: each sample's tokens, log-probs and the version of the weights that
+        generated them (the replica's own count; the driver's iteration where the engine keeps none)."""
+        responses, logprobs, versions = self.loop.cluster.collect_generation(submitted)
+        for s, tokens, lps, v in zip(exp.samples, responses, logprobs, versions):
+            s.generated(tokens, lps, it if v is None else v)
+        exp.gen_seconds = time.perf_counter() - started
+        return exp
+
+
+class OneStepAhead(Synchronous):
+    """The next iteration's batch generated while this one trains; a sample more than
+    ``max_staleness`` versions behind the trainer stops the run (a sync that did not reach the
+    rollout replicas)."""
+
+    max_staleness = 1
+
+    def __init__(self, loop):
+        super().__init__(loop)
+        self.in_flight: tuple[int, tuple] | None = None  # (the iteration it is for, what _submit returned)
+
+    def take(self, it: int) -> Experience | None:
+        if self.in_flight is None or self.in_flight[0] != it:
+            return None
+        exp = self._take(*self.in_flight[1])
+        self.in_flight = None
+        old = [v for v in (s.version for s in exp.samples) if it - v > self.max_staleness]
+        if old:
+            raise StaleWeightsError(f"iteration {it}: {len(old)} samples were generated with weights of version "
+                                    f"{min(old)}, more than algorithm.off_policy.max_staleness={self.max_staleness} "
+                                    f"behind the trainer's {it}: a weight sync did not reach the rollout replicas")
+        return exp
+
+    def _take(self, exp, submitted, started) -> Experience:
+        return self._collect(self.in_flight[0], exp, submitted, started)
+
+    def ahead(self, it: int) -> None:
+        """Iteration ``it + 1``'s batch starts generating now, with the weights just synced, while
+        this one trains (the replicas run it before their next receive)."""
+        if it < self.loop.last:
+            self.in_flight = (it + 1, self._start(it + 1, draw_prompts(self.loop.cfg, self.loop.splits, it + 1)))
+
+    def _start(self, it: int, drawn: list) -> tuple:
+        return self._submit(it, drawn)
+
+
+class Partial(OneStepAhead):
+    """One step ahead, the batch in flight generated in segments (``recipes.loop.partial``)."""
+
+    def _start(self, it: int, drawn: list) -> tuple:
+        from recipes.loop.partial import Segments
+
+        exp = self._samples(it, drawn, 0)
+        alg = self.loop.cfg.algorithm
+        segments = Segments(self.loop.cluster, exp, self.loop.cfg.algorithm.off_policy.segment_tokens,
+                            alg.max_new_tokens, alg.temperature, self.loop.eos_id, it - 1)
+        self.loop.faults.generate_hook_for(it, self.loop.cluster)
+        return exp, segments
+
+    def _take(self, exp, segments) -> Experience:
+        segments.collect()  # the round in flight; the rest after the sync
+        self._finishing = segments
+        return exp
+
+    def finish(self, exp: Experience) -> None:
+        """The unfinished samples, with the weights just synced."""
+        segments, self._finishing = getattr(self, "_finishing", None), None
+        if segments is not None:
+            segments.finish()
+
+    def stands_by(self) -> bool:
+        # a receive posted now would hold up the segments handed out while the update runs
+        return self.in_flight is None
+
+    def during_update(self, calls: list) -> None:
+        """Segments of the batch in flight handed out until the update is done."""
+        if self.in_flight is not None:
+            nxt, (_, segments) = self.in_flight
+            hook = self.loop.faults.generate_hook
+            segments.pump(calls, None if hook is None else lambda: hook(nxt, self.loop.cluster))
+
+
+def rollout_source(loop):
+    """The run's rollout source, from ``algorithm.off_policy``."""
+    op = getattr(loop.cfg.algorithm, "off_policy", None)
+    if op is None or not op.max_staleness:
+        return Synchronous(loop)
+    return Partial(loop) if op.segment_tokens else OneStepAhead(loop)
