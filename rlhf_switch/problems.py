@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Callable
 
 from .device import DeviceUnavailable, resolve_device
-from .engines.base import EngineError, phase_engine_problems, rollout_engine, training_engine
+from .engines.base import EngineError, phase_engine_problems, rollout_engine, training_engine, training_engine_names
 from .families import DEFAULT_CONTEXT, derive_spec, family_problems
 from .rl.config import (ConfigError, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig, load_config,
                         model_dims, scaled_along_dp)
@@ -316,6 +316,71 @@ def _worlds(cfg: RunConfig):
         yield f"elastic.schedule[{i}]: ", cfg.at_iteration(e.iteration)
 
 
+@check("elastic")
+def _elastic(cfg: RunConfig, facts: Facts) -> list[str]:
+    """``elastic``: the schedule's entries in order, each a world of the run's blocks and engine,
+    on devices the resize can share; node events and host redundancy where the rollout engine
+    follows the trainer world (its ``placement``) and a rank's copy has another rank to live on."""
+    if cfg.elastic is None:
+        return []
+    problems, schedule = [], cfg.elastic.schedule
+    before = cfg  # the world in force before each entry
+    for i, e in enumerate(schedule):
+        where = f"elastic.schedule[{i}]"
+        if i and e.iteration <= schedule[i - 1].iteration:
+            problems.append(f"{where}.iteration: {e.iteration} — entries go in increasing iteration order")
+        if (e.reference is None) != (cfg.reference is None):
+            problems.append(f"{where}.reference: give a reference block exactly when the run has one")
+        if (e.critic is None) != (cfg.critic is None):
+            problems.append(f"{where}.critic: give a critic block exactly when the run has one (PPO)")
+        if not e.rollout.colocate:
+            problems.append(f"{where}.rollout.colocate: false — a resize needs colocated devices")
+        if not _rollout_fact(e.rollout.engine, "resizable"):
+            problems.append(f"{where}.rollout.engine: {e.rollout.engine} — {_resizable_engines()} are resized yet")
+        elif e.rollout.engine != before.rollout.engine:
+            problems.append(f"{where}.rollout.engine: {e.rollout.engine} — the run's rollout engine is "
+                            f"{before.rollout.engine}; a resize does not change the engine")
+        before = e
+    if schedule and not cfg.rollout.colocate:
+        problems.append("rollout.colocate: false — elastic.schedule needs colocated devices (an old and a new "
+                        "trainer actor share each kept device during a resize)")
+    if schedule and not _rollout_fact(cfg.rollout.engine, "resizable"):
+        problems.append(f"rollout.engine: {cfg.rollout.engine} — elastic.schedule resizes {_resizable_engines()} yet")
+    follows = _rollout_fact(cfg.rollout.engine, "placement") == "worker" and cfg.rollout.colocate
+    if cfg.elastic.on_node_change == "resize" and not follows:
+        # a node added becomes a resize request of the trainer world: what a schedule entry that
+        # grows it needs, checked here rather than at the first node that joins
+        problems.append("elastic.on_node_change: resize: a node added grows the trainer world, which only a rollout "
+                        "engine in the trainer's actors, colocated, follows yet (vLLM replicas change only their "
+                        "own layout)")
+    if cfg.elastic.redundancy == "host":
+        why = "elastic.redundancy: host"
+        if not follows:
+            problems.append(f"{why}: only a rollout engine in the trainer's actors (the torch one), colocated, is "
+                            f"rebuilt after a lost trainer yet")
+        if cfg.world_size < 2:
+            problems.append(f"{why} needs world_size >= 2 (a rank's copy is kept by another rank)")
+        problems += [f"elastic.schedule[{i}].world_size: {e.world_size} — {why} needs every world of the run >= 2 "
+                     f"(a rank's copy is kept by another rank)" for i, e in enumerate(schedule) if e.world_size < 2]
+    return problems
+
+
+def _rollout_fact(engine: str, fact: str):
+    """A fact the rollout engine ``engine`` declares (None: not a known engine; the engines check says so)."""
+    try:
+        return getattr(rollout_engine(engine), fact)
+    except EngineError:
+        return None
+
+
+def _resizable_engines() -> str:
+    """The registered rollout engines a resize takes, as a refusal names them."""
+    from .engines.base import rollout_engine_names
+
+    names = [n for n in rollout_engine_names() if _rollout_fact(n, "resizable")]
+    return "only the rollout engines " + ", ".join(names)
+
+
 @check("layouts")
 def _layouts(cfg: RunConfig, facts: Facts) -> list[str]:
     return [prefix + p for prefix, world in _worlds(cfg) for phase, layout in world.phases().items()
@@ -491,7 +556,7 @@ def lora_problems(cfg: RunConfig, facts: Facts | None = None) -> list[str]:
     try:
         if not training_engine(cfg.train.engine).supports_lora:
             problems.append(f"model.lora: engine {cfg.train.engine} does not train LoRA adapters (engines that do: "
-                            f"fsdp2, deepspeed)")
+                            f"{', '.join(n for n in training_engine_names() if training_engine(n).supports_lora)})")
     except EngineError:
         pass  # the engines check names it
     try:

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 import loop_overhead_jobs as jobs
-from conftest import REPO
+from helpers import REPO
 
 TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=67, max_position_embeddings=64, tie_word_embeddings=False)
@@ -87,12 +87,18 @@ def test_a_weights_write_into_persistent_zero3_reaches_its_forward(world2):
 
 
 def test_persistence_threshold_is_refused_off_zero3():
-    from rlhf_switch.rl.config import ConfigError, TrainerLayout, load_config
+    """The engines say where it applies (``TrainingEngine.keeps_small_params_whole``): DeepSpeed
+    ZeRO-3 only; elsewhere the pre-start checks refuse it, naming the field."""
+    from rlhf_switch.engines.base import phase_engine_problems
+    from rlhf_switch.rl.config import TrainerLayout
 
-    assert TrainerLayout(engine="deepspeed", zero_stage=3, dp=2, persistence_threshold=10).persistence_threshold == 10
+    assert phase_engine_problems("train", TrainerLayout(engine="deepspeed", zero_stage=3, dp=2,
+                                                        persistence_threshold=10), None) == []
     for layout in ({"engine": "deepspeed", "zero_stage": 2, "dp": 2}, {"engine": "fsdp2", "dp": 2}):
-        with pytest.raises(ConfigError, match="persistence_threshold is DeepSpeed ZeRO-3's"):
-            load_config({**_grpo_tiny(), "train": {**layout, "persistence_threshold": 10}})
+        problems = phase_engine_problems("train", TrainerLayout(**layout, persistence_threshold=10), None)
+        assert problems == [f"train.persistence_threshold: 10 — engine {layout['engine']} with zero_stage "
+                            f"{layout.get('zero_stage', 0)} keeps no small parameters whole (DeepSpeed ZeRO-3's "
+                            f"stage3_param_persistence_threshold)"]
 
 
 def _grpo_tiny() -> dict:

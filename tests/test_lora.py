@@ -170,7 +170,7 @@ def test_refused_before_the_run_one_message_each():
     cfg["train"]["engine"] = "torch_tp"
     problems = lora_problems(load_config(cfg))
     assert problems == [
-        "model.lora: engine torch_tp does not train LoRA adapters (engines that do: fsdp2, deepspeed)",
+        "model.lora: engine torch_tp does not train LoRA adapters (engines that do: deepspeed, fsdp2)",
         "model.lora.target_modules: qkv — model_type llama has no such linear module in its decoder layers "
         "(it has down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)"]
     cfg = _config(sync="adapters")

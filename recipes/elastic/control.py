@@ -56,10 +56,12 @@ class ElasticControl:
         resize requests (torch rollout or colocated vLLM replicas), a lost trainer's replacement."""
         from rlhf_switch.elastic.manager import Devices
 
+        from rlhf_switch.engines.base import rollout_engine
+
         cfg, self.ray = self.state.cfg, ray
-        if cfg.elastic is not None and (cfg.elastic.schedule or cfg.rollout.engine == "torch"
-                                        or (cfg.rollout.engine == "vllm" and cfg.rollout.colocate)
-                                        or self.redundancy == "host"):
+        rollout = rollout_engine(cfg.rollout.engine)
+        if cfg.elastic is not None and (cfg.elastic.schedule or self.redundancy == "host"
+                                        or (rollout.resizable and (rollout.placement == "worker" or cfg.rollout.colocate))):
             self.devices = Devices(ray)
             self.devices.acquire(range(cfg.at_iteration(self.state.first).world_size))
         return self.devices

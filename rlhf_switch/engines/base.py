@@ -101,6 +101,12 @@ class TrainingEngine(ABC):
     compute_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
     # whether ``build`` takes ``ctx.lora`` (LoRA adapters on the causal LM, engines/lora.py)
     supports_lora: ClassVar[bool] = False
+
+    @classmethod
+    def keeps_small_params_whole(cls, layout: Any) -> bool:
+        """Whether ``layout.persistence_threshold`` means something to this engine for ``layout``
+        (parameters under it kept whole on every rank between steps: DeepSpeed ZeRO-3's)."""
+        return False
     lora_dropout: float = 0.0  # > 0: ``outputs`` runs the model in eval mode (no dropout)
 
     @classmethod
@@ -224,6 +230,9 @@ class RolloutEngine(ABC):
     # them itself (``weight_sync("adapters")``); else it takes merged weights (engines/lora.py)
     takes_adapters: ClassVar[bool] = False
 
+    # whether an elastic resize takes it (its layout changed in a running world, or it follows the
+    # trainer world's: placement "worker")
+    resizable: ClassVar[bool] = False
     # the options ``rollout.options`` may give this engine (handed to ``build`` as ``ctx.options``),
     # each with the values it takes
     options: ClassVar[Mapping[str, tuple]] = {}
@@ -331,15 +340,6 @@ _ROLLOUT: dict[str, str | type] = {
 }
 
 
-def register_training_engine(name: str, cls: str | type) -> None:
-    """Make ``name`` usable as a config's ``engine:`` (``cls``: a class or ``"module:Class"``)."""
-    _TRAINING[name] = cls
-
-
-def register_rollout_engine(name: str, cls: str | type) -> None:
-    _ROLLOUT[name] = cls
-
-
 def training_engine_names() -> list[str]:
     return sorted(_TRAINING)
 
@@ -392,6 +392,12 @@ def phase_engine_problems(phase: str, layout, dims) -> list[str]:
         if phase == "rollout":
             return rollout_engine(layout.engine).layout_problems(phase, layout, dims)
         head = "value" if phase == "critic" else "lm"
-        return training_engine(layout.engine).layout_problems(phase, layout, dims, head=head)
+        cls = training_engine(layout.engine)
+        problems = cls.layout_problems(phase, layout, dims, head=head)
+        if getattr(layout, "persistence_threshold", 0) and not cls.keeps_small_params_whole(layout):
+            problems.append(f"{phase}.persistence_threshold: {layout.persistence_threshold} — engine {layout.engine} with "
+                            f"zero_stage {layout.zero_stage} keeps no small parameters whole (DeepSpeed ZeRO-3's "
+                            f"stage3_param_persistence_threshold)")
+        return problems
     except EngineError as e:
         return [f"{phase}.engine: {e}"]

@@ -18,6 +18,10 @@ class DeepSpeedEngine(ModuleEngine):
     compute_dtypes = ("float32", "bfloat16")
 
     @classmethod
+    def keeps_small_params_whole(cls, layout) -> bool:
+        return layout.zero_stage == 3
+
+    @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         problems = []
         if layout.tp > 1 or layout.pp > 1:

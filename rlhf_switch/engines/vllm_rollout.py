@@ -580,6 +580,7 @@ class VLLMRolloutEngine(RolloutEngine):
     placement = "replica"
     compute_dtypes = ("float32", "bfloat16", "float16")
     takes_adapters = True  # into vLLM's LoRA slot (vllm_lora_layout); tests/test_lora.py
+    resizable = True  # its replicas' layout (TP x replicas) changes in a running world (recipes.elastic)
     # docs/weight-channel.md, "Weights vLLM processes after loading"
     options = {"cpu_kernels": compat.CPU_KERNEL_CHOICES, "processed_weights": PROCESSED_WEIGHTS}
 

@@ -93,12 +93,6 @@ class TrainLayout(PhaseLayout):
     engine: EngineName
     persistence_threshold: int = Field(0, ge=0)
 
-    @model_validator(mode="after")
-    def _persistence_is_zero3(self) -> "TrainLayout":
-        if self.persistence_threshold and not (self.engine == "deepspeed" and self.zero_stage == 3):
-            raise ValueError(f"persistence_threshold is DeepSpeed ZeRO-3's (engine deepspeed, zero_stage 3), "
-                             f"not engine {self.engine} zero_stage {self.zero_stage}")
-        return self
 
 
 class TrainerLayout(TrainLayout):
@@ -583,12 +577,6 @@ class ElasticEntry(Strict):
     critic: TrainLayout | None = None  # PPO: given exactly when the run has a critic
 
 
-# the rollout engines an elastic.schedule entry may name: torch resizes with the trainer world (it
-# lives in the trainer's actors); vLLM replicas change their layout (TP × replicas), on the same
-# trainer world or with it (one resize: recipes/elastic/resize.py)
-ELASTIC_ROLLOUT = ("torch", "vllm")
-
-
 class ElasticConfig(Strict):
     schedule: list[ElasticEntry] = []
     # host: every trainer rank's state also kept in host memory by a buddy rank (another node's
@@ -684,52 +672,10 @@ class RunConfig(Strict):
         return self.model_copy(update=update)
 
     @model_validator(mode="after")
-    def _phases_for_algorithm(self) -> "RunConfig":
+    def _one_prompt_source(self) -> "RunConfig":
         problems = []
         if (self.task is None) == (self.data is None):
             problems.append("task/data: give exactly one of task (generated prompts) or data (prompt files)")
-        before = self  # the world in force before each entry
-        for i, e in enumerate(self.elastic.schedule if self.elastic else []):
-            where = f"elastic.schedule[{i}]"
-            if i and e.iteration <= self.elastic.schedule[i - 1].iteration:
-                problems.append(f"{where}.iteration: {e.iteration} — entries go in increasing iteration order")
-            if (e.reference is None) != (self.reference is None):
-                problems.append(f"{where}.reference: give a reference block exactly when the run has one")
-            if (e.critic is None) != (self.critic is None):
-                problems.append(f"{where}.critic: give a critic block exactly when the run has one (PPO)")
-            if not e.rollout.colocate:
-                problems.append(f"{where}.rollout.colocate: false — a resize needs colocated devices")
-            if e.rollout.engine not in ELASTIC_ROLLOUT:
-                problems.append(f"{where}.rollout.engine: {e.rollout.engine} — only the torch rollout engine "
-                                f"(in the trainer's actors) and vLLM replicas are resized yet")
-            elif e.rollout.engine != before.rollout.engine:
-                problems.append(f"{where}.rollout.engine: {e.rollout.engine} — the run's rollout engine is "
-                                f"{before.rollout.engine}; a resize does not change the engine")
-            before = e
-        if self.elastic and self.elastic.schedule and not self.rollout.colocate:
-            problems.append("rollout.colocate: false — elastic.schedule needs colocated devices (an old and a "
-                            "new trainer actor share each kept device during a resize)")
-        if self.elastic and self.elastic.schedule and self.rollout.engine not in ELASTIC_ROLLOUT:
-            problems.append(f"rollout.engine: {self.rollout.engine} — elastic.schedule resizes only the torch "
-                            f"rollout engine (in the trainer's actors) and vLLM replicas yet")
-        if self.elastic and self.elastic.on_node_change == "resize":
-            # a node added becomes a resize request of the trainer world: what a schedule entry
-            # that grows it needs, checked here rather than at the first node that joins
-            why = "elastic.on_node_change: resize"
-            if self.rollout.engine != "torch" or not self.rollout.colocate:
-                problems.append(f"{why}: a node added grows the trainer world, which only the torch rollout "
-                                f"engine, colocated, follows yet (vLLM replicas change only their own layout)")
-        if self.elastic and self.elastic.redundancy == "host":
-            why = "elastic.redundancy: host"
-            if self.world_size < 2:
-                problems.append(f"{why} needs world_size >= 2 (a rank's copy is kept by another rank)")
-            if self.rollout.engine != "torch" or not self.rollout.colocate:
-                problems.append(f"{why}: only the torch rollout engine, colocated (in the trainer's actors), "
-                                f"is rebuilt after a lost trainer yet")
-            for i, e in enumerate(self.elastic.schedule):  # every world keeps its copies on another rank
-                if e.world_size < 2:
-                    problems.append(f"elastic.schedule[{i}].world_size: {e.world_size} — {why} needs every "
-                                    f"world of the run >= 2 (a rank's copy is kept by another rank)")
         if problems:
             # one line per problem: _format_errors splits them back into separate entries
             raise ValueError("\n".join(problems))
