@@ -23,7 +23,8 @@ from .workload import Workload
 
 def layout_key(layout) -> tuple:
     """A hashable identity of a phase layout (the config's models are not hashable)."""
-    return (type(layout).__name__, *layout.model_dump().values())
+    return (type(layout).__name__, *(tuple(sorted(v.items())) if isinstance(v, dict) else v
+                                     for v in layout.model_dump().values()))
 
 
 class TuneError(ValueError):
