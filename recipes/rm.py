@@ -51,16 +51,12 @@ reward.model_path takes.
 def prepare(config_source, steps: int | None = None, output_dir: str | None = None):
     """Load and check the config; everything that can be refused is refused here, before Ray."""
     from rlhf_switch.problems import check_reward_training
-    from rlhf_switch.rl.config import ConfigError
     from rlhf_switch.rl.reward_model import load_rm_config
 
-    cfg = load_rm_config(config_source)
+    overrides = {"training.steps": int(steps)} if steps is not None else {}
     if output_dir:
-        cfg.output_dir = str(output_dir)
-    if steps is not None:
-        if int(steps) < 1:
-            raise ConfigError("--steps", [f"--steps: {steps} — at least 1"])
-        cfg.training.steps = int(steps)
+        overrides["output_dir"] = str(output_dir)
+    cfg = load_rm_config(config_source, overrides)
     check_reward_training(cfg)
     return cfg
 
@@ -155,6 +151,7 @@ class RewardWorld:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from actors.reward_model import remote_class
+        from rlhf_switch.problems import world_device
 
         self.ray, self.quiet, self.workers = ray, quiet, []
         n = cfg.world_size
@@ -190,25 +187,6 @@ class RewardWorld:
                 self.ray.kill(w)
         self.workers = []
         remove_placement_group(self.pg)
-
-
-def world_device(cfg, cuda_available: bool):
-    """The run's ``DeviceSpec`` from what its actors see; ``ConfigError`` where the engine does not
-    compute in the dtype it resolves to (the loop's rule: float32 on CPU)."""
-    from rlhf_switch.device import DeviceUnavailable, resolve_device
-    from rlhf_switch.engines.base import training_engine
-    from rlhf_switch.rl.config import ConfigError
-
-    try:
-        device = resolve_device(cfg.device, cuda_available, cfg.model.dtype)
-    except DeviceUnavailable as e:
-        raise ConfigError("device", [str(e)]) from None
-    dtypes = ("float32",) if not device.is_cuda else training_engine(cfg.train.engine).compute_dtypes
-    if device.compute_dtype not in dtypes:
-        raise ConfigError(f"the config cannot run on {device.kind}",
-                          [f"model.dtype: {device.compute_dtype} — engine {cfg.train.engine} on {device.kind} "
-                           f"computes in {'/'.join(dtypes)}"])
-    return device
 
 
 # ---------------------------------------------------------------- the run

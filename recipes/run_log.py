@@ -109,6 +109,11 @@ def _flat(d: dict, prefix: str = "") -> dict:
 BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": MLflow}
 
 
+class BackendFailed(RuntimeError):
+    """A logging backend named in the config that did not start (W&B not logged in, an MLflow
+    server that does not answer): one line, before Ray; the command exits 2 as for bad input."""
+
+
 class MetricsLog:
     """One JSONL record per iteration (and per evaluation), each also written to every logging
     backend named (``BACKENDS``; its numbers: ``scalars``).
@@ -133,11 +138,9 @@ class MetricsLog:
             try:
                 self.backends.append(BACKENDS[name](out_dir, resume_from, config or {}, out_dir.resolve().name))
             except Exception as e:  # not logged in, a tracking server that does not answer: one line, before Ray
-                from rlhf_switch.rl.config import ConfigError
-
                 self.close(ok=False)
-                raise ConfigError("logging", [f"logging: {name} did not start: {type(e).__name__}: "
-                                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"]) from e
+                raise BackendFailed(f"logging: {name} did not start: {type(e).__name__}: "
+                                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
 
     def write(self, rec: dict, step: int) -> None:
         with self.path.open("a") as f:

@@ -37,20 +37,19 @@ from recipes.run_log import MetricsLog, plot_run
 __all__ = ["run", "main", "prepare", "StaleWeightsError"]
 
 
-def prepare(config_source, iterations=None, output_dir=None):
-    """Load and check the config; everything that can be refused is refused here, before Ray
-    (``rlhf_switch.problems``). Returns (config, the run's total number of iterations)."""
+def prepare(config_source, iterations=None, output_dir=None, algorithm: str | None = None):
+    """Load and check the config, the command line's ``--iterations`` (the run's total, recorded in
+    ``<output_dir>/config.yaml``) and ``--output-dir`` applied; everything that can be refused is
+    refused here, before Ray (``rlhf_switch.problems``; ``algorithm``: the one a recipe like
+    ``recipes.grpo`` runs). Returns (config, the run's total number of iterations)."""
     from rlhf_switch.problems import check_run
-    from rlhf_switch.rl.config import ConfigError, load_config
+    from rlhf_switch.rl.config import load_config
 
-    cfg = load_config(config_source)
+    overrides = {"algorithm.iterations": int(iterations)} if iterations is not None else {}
     if output_dir:
-        cfg.output_dir = str(output_dir)
-    if iterations is not None:
-        if int(iterations) < 1:
-            raise ConfigError("--iterations", [f"--iterations: {iterations} — the run's total must be at least 1"])
-        cfg.algorithm.iterations = int(iterations)  # the total: recorded in <output_dir>/config.yaml
-    check_run(cfg)
+        overrides["output_dir"] = str(output_dir)
+    cfg = load_config(config_source, overrides=overrides)
+    check_run(cfg, recipe=algorithm)
     return cfg, cfg.algorithm.iterations
 
 
@@ -66,8 +65,7 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     ``crash_at``, ``phase_hook``, ``generate_hook``: fault injection for tests (``Faults``)."""
     from recipes.elastic.control import ElasticControl
 
-    cfg, iterations = prepare(config_source, iterations, output_dir)
-    refuse_other_algorithm(cfg, algorithm)
+    cfg, iterations = prepare(config_source, iterations, output_dir, algorithm)
     try:  # where a resumed run continues (a PPO checkpoint must hold the critic's state too)
         point = resolve_resume(resume, Path(cfg.output_dir), iterations,
                                parts=("critic",) if cfg.critic is not None else ())
@@ -106,16 +104,6 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     state.say(f"{len([r for r in state.records if 'reward_mean' in r])} iterations in "
               f"{time.perf_counter() - t_start:.1f} s; metrics: {state.log.path}" + (f"; plot: {png}" if png else ""))
     return state.records
-
-
-def refuse_other_algorithm(cfg, algorithm: str | None) -> None:
-    """``python -m recipes.grpo|ppo`` runs its own algorithm only."""
-    if algorithm is not None and cfg.algorithm.name != algorithm:
-        from rlhf_switch.rl.config import ConfigError
-
-        raise ConfigError(f"recipes.{algorithm}", [f"algorithm.name: this recipe runs {algorithm}, the config "
-                                                   f"names {cfg.algorithm.name!r} (use recipes.{cfg.algorithm.name} "
-                                                   f"or rlhf-switch train)"])
 
 
 def start(state: RunState, resuming: bool, t_start: float) -> dict:
@@ -222,13 +210,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run_args(a: argparse.Namespace, algorithm: str | None = None) -> int:
     """Run the loop with parsed options; the exit code (2: bad input, 3: stale weights, 4: a member
     of the run failed — a rollout engine, a weight sync —, said in one line)."""
+    from recipes.run_log import BackendFailed
     from rlhf_switch.rl.config import ConfigError
     from rlhf_switch.rl.rewards import RewardError
 
     try:
         run(a.config, a.iterations, a.output_dir, a.stale_tol, a.quiet, a.resume, algorithm=algorithm,
             verbose=a.verbose)
-    except (ConfigError, FileNotFoundError, RewardError) as e:
+    except (ConfigError, FileNotFoundError, RewardError, BackendFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except StaleWeightsError as e:

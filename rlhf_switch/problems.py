@@ -52,8 +52,8 @@ from typing import Callable
 from .device import DeviceUnavailable, resolve_device
 from .engines.base import EngineError, phase_engine_problems, rollout_engine, training_engine, training_engine_names
 from .families import DEFAULT_CONTEXT, derive_spec, family_problems
-from .rl.config import (ConfigError, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig, load_config,
-                        model_dims, scaled_along_dp)
+from .rl.config import (ConfigError, ElasticEntry, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig,
+                        load_config, model_dims, scaled_along_dp)
 from .rl.algorithm_rules import algorithm_problems
 from .rl.data import DataError, load_data_splits, prompt_token_limit, read_columns, read_records
 from .rl.tasks import CharTokenizer, build_task, longest_answer_tokens, longest_prompt_tokens
@@ -89,9 +89,11 @@ def check(name: str) -> Callable[[Check], Check]:
     return register
 
 
-def run_problems(cfg: RunConfig, *, cuda_available: bool | None | str = LOCAL, skip: tuple[str, ...] = ()) -> list[str]:
+def run_problems(cfg: RunConfig, *, cuda_available: bool | None | str = LOCAL, skip: tuple[str, ...] = (),
+                 recipe: str | None = None) -> list[str]:
     """Every problem the registered checks find in ``cfg`` (empty: it can run). ``skip``: names of
-    checks not to run (an elastic request re-checks a config whose reward already ran)."""
+    checks not to run (an elastic request re-checks a config whose reward already ran);
+    ``recipe``: the algorithm a recipe runs (``python -m recipes.grpo``: its config must name it)."""
     unknown = sorted(set(skip) - set(CHECKS))
     if unknown:
         raise ValueError(f"no such checks: {', '.join(unknown)}; known: {', '.join(CHECKS)}")
@@ -104,6 +106,9 @@ def run_problems(cfg: RunConfig, *, cuda_available: bool | None | str = LOCAL, s
         found: list[str] = []
     except ConfigError as e:
         dims, found = None, list(e.problems)
+    if recipe is not None and cfg.algorithm.name != recipe:
+        found.append(f"algorithm.name: this recipe runs {recipe}, the config names {cfg.algorithm.name!r} (use "
+                     f"recipes.{cfg.algorithm.name} or rlhf-switch train)")
     facts = Facts(dims, cuda_available, found)
     for name, fn in CHECKS.items():
         if name not in skip:
@@ -904,3 +909,67 @@ def world_device(cfg: RunConfig, cuda_available: bool):
     if problems:
         raise ConfigError(f"the config cannot run on {device.kind}", problems)
     return device
+
+
+# --- the worlds elastic control moves a run into --------------------------------------------------
+
+def check_resize_request(cfg: RunConfig, request: dict, iteration: int, last: int, devices_held: int | None):
+    """The run's config with ``request`` (a resize request: ``rlhf_switch.elastic.requests``) as the
+    ``elastic.schedule`` entry at ``iteration`` (the one after the boundary it was taken at),
+    checked like a schedule entry in the config: the config's types, every pre-start check of the
+    world it makes (its reward already ran), and the ``devices_held`` Ray can give (None: the run
+    has no elastic device manager). Returns (config, entry); raises one ``ConfigError`` listing
+    every problem."""
+    where, keys = "resize request", tuple(k for k in ElasticEntry.model_fields if k != "iteration")
+
+    def refuse(problems: list[str]):
+        return ConfigError(f"{where} refused: {len(problems)} problem{'s' * (len(problems) != 1)}", problems)
+
+    problems = []
+    if "unreadable" in request:
+        raise refuse([f"{where}: unreadable ({request['unreadable']})"])
+    unknown = sorted(set(request) - set(keys) - {"id", "reason"})
+    if unknown:
+        problems.append(f"{where}: unknown keys {unknown} (give {', '.join(keys)})")
+    if devices_held is None:
+        problems.append(f"{where}: this run has no elastic device manager (give the config an elastic block, "
+                        f"with the torch rollout engine or vLLM replicas, colocated)")
+    if iteration > last:
+        problems.append(f"{where}: the run ends at iteration {last}; there is no next iteration to resize before")
+    schedule = [e.model_dump() for e in (cfg.elastic.schedule if cfg.elastic else [])]
+    if any(e["iteration"] == iteration for e in schedule):
+        problems.append(f"{where}: elastic.schedule already resizes before iteration {iteration}")
+    if len(problems) > len(unknown[:1]):  # no entry to check
+        raise refuse(problems)
+    entry = {**{k: request[k] for k in keys if k in request}, "iteration": iteration}
+    data = cfg.model_dump()
+    data["elastic"] = {**(data.get("elastic") or {}),
+                       "schedule": sorted(schedule + [entry], key=lambda e: e["iteration"])}
+    try:
+        new = load_config(data)
+        check_run(new, skip=("reward",))
+    except ConfigError as e:
+        raise refuse(problems + (e.problems or [str(e)])) from None
+    (accepted,) = [e for e in new.elastic.schedule if e.iteration == iteration]
+    if accepted.world_size > devices_held:
+        problems.append(f"{where}: world_size {accepted.world_size} — Ray holds {devices_held} devices for this run")
+    if problems:
+        raise refuse(problems)
+    return new, accepted
+
+
+def scaled_run(cfg: RunConfig, world: int) -> RunConfig:
+    """The run's config on ``world`` devices, its train, rollout, reference and critic layouts
+    scaled along DP (``rl.config.scaled_along_dp``): the world a lost node leaves, the grown world
+    of ``elastic.rebalance``. Checked as the config is: its types and the pre-start checks; raises
+    one ``ConfigError`` (e.g. a TP that does not divide ``world``, a batch the new DP does not
+    divide)."""
+    data = cfg.model_dump()
+    data.update(scaled_along_dp(data, world))
+    try:
+        new = load_config(data)
+        check_run(new, skip=("reward",))
+    except ConfigError as e:
+        raise ConfigError(f"no {world}-device world with the run's layouts scaled along DP",
+                          e.problems or [str(e)]) from None
+    return new

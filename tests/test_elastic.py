@@ -338,13 +338,13 @@ def test_an_elastic_schedule_with_vllm_changes_the_rollout_layout(tmp_path):
     assert any(p.startswith("elastic.schedule[0]: rollout: tp·pp·dp = 1·1·4 = 4, but world_size = 2")
                for p in e.value.problems), e.value.problems
     # a resize request is the same entry: the vLLM layout alone is accepted, another engine refused
-    from rlhf_switch.elastic.requests import checked_request
+    from rlhf_switch.problems import check_resize_request
 
     run = load_config({**cfg, "elastic": {}})
-    new, entry = checked_request(run, {"id": "a", **{k: tp2[k] for k in ("world_size", "train", "rollout")}}, 1, 2, 2)
+    new, entry = check_resize_request(run, {"id": "a", **{k: tp2[k] for k in ("world_size", "train", "rollout")}}, 1, 2, 2)
     assert (entry.iteration, new.at_iteration(1).rollout.tp, new.at_iteration(1).train == run.train) == (1, 2, True)
     with pytest.raises(ConfigError) as e:
-        checked_request(run, {"id": "b", "world_size": 2, "train": cfg["train"],
+        check_resize_request(run, {"id": "b", "world_size": 2, "train": cfg["train"],
                               "rollout": {"engine": "torch", "tp": 1, "dp": 2}}, 1, 2, 2)
     assert any("a resize does not change the engine" in p for p in e.value.problems), e.value.problems
 
@@ -352,7 +352,7 @@ def test_an_elastic_schedule_with_vllm_changes_the_rollout_layout(tmp_path):
 def test_a_bad_resize_request_is_one_config_error(tmp_path):
     """A resize request is checked as the schedule entry it would become (the config's own
     validators and fit checks) plus what only the running loop knows; every problem at once."""
-    from rlhf_switch.elastic.requests import checked_request
+    from rlhf_switch.problems import check_resize_request
     from rlhf_switch.rl.config import ConfigError, load_config
 
     cfg = _config(tmp_path, 4)
@@ -360,7 +360,7 @@ def test_a_bad_resize_request_is_one_config_error(tmp_path):
     cfg = load_config({**cfg, "elastic": {}})
     dp2 = _config(tmp_path, 2)
     good = {"id": "x", "world_size": 2, "train": dp2["train"], "rollout": dp2["rollout"]}
-    new, entry = checked_request(cfg, good, 1, 2, 4)
+    new, entry = check_resize_request(cfg, good, 1, 2, 4)
     assert (entry.iteration, new.at_iteration(0).world_size, new.at_iteration(1).world_size) == (1, 4, 2)
     for request, it, held, expected in (
             ({**good, "world_size": 3}, 1, 4, ["elastic.schedule[0]: train: tp·pp·dp = 1·1·2 = 2, but world_size = 3"]),
@@ -371,6 +371,6 @@ def test_a_bad_resize_request_is_one_config_error(tmp_path):
             (good, 1, 1, ["resize request: world_size 2 — Ray holds 1 devices"]),
             ({"id": None, "unreadable": "JSONDecodeError"}, 1, 4, ["resize request: unreadable (JSONDecodeError)"])):
         with pytest.raises(ConfigError, match="resize request refused") as e:
-            checked_request(cfg, request, it, 2, held)
+            check_resize_request(cfg, request, it, 2, held)
         for want in expected:
             assert any(p.startswith(want) for p in e.value.problems), (want, e.value.problems)

@@ -129,7 +129,7 @@ def test_grpo_trainer_world_and_vllm_replicas_resized_together(ray_session, tmp_
 def test_a_combined_entry_is_checked_before_ray(tmp_path):
     """A schedule entry (or a resize request) that changes the trainer world beside vLLM replicas
     is accepted; one whose replicas do not fit the new world is one ConfigError before Ray."""
-    from rlhf_switch.elastic.requests import checked_request
+    from rlhf_switch.problems import check_resize_request
     from rlhf_switch.problems import check_run
     from rlhf_switch.rl.config import ConfigError, load_config
 
@@ -143,9 +143,9 @@ def test_a_combined_entry_is_checked_before_ray(tmp_path):
     assert e.value.problems == ["elastic.schedule[0]: rollout: tp·pp·dp = 2·1·1 = 2, but world_size = 1 (every "
                                 "phase is colocated on all devices)"], e.value.problems
     run = load_config({**cfg, "elastic": {}})
-    new, entry = checked_request(run, {"id": "a", **{k: cfg["elastic"]["schedule"][1][k]
+    new, entry = check_resize_request(run, {"id": "a", **{k: cfg["elastic"]["schedule"][1][k]
                                                       for k in ("world_size", "train", "rollout")}}, 1, 4, 2)
     assert (entry.world_size, new.at_iteration(1).train.dp, new.at_iteration(1).rollout.dp) == (1, 1, 1)
     with pytest.raises(ConfigError) as e:
-        checked_request(run, {"id": "b", "world_size": 1, "train": bad["train"], "rollout": bad["rollout"]}, 1, 4, 2)
+        check_resize_request(run, {"id": "b", "world_size": 1, "train": bad["train"], "rollout": bad["rollout"]}, 1, 4, 2)
     assert any("tp·pp·dp = 2·1·1 = 2, but world_size = 1" in p for p in e.value.problems), e.value.problems

@@ -2,7 +2,7 @@
 ``elastic.on_node_change: resize`` a node added grows the run through the resize-request path.
 
 - ``rlhf_switch.elastic.nodes`` (pure): two snapshots of ``ray.nodes()`` compared; the request a
-  grown cluster makes (layouts scaled along DP), checked by ``requests.checked_request``.
+  grown cluster makes (layouts scaled along DP), checked by ``problems.check_resize_request``.
 - The loop's watch (``recipes.elastic.nodes.watch_nodes``) on plain ``ray.nodes()``-shaped lists: every
   change an ``event`` record, a node added a request in the run's mailbox (or not, and why).
 - Nodes started as an operator starts them (``tests/ray_nodes.py``: ``ray start`` processes with
@@ -58,32 +58,34 @@ def _config(out: Path, world: int) -> dict:
 
 
 def test_the_grown_request_scales_dp_and_goes_through_the_request_checks(tmp_path):
-    from rlhf_switch.elastic.requests import checked_request
+    from rlhf_switch.problems import check_resize_request
     from rlhf_switch.rl.config import ConfigError, load_config
 
     cfg = load_config({**_config(tmp_path, 2), "elastic": {"on_node_change": "resize"}})
     assert load_config({**_config(tmp_path, 2), "elastic": {}}).elastic.on_node_change == "record"
     with pytest.raises(ConfigError, match="on_node_change"):  # before Ray: one ConfigError
         load_config({**_config(tmp_path, 2), "elastic": {"on_node_change": "grow"}})
-    with pytest.raises(ConfigError, match="on_node_change: resize") as e:
-        load_config({**_config(tmp_path, 2), "elastic": {"on_node_change": "resize"},
-                     "rollout": {"engine": "vllm", "tp": 1, "dp": 2}})
-    assert any("only the torch rollout engine" in p for p in e.value.problems), e.value.problems
+    from rlhf_switch.problems import run_problems
+
+    replicas = load_config({**_config(tmp_path, 2), "elastic": {"on_node_change": "resize"},
+                            "rollout": {"engine": "vllm", "tp": 1, "dp": 2}})
+    problems = [p for p in run_problems(replicas, skip=("reward", "prompts")) if "on_node_change: resize" in p]
+    assert problems and "only a rollout engine in the trainer's actors" in problems[0], problems
     # with redundancy: host a node added is a request as any (the schedule path takes redundancy)
     kept = load_config({**_config(tmp_path, 2), "elastic": {"on_node_change": "resize", "redundancy": "host"}})
     now = {k: getattr(cfg, k).model_dump() for k in ("train", "rollout")} | {"reference": None}
     req = grown_request(now, 4)
     assert (req["world_size"], req["train"]["dp"], req["rollout"]["dp"], req["train"]["zero_stage"]) == (4, 4, 4, 3)
     assert "reference" not in req
-    new, entry = checked_request(cfg, {"id": "n", "reason": "node_added", **req}, 1, 2, 4)
+    new, entry = check_resize_request(cfg, {"id": "n", "reason": "node_added", **req}, 1, 2, 4)
     assert (entry.iteration, new.at_iteration(1).train.dp, new.at_iteration(1).rollout.dp) == (1, 4, 4)
-    assert checked_request(kept, {"id": "n", **req}, 1, 2, 4)[1].world_size == 4
+    assert check_resize_request(kept, {"id": "n", **req}, 1, 2, 4)[1].world_size == 4
     with pytest.raises(ConfigError, match="resize request refused") as e:  # a world of 1 keeps no copy
-        checked_request(kept, {"id": "n", **grown_request(now, 1)}, 1, 2, 4)
+        check_resize_request(kept, {"id": "n", **grown_request(now, 1)}, 1, 2, 4)
     assert any("redundancy: host needs every world of the run >= 2" in p for p in e.value.problems), e.value.problems
     # 3 devices: DP3 does not divide the 16 samples' mini-batch of 8 — the config's own message
     with pytest.raises(ConfigError, match="resize request refused") as e:
-        checked_request(cfg, {"id": "n", **grown_request(now, 3)}, 1, 2, 3)
+        check_resize_request(cfg, {"id": "n", **grown_request(now, 3)}, 1, 2, 3)
     assert any("elastic.schedule[0]" in p for p in e.value.problems), e.value.problems
     tp2 = {**now, "train": {**now["train"], "engine": "megatron", "tp": 2, "dp": 1}}
     assert grown_request(tp2, 4)["train"] == {**tp2["train"], "dp": 2}  # along DP, tp kept

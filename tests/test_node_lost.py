@@ -2,7 +2,7 @@
 the devices left — a smaller world, the layouts scaled along DP — when theirs are gone.
 
 - Pure: the scaled request for fewer devices (``nodes.scaled_request``), the config it makes,
-  checked as the config is (``requests.scaled_config``: a batch the new DP does not divide, a
+  checked as the config is (``problems.scaled_run``: a batch the new DP does not divide, a
   world too small for a buddy, one ``ConfigError``), ``Devices.renumber``, and the loop's node
   watch naming what a recovery did with a lost node's trainers.
 - Two nodes started as an operator starts them (``tests/ray_nodes.py``: ``ray start`` processes
@@ -36,7 +36,7 @@ def _config(out: Path, world: int) -> dict:
 
 def test_the_scaled_request_shrinks_along_dp_and_the_smaller_config_is_checked(tmp_path):
     from rlhf_switch.elastic.nodes import grown_request, scaled_request
-    from rlhf_switch.elastic.requests import scaled_config
+    from rlhf_switch.problems import scaled_run
     from rlhf_switch.rl.config import ConfigError, load_config
 
     cfg = load_config(_config(tmp_path, 4))
@@ -46,13 +46,13 @@ def test_the_scaled_request_shrinks_along_dp_and_the_smaller_config_is_checked(t
     assert grown_request is scaled_request
     tp2 = {**now, "train": {**now["train"], "engine": "megatron", "tp": 2, "dp": 2}}
     assert scaled_request(tp2, 2)["train"] == {**tp2["train"], "dp": 1}  # along DP, tp kept
-    small = scaled_config(cfg, 2)
+    small = scaled_run(cfg, 2)
     assert (small.world_size, small.train.dp, small.rollout.dp) == (2, 2, 2)
     assert small.elastic.redundancy == "host" and small.seed == cfg.seed and small.algorithm == cfg.algorithm
     # 3 devices: DP3 does not divide the batch; 1 device: no other rank to keep a copy
     for world, want in ((3, "divide"), (1, "world_size >= 2")):
         with pytest.raises(ConfigError, match=f"no {world}-device world") as e:
-            scaled_config(cfg, world)
+            scaled_run(cfg, world)
         assert any(want in p for p in e.value.problems), e.value.problems
 
 

@@ -114,6 +114,7 @@ class ElasticControl:
         ``it + 1``). The config in force becomes the one with the entry; a refused request
         returns the record saying why — the run trains on."""
         from rlhf_switch.elastic import requests
+        from rlhf_switch.problems import check_resize_request
         from rlhf_switch.rl.config import ConfigError
 
         state = self.state
@@ -125,7 +126,7 @@ class ElasticControl:
             res = self.ray.cluster_resources()
             held = int(min(res.get("GPU", 0), res.get("CPU", 0)))
         try:
-            new, entry = requests.checked_request(state.cfg, req, it + 1, state.last, held)
+            new, entry = check_resize_request(state.cfg, req, it + 1, state.last, held)
         except ConfigError as e:
             requests.answer(state.out_dir, req, "refused", str(e), problems=e.problems, iteration=it)
             state.say(str(e))
@@ -306,12 +307,12 @@ class ElasticControl:
         state of the last refresh from the survivors' host copies (``rlhf_switch.elastic.recovery``)
         into a new world — the same size with a replacement on each lost rank's device, or, where
         devices went with a lost node, the devices left with the layouts scaled along DP
-        (``requests.scaled_config``; the run goes on in it) — and return (iteration to run again,
+        (``problems.scaled_run``; the run goes on in it) — and return (iteration to run again,
         run-log record); both an owner and its copy's holder lost, or no valid smaller world: the
         newest checkpoint (``_fall_back_to_checkpoint``). No trainer lost: ``error`` is raised."""
         from actors.hybrid import remote_class
         from rlhf_switch.elastic.recovery import StateLost, WorldLost, lost_ranks, recover
-        from rlhf_switch.elastic.requests import scaled_config
+        from rlhf_switch.problems import scaled_run
 
         state, cluster = self.state, self.state.cluster
         probe_s = time.perf_counter()
@@ -324,7 +325,7 @@ class ElasticControl:
         smaller = {}
 
         def config_for(world: int) -> dict:
-            smaller["cfg"] = scaled_config(old_cfg, world)
+            smaller["cfg"] = scaled_run(old_cfg, world)
             return smaller["cfg"].model_dump()
 
         try:

@@ -4,7 +4,7 @@ In the synchronous loop with rollout replicas on devices of their own (``rollout
 disaggregated``), those devices are idle from the end of the rollout to the next sync, and the
 trainer's are idle while the replicas generate. With rebalance, a second trainer world spans both:
 the trainer's N devices and the replicas' M, its layouts the run's scaled along DP
-(``elastic.requests.scaled_config``). It is built once, in the background, while the first
+(``rlhf_switch.problems.scaled_run``). It is built once, in the background, while the first
 iterations run (its actors take no share of Ray's: the bundles are the trainer's and the replicas'
 own, like a combined resize's new trainers). Each iteration then:
 
@@ -93,7 +93,7 @@ class Rebalance:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from actors.hybrid import remote_class
-        from rlhf_switch.elastic.requests import scaled_config
+        from rlhf_switch.problems import scaled_run
 
         if cluster.device.is_cuda:  # fail closed: nothing of this ran on a GPU
             raise ValueError("elastic.rebalance on CUDA is not built yet (the grown world's actors take no GPU share "
@@ -103,7 +103,7 @@ class Rebalance:
         # the replicas' own devices (not those lent the trainer's: elastic.lend)
         lent = [s.bundle for i, s in enumerate(cluster.resources.replicas) if i not in cluster.lent
                 for _ in range(cluster.tp)]
-        self.cfg = scaled_config(cfg.model_copy(update={"elastic": None}), self.small + len(lent))
+        self.cfg = scaled_run(cfg.model_copy(update={"elastic": None}), self.small + len(lent))
         self.world = self.cfg.world_size
         slots = [cluster._slot(b) for b in list(range(self.small)) + lent]
         cpus, gpus = REBALANCE_SLOT

@@ -70,7 +70,7 @@ def scaled_request(now: Mapping[str, Any], world: int) -> dict:
     in force ``now`` (``RunConfig.at_iteration(...).model_dump()``): the train, rollout,
     reference and critic layouts scaled along DP (``rl.config.scaled_along_dp``). Not checked here: a layout that does not
     scale (``tp·pp`` not dividing ``world``) or a batch the new DP does not divide is refused by
-    ``requests.checked_request`` / ``requests.scaled_config`` with the config's own messages."""
+    ``problems.check_resize_request`` / ``problems.scaled_run`` with the config's own messages."""
     from ..rl.config import scaled_along_dp
 
     return scaled_along_dp(now, world)

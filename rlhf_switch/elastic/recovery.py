@@ -16,7 +16,7 @@ within the deadline counts as lost too (it is killed). ``recover`` then:
    device once it knows the node is down; ``replace_wait_s`` at most; a device's other half
    holds the surviving old actor meanwhile). The devices gone with a lost node are released
    and the world shrinks to the others, rank order kept, with ``config_for(world)`` — the run's
-   layouts scaled along DP (``requests.scaled_config``). A smaller world that is not a valid
+   layouts scaled along DP (``problems.scaled_run``). A smaller world that is not a valid
    config: ``WorldLost``, before anything moves — the caller falls back to a checkpoint;
 3. moves the state with the resize's own stop-the-world (``PendingWorld.commit``), the survivors
    sending their host copies (``source="host_copy"``): one VPS plan over the union of the

@@ -8,7 +8,7 @@ A caller (another process, a notebook, a scheduler) asks a running loop for a ne
     wait_answer("runs/grpo", rid)    # {"status": "accepted", "iteration": 5, ...}, later "done"
 
 The loop takes the request at its next iteration boundary and checks it as an ``elastic.schedule``
-entry at the next iteration (``checked_request``: the config's own validators and fit checks,
+entry at the next iteration (``rlhf_switch.problems.check_resize_request``: the config's types and the pre-start checks,
 the devices Ray holds) before anything starts. A request that does not pass is answered
 ``refused`` with every problem, and the run trains on; one that passes becomes that schedule
 entry — the new world is built during the current iteration and committed before the next, the
@@ -30,7 +30,6 @@ from typing import Any, Mapping
 from .plan import ResizeError
 
 REQUEST, TAKEN, ANSWER = "elastic_request.json", "elastic_request.taken.json", "elastic_answer.json"
-ENTRY_KEYS = ("world_size", "train", "rollout", "reference", "critic")
 FINAL = ("done", "refused", "abandoned")
 
 
@@ -100,71 +99,3 @@ def wait_answer(output_dir, rid: str, statuses=FINAL + ("accepted",), timeout_s:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no answer {statuses} to resize request {rid} in {output_dir} within {timeout_s} s")
         time.sleep(0.1)
-
-
-def checked_request(cfg, request: Mapping, iteration: int, last: int, devices_held: int | None):
-    """The run's config with ``request`` as the ``elastic.schedule`` entry at ``iteration`` (the
-    one after the boundary it was taken at), checked like a schedule entry in the config: the
-    config's validators, the pre-start checks of the world it makes (``rlhf_switch.problems``; its
-    reward already ran), and the ``devices_held`` Ray can
-    give (None: the run has no elastic device manager). Returns (config, entry); raises one
-    ``ConfigError`` listing every problem."""
-    from ..problems import check_run
-    from ..rl.config import ConfigError, load_config
-
-    where = "resize request"
-
-    def refuse(problems: list[str]):
-        return ConfigError(f"{where} refused: {len(problems)} problem{'s' * (len(problems) != 1)}", problems)
-
-    problems = []
-    if "unreadable" in request:
-        raise refuse([f"{where}: unreadable ({request['unreadable']})"])
-    unknown = sorted(set(request) - set(ENTRY_KEYS) - {"id", "reason"})
-    if unknown:
-        problems.append(f"{where}: unknown keys {unknown} (give {', '.join(ENTRY_KEYS)})")
-    if devices_held is None:
-        problems.append(f"{where}: this run has no elastic device manager (give the config an elastic block, "
-                        f"with the torch rollout engine or vLLM replicas, colocated)")
-    if iteration > last:
-        problems.append(f"{where}: the run ends at iteration {last}; there is no next iteration to resize before")
-    schedule = [e.model_dump() for e in (cfg.elastic.schedule if cfg.elastic else [])]
-    if any(e["iteration"] == iteration for e in schedule):
-        problems.append(f"{where}: elastic.schedule already resizes before iteration {iteration}")
-    if len(problems) > len(unknown[:1]):  # no entry to check
-        raise refuse(problems)
-    entry = {**{k: request[k] for k in ENTRY_KEYS if k in request}, "iteration": iteration}
-    data = cfg.model_dump()
-    data["elastic"] = {**(data.get("elastic") or {}),
-                       "schedule": sorted(schedule + [entry], key=lambda e: e["iteration"])}
-    try:
-        new = load_config(data)
-        check_run(new, skip=("reward",))
-    except ConfigError as e:
-        raise refuse(problems + (e.problems or [str(e)])) from None
-    (accepted,) = [e for e in new.elastic.schedule if e.iteration == iteration]
-    if accepted.world_size > devices_held:
-        problems.append(f"{where}: world_size {accepted.world_size} — Ray holds {devices_held} devices for this run")
-    if problems:
-        raise refuse(problems)
-    return new, accepted
-
-
-def scaled_config(cfg, world: int):
-    """The run's config on ``world`` devices, its train, rollout and reference layouts scaled
-    along DP (``nodes.scaled_request``): the world a lost node leaves (``recovery.recover``).
-    Checked as the config is: its validators and the pre-start checks; raises one ``ConfigError``
-    (e.g. a TP that does not divide ``world``, a batch the new DP does not divide)."""
-    from ..problems import check_run
-    from ..rl.config import ConfigError, load_config
-    from .nodes import scaled_request
-
-    data = cfg.model_dump()
-    data.update(scaled_request(data, world))
-    try:
-        new = load_config(data)
-        check_run(new, skip=("reward",))
-    except ConfigError as e:
-        raise ConfigError(f"no {world}-device world with the run's layouts scaled along DP",
-                          e.problems or [str(e)]) from None
-    return new

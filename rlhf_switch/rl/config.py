@@ -794,17 +794,29 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"config {path}", [f"not valid YAML: {e}"]) from None
 
 
-def load_config(source: str | os.PathLike | Mapping[str, Any]) -> RunConfig:
-    """A ``RunConfig`` from a YAML file or an already-parsed dict; ``ConfigError`` lists every
-    bad field."""
+def load_config(source: str | os.PathLike | Mapping[str, Any], root: type[BaseModel] | None = None,
+                overrides: Mapping[str, Any] | None = None):
+    """A ``RunConfig`` (or ``root``: another run's config model, e.g. ``rlhf-switch rm``'s) from a
+    YAML file or an already-parsed dict, ``overrides`` (dotted field paths, e.g. a command line's
+    ``{"algorithm.iterations": 40}``) applied first; ``ConfigError`` lists every bad field by its
+    path."""
+    root = root or RunConfig
     name = "config" if isinstance(source, Mapping) else f"config {source}"
     data = source if isinstance(source, Mapping) else _read_yaml(Path(source))
     if not isinstance(data, Mapping):
         raise ConfigError(name, [f"the top level must be a mapping of fields, got {type(data).__name__}"])
+    data = dict(data)
+    for path, value in (overrides or {}).items():
+        *parents, last = path.split(".")
+        node = data
+        for part in parents:
+            node[part] = dict(node.get(part) or {})
+            node = node[part]
+        node[last] = value
     try:
-        return RunConfig.model_validate(dict(data))
+        return root.model_validate(data)
     except ValidationError as e:
-        problems = format_validation_error(e)
+        problems = format_validation_error(e, root)
         raise ConfigError(f"{name}: {len(problems)} problem{'s' * (len(problems) != 1)}", problems) from None
 
 

@@ -31,10 +31,9 @@ from typing import Any, Literal, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from .config import ConfigError, ModelConfig, SftConfig, Strict, TrainLayout, format_validation_error
+from .config import ModelConfig, SftConfig, Strict, TrainLayout, load_config
 from .tasks import CharTokenizer
 
 # beside the weights of a reward model ``rlhf-switch rm`` wrote: its tokenizer (kind and, for the
@@ -102,27 +101,16 @@ class RewardModelRunConfig(Strict):
     training: RewardTraining = RewardTraining()
     sft: SftConfig | None = None
 
+    def phases(self) -> dict:
+        """The layouts this run uses, by phase name: its trainer's."""
+        return {"train": self.train}
 
-def load_rm_config(source: str | os.PathLike | Mapping[str, Any]) -> RewardModelRunConfig:
-    """A ``RewardModelRunConfig`` from a YAML file or a dict; ``ConfigError`` lists every bad field."""
-    name = "config" if isinstance(source, Mapping) else f"config {source}"
-    if isinstance(source, Mapping):
-        data = source
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(name, [f"no such file: {path}"])
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(name, [f"not valid YAML: {e}"]) from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(name, [f"the top level must be a mapping of fields, got {type(data).__name__}"])
-    try:
-        return RewardModelRunConfig.model_validate(dict(data))
-    except ValidationError as e:
-        problems = format_validation_error(e, RewardModelRunConfig)
-        raise ConfigError(f"{name}: {len(problems)} problem{'s' * (len(problems) != 1)}", problems) from None
+
+def load_rm_config(source: str | os.PathLike | Mapping[str, Any],
+                   overrides: Mapping[str, Any] | None = None) -> RewardModelRunConfig:
+    """A ``RewardModelRunConfig`` from a YAML file or a dict (``rl.config.load_config``);
+    ``ConfigError`` lists every bad field."""
+    return load_config(source, RewardModelRunConfig, overrides)
 
 
 def rm_tokenizer(cfg: RewardModelRunConfig):
