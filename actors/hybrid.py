@@ -52,6 +52,7 @@ from rlhf_switch.engines.base import DEFAULT_TIMEOUT as TIMEOUT  # the world's d
 from rlhf_switch.families import context_length
 from rlhf_switch.rl.algorithm import Algorithm
 from rlhf_switch.rl.config import RunConfig, load_config, longest_sequence_tokens
+from rlhf_switch.timeouts import MOVE_S
 
 
 class ChannelStale(RuntimeError):
@@ -364,7 +365,7 @@ class HybridWorker:
         """Old rank 0 only: the union group's TCPStore on a free port of this node."""
         from rlhf_switch.engines.channel import open_store
 
-        self._resize_store, host, port = open_store(300.0)
+        self._resize_store, host, port = open_store(MOVE_S)
         return host, port
 
     def _state_adapters(self) -> list:
@@ -451,7 +452,7 @@ class HybridWorker:
         """Rank 0 only: a TCPStore for the weight channel on a free port of this node."""
         from rlhf_switch.engines.channel import open_store
 
-        self._channel_store, host, port = open_store(300.0)
+        self._channel_store, host, port = open_store(MOVE_S)
         return host, port
 
     def channel_open(self, endpoint=None) -> dict:
@@ -465,7 +466,7 @@ class HybridWorker:
             self.channel.close()
         if endpoint is None:
             cfg = getattr(self, "cfg", None)  # the run's verify setting (RunConfig.verify)
-            self.channel = ChannelEnd.over(timeout_s=300.0, verify=cfg.verify if cfg else "off",
+            self.channel = ChannelEnd.over(timeout_s=MOVE_S, verify=cfg.verify if cfg else "off",
                                            verify_fraction=cfg.verify_fraction if cfg else 0.1,
                                            share_sources=True)  # a weight sync: the same buffers every time
             src = self._gather_weights_layout()

@@ -39,6 +39,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from rlhf_switch.timeouts import CONTROL_S, START_S
+
 RM_DESCRIPTION = """\
 Train a reward model from preference pairs (prompt, chosen, rejected) with the Bradley-Terry loss
 on the project's training engines; the result (<output_dir>/final) is what a run's
@@ -157,14 +159,14 @@ class RewardWorld:
         n = cfg.world_size
         self.pg = placement_group([{"CPU": 1, "GPU": 1}] * n, strategy="PACK")
         try:
-            ray.get(self.pg.ready(), timeout=120)  # pg.ready() can pend forever
+            ray.get(self.pg.ready(), timeout=CONTROL_S)  # pg.ready() can pend forever
             self.workers = [remote_class(1, 1).options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=r)).remote() for r in range(n)]
-            seen = ray.get([w.devices_seen.remote() for w in self.workers], timeout=180)
+            seen = ray.get([w.devices_seen.remote() for w in self.workers], timeout=START_S)
             self.device = world_device(cfg, all(s["cuda"] for s in seen))
-            host, port = ray.get(self.workers[0].open_store.remote(), timeout=180)
+            host, port = ray.get(self.workers[0].open_store.remote(), timeout=START_S)
             ray.get([w.init_world.remote(host, port, r, n, self.device) for r, w in enumerate(self.workers)],
-                    timeout=180)
+                    timeout=START_S)
         except BaseException:
             self.shutdown(graceful=False)
             raise

@@ -40,9 +40,9 @@ def test_compat_imports_no_third_party_engine_at_module_level():
 
 
 # inside the package, each layer may import only the layers below it
-LAYERS = {"device": set(), "runtime_env": set(), "vps": set(), "routing": {"vps"}, "families": {"vps"}, "models": {"vps", "families"},
+LAYERS = {"device": set(), "runtime_env": set(), "timeouts": set(), "vps": set(), "routing": {"vps"}, "families": {"vps"}, "models": {"vps", "families"},
           "testing": {"vps", "families", "models", "rl"}, "rl": {"vps", "families", "models"},
-          "engines": {"vps", "routing", "families", "models", "rl", "compat", "launch", "device"},
+          "engines": {"vps", "routing", "families", "models", "rl", "compat", "launch", "device", "timeouts"},
           # the reward function's worker processes run rl's rewards
           "reward_workers": {"rl"},
           # environments, tools and episodes: rl's tasks, rewards and SFT pieces
@@ -50,7 +50,7 @@ LAYERS = {"device": set(), "runtime_env": set(), "vps": set(), "routing": {"vps"
           # the pre-start checks ask the config, the engines' registry and the device, and call the reward
           "problems": {"vps", "families", "models", "rl", "engines", "device", "reward_workers"},
           "elastic": {"vps", "routing", "families", "models", "rl", "compat", "launch", "engines", "device",
-                      "problems"},
+                      "problems", "timeouts"},
           # the cost model asks the engine registry which layouts each engine runs (no process group)
           "tune": {"vps", "families", "models", "rl", "engines", "device", "problems"}}
 

@@ -7,6 +7,8 @@ import time
 from contextlib import contextmanager
 from typing import Sequence
 
+from rlhf_switch.timeouts import PHASE_S, SHUTDOWN_S
+
 
 @contextmanager
 def phase(desc: str, total: int, quiet: bool):
@@ -20,7 +22,7 @@ def phase(desc: str, total: int, quiet: bool):
         bar.close()
 
 
-def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900, died: list | None = None,
+def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = PHASE_S, died: list | None = None,
              failed=None) -> list:
     """``ray.get`` of ``refs`` in order, with a progress bar that advances as each finishes; the
     first failure is raised at once (the others are not waited for). ``died``: a list that takes
@@ -53,7 +55,7 @@ def wait_all(ray, refs: list, desc: str, quiet: bool, timeout: float = 900, died
 def stop_actors(ray, actors: Sequence) -> None:
     """Shut the engines of ``actors`` down (their worker processes too), then free the actors."""
     try:
-        ray.get([a.shutdown.remote() for a in actors], timeout=60)
+        ray.get([a.shutdown.remote() for a in actors], timeout=SHUTDOWN_S)
     except Exception:  # noqa: BLE001 - best effort: the actors are killed next
         pass
     for a in actors:

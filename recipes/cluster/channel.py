@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from recipes.cluster.calls import SyncFailed, wait_all
+from rlhf_switch.timeouts import CONTROL_S, SYNC_S
 
 
 class ChannelMixin:
@@ -30,10 +31,10 @@ class ChannelMixin:
             src = next(x for x in self.all("channel_source", desc="describe weights") if x is not None)
             n, total = self.world, self.world + self.n_replicas * self.tp
             # the replicas' layout of what a sync moves (all weights; a LoRA run's adapters or merged weights)
-            dst = self.ray.get(self.workers[0].channel_destination.remote(self.tp, self.n_replicas), timeout=120)
+            dst = self.ray.get(self.workers[0].channel_destination.remote(self.tp, self.n_replicas), timeout=CONTROL_S)
             if self.replicas:  # as the engines must be written (vLLM layers kept in a processed form)
-                dst = self.ray.get(self.replicas[0].channel_destination.remote(dst), timeout=120) or dst
-            host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=60)
+                dst = self.ray.get(self.replicas[0].channel_destination.remote(dst), timeout=CONTROL_S) or dst
+            host, port = self.ray.get(self.workers[0].channel_store.remote(), timeout=CONTROL_S)
             ep = Endpoint(host, port, total, 0, place(src, range(n), total), place(dst, range(n, total), total),
                           budget_bytes or DEFAULT_BUDGET, verify=self.cfg.verify,
                           verify_fraction=self.cfg.verify_fraction, handoff=self.handoff, colocated=colocated,
@@ -79,7 +80,7 @@ class ChannelMixin:
         recv, self._standing_by = self._standing_by or [r.channel_receive.remote(version) for r in self.replicas], None
         send = [w.sync_send.remote() for w in self.workers]
         try:
-            out = self.ray.get(recv + send, timeout=600)
+            out = self.ray.get(recv + send, timeout=SYNC_S)
         except Exception as e:  # noqa: BLE001 - which member is gone, then raise
             failure = self._sync_failure(recv, send, e)
             dead = self._dead(self.replicas)
@@ -139,7 +140,7 @@ class ChannelMixin:
         dead, named, seen = [], set(), []
         for who, ref in calls:
             try:
-                self.ray.get(ref, timeout=120)
+                self.ray.get(ref, timeout=CONTROL_S)
             except (ActorDiedError, RayActorError) as e:
                 dead.append(who)
                 seen.append(f"{who}: died ({type(e).__name__})")
@@ -159,6 +160,6 @@ class ChannelMixin:
     def channel_stats(self) -> dict:
         """Every member's channel counters, open file descriptors and threads."""
         stats = self.ray.get([w.channel_stats.remote() for w in self.workers]
-                             + [r.channel_stats.remote() for r in self.replicas], timeout=120)
+                             + [r.channel_stats.remote() for r in self.replicas], timeout=CONTROL_S)
         return {"trainers": stats[:self.world], "replicas": stats[self.world:]}
 

@@ -20,6 +20,7 @@ from recipes.cluster.calls import RolloutEngineFailed, engine_error, wait_all
 from recipes.cluster.channel import ChannelMixin
 from recipes.cluster.placement import STRATEGIES, PlacementError, rank_bundles, resources_for
 from recipes.cluster.replicas import ReplicasMixin
+from rlhf_switch.timeouts import CONTROL_S, PHASE_S, SHUTDOWN_S, START_S
 
 
 class Cluster(ReplicasMixin, ChannelMixin):
@@ -50,7 +51,7 @@ class Cluster(ReplicasMixin, ChannelMixin):
         self.owns_devices = devices is None
         if devices is None:
             self.pg = placement_group(list(res.bundles), strategy=STRATEGIES[cfg.placement])
-            ray.get(self.pg.ready(), timeout=120)  # pg.ready() can pend forever
+            ray.get(self.pg.ready(), timeout=CONTROL_S)  # pg.ready() can pend forever
             # rank r sits on bundle self.bundles[r]: a colocated replica's tp ranks on one node
             # (rank_bundles); the bundles after the trainer's (rollout.colocate: false) hold one whole
             # replica each
@@ -79,7 +80,7 @@ class Cluster(ReplicasMixin, ChannelMixin):
                         .remote() for s in res.workers]
         # the run's device, backend and dtypes: resolved once, from what the actors on their
         # bundles see (cuda only if every one sees a GPU)
-        seen = ray.get([w.devices_seen.remote() for w in self.workers], timeout=180)
+        seen = ray.get([w.devices_seen.remote() for w in self.workers], timeout=START_S)
         try:
             self.device = world_device(cfg, all(s["cuda"] for s in seen))
             if self.lent and self.device.is_cuda:  # fail closed: nothing of this ran on a GPU
@@ -98,9 +99,9 @@ class Cluster(ReplicasMixin, ChannelMixin):
             # colocated: replica r's workers use the (whole) devices of the trainer ranks it shares
             self._replica_gpus = self._gpus_of(res)
         # rank 0 hosts the world's store on its own node's address: nothing assumes one host
-        host, port = ray.get(self.workers[0].open_store.remote(), timeout=180)
+        host, port = ray.get(self.workers[0].open_store.remote(), timeout=START_S)
         ray.get([w.init_world.remote(host, port, r, world, self.device) for r, w in enumerate(self.workers)],
-                timeout=180)
+                timeout=START_S)
         self.channel_opened = 0
         self.handoff = "p2p"  # the weight channel's, once opened (rollout.handoff resolved)
         self._standing_by = None  # the replicas' receives posted ahead of the next sync
@@ -211,7 +212,7 @@ class Cluster(ReplicasMixin, ChannelMixin):
         address, pid): the trainer ranks in rank order, the rollout replicas (their engines'
         workers are the replica actors' own processes) in replica order; each rank's bundle."""
         got = self.ray.get([w.node.remote() for w in self.workers] + [r.node.remote() for r in self.replicas],
-                           timeout=120)
+                           timeout=CONTROL_S)
         return {"placement": self.cfg.placement, "trainers": got[:self.world], "replicas": got[self.world:],
                 "n_nodes": len({g["node_id"] for g in got}), "rank_bundles": list(self.bundles)}
 
@@ -241,7 +242,7 @@ class Cluster(ReplicasMixin, ChannelMixin):
         refs = [w.memory_mark.remote() for w in self.workers]
 
         def read() -> dict:
-            marks = self.ray.get(refs, timeout=900)
+            marks = self.ray.get(refs, timeout=PHASE_S)
             return {"bytes": max(m["bytes"] for m in marks), "per_rank": [m["bytes"] for m in marks],
                     "measure": marks[0]["measure"]}
         return read() if wait else read
@@ -261,8 +262,8 @@ class Cluster(ReplicasMixin, ChannelMixin):
         if graceful:
             try:
                 if self.replicas:
-                    ray.get([r.shutdown.remote() for r in self.replicas], timeout=60)
-                ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+                    ray.get([r.shutdown.remote() for r in self.replicas], timeout=SHUTDOWN_S)
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=SHUTDOWN_S)
             except Exception:  # noqa: BLE001 - best effort: the actors are killed next
                 pass
         for a in self.replicas + self.workers:

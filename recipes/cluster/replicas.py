@@ -12,6 +12,7 @@ from typing import Sequence
 
 from recipes.cluster.calls import RolloutEngineFailed, engine_error, stop_actors, wait_all
 from recipes.cluster.placement import TRANSITION_SLOT, Resources, lent_replicas, resources_for
+from rlhf_switch.timeouts import CONTROL_S, RESIZE_S, SHUTDOWN_S
 
 
 @dataclass
@@ -130,7 +131,7 @@ class ReplicasMixin:
         return self._incoming
 
 
-    def swap_replicas(self, timeout_s: float = 600.0, fall_back: bool = True) -> dict:
+    def swap_replicas(self, timeout_s: float = RESIZE_S, fall_back: bool = True) -> dict:
         """The stop-the-world of a rollout layout change (``start_replicas``): wait for what is left
         of the new replicas' start, re-form the weight channel over the trainer ranks and the new
         replicas (the channel's own join and plan), fill them with one sync before they take any
@@ -324,7 +325,7 @@ class ReplicasMixin:
         refs, dead = [(a, a.node.remote()) for a in actors], []
         for a, ref in refs:
             try:
-                self.ray.get(ref, timeout=60)
+                self.ray.get(ref, timeout=SHUTDOWN_S)
             except (ActorDiedError, RayActorError):
                 dead.append(a)
         return dead
@@ -342,7 +343,7 @@ class ReplicasMixin:
             recv, self._standing_by = self._standing_by, None
             for ref in recv + [w.channel_release.remote() for w in self.workers]:
                 try:
-                    self.ray.get(ref, timeout=120)
+                    self.ray.get(ref, timeout=CONTROL_S)
                 except Exception:  # noqa: BLE001 - expected: PeerLost on the survivors, ActorDiedError for the dead
                     pass
         for d in dead:

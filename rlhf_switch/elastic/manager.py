@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from .plan import ResizeError, ResizePlan
+from ..timeouts import CONTROL_S, RESIZE_S, SHUTDOWN_S
 
 DEVICE = {"CPU": 1, "GPU": 1}
 
@@ -158,7 +159,7 @@ def bytes_moved(members: Sequence[Mapping]) -> int:
     return sum(m["bytes_sent"] + m["bytes_local"] for m in members if m["side"] == "old")
 
 
-def union_move(ray, old_workers: Sequence, new_workers: Sequence, plan: ResizePlan, timeout_s: float = 600.0,
+def union_move(ray, old_workers: Sequence, new_workers: Sequence, plan: ResizePlan, timeout_s: float = RESIZE_S,
                source: str = "engine") -> list[dict]:
     """One VPS move of the training state over the union of ``old_workers`` (only read; ``source``
     as ``HybridWorker.resize_move`` takes it) and ``new_workers`` (overwritten): the union store
@@ -166,7 +167,7 @@ def union_move(ray, old_workers: Sequence, new_workers: Sequence, plan: ResizePl
     # host copies: the survivors' main calls are stuck in their broken world, so their part runs
     # in the control group; their engines' own state (a planned resize) is read in order
     group = {"concurrency_group": CONTROL} if source == "host_copy" else {}
-    host, port = ray.get(old_workers[0].resize_store.options(**group).remote(), timeout=120)
+    host, port = ray.get(old_workers[0].resize_store.options(**group).remote(), timeout=CONTROL_S)
     refs = [w.resize_move.options(**group).remote(plan.endpoint(host, port, "old", r), source)
             for r, w in enumerate(old_workers)]
     refs += [w.resize_move.remote(plan.endpoint(host, port, "new", r)) for r, w in enumerate(new_workers)]
@@ -185,7 +186,7 @@ class PendingWorld:
     (Ray runs each actor's calls in order), none of which waits on the driver."""
 
     def __init__(self, ray, actor_cls, config: Mapping, devices: Devices, plan: ResizePlan,
-                 timeout_s: float = 600.0, init_dir: str | None = None, device=None):
+                 timeout_s: float = RESIZE_S, init_dir: str | None = None, device=None):
         self.ray, self.devices, self.plan, self.timeout_s = ray, devices, plan, timeout_s
         self.t0 = time.perf_counter()
         # the devices the new world adds: reserved now, waited for behind the build
@@ -239,7 +240,7 @@ class PendingWorld:
         self.workers = []
         self.devices.release(self.plan.added)
 
-    def commit(self, old_workers: Sequence, timeout_s: float = 600.0, source: str = "engine",
+    def commit(self, old_workers: Sequence, timeout_s: float = RESIZE_S, source: str = "engine",
                release: bool = True) -> ResizeResult:
         """The stop-the-world: one VPS move over the union of old and new ranks (every old rank
         sends what it holds — the ranks leaving too, before they leave), then the old actors are
@@ -265,7 +266,7 @@ class PendingWorld:
         t1 = time.perf_counter()
         try:
             if source == "engine":
-                ray.get([w.shutdown.remote() for w in old_workers], timeout=60)
+                ray.get([w.shutdown.remote() for w in old_workers], timeout=SHUTDOWN_S)
         finally:
             for w in old_workers:
                 ray.kill(w)
@@ -276,7 +277,7 @@ class PendingWorld:
 
 
 def start_world(ray, actor_cls, config: Mapping, devices: Devices, plan: ResizePlan,
-                timeout_s: float = 600.0, init_dir: str | None = None, device=None) -> PendingWorld:
+                timeout_s: float = RESIZE_S, init_dir: str | None = None, device=None) -> PendingWorld:
     """Start building the trainer world of ``config`` (its ``world_size`` and ``train`` layout) on
     ``plan.new_devices`` in the background; returns at once. ``init_dir``: the run's warm start,
     from which the new world's reference and in-actor rollout engine are built too. ``device``:

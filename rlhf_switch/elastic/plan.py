@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..timeouts import MOVE_S
+
 
 class ResizeError(ValueError):
     """A resize that cannot be done (bad devices, a world that failed to build): raised before
@@ -54,7 +56,7 @@ class ResizePlan:
             raise ResizeError(f"{side} rank {rank} is not in a world of {world}")
         return rank if side == "old" else self.old_world + rank
 
-    def endpoint(self, host: str, port: int, side: str, rank: int, timeout_s: float = 300.0) -> "UnionEndpoint":
+    def endpoint(self, host: str, port: int, side: str, rank: int, timeout_s: float = MOVE_S) -> "UnionEndpoint":
         return UnionEndpoint(host, port, self.union_size, self.union_rank(side, rank), side, timeout_s)
 
 
@@ -68,4 +70,4 @@ class UnionEndpoint:
     world_size: int
     rank: int
     side: str            # "old" (sends its state) or "new" (receives it)
-    timeout_s: float = 300.0
+    timeout_s: float = MOVE_S

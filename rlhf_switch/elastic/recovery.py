@@ -32,6 +32,7 @@ from typing import Callable, Mapping, Sequence
 from ..vps.layouts.buddy import lost_owners
 from .manager import CONTROL, Devices, bytes_by_engine, start_world
 from .plan import ResizePlan
+from ..timeouts import MOVE_S, RESIZE_S
 
 
 class StateLost(RuntimeError):
@@ -99,7 +100,7 @@ def refreshed_alike(survivors: Sequence[int], extras: Sequence[Sequence[Mapping]
     return dict(extras[0][0]) if extras and extras[0] else {}
 
 
-def lost_ranks(ray, workers: Sequence, deadline_s: float = 300.0) -> list[int]:
+def lost_ranks(ray, workers: Sequence, deadline_s: float = MOVE_S) -> list[int]:
     """The ranks of ``workers`` that are dead or do not answer within ``deadline_s`` (those are
     killed: a rank that hangs cannot be part of the recovery)."""
     from ray.exceptions import RayActorError
@@ -122,7 +123,7 @@ def lost_ranks(ray, workers: Sequence, deadline_s: float = 300.0) -> list[int]:
 
 def recover(ray, actor_cls, config: Mapping, devices: Devices, device_ids: Sequence[int], workers: Sequence,
             lost: Sequence[int], shift: int = 1, init_dir: str | None = None, device=None,
-            failed_at: float | None = None, timeout_s: float = 600.0,
+            failed_at: float | None = None, timeout_s: float = RESIZE_S,
             config_for: Callable[[int], Mapping] | None = None, replace_wait_s: float = 60.0) -> Recovery:
     """Replace the world ``workers`` (rank ``r`` on device ``device_ids[r]``) that lost the ranks
     ``lost`` by a new world of ``config`` (the same world size) holding the state of the last

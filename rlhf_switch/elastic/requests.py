@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .plan import ResizeError
+from ..timeouts import RESIZE_S
 
 REQUEST, TAKEN, ANSWER = "elastic_request.json", "elastic_request.taken.json", "elastic_answer.json"
 FINAL = ("done", "refused", "abandoned")
@@ -89,7 +90,7 @@ def read_answer(output_dir) -> dict | None:
         return None
 
 
-def wait_answer(output_dir, rid: str, statuses=FINAL + ("accepted",), timeout_s: float = 600.0) -> dict:
+def wait_answer(output_dir, rid: str, statuses=FINAL + ("accepted",), timeout_s: float = RESIZE_S) -> dict:
     """The loop's answer to request ``rid`` once its status is one of ``statuses``."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -64,6 +64,7 @@ from ..routing.verify import DEFAULT_FRACTION, check_mode
 from ..vps.layout import Layout, LayoutError
 from ..vps.layouts.buckets import bucket_layout
 from ..vps.spec import itemsize
+from ..timeouts import MOVE_S, STANDBY_S
 
 HANDOFFS = ("auto", "p2p", "ipc")
 
@@ -108,7 +109,7 @@ def node_of_this_process() -> dict:
     return {"node_id": node_id, "address": node_address(), "pid": os.getpid()}
 
 
-def open_store(timeout_s: float = 300.0) -> tuple[dist.TCPStore, str, int]:
+def open_store(timeout_s: float = MOVE_S) -> tuple[dist.TCPStore, str, int]:
     """A TCPStore on a free port of this node (port 0: the OS picks; a port chosen elsewhere may
     collide and silently join another world). Returns (store, address, port) to hand out."""
     host = node_address()
@@ -129,8 +130,8 @@ class Endpoint:
     src: Layout
     dst: Layout
     budget_bytes: int = DEFAULT_BUDGET
-    timeout_s: float = 300.0     # any wait inside a move
-    standby_s: float = 3600.0    # how long a member may stand ready before the others arrive
+    timeout_s: float = MOVE_S    # any wait inside a move
+    standby_s: float = STANDBY_S  # how long a member may stand ready before the others arrive
     verify: str = "off"          # off | sample | full: checksums of the moved pieces (routing/verify.py)
     verify_fraction: float = DEFAULT_FRACTION  # of each pair's pieces, with verify "sample"
     handoff: str = "p2p"         # p2p | ipc (resolved: see resolve_handoff)
@@ -204,7 +205,7 @@ class ChannelEnd:
     """One member's end of a weight channel (see the module docstring)."""
 
     def __init__(self, group: Any, rank: int, world_size: int, *, store: Any = None,
-                 timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET, open_s: float = 0.0,
+                 timeout_s: float = MOVE_S, budget_bytes: int = DEFAULT_BUDGET, open_s: float = 0.0,
                  standby_s: float | None = None, deadline: Deadlines | None = None,
                  verify: str = "off", verify_fraction: float = DEFAULT_FRACTION,
                  handoff: str = "p2p", colocated: Sequence = (), backend: str = "gloo",
@@ -248,8 +249,8 @@ class ChannelEnd:
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, *, store: Any = None,
-             timeout_s: float = 300.0, budget_bytes: int = DEFAULT_BUDGET,
-             standby_s: float = 3600.0, verify: str = "off",
+             timeout_s: float = MOVE_S, budget_bytes: int = DEFAULT_BUDGET,
+             standby_s: float = STANDBY_S, verify: str = "off",
              verify_fraction: float = DEFAULT_FRACTION, handoff: str = "p2p",
              colocated: Sequence = (), backend: str = "gloo", share_sources: bool = False) -> "ChannelEnd":
         """Join the channel's own group (``backend``: gloo, or nccl for CUDA weights; collective
@@ -272,7 +273,7 @@ class ChannelEnd:
                    backend=backend, share_sources=share_sources)
 
     @classmethod
-    def over(cls, ranks: list[int] | None = None, *, timeout_s: float = 300.0,
+    def over(cls, ranks: list[int] | None = None, *, timeout_s: float = MOVE_S,
              budget_bytes: int = DEFAULT_BUDGET, verify: str = "off",
              verify_fraction: float = DEFAULT_FRACTION, share_sources: bool = False) -> "ChannelEnd":
         """A channel inside an existing world (trainer and rollout engine in the same processes):

@@ -42,6 +42,7 @@ from ..vps.layouts.vllm import (BlockedExperts, expert_forms, param_shape, proce
 from ..vps.placement import place
 from ..vps.spec import ModelSpec
 from .base import RolloutContext, RolloutEngine
+from ..timeouts import MOVE_S
 
 WORKER_EXTENSION = "rlhf_switch.engines.vllm_worker.VpsWorkerExtension"
 PREFIX = "param/"
@@ -391,7 +392,7 @@ class VLLMRollout:
 
     # --- the move -------------------------------------------------------------------------------------
     def load_from(self, world, src_layout: Layout, make_buffers: Callable[..., dict], *args,
-                  budget_bytes: int = DEFAULT_BUDGET, timeout_s: float = 300.0, verify: str = "off",
+                  budget_bytes: int = DEFAULT_BUDGET, timeout_s: float = MOVE_S, verify: str = "off",
                   handoff: str = "p2p", dst: Layout | None = None, **kwargs) -> LoadReport:
         """Move the weights ``src_layout`` describes, held by ``world``'s ranks (rank ``r``'s buffers
         are ``make_buffers(*args, **kwargs)`` run on rank ``r``), into this engine's workers: a

@@ -53,6 +53,7 @@ import pickle
 import torch
 
 from .. import compat
+from ..timeouts import STANDBY_S
 
 PREFIX = "param/"
 
@@ -178,7 +179,7 @@ class VpsWorkerExtension:
     # --- the weight channel (engines/channel.py): joined once, then one move per sync --------------
     @_answer
     def vps_channel_open(self, host: str, port: int, first_rank: int, world_size: int, src_layout: bytes,
-                         dst_layout: bytes, timeout_s: float, budget_bytes: int, standby_s: float = 3600.0,
+                         dst_layout: bytes, timeout_s: float, budget_bytes: int, standby_s: float = STANDBY_S,
                          verify: str = "off", verify_fraction: float = 0.1, handoff: str = "p2p",
                          colocated: list | None = None, backend: str = "gloo") -> dict:
         """Join the run's weight channel as rank ``first_rank + tp_rank`` and keep it (and both
