@@ -430,7 +430,7 @@ def _off_policy(cfg: RunConfig, facts: Facts) -> list[str]:
     """One-step off-policy needs rollout replicas of their own devices (they generate while the
     trainer trains) and a world that does not change under the batch in flight."""
     op = cfg.algorithm.off_policy
-    if op is None or op.max_staleness == 0:
+    if not cfg.algorithm.max_staleness:
         return []
     problems = []
     if not _replicas_of_their_own(cfg):
@@ -494,9 +494,8 @@ def _idle_to_lend(cfg: RunConfig, field: str, lends: str, busy: str, so: str) ->
     if not _replicas_of_their_own(cfg):
         problems.append(f"elastic.{field}: {getattr(cfg.elastic, field)} — {lends}: rollout.mode: disaggregated "
                         f"with a replica engine (vllm); this run's rollout is {cfg.rollout.engine}, {cfg.rollout.mode}")
-    if cfg.algorithm.off_policy is not None and cfg.algorithm.off_policy.max_staleness:
-        problems.append(f"elastic.{field}: {busy} (off_policy.max_staleness: "
-                        f"{cfg.algorithm.off_policy.max_staleness}): {so}")
+    if cfg.algorithm.max_staleness:
+        problems.append(f"elastic.{field}: {busy} (off_policy.max_staleness: {cfg.algorithm.max_staleness}): {so}")
     return problems
 
 

@@ -100,13 +100,29 @@ def test_rebalance_grows_and_shrinks_the_trainer_world_each_iteration_bit_for_bi
         assert {"grow", "shrink"} <= set(r["phase_seconds"]), r["phase_seconds"]
 
 
+def test_auto_compares_warm_runs_only():
+    """A way's first run is its warm-up (1.8 s for a lent replica's first generate against 0.08 s
+    warm, seen in a run): it is taken again before it is compared, and only its warm runs count."""
+    from recipes.elastic.rebalance import Ways
+
+    ways = Ways(("lent", "own"))
+    taken = []
+    for it, (cold, warm) in enumerate([(1.8, None), (None, 0.08), (0.1, None), (None, 0.12)]):
+        lend, _ = ways.choose(it)
+        taken.append(lend)
+        ways.measured(it, cold if cold is not None else warm, first=lend)
+    assert taken == [True, True, False, False]  # each way twice: a warm-up, then a measurement
+    assert ways.last == {"lent": 0.08, "own": 0.12} and ways.measured_at == {"lent": 1, "own": 3}
+    assert ways.choose(4) == (True, "lent 0.080 s < own 0.120 s")
+
+
 def test_auto_grows_where_it_last_paid_and_measures_the_other_way_again():
     """``rebalance: auto``'s choice (pure): not before the grown world is built; each way measured
     once; then the faster, the other measured again after ``PROBE_EVERY`` iterations."""
     from recipes.elastic.rebalance import PROBE_EVERY, choose
 
     assert choose(False, {}, {}, 0) == (False, "the grown world is still building")
-    assert choose(True, {"static": 1.0}, {"static": 0}, 1)[0] is True      # grown not measured yet
+    assert choose(True, {"static": 1.0}, {"static": 0}, 1) == (True, "no warm measurement of grown yet")
     assert choose(True, {"grown": 0.5}, {"grown": 1}, 2)[0] is False       # static not measured yet
     last = {"static": 1.0, "grown": 1.4}
     assert choose(True, last, {"static": 2, "grown": 1}, 3)[0] is False    # the moves cost more than they save
@@ -115,8 +131,8 @@ def test_auto_grows_where_it_last_paid_and_measures_the_other_way_again():
     assert grow and "measured again" in why
     # lend: auto — the same choice between the rollout with the trainer's devices lent and without
     ways = ("lent", "own")
-    assert choose(True, {}, {}, 0, ways=ways) == (True, "not measured lent yet")
-    assert choose(True, {"lent": 2.0}, {"lent": 0}, 1, ways=ways) == (False, "not measured own yet")
+    assert choose(True, {}, {}, 0, ways=ways) == (True, "no warm measurement of lent yet")
+    assert choose(True, {"lent": 2.0}, {"lent": 0}, 1, ways=ways) == (False, "no warm measurement of own yet")
     assert choose(True, {"lent": 2.0, "own": 3.0}, {"lent": 0, "own": 1}, 2, ways=ways)[0] is True
     assert choose(True, {"lent": 3.5, "own": 3.0}, {"lent": 0, "own": 1}, 2, ways=ways)[0] is False
 
@@ -129,7 +145,8 @@ def test_auto_moves_devices_each_way_where_it_last_paid(ray_session, tmp_path):
     grown one builds (iteration 0 waits 10 s in its train phase, so the build is done after it);
     the first iteration after that grows to measure the grown way, and each later one takes the way
     its record says; every move is a whole round trip. The rollout: iteration 0 lends the trainer's
-    device (both replicas generate), iteration 1 does not, then the faster way. The stale-weights
+    device (both replicas generate), iteration 1 too (the first was its warm-up), iterations 2 and 3
+    do not, then the faster way. The stale-weights
     check passes throughout — the lent replica is fed by every sync, as the other is."""
     import time
 
@@ -145,16 +162,16 @@ def test_auto_moves_devices_each_way_where_it_last_paid(ray_session, tmp_path):
         if (it, phase) == (0, "train"):
             time.sleep(10)
 
-    recs = [r for r in run(cfg, iterations=4, quiet=True, phase_hook=wait_for_the_build) if "reward_mean" in r]
+    recs = [r for r in run(cfg, iterations=5, quiet=True, phase_hook=wait_for_the_build) if "reward_mean" in r]
     reb = [r["rebalance"] for r in recs]
     grown = [x["grown"] for x in reb]
-    assert any(grown) and "not measured grown yet" in reb[grown.index(True)]["why"], reb
+    assert any(grown) and "no warm measurement of grown yet" in reb[grown.index(True)]["why"], reb
     for x in reb:
         assert x["world"] == (2 if x["grown"] else 1), x
         if x["grown"]:
             assert x["grow"]["bytes_moved"] == x["shrink"]["bytes_moved"] > 0, x
     assert all(r["stale_check_passed"] and r["stale_logprob_diff"] < 1e-4 for r in recs), recs
-    lend = [r["lend"] for r in recs]
-    assert [(x["lent"], x["replicas"]) for x in lend[:2]] == [(True, 2), (False, 1)], lend
-    assert lend[2]["lent"] == (lend[0]["rollout_s"] < lend[1]["rollout_s"]), lend
+    lend = [r["lend"] for r in recs]  # each way twice (a warm-up, then a warm measurement)
+    assert [(x["lent"], x["replicas"]) for x in lend[:4]] == [(True, 2), (True, 2), (False, 1), (False, 1)], lend
+    assert lend[4]["lent"] == (lend[1]["rollout_s"] < lend[3]["rollout_s"]), lend
     assert all(x["replicas"] == (2 if x["lent"] else 1) for x in lend), lend

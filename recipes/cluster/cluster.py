@@ -124,7 +124,7 @@ class Cluster(ReplicasMixin, ChannelMixin):
         gpus = self._replica_gpus or [None] * len(self.replicas)
         starts = [r.start.remote(self.cfg.rollout.engine, self._replica_context(self.cfg, init_dir, i), gpus[i])
                   for i, r in enumerate(self.replicas)]
-        built = self.all("build", self.cfg.model_dump(), str(init_dir), str(resume_dir) if resume_dir else None,
+        built = self.all("build", self.cfg, str(init_dir), str(resume_dir) if resume_dir else None,
                          self.device, desc="build engines")
         if starts:
             wait_all(self.ray, starts, "start rollout replicas", self.quiet, failed=lambda i, e: RolloutEngineFailed(

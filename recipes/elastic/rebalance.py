@@ -21,9 +21,9 @@ is where it would be without the round trip, bit for bit (``tests/test_rebalance
 weight channel stays between the N-rank world and the replicas.
 
 ``auto`` grows only where it pays (``choose``): it trains in the trainer's own world until the
-grown one is built, measures one grown iteration, then takes whichever of the two last took less
-(log-probs + update, plus the two moves when grown), measuring the other again every
-``PROBE_EVERY`` iterations.
+grown one is built, measures each way warm (a way's first run is its warm-up and is not compared),
+then takes whichever of the two last took less (log-probs + update, plus the two moves when grown),
+measuring the other again every ``PROBE_EVERY`` iterations.
 
 ``elastic.lend`` (``Lending``) moves devices the other way: while the synchronous loop waits for
 samples the trainer's devices are idle, so replicas on them (started with the others, fed by the
@@ -49,17 +49,18 @@ PROBE_EVERY = 8
 def choose(built: bool, last: dict, measured_at: dict, it: int, probe_every: int = PROBE_EVERY,
            ways: tuple[str, str] = ("grown", "static")) -> tuple[bool, str]:
     """``auto``'s choice for iteration ``it``: (take the first of ``ways``, why). ``rebalance:
-    auto``: ``("grown", "static")``, ``last`` the seconds the train phase last took each way
+    auto``: ``("grown", "static")``, ``last`` the seconds the train phase last took each way, warm
     (``"static"``: log-probs + update in the trainer's world; ``"grown"``: the same in the grown
     world plus both moves); ``lend: auto``: ``("lent", "own")``, the rollout phase with the
     replicas lent the trainer's devices or without. ``measured_at``: the iteration each was last
-    measured. Pure."""
+    measured. A way without a warm measurement is taken (``Ways``: a way's first run warms it up
+    and is not compared). Pure."""
     tried, default = ways
     if not built:
         return False, "the grown world is still building"
     for way in ways:
         if way not in last:
-            return way == tried, f"not measured {way} yet"
+            return way == tried, f"no warm measurement of {way} yet"
     for way in ways:
         if it - measured_at[way] > probe_every:
             return way == tried, f"{way} last measured at iteration {measured_at[way]}: measured again"
@@ -70,20 +71,26 @@ def choose(built: bool, last: dict, measured_at: dict, it: int, probe_every: int
 @dataclass
 class Ways:
     """``auto``'s measurements of a phase run two ways (``ways``: the one tried first, the default):
-    the seconds each last took and the iteration it was measured at — ``choose``'s input."""
+    the seconds each last took, warm, and the iteration it was measured at — ``choose``'s input.
+    A way's first run is its warm-up (an engine's first call, a world's first move: seconds where
+    a warm one takes milliseconds) and is not compared: only runs after it are."""
 
     ways: tuple[str, str]
     last: dict[str, float] = field(default_factory=dict)
     measured_at: dict[str, int] = field(default_factory=dict)
+    runs: dict[str, int] = field(default_factory=dict)
 
     def choose(self, it: int, built: bool = True) -> tuple[bool, str]:
         """(take the first way at iteration ``it``, why): ``choose``."""
         return choose(built, self.last, self.measured_at, it, ways=self.ways)
 
     def measured(self, it: int, seconds: float, first: bool) -> None:
-        """Iteration ``it``'s phase took ``seconds``, the first way or the other."""
+        """Iteration ``it``'s phase took ``seconds``, the first way or the other (kept from the
+        way's second run on)."""
         way = self.ways[0 if first else 1]
-        self.last[way], self.measured_at[way] = seconds, it
+        self.runs[way] = self.runs.get(way, 0) + 1
+        if self.runs[way] > 1:
+            self.last[way], self.measured_at[way] = seconds, it
 
 
 class Rebalance:
@@ -114,7 +121,7 @@ class Rebalance:
         address = self.workers[0].open_store.remote()
         self._building = [w.init_world_at.remote(address, r, self.world, cluster.device)
                           for r, w in enumerate(self.workers)]
-        self._building += [w.build_empty.remote(self.cfg.model_dump(), str(init_dir)) for w in self.workers]
+        self._building += [w.build_empty.remote(self.cfg, str(init_dir)) for w in self.workers]
         self.built_s: float | None = None
         self._home = None  # the small world's actors while the grown world trains
         self.auto = Ways(("grown", "static"))  # the train phase (log-probs + update), each way

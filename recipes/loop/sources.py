@@ -155,7 +155,7 @@ class Partial(OneStepAhead):
 
 def rollout_source(loop):
     """The run's rollout source, from ``algorithm.off_policy``."""
-    op = getattr(loop.cfg.algorithm, "off_policy", None)
-    if op is None or not op.max_staleness:
+    alg = loop.cfg.algorithm
+    if not alg.max_staleness:
         return Synchronous(loop)
-    return Partial(loop) if op.segment_tokens else OneStepAhead(loop)
+    return Partial(loop) if alg.off_policy.segment_tokens else OneStepAhead(loop)

@@ -397,6 +397,11 @@ class AlgorithmBase(Strict):
     off_policy: OffPolicy | None = None
 
     @property
+    def max_staleness(self) -> int:
+        """How many updates old a sample may be: ``off_policy.max_staleness``, 0 without it."""
+        return self.off_policy.max_staleness if self.off_policy is not None else 0
+
+    @property
     def rollout_batch_size(self) -> int:
         return self.prompts_per_iteration * self.group_size
 
