@@ -264,6 +264,10 @@ def run(config_source, steps: int | None = None, output_dir: str | None = None, 
         t = cfg.training
         first = last_eval = evaluate(0)
         say(f"held-out before training: loss {first['loss']:.4f}, pairwise accuracy {first['accuracy']:.3f}")
+        # the character tokenizer has no files: its tokens are written down; a HF one's files are copied
+        identity = {"tokenizer": tokenizer_identity(tok) if isinstance(tok, CharTokenizer) else {"kind": "hf"},
+                    "score": "the value at the last token of <bos> prompt response <eos>", "train_pairs": len(train)}
+        kept = Kept(out, t.keep, world, identity, getattr(tok, "path", None))
         draw = batches(len(train), t.batch_size, cfg.seed)
         bar = stack.enter_context(tqdm(total=t.steps, desc="rm", unit="step", disable=quiet, dynamic_ncols=True))
         for step in range(1, t.steps + 1):
@@ -273,20 +277,16 @@ def run(config_source, steps: int | None = None, output_dir: str | None = None, 
                   "seconds": st["seconds"]})
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
                 last_eval = evaluate(step)
+                kept.evaluated(step, last_eval, last=step == t.steps)
             bar.update(1)
             bar.set_postfix(loss=f"{st['loss']:.4f}", acc=f"{st['accuracy']:.2f}",
                             heldout_acc=f"{last_eval['accuracy']:.3f}")
         bar.close()
-        # the character tokenizer has no files: its tokens are written down; a HF one's files are copied
-        info = {"tokenizer": tokenizer_identity(tok) if isinstance(tok, CharTokenizer) else {"kind": "hf"},
-                "score": "the value at the last token of <bos> prompt response <eos>",
-                "heldout_accuracy": last_eval["accuracy"], "heldout_loss": last_eval["loss"],
-                "heldout_pairs": last_eval["pairs"], "steps": t.steps, "train_pairs": len(train)}
-        final = out / "final"
-        world.all("save", str(final), info, getattr(tok, "path", None), desc="save")
+        final, best = kept.finish(), kept.best
         say(f"held-out after {t.steps} steps: loss {last_eval['loss']:.4f}, pairwise accuracy "
             f"{last_eval['accuracy']:.3f} ({last_eval['pairs']} pairs)")
-        say(f"reward model: {final} ({time.perf_counter() - t_start:.1f} s); metrics: {out / 'metrics.jsonl'}")
+        say(f"reward model: {final}, the {t.keep} held-out evaluation's (step {best['step']}: pairwise accuracy "
+            f"{best['accuracy']:.3f}) ({time.perf_counter() - t_start:.1f} s); metrics: {out / 'metrics.jsonl'}")
     finally:
         stack.close()
         if world is not None:
@@ -294,7 +294,42 @@ def run(config_source, steps: int | None = None, output_dir: str | None = None, 
         if owned:
             ray.shutdown()
     return {"final": str(final), "steps": t.steps, "heldout_accuracy_before": first["accuracy"],
-            "heldout_accuracy": last_eval["accuracy"], "heldout_loss": last_eval["loss"], "records": records}
+            "heldout_accuracy": last_eval["accuracy"], "heldout_loss": last_eval["loss"], "kept_step": best["step"],
+            "kept_heldout_accuracy": best["accuracy"], "kept_heldout_loss": best["loss"], "records": records}
+
+
+class Kept:
+    """The reward model a run keeps in ``<out>/final``: with ``keep: best``, the state of the
+    evaluation with the highest held-out accuracy (ties: lower held-out loss, then the later step),
+    saved to ``<out>/best`` as each such evaluation comes and moved to ``final`` at the end; with
+    ``last``, the state after the last step."""
+
+    def __init__(self, out: Path, keep: str, world, identity: dict, tokenizer_path):
+        self.out, self.keep, self.world, self.identity, self.tok_path = out, keep, world, identity, tokenizer_path
+        self.best: dict | None = None
+
+    def evaluated(self, step: int, ev: dict, last: bool) -> None:
+        better = self.best is None or (ev["accuracy"], -ev["loss"]) >= (self.best["accuracy"], -self.best["loss"])
+        if self.keep == "last":
+            if last:
+                self._save(self.out / "final", step, ev)
+        elif better:
+            self._save(self.out / "best", step, ev)
+
+    def _save(self, path: Path, step: int, ev: dict) -> None:
+        self.best = {"step": step, "accuracy": ev["accuracy"], "loss": ev["loss"], "pairs": ev["pairs"]}
+        info = {**self.identity, "step": step, "heldout_accuracy": ev["accuracy"], "heldout_loss": ev["loss"],
+                "heldout_pairs": ev["pairs"], "steps": step}
+        self.world.all("save", str(path), info, self.tok_path, desc="save")
+
+    def finish(self) -> Path:
+        final = self.out / "final"
+        if self.keep == "best":
+            import shutil
+
+            shutil.rmtree(final, ignore_errors=True)
+            (self.out / "best").rename(final)
+        return final
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:

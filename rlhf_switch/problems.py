@@ -233,6 +233,8 @@ def batch_problems(cfg: RunConfig) -> list[str]:
 
 
 def task_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
+    if cfg.task.min_len > cfg.task.max_len:
+        return [f"task: min_len={cfg.task.min_len} is above max_len={cfg.task.max_len}"]
     task = build_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
     tokenizer = CharTokenizer()
     problems = []

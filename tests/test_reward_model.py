@@ -188,9 +188,13 @@ def test_reward_model_ranks_heldout_chosen_over_rejected(trained):
     assert s["heldout_accuracy_before"] < 0.65, evals  # it learned this: the trunk alone does not rank pairs
     steps = [r for r in s["records"] if "loss" in r]
     assert len(steps) == 400 and all(r["loss"] == r["loss"] for r in steps)
+    # final/ keeps the best held-out evaluation's state (training.keep: best)
+    best = max((r for r in evals if r["step"] > 0), key=lambda r: (r["heldout_accuracy"], -r["heldout_loss"], r["step"]))
+    assert (s["kept_step"], s["kept_heldout_accuracy"]) == (best["step"], best["heldout_accuracy"]), evals
     final = Path(s["final"])
     info = json.loads((final / "reward_model.json").read_text())
-    assert info["tokenizer"]["kind"] == "char" and info["heldout_accuracy"] == s["heldout_accuracy"]
+    assert info["tokenizer"]["kind"] == "char" and info["heldout_accuracy"] == s["kept_heldout_accuracy"]
+    assert info["step"] == s["kept_step"] and not (final.parent / "best").exists()
     assert json.loads((final / "config.json").read_text())["architectures"] == ["LlamaForTokenClassification"]
 
     cfg = load_rm_config(trained["rm_config"])
@@ -201,8 +205,8 @@ def test_reward_model_ranks_heldout_chosen_over_rejected(trained):
     with torch.no_grad():
         r = scores_at_last(model(input_ids=ids).logits[:, :-1, 0], last)
     loss, right = bradley_terry(r[0::2], r[1::2])
-    assert int(right.sum()) == round(s["heldout_accuracy"] * len(heldout))  # the same pairs ranked right
-    assert abs(float(loss.mean()) - s["heldout_loss"]) < 1e-5
+    assert int(right.sum()) == round(s["kept_heldout_accuracy"] * len(heldout))  # the same pairs ranked right
+    assert abs(float(loss.mean()) - s["kept_heldout_loss"]) < 1e-5
 
 
 @pytest.mark.slow

@@ -602,3 +602,10 @@ def test_yaml_file_errors(tmp_path):
     good = copy.deepcopy(_shipped())
     (tmp_path / "good.yaml").write_text(yaml.safe_dump(good))
     assert isinstance(load_config(str(tmp_path / "good.yaml")), RunConfig)
+
+
+def test_a_task_whose_lengths_cross_is_one_pre_start_problem():
+    data = _shipped()
+    data["task"].update(min_len=3, max_len=2)
+    problems = run_problems(load_config(data), skip=("reward",))
+    assert problems == ["task: min_len=3 is above max_len=2"]

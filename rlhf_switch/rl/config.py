@@ -15,10 +15,13 @@ One YAML file per run (see ``configs/``)::
 
 ``load_config(path_or_dict)`` returns a ``RunConfig`` or raises one ``ConfigError`` listing every
 bad field by its path (``train.zero_stage: ...``); an unknown field is an error (typos must not
-be silently ignored), with the closest known name suggested. What types cannot check — every
-phase's layout covers the world and divides the model and the batch, the tokenizer fits the
-model, the engines run their layouts, the reward function runs — the pre-start checks do
-(``rlhf_switch.problems.check_run``), again with one error listing every problem.
+be silently ignored), with the closest known name suggested. The models here keep each field's
+type and range, a block's one-of choices (a model's source, the prompts' source) and old spellings
+normalised; every rule across fields or blocks — an algorithm's paper, every phase's layout covers
+the world and divides the model and the batch, the tokenizer fits the model, the engines run their
+layouts, the elastic schedule, the reward function runs — is a pre-start check
+(``rlhf_switch.problems.check_run``), again with one error listing every problem. ``ConfigError``
+comes from here and from there only.
 
 Layout rule: each phase spans the whole world: ``tp·pp·dp == world_size`` for ``train``,
 ``rollout``, ``reference`` and ``critic`` alike — all colocated on the same devices, unless
@@ -265,8 +268,6 @@ class TaskConfig(Strict):
 
     @model_validator(mode="after")
     def _resolve(self) -> "TaskConfig":
-        if self.min_len > self.max_len:
-            raise ValueError(f"task: min_len={self.min_len} is above max_len={self.max_len}")
         if self.reward_fn is None:
             # written back so a saved config names the reward it actually ran with
             self.__dict__["reward_fn"] = DEFAULT_REWARDS[self.name]
@@ -678,12 +679,8 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> "RunConfig":
-        problems = []
         if (self.task is None) == (self.data is None):
-            problems.append("task/data: give exactly one of task (generated prompts) or data (prompt files)")
-        if problems:
-            # one line per problem: _format_errors splits them back into separate entries
-            raise ValueError("\n".join(problems))
+            raise ValueError("task/data: give exactly one of task (generated prompts) or data (prompt files)")
         return self
 
     def phases(self) -> dict[str, PhaseLayout]:

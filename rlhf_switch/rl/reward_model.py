@@ -68,7 +68,8 @@ class RewardTraining(Strict):
     by the seed), split over the DP ranks and run ``micro_batch_size`` pairs per forward (a pair's
     two sequences always in the same forward); AdamW at ``lr`` after ``warmup_steps`` of linear
     warmup. Held-out loss and pairwise accuracy every ``eval_every`` steps (0: at the end only)
-    and at the end."""
+    and at the end. ``keep``: which state ``final/`` holds — ``best``, that of the evaluation with
+    the highest held-out accuracy (ties: the lower held-out loss; the later of equals), or ``last``."""
 
     steps: int = Field(300, ge=1)
     batch_size: int = Field(32, ge=1)
@@ -78,6 +79,7 @@ class RewardTraining(Strict):
     max_grad_norm: float | None = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
     eval_every: int = Field(50, ge=0)
+    keep: Literal["best", "last"] = "best"
 
 
 class RewardModelRunConfig(Strict):
