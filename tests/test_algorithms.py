@@ -251,7 +251,8 @@ def test_each_kind_of_estimator_and_loss_runs_the_loop(ray_session, tmp_path):
     """RLOO, REINFORCE++ (a per-token estimator whitened across the two DP ranks), GSPO and DAPO
     (dynamic sampling, overlong punishment) through the real loop — FSDP2 DP2 training, the torch
     rollout engine — two iterations each from one warm start: every stale-weights check passes,
-    the updates are finite, DAPO's record says what it drew."""
+    the updates are finite, DAPO's record says what it drew. Then a user's estimator from outside
+    the package (``tests/user_pkg``) with a critic, through the same loop."""
     import shutil
 
     from recipes.common import warm_start
@@ -269,6 +270,17 @@ def test_each_kind_of_estimator_and_loss_runs_the_loop(ray_session, tmp_path):
         if name == "dapo":
             assert all(set(r["dynamic_sampling"]) == {"groups_with_signal", "draws", "filled_with_dropped"}
                        for r in recs)
+    # an estimator from outside the package, with a critic: the run builds the critic it declares,
+    # trains it on the targets the estimator gives, and reads the field it adds
+    cfg = config("grpo", advantage=USER_ESTIMATOR, baseline_scale=0.5).model_dump()
+    cfg.update(output_dir=str(tmp_path / "user"), eval={"every": 0, "num_prompts": 16},
+               critic={"engine": "fsdp2", "dp": 2})
+    shutil.copytree(init, tmp_path / "user" / "init")
+    recs = [r for r in run(cfg, iterations=2, quiet=True) if "reward_mean" in r]
+    assert [r["iteration"] for r in recs] == [0, 1]
+    for r in recs:
+        assert r["stale_check_passed"] and math.isfinite(r["policy_loss"]) and math.isfinite(r["vf_loss"]), r
+    assert recs[0]["value_mean"] != recs[1]["value_mean"], "the critic did not learn"
 
 
 # --- an estimator from outside the package ----------------------------------------------------------

@@ -145,3 +145,41 @@ def test_the_phase_list_is_the_codes():
     doc = loop_module.__doc__
     listed = re.findall(r"^    (\w+)\s", doc[doc.index("The phases of one iteration"):doc.index("Between iterations")], re.M)
     assert tuple(listed) == PHASES
+
+
+def test_the_iteration_records_keys_are_the_documented_ones():
+    """docs/loop.md's "An iteration's record" names every key ``IterationRecord.metrics`` writes
+    (a record filled as every phase of a synchronous iteration fills it), and nothing it does not
+    write under some run mode."""
+    import torch
+
+    from recipes.loop.record import IterationRecord
+    from rlhf_switch.rl.experience import Experience, SampleExperience
+    from rlhf_switch.rl.tasks import Sample
+
+    exp = Experience([SampleExperience([1, 3], Sample("1+1=", "2"), 0, 7)], gen_seconds=0.5)
+    s = exp.samples[0]
+    s.generated([5, 2], [-0.1, -0.2], 3)
+    s.text, s.reward, s.raw_reward, s.finish_reason = "2", 1.0, 1.0, "stop"
+    rec = IterationRecord(3, timings={"sync": 0.1}, sync={"seconds": 0.1, "bytes_moved": 10, "bytes_sent": 10},
+                          copied={"bytes": 0, "seconds": 0.0}, reloaded={"bytes": 0, "bytes_per_rank": 0, "seconds": 0.0},
+                          offloaded={"bytes": 0, "bytes_per_rank": 0, "released_bytes": 0, "seconds": 0.0},
+                          peak={p: (lambda: {"bytes": 1, "measure": "rss"}) for p in ("sync", "generate", "train")},
+                          stale_tol=1e-4, stale_tol_source="float32",
+                          checked=[{"stale_logprob_diff": 1e-6, "logprob_seconds": 0.1, "mismatch": {
+                              "dp_rank": 0, "log_ratio": torch.tensor([1e-6, 0.0]), "seq_log_ratio": torch.tensor([1e-6])}}],
+                          stats=[{"policy_loss": 0.1, "kl": 0.0, "clipfrac": 0.0, "grad_norm": 1.0, "update_seconds": 0.1,
+                                  "steps": 1, "tokens": 2, "dp_rank": 0}])
+    written = set(rec.metrics(exp))
+    text = (REPO / "docs" / "loop.md").read_text()
+    table = text[text.index("### An iteration's record"):text.index("### Logging backends")]
+    documented, last = set(), ""
+    for key in re.findall(r"`(\w+)`", table):  # `_mean` after `mismatch_logprob_diff_max`: the prefix's
+        key = last.rsplit("_", 1)[0] + key if key.startswith("_") else key
+        documented.add(key)
+        last = key
+    assert written <= documented, sorted(written - documented)
+    sometimes = {"rule_reward_mean", "model_reward_mean", "vf_loss", "vf_clipfrac", "value_mean", "return_mean",
+                 "is_weight_mean", "is_masked_tokens", "samples_interrupted", "dynamic_sampling", "rebalance", "lend",
+                 "rollout_replicas_lost"}
+    assert documented - written == sometimes, sorted(documented - written)
