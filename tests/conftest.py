@@ -8,6 +8,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # rank_jobs, catalogue: importable in spawned ranks
 
+# One token-auth mode for every Ray session of the test process, local or operator-started
+# (tests/ray_nodes.py): Ray caches the mode per process at its first session, and a local
+# ray.init with RAY_AUTH_MODE unset sets it to "token" — a later session under another mode in
+# the same process is refused (InvalidAuthToken) when it starts its own GCS.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
 from catalogue import TINY_LLAMA, named_layouts  # noqa: E402
 from rlhf_switch.vps import llama_spec  # noqa: E402
 

@@ -244,8 +244,8 @@ def test_a_bad_elastic_schedule_is_one_config_error(tmp_path):
     assert ok.at_iteration(1).world_size == 4 and ok.at_iteration(2).world_size == 2
     assert ok.at_iteration(2).train.dp == 2 and ok.at_iteration(2).elastic is None
     with pytest.raises(ConfigError) as e:
-        load_config({**cfg, "elastic": {"schedule": [entry, {**entry, "iteration": 1},
-                                                     {**entry, "iteration": 3, "rollout": {"engine": "vllm", "tp": 1, "dp": 2}}]}})
+        check_run(load_config({**cfg, "elastic": {"schedule": [entry, {**entry, "iteration": 1},
+                                                               {**entry, "iteration": 3, "rollout": {"engine": "vllm", "tp": 1, "dp": 2}}]}}))
     text = str(e.value) + " ".join(e.value.problems)
     assert "increasing iteration order" in text and "a resize does not change the engine" in text
     with pytest.raises(ConfigError) as e:  # a layout that does not fit the entry's own world
@@ -330,7 +330,7 @@ def test_an_elastic_schedule_with_vllm_changes_the_rollout_layout(tmp_path):
             ({**tp2, "rollout": {"engine": "torch", "tp": 1, "dp": 2}},
              "elastic.schedule[0].rollout.engine: torch — the run's rollout engine is vllm"),):
         with pytest.raises(ConfigError) as e:
-            load_config({**cfg, "elastic": {"schedule": [entry]}})
+            check_run(load_config({**cfg, "elastic": {"schedule": [entry]}}))
         assert any(p.startswith(want) for p in e.value.problems), (want, e.value.problems)
     with pytest.raises(ConfigError) as e:  # 4 devices of TP1 replicas on a world of 2
         check_run(load_config({**cfg, "elastic": {"schedule": [{**tp2, "rollout": {"engine": "vllm", "tp": 1,

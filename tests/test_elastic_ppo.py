@@ -158,6 +158,7 @@ def test_ppo_elastic_config_takes_the_critic(tmp_path):
     """The critic refusals are gone (schedule, on_node_change: resize, redundancy: host); a
     schedule entry must give a critic block exactly when the run has one — one clear message."""
     from rlhf_switch.elastic.nodes import grown_request
+    from rlhf_switch.problems import check_run
     from rlhf_switch.rl.config import ConfigError, load_config
 
     cfg, dp1 = _config(tmp_path, 2), _config(tmp_path, 1)
@@ -168,7 +169,7 @@ def test_ppo_elastic_config_takes_the_critic(tmp_path):
     assert grown_request(grow.model_dump(), 4)["critic"]["dp"] == 4
     no_critic = {k: v for k, v in _entry(2, dp1).items() if k != "critic"}
     with pytest.raises(ConfigError) as e:
-        load_config({**cfg, "elastic": {"schedule": [no_critic]}})
+        check_run(load_config({**cfg, "elastic": {"schedule": [no_critic]}}))
     assert e.value.problems == ["elastic.schedule[0].critic: give a critic block exactly when the run has one (PPO)"]
     sys.path.insert(0, str(HERE))
     from test_elastic import _config as grpo_config
@@ -176,6 +177,7 @@ def test_ppo_elastic_config_takes_the_critic(tmp_path):
     grpo = grpo_config(tmp_path, 2)
     g1 = grpo_config(tmp_path, 1)
     with pytest.raises(ConfigError) as e:
-        load_config({**grpo, "elastic": {"schedule": [{"iteration": 2, "world_size": 1, "train": g1["train"],
-                                                       "rollout": g1["rollout"], "critic": CRITIC_DP2}]}})
-    assert e.value.problems == ["elastic.schedule[0].critic: give a critic block exactly when the run has one (PPO)"]
+        check_run(load_config({**grpo, "elastic": {"schedule": [{"iteration": 2, "world_size": 1, "train": g1["train"],
+                                                                 "rollout": g1["rollout"], "critic": CRITIC_DP2}]}}))
+    assert e.value.problems[0] == "elastic.schedule[0].critic: give a critic block exactly when the run has one (PPO)"
+    assert not any("critic block" in p for p in e.value.problems[1:])  # the rest: that critic's layout in the entry's world
