@@ -337,3 +337,49 @@ def test_read_messages_cut_alike_and_stage_only_what_the_sender_packs(layouts4, 
                 assert sent == sum(t.box.numel * itemsize(t.dtype) for t in scheds[a].plan.sends if t.dst == ex.peer)
             _replay_staging(scheds[a])
     assert kinds == {True, False}, "the pair should have pieces of both kinds"
+
+
+# ---------------------------------------------------------------- whole moves, in this process
+# The schedule's every choice (cuts, merges, staging ring, read messages, compiled copies) ends up
+# in bytes: a move run on 4 threads of this process (``thread_world``), where ``make mutate`` sees
+# it, must leave every destination element equal to a direct construction of the destination and
+# every padding byte and source byte as it was (``rank_jobs.move_and_check``).
+
+THREAD_MOVES = [  # (source, destination, budget, how the bytes travel, read messages expected)
+    ("zero3", "tp4", 1 << 20, "p2p", False),
+    ("fsdp", "tp2xpp2", 1000, "p2p", False),  # messages of 250 B at most: the staging ring wraps
+    ("tp2xdp2", "pp2", 4096, "same-host", False),  # every message a single copy between the ranks' memory
+    ("zero1-flat", "tp2xdp2", 4096, "shared", True),  # sources in shared memory: mapped, and read messages
+    ("fsdp", "vllm-bf16", 1 << 20, "same-host", False),  # fp32 into bf16: the sender casts, so it stages
+    ("tp4", "zero3", 4096, "shared", False),
+]
+
+
+@pytest.mark.parametrize("src_name, dst_name, budget, way, reads", THREAD_MOVES,
+                         ids=[f"{a}-{b}-{n}-{w}" for a, b, n, w, _ in THREAD_MOVES])
+def test_a_move_on_threads_is_bit_exact(layouts4, tiny_spec, src_name, dst_name, budget, way, reads, monkeypatch):
+    import rank_jobs
+    from rlhf_switch.routing import same_host
+    from rlhf_switch.vps.layouts.vllm import vllm_layout
+    from thread_world import run_on_threads
+
+    layouts = {**layouts4, "vllm-bf16": vllm_layout(tiny_spec, 4, dtype="bfloat16")}
+    src, dst = layouts[src_name], layouts[dst_name]
+    if way == "p2p":
+        monkeypatch.setenv(same_host.ENV, "0")
+    else:
+        monkeypatch.setenv(same_host.MIN_BYTES_ENV, "1")  # every message, however small
+    results = run_on_threads(4, lambda r, comm: rank_jobs.move_and_check(
+        src, dst, seed=3, budget_bytes=budget, rank=r, group=comm, shared=way == "shared"))
+    for r, res in enumerate(results):
+        assert isinstance(res, dict), res
+        assert res["wrong"] == [], (r, res["wrong"])
+        rep = res["report"]
+        assert rep.peak_staging_bytes <= budget
+        if not reads:  # (read messages cut a direction otherwise: schedule._read_chunks)
+            assert rep.messages == build_schedule(plan_rank(src, dst, r), budget).messages
+    reports = [res["report"] for res in results]
+    assert sum(rep.same_host_messages for rep in reports) == \
+        (0 if way == "p2p" else sum(rep.messages for rep in reports))
+    assert (sum(rep.mapped_messages for rep in reports) > 0) == (way == "shared")
+    assert (sum(rep.read_messages for rep in reports) > 0) == reads
