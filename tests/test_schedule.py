@@ -584,3 +584,44 @@ def test_a_message_never_passes_the_cap():
 
     chunks = _chunks([_t(300, 0, 0, key="z")], 800, None)
     assert [(c.pieces[0].box, c.nbytes) for c in chunks] == [(Box((0,), (200,)), 800), (Box((200,), (300,)), 400)]
+
+
+def test_read_messages_cut_by_the_senders_packing_worked_out_by_hand():
+    """cap 100 B, READ_RUN_BYTES 4096: a transfer of 8 KiB runs is read in place (offset -1, no
+    packing, no cap); the short ones are packed at 8-byte aligned offsets until the next would pass
+    the cap: [in place + 40 B at 0] (40 packed), [80 B], then a strided 4x8 block (32 B runs) cut
+    in rows of at most 25 elements: 3 rows (96 B), then 1 (32 B)."""
+    from rlhf_switch.routing.schedule import READ_RUN_BYTES, _read_chunks
+
+    assert READ_RUN_BYTES == 4096
+    long, a, b = _t(2048, 0, 0, key="long"), _t(10, 5000, 5000, key="a"), _t(20, 6000, 6000, key="b")
+    block = _t(32, 7000, 7000, src_strides=(16, 1), key="block", shape=(4, 8))
+    got = [(tuple((p.transfer.key.tensor, p.box) for p in c.pieces), c.offsets, c.nbytes, c.stage_send, c.stage_recv,
+            c.read, c.packed) for c in _read_chunks([long, a, b, block], 100)]
+    assert got == [
+        ((("long", Box((0,), (2048,))), ("a", Box((0,), (10,)))), (-1, 0), 8232, True, False, True, 40),
+        ((("b", Box((0,), (20,))),), (0,), 80, True, False, True, 80),
+        ((("block", Box((0, 0), (3, 8))),), (0,), 96, True, False, True, 96),
+        ((("block", Box((3, 0), (4, 8))),), (0,), 32, True, False, True, 32)]
+    only_long = _read_chunks([long, _t(2048, 9000, 9000, key="long2")], 100)
+    assert [(c.offsets, c.nbytes, c.stage_send, c.packed) for c in only_long] == [((-1, -1), 16384, False, 0)]
+    assert _read_chunks([], 100) == []
+
+
+def test_a_read_messages_runs_on_both_sides_worked_out_by_hand():
+    """One piece read in place from buffer ``a`` (a 2x3 box at element 10, rows 5 apart: runs of
+    12 B at bytes 40 and 60), one packed at 0 of the sender's block (16 B, from ``c``); both land in
+    ``b``, at elements 0-5 (one 24 B run) and 6-9: local runs merge into one of 40 B."""
+    from rlhf_switch.routing.schedule import Chunk, Copy, Piece, read_runs_of
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    ta = Transfer(0, 1, StateKey("x"), Box((0, 0), (2, 3)), "a", 10, (5, 1), "b", 0, (3, 1), "float32")
+    tc = Transfer(0, 1, StateKey("y"), Box((0,), (4,)), "c", 2, (1,), "b", 6, (1,), "float32")
+    chunk = Chunk((Piece(ta, ta.box), Piece(tc, tc.box)), (-1, 0), 40, True, False, True, 16)
+    runs = read_runs_of(chunk)
+    assert (runs.src_names, runs.dst_names, runs.nbytes, runs.sources) == (("a",), ("b",), 40, ("a", "c"))
+    assert runs.remote.tolist() == [[1, 40, 12], [1, 60, 12], [0, 0, 16]]
+    assert runs.local.tolist() == [[0, 0, 40]]
+    assert runs.copies == (Copy("a", 10, (5, 1), "b", 0, (3, 1), (2, 3), "float32"),
+                           Copy("c", 2, (1,), "b", 6, (1,), (4,), "float32"))
