@@ -273,9 +273,15 @@ def test_model_path_weights_are_the_model_config_json_describes(tmp_path):
         f"model.path: {w} holds tensors config.json does not describe: extra.a, extra.b, extra.c, extra.d, "
         f"extra.e (and 2 more)"]
     shapes = dict(LM) | {"extra.b": (1,), "extra.a": (2,)}
-    w = tmp_path / "five" / "model.safetensors"
-    assert P.weights_problems(path_model(model_dir(tmp_path / "five", shapes))) == [
+    w = tmp_path / "two" / "model.safetensors"
+    assert P.weights_problems(path_model(model_dir(tmp_path / "two", shapes))) == [
         f"model.path: {w} holds tensors config.json does not describe: extra.a, extra.b"]
+    for n, more in ((5, ""), (6, " (and 1 more)")):  # five are named, the rest counted
+        shapes = dict(LM) | {f"extra.{c}": (1,) for c in "abcdef"[:n]}
+        w = tmp_path / f"x{n}" / "model.safetensors"
+        assert P.weights_problems(path_model(model_dir(tmp_path / f"x{n}", shapes))) == [
+            f"model.path: {w} holds tensors config.json does not describe: extra.a, extra.b, extra.c, extra.d, "
+            f"extra.e{more}"]
     root = model_dir(tmp_path / "garbage", None)
     (root / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
     found = P.weights_problems(path_model(root))
@@ -350,7 +356,8 @@ def test_a_reward_model_directory(tmp_path):
         f"{f}: {d} is no value head, not a reward model: it has no score.weight (a reward model is the family's "
         f"…ForTokenClassification or …ForSequenceClassification with num_labels 1)"]
     shapes = {n: s for n, s in VALUE.items() if n != "model.norm.weight"} | {
-        "score.weight": (2, 128), "model.embed_tokens.weight": (64, 129), "zz.extra": (1,), "aa.extra": (1,)}
+        "score.weight": (2, 128), "model.embed_tokens.weight": (64, 129), "zz.extra": (1,), "aa.extra": (1,),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": (16,)}
     d = model_dir(tmp_path / "bad", shapes)
     assert P.reward_model_dir_problems(f, str(d)) == ([
         f"{f}: {d} has model.embed_tokens.weight of shape [64, 129], its config.json implies [64, 128]",
@@ -358,6 +365,10 @@ def test_a_reward_model_directory(tmp_path):
         f"{f}: {d} has score.weight of shape [2, 128], its config.json implies [1, 128] (a reward model has "
         f"num_labels 1)",
         f"{f}: {d} holds tensors its config.json does not describe: aa.extra, zz.extra"], HF)
+    d = model_dir(tmp_path / "six", VALUE | {f"extra.{c}": (1,) for c in "fedcba"})
+    assert P.reward_model_dir_problems(f, str(d)) == ([
+        f"{f}: {d} holds tensors its config.json does not describe: extra.a, extra.b, extra.c, extra.d, extra.e"],
+        HF)
     d = model_dir(tmp_path / "garbage", None)
     (d / "w.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{]")
     problems, hf = P.reward_model_dir_problems(f, str(d))
