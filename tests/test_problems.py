@@ -863,3 +863,14 @@ def test_a_reward_model_reads_the_policys_token_ids(tmp_path):
         "reward.model_path: vocab_size=32, but the policy generates ids up to 63 (its vocab_size=64): the reward "
         "model's vocabulary must be the policy's"]
     assert P._reward_model(ppo_rm(small), P.Facts(None, False)) == []  # the policy's dims unknown: not compared
+
+
+def test_a_reward_model_run_asks_this_machine_unless_it_joins_a_cluster(monkeypatch):
+    import rlhf_switch.device as device
+
+    bf16 = {"model.dtype": "bfloat16"}
+    monkeypatch.setattr(device, "cuda_available", lambda: False)
+    assert P.reward_training_problems(rm(**bf16)) == ["model.dtype: bfloat16 — on CPU a reward model trains in float32"]
+    assert P.reward_training_problems(rm(ray_address="10.0.0.1:6379", **bf16)) == []  # the actors will say
+    monkeypatch.setattr(device, "cuda_available", lambda: True)
+    assert P.reward_training_problems(rm(**bf16)) == []
