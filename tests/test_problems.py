@@ -874,3 +874,41 @@ def test_a_reward_model_run_asks_this_machine_unless_it_joins_a_cluster(monkeypa
     assert P.reward_training_problems(rm(ray_address="10.0.0.1:6379", **bf16)) == []  # the actors will say
     monkeypatch.setattr(device, "cuda_available", lambda: True)
     assert P.reward_training_problems(rm(**bf16)) == []
+
+
+def test_a_reward_model_runs_model_trunk_engine_and_context_edge(tmp_path):
+    from rlhf_switch.rl.reward_model import sequence_ids
+    from rlhf_switch.rl.tasks import CharTokenizer
+
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    (lacking / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128}))
+    assert P.reward_training_problems(rm(model={"path": str(lacking), "dtype": "float32"}), cuda_available=False) == [
+        f"model.path: {lacking / 'config.json'} lacks num_hidden_layers, num_attention_heads, intermediate_size, "
+        f"vocab_size"]
+    trunk = model_dir(tmp_path / "trunk", {n: s for n, s in LM.items() if n != "model.norm.weight"})
+    assert P.reward_training_problems(rm(model={"path": str(trunk), "dtype": "float32"}, **{"train.dp": 4}),
+                                      cuda_available=False) == [
+        f"model.path: {trunk} lacks model.norm.weight [128] that config.json implies",
+        "train: tp·pp·dp = 1·1·4 = 4, but world_size = 2 (every phase is colocated on all devices)",
+        "training.micro_batch_size=16 does not divide the per-rank batch 32/4 = 8 pairs"]
+    # the value head: an engine that builds causal LMs only is refused
+    assert P.reward_training_problems(rm(train={"engine": "torch_tp", "tp": 2}), cuda_available=False) == [
+        "train: engine torch_tp builds causal LMs only (use fsdp2 or deepspeed)"]
+    assert P.reward_training_problems(rm(train={"engine": "no_such_module:Engine", "dp": 2}),
+                                      cuda_available=False) == [
+        "train.engine: training engine 'no_such_module:Engine': cannot import 'no_such_module': No module named "
+        "'no_such_module'"]
+    # a pair fits when its longer sequence has at most 63 ids (64 positions, less the scored one)
+    tok = CharTokenizer()
+    for ids, fits in ((63, True), (64, False)):
+        prompt = "1+" * 40
+        while len(sequence_ids(tok, prompt, "2", False)) > ids:
+            prompt = prompt[:-1]
+        assert len(sequence_ids(tok, prompt, "2", False)) == ids
+        edge = tmp_path / f"edge{ids}.jsonl"
+        edge.write_text(json.dumps({"prompt": prompt, "chosen": "2", "rejected": "3"}) + "\n")
+        found = P.reward_training_problems(rm(**{"data.heldout_files": [str(edge)]}), cuda_available=False)
+        assert found == ([] if fits else [
+            "data.heldout_files: every one of its 1 pairs is longer than the model's context of 64 tokens (less the "
+            "scored position)"]), ids
