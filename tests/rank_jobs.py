@@ -48,13 +48,14 @@ def bare_gloo_group():
 
 def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 1 << 20,
                    ranks_per_node: int | None = None, bare_group: bool = False, shared: bool | tuple = False,
-                   hooks=None) -> dict:
+                   hooks=None, rank: int | None = None, group=None) -> dict:
     """Fill ``src`` from seeded global tensors, move into garbage-filled ``dst`` buffers, and
     compare bit for bit with a direct construction of ``dst``. Padding must stay untouched,
     and the source must be unchanged. ``shared``: the source buffers in shared memory
     (``same_host.share``), so same-host peers read them through mappings — on every rank, or on
-    the ranks a tuple names. ``hooks``: the move's (``executor.MoveHooks``)."""
-    rank = dist.get_rank()
+    the ranks a tuple names. ``hooks``: the move's (``executor.MoveHooks``). ``rank`` and
+    ``group``: where the rank is not a process of the default world (``thread_world``)."""
+    rank = dist.get_rank() if rank is None else rank
     tensor_of = tensor_source(src, seed)
     src_bufs = materialize(src, rank, tensor_of)
     if shared is True or (shared and rank in shared):
@@ -63,7 +64,7 @@ def move_and_check(src: Layout, dst: Layout, seed: int = 0, budget_bytes: int = 
     src_copy = {n: t.clone() for n, t in src_bufs.items()}
     dst_bufs = garbage_like(allocate(dst, rank, fill=None), seed + 1000 + rank)
     before = {n: t.clone() for n, t in dst_bufs.items()}
-    group, _store = bare_gloo_group() if bare_group else (None, None)
+    group, _store = bare_gloo_group() if bare_group else (group, None)
     move_and_check.last_group = group  # a test looks at the group's same-host state afterwards
     report = move(src, dst, src_bufs, dst_bufs, budget_bytes=budget_bytes, ranks_per_node=ranks_per_node,
                   group=group, hooks=hooks)

@@ -337,3 +337,291 @@ def test_read_messages_cut_alike_and_stage_only_what_the_sender_packs(layouts4, 
                 assert sent == sum(t.box.numel * itemsize(t.dtype) for t in scheds[a].plan.sends if t.dst == ex.peer)
             _replay_staging(scheds[a])
     assert kinds == {True, False}, "the pair should have pieces of both kinds"
+
+
+# ---------------------------------------------------------------- whole moves, in this process
+# The schedule's every choice (cuts, merges, staging ring, read messages, compiled copies) ends up
+# in bytes: a move run on 4 threads of this process (``thread_world``), where ``make mutate`` sees
+# it, must leave every destination element equal to a direct construction of the destination and
+# every padding byte and source byte as it was (``rank_jobs.move_and_check``).
+
+THREAD_MOVES = [  # (source, destination, budget, how the bytes travel, read messages expected)
+    ("zero3", "tp4", 1 << 20, "p2p", False),
+    ("fsdp", "tp2xpp2", 1000, "p2p", False),  # messages of 250 B at most: the staging ring wraps
+    ("tp2xdp2", "pp2", 4096, "same-host", False),  # every message a single copy between the ranks' memory
+    ("zero1-flat", "tp2xdp2", 4096, "shared", True),  # sources in shared memory: mapped, and read messages
+    ("fsdp", "vllm-bf16", 1 << 20, "same-host", False),  # fp32 into bf16: the sender casts, so it stages
+    ("tp4", "zero3", 4096, "shared", False),
+]
+
+
+@pytest.mark.parametrize("src_name, dst_name, budget, way, reads", THREAD_MOVES,
+                         ids=[f"{a}-{b}-{n}-{w}" for a, b, n, w, _ in THREAD_MOVES])
+def test_a_move_on_threads_is_bit_exact(layouts4, tiny_spec, src_name, dst_name, budget, way, reads, monkeypatch):
+    import rank_jobs
+    from rlhf_switch.routing import same_host
+    from rlhf_switch.vps.layouts.vllm import vllm_layout
+    from thread_world import run_on_threads
+
+    layouts = {**layouts4, "vllm-bf16": vllm_layout(tiny_spec, 4, dtype="bfloat16")}
+    src, dst = layouts[src_name], layouts[dst_name]
+    if way == "p2p":
+        monkeypatch.setenv(same_host.ENV, "0")
+    else:
+        monkeypatch.setenv(same_host.MIN_BYTES_ENV, "1")  # every message, however small
+    results = run_on_threads(4, lambda r, comm: rank_jobs.move_and_check(
+        src, dst, seed=3, budget_bytes=budget, rank=r, group=comm, shared=way == "shared"))
+    for r, res in enumerate(results):
+        assert isinstance(res, dict), res
+        assert res["wrong"] == [], (r, res["wrong"])
+        rep = res["report"]
+        assert rep.peak_staging_bytes <= budget
+        if not reads:  # (read messages cut a direction otherwise: schedule._read_chunks)
+            assert rep.messages == build_schedule(plan_rank(src, dst, r), budget).messages
+    reports = [res["report"] for res in results]
+    assert sum(rep.same_host_messages for rep in reports) == \
+        (0 if way == "p2p" else sum(rep.messages for rep in reports))
+    assert (sum(rep.mapped_messages for rep in reports) > 0) == (way == "shared")
+    assert (sum(rep.read_messages for rep in reports) > 0) == reads
+
+
+# ------------------------------------------------------------- the staging ring, computed by hand
+
+def _staged_only(sizes_and_sides, budget, align=1, rank=0, peers=(1,)):
+    """A schedule of synthetic steps (no plan, no pieces): each ``(exchange, send bytes, recv
+    bytes)``, ``None`` for a message that is not staged (sent / received in place) and ``0`` for
+    no message; what ``Schedule.staged`` and ``Schedule.batches`` read of a schedule."""
+    from types import SimpleNamespace
+
+    from rlhf_switch.routing.schedule import Chunk, Exchange, Schedule
+
+    def chunk(n, send):
+        if n == 0:
+            return None
+        staged = n is not None
+        return Chunk((), (), n if staged else 8, staged if send else False, staged if not send else False)
+
+    steps: dict[int, list] = {}
+    for ex, s, r in sizes_and_sides:
+        steps.setdefault(ex, []).append((chunk(s, True), chunk(r, False)))
+    exchanges = tuple(Exchange(i, peers[i], tuple(steps[i])) for i in sorted(steps))
+    return Schedule(SimpleNamespace(rank=rank), budget, exchanges, (), align)
+
+
+def test_the_staging_ring_places_and_retires_as_worked_out_by_hand():
+    """Budget 100, blocks 30, 30, 30 fill [0, 90); 20 fits neither after the tail nor before the
+    head (0) until the oldest retires, then at 0; 10 fits exactly between the wrapped tail (20) and
+    the head (30); 16 does not (30 + 16 > 30) until the next oldest retires: then before 60."""
+    sched = _staged_only([(0, 30, 0), (0, 30, 0), (0, 30, 0), (0, 20, 0), (0, 10, 0), (0, 16, 0)], 100)
+    program, peak = sched.staged
+    assert [(st.offset, st.send_bytes, st.retire) for st in program] == \
+        [(0, 30, 0), (30, 30, 0), (60, 30, 0), (0, 20, 1), (20, 10, 0), (30, 16, 1)]
+    assert peak == 90
+
+
+def test_a_step_stages_both_its_messages_in_one_aligned_block_and_waits_for_room():
+    """Align 8. A step's block is [recv | send], each rounded up: 36 -> 40, 16 + 20 -> 16 + 24. The
+    third step (40) fits after the tail (80)? no; before the head (0)? no; after one retirement the
+    head is 40: it fits at 0 (40 <= 40). A step with nothing staged takes no block; the last (60 ->
+    64) finds the ring wrapped (tail 40, head 40) and retires everything older."""
+    sched = _staged_only([(0, 36, 0), (0, 0, 36), (0, 20, 16), (1, None, 0), (1, 60, 0)], 100, align=8,
+                         peers=(1, 2))
+    program, peak = sched.staged
+    assert [(st.exchange, st.step, st.offset, st.recv_bytes, st.send_bytes, st.retire) for st in program] == [
+        (0, 0, 0, 0, 40, 0), (0, 1, 40, 40, 0, 0), (0, 2, 0, 16, 24, 1), (1, 1, 0, 0, 64, 2)]
+    assert peak == 80 and sched.peak_staging_bytes == 80
+
+
+def test_batches_cut_where_a_step_waits_and_the_lower_rank_sends_first():
+    from rlhf_switch.routing.schedule import Batch, Message
+
+    sides = [(0, 36, 0), (0, 0, 36), (0, 20, 16), (1, None, 0), (1, 60, 0)]
+    lower = _staged_only(sides, 100, align=8, rank=0, peers=(1, 2))
+    assert lower.batches == (
+        Batch(0, (Message(0, 0, True), Message(0, 1, False))),
+        Batch(1, (Message(0, 2, True), Message(0, 2, False))),
+        Batch(0, (Message(1, 0, True),)),
+        Batch(2, (Message(1, 1, True),)))
+    higher = _staged_only(sides, 100, align=8, rank=3, peers=(1, 2))  # the peer is the lower rank: it goes first
+    assert higher.batches[1] == Batch(1, (Message(0, 2, False), Message(0, 2, True)))
+    assert lower.messages == higher.messages == 6
+    roomy = _staged_only(sides, 1000, align=8, rank=0, peers=(1, 2))  # nothing waits: one batch per exchange
+    assert roomy.batches == (
+        Batch(0, (Message(0, 0, True), Message(0, 1, False), Message(0, 2, True), Message(0, 2, False))),
+        Batch(0, (Message(1, 0, True), Message(1, 1, True))))
+
+
+def test_the_pair_digest_names_every_part_of_every_message():
+    """A peer's digest changes with any message's direction, size, kind, read offsets, order, or
+    any piece's box or buffer offsets — and the other peers' digests do not."""
+    from types import SimpleNamespace
+
+    from rlhf_switch.routing.schedule import Chunk, Exchange, Piece, Schedule
+    from rlhf_switch.vps import Box, StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    def t(lo, src_offset=0, dst_offset=0):
+        return Transfer(0, 1, StateKey("w"), Box((lo, 0), (lo + 2, 4)), "a", src_offset, (4, 1), "b", dst_offset,
+                        (4, 1), "float32")
+
+    def piece(lo, **kw):
+        tr = t(lo, **kw)
+        return Piece(tr, tr.box)
+
+    base = [Chunk((piece(0), piece(2)), (0, 32), 64, True, False), Chunk((piece(4),), (0,), 32, False, False)]
+
+    def digests(to_peer_1, rank=0):
+        steps = ((to_peer_1[0], None), (None, to_peer_1[1]))
+        other = ((Chunk((piece(6),), (0,), 32, False, False), None),)
+        sched = Schedule(SimpleNamespace(rank=rank), 1000, (Exchange(0, 1, steps), Exchange(1, 2, other)))
+        return sched.message_digests
+
+    ref = digests(base)
+    assert ref == digests(list(base)) and set(ref) == {1, 2}
+    variants = {
+        "size": [base[0]._replace(nbytes=72), base[1]],
+        "kind": [base[0]._replace(read=True), base[1]],
+        "read offsets": [base[0]._replace(read=True, offsets=(0, 40)), base[1]],
+        "box": [base[0], Chunk((piece(5),), (0,), 32, False, False)],
+        "source offset": [base[0], Chunk((piece(4, src_offset=1),), (0,), 32, False, False)],
+        "destination offset": [base[0], Chunk((piece(4, dst_offset=1),), (0,), 32, False, False)],
+        "order": [base[1], base[0]],
+    }
+    for what, chunks in variants.items():
+        d = digests(chunks)
+        assert d[1] != ref[1] and d[2] == ref[2], what
+    read = [base[0]._replace(read=True), base[1]]
+    assert digests(read)[1] != digests([base[0]._replace(read=True, offsets=(0, 40)), base[1]])[1]
+    # the direction: the same messages seen from the higher rank are the other way round
+    assert digests(base, rank=3)[1] != ref[1]
+
+
+@pytest.mark.parametrize("world, table", [
+    (2, {(0, 1): 0}),
+    (3, {(0, 1): 2, (0, 2): 1, (1, 2): 0, (0, 3): 0, (1, 3): 1, (2, 3): 2}),
+    (4, {(0, 1): 2, (0, 2): 1, (1, 2): 0, (0, 3): 0, (1, 3): 1, (2, 3): 2}),
+    (6, {(0, 1): 3, (0, 2): 1, (1, 4): 0, (2, 3): 0, (0, 5): 0, (3, 5): 3, (2, 4): 3, (1, 3): 2}),
+])
+def test_pair_rounds_are_the_circle_methods(world, table):
+    """``round(a, b) = (a + b) / 2 mod m`` (m = n - 1, n the world rounded up to even; halving mod
+    odd m is multiplying by (m + 1) / 2), and ``b`` when ``a`` is the fixed player m: by hand."""
+    for (a, b), k in table.items():
+        if max(a, b) < world + (world % 2):
+            assert pair_round(a, b, world) == k == pair_round(b, a, world), (a, b)
+
+
+def test_split_box_cuts_whole_rows_when_a_row_fits_else_each_row():
+    assert split_box(Box((0, 0), (5, 4)), 20) == [Box((0, 0), (5, 4))]
+    assert split_box(Box((1, 0), (6, 4)), 8) == [Box((1, 0), (3, 4)), Box((3, 0), (5, 4)), Box((5, 0), (6, 4))]
+    assert split_box(Box((2, 1), (4, 6)), 5) == [Box((2, 1), (3, 6)), Box((3, 1), (4, 6))]
+    assert split_box(Box((0, 0), (2, 5)), 2) == [
+        Box((0, 0), (1, 2)), Box((0, 2), (1, 4)), Box((0, 4), (1, 5)),
+        Box((1, 0), (2, 2)), Box((1, 2), (2, 4)), Box((1, 4), (2, 5))]
+    assert split_box(Box((3,), (10,)), 3) == [Box((3,), (6,)), Box((6,), (9,)), Box((9,), (10,))]
+    with pytest.raises(LayoutError, match="^staging budget smaller than one element$"):
+        split_box(Box((0,), (4,)), 0)
+
+
+# ------------------------------------------------------- cutting one peer's messages, by hand
+
+def _t(n, src_offset, dst_offset, src_strides=(1,), key="w", dtype="float32", shape=None):
+    """A transfer of ``n`` elements (a 1-d box, or ``shape``) between buffers ``a`` and ``b``."""
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    shape = shape or (n,)
+    box = Box((0,) * len(shape), tuple(shape))
+    dst_strides = tuple(int(x) for x in __import__("rlhf_switch.vps.space", fromlist=["x"]).row_major_strides(shape))
+    return Transfer(0, 1, StateKey(key), box, "a", src_offset, src_strides, "b", dst_offset, dst_strides, dtype)
+
+
+def _cut(transfers, cap=1 << 20):
+    from rlhf_switch.routing.schedule import _chunks
+
+    return [(tuple(p.transfer.key.tensor for p in c.pieces), c.offsets, c.nbytes, c.stage_send, c.stage_recv)
+            for c in _chunks(transfers, cap, None)]
+
+
+def test_pieces_that_continue_both_runs_are_one_direct_message():
+    assert _cut([_t(100, 0, 0, key="x"), _t(100, 100, 100, key="y")]) == [(("x", "y"), (0, 400), 800, False, False)]
+
+
+def test_a_piece_that_breaks_one_run_joins_when_staging_that_side_costs_at_most_merge_bytes():
+    """The second piece continues the source run, not the destination's: joining stages the
+    destination side of both (400 + 400 B copied <= MERGE_BYTES): one message, sent straight from
+    the source, received into staging. At 65540 B a piece it would copy 131080 B > 131072: two
+    direct messages. At 65536 B exactly (131072): one."""
+    from rlhf_switch.routing.schedule import MERGE_BYTES
+
+    assert MERGE_BYTES == 131072
+    assert _cut([_t(100, 0, 0, key="x"), _t(100, 100, 500, key="y")]) == [(("x", "y"), (0, 400), 800, False, True)]
+    assert _cut([_t(16384, 0, 0, key="x"), _t(16384, 16384, 50000, key="y")]) == [
+        (("x", "y"), (0, 65536), 131072, False, True)]
+    assert _cut([_t(16385, 0, 0, key="x"), _t(16385, 16385, 50000, key="y")]) == [
+        (("x",), (0,), 65540, False, False), (("y",), (0,), 65540, False, False)]
+
+
+def test_a_strided_source_is_staged_and_small_leftovers_travel_together_at_the_end():
+    """A strided source view cannot be sent straight: its message is packed. Three pieces that
+    join no neighbour (a 12 B one, a 200 KiB one, a 12 B one): the two small ones become one
+    staged message after the big one, the second at an 8-byte aligned offset (16)."""
+    strided = _t(6, 0, 0, src_strides=(2,), key="s")
+    assert _cut([strided]) == [(("s",), (0,), 24, True, False)]
+    small_a, big, small_b = _t(3, 0, 0, key="a"), _t(51200, 1000, 1000, key="big"), _t(3, 60000, 60000, key="b")
+    assert _cut([small_a, big, small_b]) == [
+        (("big",), (0,), 204800, False, False),
+        (("a", "b"), (0, 16), 28, True, True)]
+    # one small message alone stays where it was
+    assert _cut([small_a, big]) == [(("a",), (0,), 12, False, False), (("big",), (0,), 204800, False, False)]
+
+
+def test_a_message_never_passes_the_cap():
+    """cap 800 B: 150 contiguous floats (600 B) then 100 more (400 B) would make 1000 B: two
+    messages; a 300-float transfer is cut in row-major sub-boxes of at most 200."""
+    assert _cut([_t(150, 0, 0, key="x"), _t(100, 150, 150, key="y")], cap=800) == [
+        (("x",), (0,), 600, False, False), (("y",), (0,), 400, False, False)]
+    from rlhf_switch.routing.schedule import _chunks
+
+    chunks = _chunks([_t(300, 0, 0, key="z")], 800, None)
+    assert [(c.pieces[0].box, c.nbytes) for c in chunks] == [(Box((0,), (200,)), 800), (Box((200,), (300,)), 400)]
+
+
+def test_read_messages_cut_by_the_senders_packing_worked_out_by_hand():
+    """cap 100 B, READ_RUN_BYTES 4096: a transfer of 8 KiB runs is read in place (offset -1, no
+    packing, no cap); the short ones are packed at 8-byte aligned offsets until the next would pass
+    the cap: [in place + 40 B at 0] (40 packed), [80 B], then a strided 4x8 block (32 B runs) cut
+    in rows of at most 25 elements: 3 rows (96 B), then 1 (32 B)."""
+    from rlhf_switch.routing.schedule import READ_RUN_BYTES, _read_chunks
+
+    assert READ_RUN_BYTES == 4096
+    long, a, b = _t(2048, 0, 0, key="long"), _t(10, 5000, 5000, key="a"), _t(20, 6000, 6000, key="b")
+    block = _t(32, 7000, 7000, src_strides=(16, 1), key="block", shape=(4, 8))
+    got = [(tuple((p.transfer.key.tensor, p.box) for p in c.pieces), c.offsets, c.nbytes, c.stage_send, c.stage_recv,
+            c.read, c.packed) for c in _read_chunks([long, a, b, block], 100)]
+    assert got == [
+        ((("long", Box((0,), (2048,))), ("a", Box((0,), (10,)))), (-1, 0), 8232, True, False, True, 40),
+        ((("b", Box((0,), (20,))),), (0,), 80, True, False, True, 80),
+        ((("block", Box((0, 0), (3, 8))),), (0,), 96, True, False, True, 96),
+        ((("block", Box((3, 0), (4, 8))),), (0,), 32, True, False, True, 32)]
+    only_long = _read_chunks([long, _t(2048, 9000, 9000, key="long2")], 100)
+    assert [(c.offsets, c.nbytes, c.stage_send, c.packed) for c in only_long] == [((-1, -1), 16384, False, 0)]
+    assert _read_chunks([], 100) == []
+
+
+def test_a_read_messages_runs_on_both_sides_worked_out_by_hand():
+    """One piece read in place from buffer ``a`` (a 2x3 box at element 10, rows 5 apart: runs of
+    12 B at bytes 40 and 60), one packed at 0 of the sender's block (16 B, from ``c``); both land in
+    ``b``, at elements 0-5 (one 24 B run) and 6-9: local runs merge into one of 40 B."""
+    from rlhf_switch.routing.schedule import Chunk, Copy, Piece, read_runs_of
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    ta = Transfer(0, 1, StateKey("x"), Box((0, 0), (2, 3)), "a", 10, (5, 1), "b", 0, (3, 1), "float32")
+    tc = Transfer(0, 1, StateKey("y"), Box((0,), (4,)), "c", 2, (1,), "b", 6, (1,), "float32")
+    chunk = Chunk((Piece(ta, ta.box), Piece(tc, tc.box)), (-1, 0), 40, True, False, True, 16)
+    runs = read_runs_of(chunk)
+    assert (runs.src_names, runs.dst_names, runs.nbytes, runs.sources) == (("a",), ("b",), 40, ("a", "c"))
+    assert runs.remote.tolist() == [[1, 40, 12], [1, 60, 12], [0, 0, 16]]
+    assert runs.local.tolist() == [[0, 0, 40]]
+    assert runs.copies == (Copy("a", 10, (5, 1), "b", 0, (3, 1), (2, 3), "float32"),
+                           Copy("c", 2, (1,), "b", 6, (1,), (4,), "float32"))

@@ -34,7 +34,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("rlhf_switch", "actors", "recipes")  # pyproject's [tool.mutmut] source_paths
-DETECTED = ("killed", "timeout", "segfault")  # a test run that did not pass: the mutant was noticed
+DETECTED = ("killed", "timeout", "crashed")  # a test run that did not pass: the mutant was noticed
+TIMEOUT_CODES = (-24, 24, 152, 255, 36)  # mutmut's: SIGXCPU (its time limit), or its own timeout code
+
+
+def status_of(exit_code: int | None) -> str:
+    """A mutant's verdict from its test run's exit code: mutmut's words, except that a run killed
+    by a signal other than the time limit (SIGABRT from gloo, SIGSEGV, ...) is "crashed": the
+    tests did not pass, so the mutant was noticed (mutmut calls SIGABRT "suspicious")."""
+    from mutmut.stats import status_by_exit_code
+
+    if exit_code is not None and exit_code < 0 and exit_code not in TIMEOUT_CODES:
+        return "crashed"
+    return status_by_exit_code[exit_code]
 
 
 def module_name(path: str) -> str:
@@ -156,13 +168,12 @@ def _time_fixtures_and_run_fastest_first() -> None:
 def _results(files: list[str]) -> dict[str, dict[str, str]]:
     """Per module: mutant name -> status (mutmut's words: killed, survived, no tests, timeout, ...)."""
     from mutmut.mutation.data import SourceFileMutationData
-    from mutmut.stats import status_by_exit_code
 
     out = {}
     for f in files:
         data = SourceFileMutationData(path=f)
         data.load()
-        out[f] = {k: status_by_exit_code[v] for k, v in data.exit_code_by_key.items()}
+        out[f] = {k: status_of(v) for k, v in data.exit_code_by_key.items()}
     return out
 
 
@@ -205,8 +216,8 @@ def summarise(files: list[str], seconds: float) -> int:
                 print(f"  {s:9} {name}: {one_line_diff(name, f)}")
         if unreached:
             print("  without a run: " + ", ".join(f"{fn}: {n}" for fn, n in unreached.items()))
-    print("\n'killed' counts a timeout (listed above: it may be a slow fixture, not a hang) and a crash of the "
-          "tests. Read a mutant in full: mutmut show <name> (from the repository root); rerun the undetected "
+    print("\n'killed' counts a timeout (listed above: it may be a slow fixture, not a hang) and a test run killed "
+          "by a signal (crashed). Read a mutant in full: mutmut show <name> (from the repository root); rerun the undetected "
           "ones after adding tests: the same command with --again (make mutate ... MUTATE_ARGS=--again)")
     return undetected
 

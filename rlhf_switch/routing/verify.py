@@ -35,9 +35,9 @@ corruption and misplacement, not an adversary.
 *Sampling* (``sample``): of each pair's list of pieces (and of the rank's local pieces) exactly
 ``ceil(fraction * n)`` are checked — at least one per pair that moves anything — those whose
 hash of (plan digest, seed, source rank, destination rank, position in the pair's list) is
-smallest. Every rank computes the same choice from what it knows. The seed is the caller's (the
-weight channel passes its count of moves, the same on every member; a loop may pass its
-iteration), so successive moves check different pieces. Sampling can miss: a corrupted piece
+smallest. Every rank computes the same choice from what it knows. The seed is the caller's,
+modulo 2^62 (the weight channel passes its count of moves, the same on every member; a loop may
+pass its iteration), so successive moves check different pieces. Sampling can miss: a corrupted piece
 that is not drawn passes unnoticed.
 """
 from __future__ import annotations
@@ -131,8 +131,7 @@ def _view(buffers, name: str, offset: int, shape, strides) -> torch.Tensor:
 def source_checksum(t: Transfer, src_buffers) -> torch.Tensor:
     """The checksum of what the sender sends: its source view, cast to the wire dtype."""
     v = _view(src_buffers, t.src_buffer, t.src_offset, t.box.shape, t.src_strides)
-    want = torch_dtype(t.dtype)
-    return checksum(v if v.dtype == want else v.to(want))
+    return checksum(v.to(torch_dtype(t.dtype)))  # no copy where it is the wire dtype already
 
 
 def destination_checksum(t: Transfer, dst_buffers) -> torch.Tensor:
@@ -181,8 +180,11 @@ def checked(plan, fraction: float, seed: int) -> tuple[dict[int, list[Transfer]]
 
 # ------------------------------------------------------------------------------------ the check
 
+SEED_BITS = 62  # a seed is taken modulo 2^62: it travels in the settings row as an int64
+
+
 def _settings_row(verify: str, fraction: float, seed: int) -> list[int]:
-    return [MODES.index(verify), round(fraction * 1_000_000), seed & ((1 << 62) - 1)]
+    return [MODES.index(verify), round(fraction * 1_000_000), seed]
 
 
 def _describe(t: Transfer, expected, got) -> str:
@@ -202,10 +204,11 @@ def verify_move(schedule, src_buffers: Mapping[str, torch.Tensor], dst_buffers: 
     plan = schedule.plan
     if verify == "full":
         fraction = 1.0
+    # the seed the ranks agree on is the one they sample with (seeds equal modulo 2^62 passed the
+    # agreement and then drew different pieces)
+    seed &= (1 << SEED_BITS) - 1
     mine = _settings_row(verify, fraction, seed)
     rows = comm.all_gather_ints(mine)
-    if rows is None:
-        rows = comm.all_gather_object(mine)
     if any(list(r) != mine for r in rows):
         detail = "; ".join(f"rank {r}: verify={MODES[row[0]]}, fraction {row[1] / 1e6}, seed {row[2]}"
                            for r, row in enumerate(rows))
@@ -234,8 +237,6 @@ def verify_move(schedule, src_buffers: Mapping[str, torch.Tensor], dst_buffers: 
     for w in works:
         w.wait(timeout)
     for p, ts in recvs.items():
-        if not ts:
-            continue
         got = torch.stack([destination_checksum(t, dst_buffers) for t in ts])
         bad = (got != incoming[p]).any(dim=1)
         if bool(bad.any()):
@@ -246,8 +247,6 @@ def verify_move(schedule, src_buffers: Mapping[str, torch.Tensor], dst_buffers: 
                     problems.append(_describe(ts[i], exp_l[i], got_l[i]))
     checked_here = len(local) + sum(len(ts) for ts in recvs.values())
     counts = comm.all_gather_ints([n_bad, checked_here])
-    if counts is None:
-        counts = comm.all_gather_object([n_bad, checked_here])
     if any(c[0] for c in counts):
         everyone = comm.all_gather_object(problems)
         total_bad = sum(c[0] for c in counts)
