@@ -21,6 +21,7 @@ from rlhf_switch.vps import (
     build_layout, fsdp, llama_spec, replicated, synthetic_spec, zero,
 )
 from rlhf_switch.vps.materialize import bits, materialize, synthetic_tensor, torch_dtype
+from rlhf_switch.vps.spec import qwen3_moe_spec
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -512,6 +513,159 @@ def test_zero_stage3_all_fields_zero3():
 def test_zero_bad_stage():
     with pytest.raises(LayoutError, match="stage"):
         zero(llama_spec(tiny_cfg()), 2, 4)
+
+
+# --- expert parallelism (Megatron MoE) ---------------------------------------------------------------
+# Megatron's rule, written out here without the layout code: with DP size D and EP size E, DP rank d
+# is EP rank d % E and expert-DP rank d // E; EP rank e holds experts [e·X/E, (e+1)·X/E) of every MoE
+# layer whole (TP still splits each expert as a column / row linear); dense tensors stay on every DP
+# rank. DP sharding spreads the dense local tensors over all D ranks and the expert local tensors
+# over the D/E ranks holding the same experts, each group in its own buffer(s).
+
+def moe(**kw):
+    """A Qwen3-MoE model. Default sizes are odd (hidden 7, expert rows 5) so that ZeRO/FSDP shards
+    of the experts come out uneven."""
+    cfg = dict(hidden_size=7, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+               moe_intermediate_size=5, num_experts=8, vocab_size=10, tie_word_embeddings=False)
+    cfg.update(kw)
+    return Model(qwen3_moe_spec(cfg), cfg)
+
+
+def expert_of(name):
+    """The expert index in a Qwen3-MoE tensor name (``….mlp.experts.{e}.…``), None for a dense tensor."""
+    m = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def ref_rank_ep(model: Model, cfg: ParallelConfig, rank: int, fields=("param",)):
+    """Expected {"{field}/{buffer}": flat tensor} of ``rank`` under ``cfg`` with EP (rule above)."""
+    tp, dp, ep = cfg.tp, cfg.dp, cfg.ep
+    X = model.cfg["num_experts"]
+    pp_rank, rest = divmod(rank, dp * tp)
+    dp_rank, tp_rank = divmod(rest, tp)
+    ep_rank, edp_rank = dp_rank % ep, dp_rank // ep
+    mine = range(ep_rank * X // ep, (ep_rank + 1) * X // ep)
+    stage = [(n, b) for n, b in ref_stage(model, cfg.pp, pp_rank, cfg.stage_layers)
+             if expert_of(n) is None or expert_of(n) in mine]
+    out = {}
+    for field in fields:
+        local = ref_tp(model, stage, field, tp, tp_rank, cfg.vocab_divisible_by)
+        dense = [(b, x) for b, x in local if expert_of(b) is None]
+        experts = [(b, x) for b, x in local if expert_of(b) is not None]
+        for b, x in ref_dp(dense, dp, dp_rank, cfg.dp_shard, cfg.zero_alignment).items():
+            out[f"{field}/{b}"] = x
+        for b, x in ref_dp(experts, dp // ep, edp_rank, cfg.dp_shard, cfg.zero_alignment).items():
+            if b in ("zero.flat", "zero3.flat"):  # the experts' own flat buffer
+                b = b.replace(".flat", ".experts.flat")
+            out[f"{field}/{b}"] = x
+    return out
+
+
+def experts_held(layout: Layout, rank: int) -> dict[int, set[int]]:
+    """layer -> the experts of which ``rank`` holds some part."""
+    out: dict[int, set[int]] = {}
+    for f in layout.fragments(rank):
+        e = expert_of(f.key.tensor)
+        if e is not None:
+            out.setdefault(int(re.match(r"model\.layers\.(\d+)\.", f.key.tensor).group(1)), set()).add(e)
+    return out
+
+
+def test_ep_places_experts_per_megatron_rule():
+    """Which rank holds which experts, as hand tables (8 experts, 2 layers)."""
+    model = moe(hidden_size=8, moe_intermediate_size=6)  # TP2 divides every dim here
+    lo, hi = {0, 1, 2, 3}, {4, 5, 6, 7}
+    cases = [
+        # DP4·EP2: dp 0, 2 hold experts 0–3; dp 1, 3 hold 4–7 (the module docstring's example)
+        (ParallelConfig(dp=4, ep=2), {0: [lo, lo], 1: [hi, hi], 2: [lo, lo], 3: [hi, hi]}),
+        # DP4·EP4: two experts per rank, in order
+        (ParallelConfig(dp=4, ep=4, dp_shard="zero3"),
+         {0: [{0, 1}] * 2, 1: [{2, 3}] * 2, 2: [{4, 5}] * 2, 3: [{6, 7}] * 2}),
+        # DP8·EP8: one expert per rank, rank d holds expert d
+        (ParallelConfig(dp=8, ep=8, dp_shard="fsdp"), {d: [{d}, {d}] for d in range(8)}),
+        # TP2·DP2·EP2: rank = dp·2 + tp, both TP ranks of a DP rank hold its experts
+        (ParallelConfig(tp=2, dp=2, ep=2, vocab_divisible_by=2), {0: [lo, lo], 1: [lo, lo], 2: [hi, hi], 3: [hi, hi]}),
+        # PP2·DP2·EP2: rank = pp·2 + dp; stage 0 has layer 0 only, stage 1 layer 1 only
+        (ParallelConfig(pp=2, dp=2, ep=2, dp_shard="zero"), {0: {0: lo}, 1: {0: hi}, 2: {1: lo}, 3: {1: hi}}),
+        # DP4 without EP: every rank holds every expert
+        (ParallelConfig(dp=4, dp_shard="zero3"), {r: [set(range(8))] * 2 for r in range(4)}),
+    ]
+    for cfg, table in cases:
+        lay = build_layout(model.spec, cfg)
+        for rank, want in table.items():
+            want = dict(enumerate(want)) if isinstance(want, list) else want
+            assert experts_held(lay, rank) == want, (str(cfg), rank)
+            if cfg.dp_shard != "replicate":
+                continue  # (sharded, a small dense tensor may have no rows left for a rank)
+            # the dense tensors of its stage stay on every rank: attention, norms, the router
+            stage = {n for n, _ in ref_stage(model, cfg.pp, rank // (cfg.dp * cfg.tp))} - \
+                {n for n in model.names if expert_of(n) is not None}
+            assert stage <= {f.key.tensor for f in lay.fragments(rank)}, (str(cfg), rank)
+
+
+@pytest.mark.parametrize("cfg", [
+    ParallelConfig(dp=4, ep=2),
+    ParallelConfig(dp=4, ep=2, dp_shard="fsdp"),  # expert rows 5 over expert-DP 2: 3 + 2
+    ParallelConfig(dp=4, ep=2, dp_shard="zero3"),  # expert numel 35 over 2: 18 + 17 (padded)
+    ParallelConfig(dp=6, ep=2, dp_shard="zero"),  # expert-DP 3
+    ParallelConfig(dp=6, ep=2, dp_shard="zero", zero_alignment=16),  # both groups padded to 16·their DP
+    ParallelConfig(dp=4, ep=4, dp_shard="zero"),  # expert-DP 1: each rank its experts whole
+    ParallelConfig(pp=2, dp=4, ep=2, dp_shard="zero3"),
+], ids=lambda c: str(c).replace("·", "x") + (f"-align{c.zero_alignment}" if c.zero_alignment != 2 else ""))
+def test_ep_matches_megatron_reference(cfg):
+    """Every rank's buffers, bit for bit, against the rule above (odd sizes: uneven shards)."""
+    model = moe()
+    lay = build_layout(model.spec, cfg, ("param", "exp_avg"))
+    lay.validate()
+    for rank in range(cfg.world_size):
+        assert_bits_equal(lay, rank, ref_rank_ep(model, cfg, rank, ("param", "exp_avg")), model)
+    # each expert element is held by the D/E ranks of its EP rank, or once when they shard it
+    reps = 1 if cfg.dp_shard != "replicate" else cfg.dp // cfg.ep
+    for name in model.names:
+        if expert_of(name) is not None:
+            assert count_holdings(lay, StateKey(name)).eq(reps).all(), name
+
+
+def test_keep_experts_per_ep_rank():
+    """``keep_experts``, the rule on its own: EP rank e keeps experts [e·X/E, (e+1)·X/E) and every
+    dense tensor, in the given order (8 experts)."""
+    from rlhf_switch.vps.layouts.expert_parallel import keep_experts
+
+    spec = moe().spec
+    stage = [(t, t.name) for t in spec.tensors if t.layer == 1]
+    dense = [(t, b) for t, b in stage if expert_of(t.name) is None]
+    assert len(dense) == 9 and len(stage) == 9 + 8 * 3
+    for ep, table in ((2, [{0, 1, 2, 3}, {4, 5, 6, 7}]), (4, [{0, 1}, {2, 3}, {4, 5}, {6, 7}]),
+                      (8, [{e} for e in range(8)])):
+        for e, want in enumerate(table):
+            kept = keep_experts(spec, stage, ep, e)
+            assert [x for x in kept if expert_of(x[0].name) is None] == dense
+            assert kept == [x for x in stage if expert_of(x[0].name) in want or expert_of(x[0].name) is None]
+    assert keep_experts(spec, stage, 1, 0) == stage
+
+
+def test_ep_tp2_matches_megatron_reference():
+    model = moe(hidden_size=8, moe_intermediate_size=6)
+    for mode in ("replicate", "fsdp", "zero3", "zero"):
+        cfg = ParallelConfig(tp=2, dp=4, ep=2, dp_shard=mode, vocab_divisible_by=2)
+        lay = build_layout(model.spec, cfg)
+        for rank in range(cfg.world_size):
+            assert_bits_equal(lay, rank, ref_rank_ep(model, cfg, rank), model)
+
+
+def test_ep_refuses_uneven_experts_and_bad_sizes():
+    """Experts are never split unevenly over EP ranks: an EP that does not divide the experts, or
+    that is not carved out of DP, or a model without experts, is refused."""
+    with pytest.raises(LayoutError, match="EP=4 does not divide num_experts=6"):
+        build_layout(moe(num_experts=6).spec, ParallelConfig(dp=4, ep=4))
+    with pytest.raises(LayoutError, match="EP=3 must divide DP=4"):
+        ParallelConfig(dp=4, ep=3)
+    with pytest.raises(LayoutError, match="needs a mixture-of-experts model"):
+        build_layout(llama_spec(tiny_cfg()), ParallelConfig(dp=2, ep=2))
+    with pytest.raises(LayoutError, match="ep=0"):
+        ParallelConfig(dp=2, ep=0)
+    # EP 1 on a dense model is no EP at all
+    assert build_layout(llama_spec(tiny_cfg()), ParallelConfig(dp=2, ep=1)).world_size == 2
 
 
 # --- compositions ------------------------------------------------------------------------------------
