@@ -21,6 +21,7 @@ from rlhf_switch.vps import (
     build_layout, fsdp, llama_spec, replicated, synthetic_spec, zero,
 )
 from rlhf_switch.vps.materialize import bits, materialize, synthetic_tensor, torch_dtype
+from rlhf_switch.vps.layouts.vllm import vllm_layout
 from rlhf_switch.vps.spec import qwen3_moe_spec
 
 EMBED = "model.embed_tokens.weight"
@@ -668,6 +669,117 @@ def test_ep_refuses_uneven_experts_and_bad_sizes():
     assert build_layout(llama_spec(tiny_cfg()), ParallelConfig(dp=2, ep=1)).world_size == 2
 
 
+# --- vLLM's generation layout --------------------------------------------------------------------------
+# vLLM's rules (vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py, fused_moe), written
+# out here for TP size T and worker t: ``qkv_proj`` = [q_t; k_t; v_t], q heads split evenly, KV heads
+# split evenly when T <= KV, else worker t holds KV head t // (T/KV) whole; ``gate_up_proj`` =
+# [gate_t; up_t]; o/down_proj split on dim 1, their biases whole; the vocabulary padded to a multiple
+# of 64, then split in T equal row ranges (padding rows are zero here); MoE experts stacked as
+# ``mlp.experts.routed_experts.w13_weight`` = per expert [gate_t; up_t] and ``w2_weight`` = per expert
+# down_t; norms, q/k norms and the router whole; replica r's worker t is rank r·T + t.
+
+def ref_vllm(model: Model, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    cfg, t = model.cfg, rank % tp
+    nh = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
+
+    def rows(x):
+        return x.tensor_split(tp, 0)[t]
+
+    def cols(x):
+        return x.tensor_split(tp, 1)[t]
+
+    out = {}
+    for name in model.names:
+        x = model.tensor(name)
+        qkv = re.match(r"(.*\.self_attn\.)([qkv])_proj\.(weight|bias)$", name)
+        mlp = re.match(r"(.*\.mlp\.)(gate|up|down)_proj\.(weight|bias)$", name)
+        expert = re.match(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if name in (EMBED, LM_HEAD):
+            vp = -(-x.shape[0] // 64) * 64
+            out[name] = _pad_rows(x, vp)[t * vp // tp:(t + 1) * vp // tp]
+        elif qkv:
+            if qkv.group(2) != "q":
+                continue
+            a, kind = qkv.group(1), qkv.group(3)
+            k, v = model.tensor(f"{a}k_proj.{kind}"), model.tensor(f"{a}v_proj.{kind}")
+            heads = range(t * kv // tp, (t + 1) * kv // tp) if tp <= kv else [t // (tp // kv)]
+            kr = slice(heads[0] * hd, (heads[-1] + 1) * hd)
+            out[f"{a}qkv_proj.{kind}"] = torch.cat([rows(x), k[kr], v[kr]])
+        elif expert:
+            m, e, w = expert.group(1), int(expert.group(2)), expert.group(3)
+            if e != 0 or w == "up":
+                continue
+            n = cfg["num_experts"]
+            if w == "gate":
+                out[f"{m}routed_experts.w13_weight"] = torch.cat(
+                    [rows(model.tensor(f"{m}{i}.{p}_proj.weight")) for i in range(n) for p in ("gate", "up")])
+            else:
+                out[f"{m}routed_experts.w2_weight"] = torch.cat(
+                    [cols(model.tensor(f"{m}{i}.down_proj.weight")) for i in range(n)])
+        elif mlp and mlp.group(2) in ("gate", "up"):
+            if mlp.group(2) == "gate":
+                out[f"{mlp.group(1)}gate_up_proj.{mlp.group(3)}"] = torch.cat(
+                    [rows(x), rows(model.tensor(f"{mlp.group(1)}up_proj.{mlp.group(3)}"))])
+        elif re.search(r"\.(o_proj|down_proj)\.weight$", name):
+            out[name] = cols(x)
+        else:  # norms, q/k norms, the router, o/down biases
+            out[name] = x
+    return {f"param/{b}": x.reshape(-1) for b, x in out.items()}
+
+
+@pytest.mark.parametrize("tp,replicas,kw", [
+    (1, 1, {}), (2, 2, {"attention_bias": True, "mlp_bias": True}), (4, 1, {}),  # TP4 > 2 KV heads: shared
+    (4, 1, {"num_key_value_heads": 4, "attention_bias": True}), (2, 1, {"tie_word_embeddings": True}),
+    (4, 2, {"num_key_value_heads": 1, "vocab_size": 100}),  # 100 -> 128 rows: worker 3 holds rows 96:100
+])
+def test_vllm_layout_matches_vllm_rules(tp, replicas, kw):
+    model = tiny(**kw)  # vocab 24 -> 64 rows: at TP4 workers 2 and 3 hold padding only
+    lay = vllm_layout(model.spec, tp, replicas).validate()
+    assert lay.world_size == tp * replicas
+    for rank in range(tp * replicas):
+        assert_bits_equal(lay, rank, ref_vllm(model, tp, rank), model)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vllm_layout_of_a_moe_matches_vllm_rules(tp):
+    model = moe(hidden_size=8, moe_intermediate_size=4, num_experts=4, num_key_value_heads=2)
+    lay = vllm_layout(model.spec, tp).validate()
+    for rank in range(tp):
+        assert_bits_equal(lay, rank, ref_vllm(model, tp, rank), model)
+    assert lay.name == f"vLLM-TP{tp}"
+
+
+def test_vllm_layout_engine_dtype_names_and_refusals():
+    model = tiny()
+    bf16 = vllm_layout(model.spec, 2, dtype="bfloat16")
+    assert {b.dtype for r in range(2) for b in bf16.buffers(r).values()} == {"bfloat16"}
+    # the model's own dtype named is the same layout, digest included
+    assert vllm_layout(model.spec, 2, dtype="float32") == vllm_layout(model.spec, 2)
+    assert vllm_layout(model.spec, 2, 3).name == "vLLM-TP2×3"
+    with pytest.raises(LayoutError, match=r"^vLLM TP and replicas must be >= 1, got tp=0, replicas=1$"):
+        vllm_layout(model.spec, 0)
+    with pytest.raises(LayoutError, match=r"^vLLM TP and replicas must be >= 1, got tp=2, replicas=0$"):
+        vllm_layout(model.spec, 2, 0)
+    with pytest.raises(LayoutError, match=r"unknown engine dtype 'float8'"):
+        vllm_layout(model.spec, 2, dtype="float8")
+    # every factor vLLM's TP must divide, each named: KV heads at TP <= KV, query heads, KV heads at
+    # TP > KV (a multiple of them), the padded vocabulary
+    with pytest.raises(LayoutError) as e:
+        vllm_layout(tiny(num_attention_heads=6, num_key_value_heads=3, hidden_size=24).spec, 2)
+    assert "num_attention_heads" not in str(e.value) and "num_key_value_heads=3" in str(e.value)
+    with pytest.raises(LayoutError) as e:
+        vllm_layout(tiny(num_attention_heads=6, num_key_value_heads=2, hidden_size=24).spec, 4)
+    msg = str(e.value)
+    assert msg.startswith("vLLM cannot run 'llama' at TP=4: it does not divide ")
+    assert "num_attention_heads=6" in msg and "num_key_value_heads=2 (TP above it must be a multiple of it)" not in msg
+    with pytest.raises(LayoutError, match=r"num_key_value_heads=2 \(TP above it must be a multiple of it\)"):
+        vllm_layout(tiny(num_attention_heads=6, num_key_value_heads=2, hidden_size=24, intermediate_size=18).spec, 3)
+    with pytest.raises(LayoutError, match="has no attention geometry"):
+        vllm_layout(synthetic_spec([("a", (4, 2), "float32", "replicate")]), 1)
+
+
 # --- compositions ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["replicate", "fsdp", "zero3", "zero"])
@@ -955,3 +1067,22 @@ def test_padding_only_vocab_shard_buffer_has_the_tensor_dtype():
                 wrong.append(f"PYTHONHASHSEED={seed}: tensor 'v' is {vocab_dtype} (other tensor "
                              f"{other}) but rank 1's padding-only buffer 'param/v' is {d1}")
     assert not wrong, "; ".join(wrong)
+
+
+def test_vllm_parameter_shapes_and_names():
+    """What the rollout engine checks its workers' parameters against: vLLM's names and shapes
+    (FusedMoE's w13 [E, 2I/T, H] and w2 [E, H, I/T]; everything else the local shape)."""
+    from rlhf_switch.vps.layouts.vllm import param_shape, vllm_buffer, worker_tensors
+
+    spec = moe(hidden_size=8, moe_intermediate_size=4, num_experts=4).spec
+    m = "model.layers.1.mlp.experts."
+    assert vllm_buffer(m + "w13_weight") == m + "routed_experts.w13_weight"
+    assert vllm_buffer(m + "w2_weight") == m + "routed_experts.w2_weight"
+    assert vllm_buffer("model.layers.1.self_attn.qkv_proj.weight") == "model.layers.1.self_attn.qkv_proj.weight"
+    for tp in (1, 2, 4):
+        shapes = {lt.buffer: param_shape(spec, lt) for lt in worker_tensors(spec, tp, tp - 1)}
+        assert shapes[m + "routed_experts.w13_weight"] == (4, 2 * 4 // tp, 8)
+        assert shapes[m + "routed_experts.w2_weight"] == (4, 8, 4 // tp)
+        assert shapes["model.layers.1.self_attn.qkv_proj.weight"] == ((4 // tp + 2 * max(1, 2 // tp)) * 4, 8)
+        assert shapes["model.embed_tokens.weight"] == (64 // tp, 8)
+        assert shapes["model.layers.1.mlp.gate.weight"] == (4, 8)
