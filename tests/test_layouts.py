@@ -1086,3 +1086,124 @@ def test_vllm_parameter_shapes_and_names():
         assert shapes["model.layers.1.self_attn.qkv_proj.weight"] == ((4 // tp + 2 * max(1, 2 // tp)) * 4, 8)
         assert shapes["model.embed_tokens.weight"] == (64 // tp, 8)
         assert shapes["model.layers.1.mlp.gate.weight"] == (4, 8)
+
+
+# =================================================================================================
+# The mesh's names, digests and refusals
+# =================================================================================================
+
+def test_parallel_config_names_coords_and_refusals():
+    assert str(ParallelConfig()) == "DP1" and str(ParallelConfig(dp_shard="zero3")) == "DP1"
+    assert str(ParallelConfig(dp=4)) == "DP4" and str(ParallelConfig(tp=2)) == "TP2"
+    assert str(ParallelConfig(tp=2, pp=3, dp=4, ep=2, dp_shard="fsdp")) == "TP2·PP3·EP2·DP4[fsdp]"
+    cfg = ParallelConfig(tp=2, pp=2, dp=3)
+    assert cfg.world_size == 12
+    # rank = pp·(dp·tp) + dp·tp + tp, written out
+    assert [cfg.coords(r) for r in range(12)] == [(p, d, t) for p in range(2) for d in range(3) for t in range(2)]
+    with pytest.raises(LayoutError, match=r"^parallel sizes must be >= 1: tp=0, dp=-1$"):
+        ParallelConfig(tp=0, dp=-1)
+    with pytest.raises(LayoutError, match=r"^parallel sizes must be >= 1: pp=0, ep=0$"):
+        ParallelConfig(pp=0, ep=0)
+    assert ParallelConfig(tp=1, pp=1, dp=1, ep=1).world_size == 1
+    with pytest.raises(LayoutError, match=r"^EP=3 must divide DP=4 \(expert parallelism is carved out of DP\)$"):
+        ParallelConfig(dp=4, ep=3)
+    with pytest.raises(LayoutError, match=r"^dp_shard='zero4' is not one of \('replicate', 'fsdp', 'zero3', 'zero'\)$"):
+        ParallelConfig(dp_shard="zero4")
+    spec = llama_spec(tiny_cfg())
+    with pytest.raises(LayoutError, match=r"^TP2·PP2·DP3 needs tp·pp·dp = 2·2·3 = 12 ranks, the world has 8$"):
+        build_layout(spec, cfg, world_size=8)
+    with pytest.raises(LayoutError, match=r"^EP=2 needs a mixture-of-experts model; 'llama' has no experts$"):
+        build_layout(spec, ParallelConfig(dp=2, ep=2))
+    with pytest.raises(LayoutError, match=r"^EP=4 does not divide num_experts=6$"):
+        build_layout(moe(num_experts=6).spec, ParallelConfig(dp=4, ep=4))
+
+
+def test_named_layouts_names():
+    spec = llama_spec(tiny_cfg())
+    assert replicated(spec, 3).name == "DP3" and fsdp(spec, 2).name == "DP2[fsdp]"
+    assert build_layout(spec, ParallelConfig(tp=2), name="mine").name == "mine"
+    z1, z2, z3 = zero(spec, 2, 1), zero(spec, 2, 2, fields=("param",)), zero(spec, 2, 3)
+    assert (z1.name, z2.name, z3.name) == ("ZeRO1·DP2", "ZeRO2·DP2", "ZeRO3·DP2")
+    assert z2.fields() == ("param",) and set(z2.buffers(0)) == {f"param/{n}" for n in spec._order()}
+    only_adam = zero(spec, 2, 1, fields=ADAM_FIELDS)
+    assert only_adam.name == "ZeRO1·DP2" and only_adam.fields() == tuple(sorted(ADAM_FIELDS))
+    assert set(only_adam.buffers(1)) == {f"{f}/zero.flat" for f in ADAM_FIELDS}
+    with pytest.raises(LayoutError, match=r"^ZeRO stage must be 1, 2 or 3, got 0$"):
+        zero(spec, 2, 0)
+
+
+def test_layout_digests_tell_every_argument_apart():
+    """Plans are cached by the layouts' digests: two layouts differing in any argument must differ
+    in digest, and the same arguments must give the same digest."""
+    spec = llama_spec(tiny_cfg())
+    base = dict(tp=2, dp=2, dp_shard="zero", vocab_divisible_by=2)
+    variants = [dict(tp=1), dict(pp=2), dict(dp=4), dict(dp_shard="zero3"), dict(fuse_qkv=True),
+                dict(fuse_gate_up=True), dict(vocab_divisible_by=4), dict(zero_alignment=4)]
+    layouts = [build_layout(spec, ParallelConfig(**base))]
+    layouts += [build_layout(spec, ParallelConfig(**{**base, **v})) for v in variants]
+    layouts += [build_layout(spec, ParallelConfig(**base), ("param", "exp_avg")),
+                build_layout(spec, ParallelConfig(**base), param_dtype="bfloat16"),
+                build_layout(spec, ParallelConfig(**base), ("param", "exp_avg"), state_dtype="bfloat16"),
+                build_layout(spec, ParallelConfig(pp=2, dp=2, stage_layers=(0, 2))),
+                build_layout(spec, ParallelConfig(pp=2, dp=2, stage_layers=(1, 1)))]
+    assert len({lay.digest for lay in layouts}) == len(layouts)
+    assert build_layout(spec, ParallelConfig(**base)).digest == layouts[0].digest
+    assert build_layout(spec, ParallelConfig(**base)) == layouts[0]
+
+
+def test_a_flat_buffer_of_mixed_dtypes_is_refused_when_the_layout_is_built():
+    """A ZeRO flat buffer holds one dtype: a model of two dtypes needs ``param_dtype`` (refused
+    before any rank is asked for, not when a rank's buffers are first built)."""
+    spec = synthetic_spec([("a", (4, 2), "float32", "replicate"), ("b", (3, 2), "bfloat16", "replicate")])
+    for mode in ("zero", "zero3"):
+        with pytest.raises(LayoutError, match=rf"^a flat {mode}\.flat buffer cannot hold tensors of several "
+                                              r"dtypes \['bfloat16', 'float32'\]; pass param_dtype$"):
+            build_layout(spec, ParallelConfig(dp=2, dp_shard=mode))
+        lay = build_layout(spec, ParallelConfig(dp=2, dp_shard=mode), param_dtype="float16").validate()
+        assert lay.buffers(1)[f"param/{mode}.flat"].dtype == "float16"
+    # the Adam state is float32 whatever the model's dtypes: no refusal for it
+    lay = build_layout(spec, ParallelConfig(dp=2, dp_shard="zero"), ("exp_avg",))
+    assert lay.buffers(0)["exp_avg/zero.flat"].dtype == "float32"
+    # replicated and FSDP buffers are per tensor: each keeps its own dtype
+    lay = build_layout(spec, ParallelConfig(dp=2, dp_shard="fsdp"))
+    assert (lay.buffers(0)["param/a"].dtype, lay.buffers(0)["param/b"].dtype) == ("float32", "bfloat16")
+
+
+def test_pipeline_stage_refusals_and_edges():
+    spec = llama_spec(tiny_cfg(num_hidden_layers=2))
+    with pytest.raises(LayoutError, match=r"^PP=3 is larger than the model's 2 layers$"):
+        build_layout(spec, ParallelConfig(pp=3))
+    for bad in ((1, 0), (1, 0, 0), (3, 0, -1)):
+        with pytest.raises(LayoutError, match=rf"^stage_layers={re.escape(str(bad))} must give 3 stages summing to 2 layers$"):
+            build_layout(spec, ParallelConfig(pp=3, stage_layers=bad))
+    # PP as deep as the layers, and stages without layers, are fine
+    assert build_layout(spec, ParallelConfig(pp=2)).world_size == 2
+    lay = build_layout(spec, ParallelConfig(pp=3, stage_layers=(0, 2, 0)))
+    assert {f.key.tensor for f in lay.fragments(0)} == {EMBED}
+    assert {f.key.tensor for f in lay.fragments(2)} == {NORM, LM_HEAD}
+    # a model without layers: its tensors go by their anchors alone
+    from rlhf_switch.vps import ModelSpec, TensorSpec
+    flat = ModelSpec("flat", (TensorSpec("a", (4,), anchor="first"), TensorSpec("b", (2,), anchor="last")), 0)
+    assert [f.key.tensor for f in build_layout(flat, ParallelConfig(dp=2)).validate().fragments(1)] == ["a", "b"]
+    two = build_layout(flat, ParallelConfig(pp=2)).validate()
+    assert [f.key.tensor for f in two.fragments(0)] == ["a"] and [f.key.tensor for f in two.fragments(1)] == ["b"]
+
+
+def test_tp_refusal_lists_at_most_eight_factors():
+    # 12 tensors of odd dims over TP2: the message names the first 8 and the count
+    spec = synthetic_spec([(f"c{i}", (3, 2), "float32", "column") for i in range(6)]
+                          + [(f"r{i}", (2, 3), "float32", "row") for i in range(6)])
+    with pytest.raises(LayoutError) as e:
+        build_layout(spec, ParallelConfig(tp=2))
+    want = ("TP=2 does not divide " + ", ".join([f"c{i} dim 0=3" for i in range(6)] + ["r0 dim 1=3", "r1 dim 1=3"])
+            + ", … (12 in all)")
+    assert str(e.value) == want
+    spec = synthetic_spec([("v", (5, 2), "float32", "vocab"), ("c", (4, 2), "float32", "column")])
+    with pytest.raises(LayoutError) as e:
+        build_layout(spec, ParallelConfig(tp=2))
+    assert str(e.value) == "TP=2 does not divide v vocab=5 (pass vocab_divisible_by to pad it)"
+    lay = build_layout(spec, ParallelConfig(tp=4, vocab_divisible_by=1))  # 5 -> 8 rows; c's 4 rows divide
+    assert lay.buffers(3)["param/v"].numel == 2 * 2  # rows 6:8 of the padded 8: padding only
+    with pytest.raises(LayoutError) as e:
+        build_layout(spec, ParallelConfig(tp=3, vocab_divisible_by=2))  # 5 -> 6 rows; c's 4 rows do not split 3 ways
+    assert str(e.value) == "TP=3 does not divide c dim 0=4"
