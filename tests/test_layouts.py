@@ -1207,3 +1207,112 @@ def test_tp_refusal_lists_at_most_eight_factors():
     with pytest.raises(LayoutError) as e:
         build_layout(spec, ParallelConfig(tp=3, vocab_divisible_by=2))  # 5 -> 6 rows; c's 4 rows do not split 3 ways
     assert str(e.value) == "TP=3 does not divide c dim 0=4"
+
+
+# =================================================================================================
+# Layouts derived from another: handoff buckets, host copies, buddy copies (hand values)
+# =================================================================================================
+
+def _hand_dst():
+    """Two ranks. Rank 0 holds w (4×3 float32) whole, v (5, bfloat16) whole, u (2, float32) whole,
+    in that order; rank 1 holds rows 1:3 of w at offset 2 of a buffer of 9."""
+    spec = synthetic_spec([("w", (4, 3), "float32", "replicate"), ("v", (5,), "bfloat16", "replicate"),
+                           ("u", (2,), "float32", "replicate")])
+    w, v, u = StateKey("w"), StateKey("v"), StateKey("u")
+    return Layout(spec, [[Fragment(w, Box((0, 0), (4, 3)), "param/w", 0, (3, 1)),
+                          Fragment(v, Box((0,), (5,)), "param/v", 0, (1,)),
+                          Fragment(u, Box((0,), (2,)), "param/u", 0, (1,))],
+                         [Fragment(w, Box((1, 0), (3, 3)), "param/w", 2, (3, 1))]],
+                  [{"param/w": BufferSpec(12, "float32"), "param/v": BufferSpec(5, "bfloat16"),
+                    "param/u": BufferSpec(2, "float32")}, {"param/w": BufferSpec(9, "float16")}], "hand")
+
+
+def test_buckets_by_hand():
+    from rlhf_switch.vps.layouts.buckets import bucket_layout, bucket_name, worker_buckets
+
+    dst = _hand_dst()
+    w, v, u = StateKey("w"), StateKey("v"), StateKey("u")
+    assert bucket_name(3, 1) == "bucket/3/1"
+    # 32 B: w (48 B) cut into two runs of 2 rows (24 B each), a bucket each; v in a bfloat16 bucket
+    # of its own; u (8 B) fits after w's second run (24 + 8 = 32 B)
+    frags, bufs = worker_buckets(dst, 0, 32)
+    assert frags == (Fragment(w, Box((0, 0), (2, 3)), "bucket/0/0", 0, (3, 1)),
+                     Fragment(w, Box((2, 0), (4, 3)), "bucket/0/1", 0, (3, 1)),
+                     Fragment(v, Box((0,), (5,)), "bucket/0/2", 0, (1,)),
+                     Fragment(u, Box((0,), (2,)), "bucket/0/1", 6, (1,)))
+    assert bufs == {"bucket/0/0": BufferSpec(6, "float32"), "bucket/0/1": BufferSpec(8, "float32"),
+                    "bucket/0/2": BufferSpec(5, "bfloat16")}
+    # 8 B: a row of w (12 B) does not fit: each row cut in 2 + 1 elements; v in runs of 4 elements;
+    # every piece starts a new bucket when the open one of its dtype is full
+    frags, bufs = worker_buckets(dst, 0, 8)
+    assert [(f.key.tensor, f.box, f.buffer, f.offset) for f in frags][:3] == [
+        ("w", Box((0, 0), (1, 2)), "bucket/0/0", 0), ("w", Box((0, 2), (1, 3)), "bucket/0/1", 0),
+        ("w", Box((1, 0), (2, 2)), "bucket/0/2", 0)]
+    assert [f.box for f in frags if f.key == v] == [Box((0,), (4,)), Box((4,), (5,))]
+    assert sum(f.box.numel for f in frags) == 12 + 5 + 2
+    assert all(b.numel * (4 if b.dtype == "float32" else 2) <= 8 for b in bufs.values())
+    # 1-D runs: v (5 × 2 B) in 4 B buckets is 2 + 2 + 1; a bucket of one float16 row piece of rank 1
+    frags, _ = worker_buckets(dst, 0, 4)
+    assert [f.box for f in frags if f.key == v] == [Box((0,), (2,)), Box((2,), (4,)), Box((4,), (5,))]
+    frags, bufs = worker_buckets(dst, 1, 100)
+    assert frags == (Fragment(w, Box((1, 0), (3, 3)), "bucket/1/0", 0, (3, 1)),)
+    assert bufs == {"bucket/1/0": BufferSpec(6, "float16")}
+    with pytest.raises(LayoutError, match=r"^the bucket budget must be positive, not 0$"):
+        worker_buckets(dst, 0, 0)
+    with pytest.raises(LayoutError, match=r"^a bucket of 3 B cannot hold one float32 element$"):
+        worker_buckets(dst, 0, 3)
+    lay = bucket_layout(dst, {0: 1, 1: 1}, 32)
+    assert lay.name == "buckets(hand)" and lay.fragments(0) == () and dict(lay.buffers(0)) == {}
+    assert lay.fragments(1) == worker_buckets(dst, 0, 32)[0] + worker_buckets(dst, 1, 32)[0]
+    assert dict(lay.buffers(1)) == {**worker_buckets(dst, 0, 32)[1], **worker_buckets(dst, 1, 32)[1]}
+    assert lay.digest != bucket_layout(dst, {0: 1, 1: 0}, 32).digest != bucket_layout(dst, {0: 1, 1: 1}, 64).digest
+    for bad in ({2: 0}, {0: 2}, {-1: 0}, {0: -1}):
+        w_, h_ = next(iter(bad.items()))
+        with pytest.raises(LayoutError, match=rf"^bucket holder {h_} of rank {w_} is outside a world of 2$"):
+            bucket_layout(dst, bad, 32)
+
+
+def test_host_and_buddy_copies_by_hand():
+    from rlhf_switch.vps.layouts.buddy import buddy_layout, buddy_shift, holder_of, lost_owners
+    from rlhf_switch.vps.layouts.host import host_layout
+
+    dst = _hand_dst()
+    w, v, u = StateKey("w"), StateKey("v"), StateKey("u")
+    host = host_layout(dst)
+    assert host.name == "host(hand)" and host_layout(dst, name="h").name == "h"
+    assert host.fragments(1) == (Fragment(w, Box((1, 0), (3, 3)), "host/param/w", 0, (3, 1)),)
+    assert dict(host.buffers(1)) == {"host/param/w": BufferSpec(6, "float16")}  # the padding is not carried
+    assert [f.buffer for f in host.fragments(0)] == ["host/param/w", "host/param/v", "host/param/u"]
+    # buddies, shift 1: rank 1 (rows 1:3 of w) keeps rank 0's copy, whose whole w partly overlaps
+    # its own rows: a buddy copy does not cut boxes, refused
+    with pytest.raises(LayoutError, match=r"^buddy layout: rank 1 holds part of w\[0:4,0:3\] of rank 0 "
+                                          r"\(a partly overlapping box\); not supported$"):
+        buddy_layout(dst)
+    three = Layout(dst.spec, [dst.fragments(0), dst.fragments(0)[1:], dst.fragments(0)[:1]],
+                   [dst.buffers(0), dst.buffers(0), dst.buffers(0)], "three")
+    b = buddy_layout(three).validate()
+    assert b.name == "buddy(three, shift 1)" and buddy_layout(three, name="x").name == "x"
+    # rank 1 (v, u) keeps rank 0's w (v and u it holds itself); rank 2 (w) keeps rank 1's v and u;
+    # rank 0 holds everything of rank 2 already
+    assert b.fragments(1) == (Fragment(v, Box((0,), (5,)), "host/param/v", 0, (1,)),
+                              Fragment(u, Box((0,), (2,)), "host/param/u", 0, (1,)),
+                              Fragment(w, Box((0, 0), (4, 3)), "buddy/param/w", 0, (3, 1)))
+    assert b.fragments(2)[1:] == (Fragment(v, Box((0,), (5,)), "buddy/param/v", 0, (1,)),
+                                  Fragment(u, Box((0,), (2,)), "buddy/param/u", 0, (1,)))
+    assert [f.buffer for f in b.fragments(0)] == ["host/param/w", "host/param/v", "host/param/u"]
+    assert dict(b.buffers(2)) == {"host/param/w": BufferSpec(12, "float32"), "buddy/param/v": BufferSpec(5, "bfloat16"),
+                                  "buddy/param/u": BufferSpec(2, "float32")}
+    b2 = buddy_layout(three, shift=2)
+    assert b2.name == "buddy(three, shift 2)"
+    # shift 2: rank 0 keeps rank 1's v and u (held already), rank 2 keeps rank 0's (w held already)
+    assert [f.buffer for f in b2.fragments(0)] == ["host/param/w", "host/param/v", "host/param/u"]
+    assert [f.buffer for f in b2.fragments(2)] == ["host/param/w", "buddy/param/v", "buddy/param/u"]
+    for bad in (0, 3, -1):
+        with pytest.raises(LayoutError, match=rf"^buddy shift {bad} in a world of 3: expected 1\.\.2$"):
+            buddy_layout(three, shift=bad)
+    one = Layout(dst.spec, [dst.fragments(0)], [dst.buffers(0)], "one")
+    assert buddy_layout(one, shift=5).fragments(0) == host_layout(one).fragments(0)  # nobody else to keep
+    assert buddy_shift(["a"]) == 1 and buddy_shift(["a", "b", "c"]) == 1 and buddy_shift(["a", "a", "a"]) == 1
+    assert buddy_shift(["a", "a", "a", "b", "b", "b"]) == 3
+    assert [holder_of(r, 3) for r in range(3)] == [1, 2, 0]
+    assert lost_owners(1, {0}) == [0] and lost_owners(3, {2, 0}) == [2] and lost_owners(3, []) == []

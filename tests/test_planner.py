@@ -415,3 +415,44 @@ def test_a_source_that_misses_elements_is_refused_on_every_path():
     for rpn in (None, 1):
         with pytest.raises(LayoutError, match=msg):
             plan_rank(holey, two, 1, rpn)
+
+
+def test_the_general_walk_gives_every_key_the_same_transfers():
+    """``_plan_key`` is the walk ``plan_rank`` takes for a key whose boxes overlap or that a rank
+    holds several boxes of; run here on every key, in both of its documented modes: everyone's
+    transfers (``rank`` None) are ``plan_transition``'s, and a rank's (its destination boxes given
+    or found by itself) are the ones it sends or receives there."""
+    from rlhf_switch.vps.planner import _plan_key
+
+    for src, dst in _small_pairs()[:9] + _six_rank_pairs():
+        for rpn in (None, 2, 3):
+            plan = plan_transition(src, dst, rpn)
+            for key in {t.key for t in plan.transfers}:
+                everyone = sorted(t for t in plan.transfers if t.key == key)
+                assert sorted(_plan_key(key, src, dst, None, rpn)) == everyone, (str(src), str(dst), key)
+                for r in range(src.world_size):
+                    mine = [t for t in everyone if r in (t.src, t.dst)]
+                    boxes = {f.box for f in dst.fragments(r) if f.key == key}
+                    assert sorted(_plan_key(key, src, dst, r, rpn)) == mine
+                    assert sorted(_plan_key(key, src, dst, r, rpn, boxes)) == mine
+
+
+def _six_rank_pairs():
+    """Three replicas of each TP shard (holders {0, 2, 4} and {1, 3, 5}) into PP2×DP3, and back:
+    with one node of 6 (or 3), a requester picks among three (two) holders on its node."""
+    from rlhf_switch.vps import ParallelConfig
+
+    spec = llama_spec(SMALL, name="small")
+    tp = build_layout(spec, ParallelConfig(tp=2, dp=3, vocab_divisible_by=2))
+    pp = build_layout(spec, ParallelConfig(pp=2, dp=3))
+    return [(tp, pp), (pp, tp)]
+
+
+@pytest.mark.parametrize("ranks_per_node", [None, 3, 6])
+def test_holder_choice_among_three_replicas_on_a_node(ranks_per_node):
+    for src, dst in _six_rank_pairs():
+        plan = plan_transition(src, dst, ranks_per_node)
+        assert sorted((t.src, t.dst, t.key, t.box) for t in plan.transfers) == \
+            documented_choices(src, dst, ranks_per_node)
+        check_posting_order(src, dst, ranks_per_node)
+        check_move(src, dst, ranks_per_node=ranks_per_node)
