@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from catalogue import CONFIGS, configs4, named_layouts, synthetic_specs
 from rank_jobs import tensor_source
-from rlhf_switch.vps import (ADAM_FIELDS, PARAM, LayoutError, build_layout, llama_spec,
+from rlhf_switch.vps import (ADAM_FIELDS, PARAM, LayoutError, StateKey, build_layout, llama_spec,
                              minimum_bytes_received, plan_rank, plan_transition, replicated, zero)
 from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize
 from rlhf_switch.vps.spec import itemsize
@@ -456,3 +456,41 @@ def test_holder_choice_among_three_replicas_on_a_node(ranks_per_node):
             documented_choices(src, dst, ranks_per_node)
         check_posting_order(src, dst, ranks_per_node)
         check_move(src, dst, ranks_per_node=ranks_per_node)
+
+
+def test_posting_order_with_several_fields():
+    """Keys are ordered by the model's tensor order, then by field name: a tensor's exp_avg and
+    master go out right after its param, before the next tensor's."""
+    from rlhf_switch.vps import ParallelConfig
+
+    spec = llama_spec(SMALL, name="small")
+    fields = ("param", "master", "exp_avg")
+    src = build_layout(spec, ParallelConfig(tp=2, dp=2, vocab_divisible_by=2), fields)
+    dst = build_layout(spec, ParallelConfig(dp=4, dp_shard="zero3"), fields)
+    plans = check_posting_order(src, dst)
+    sent = [t.key for t in plans[0].sends if t.dst == 1]
+    keys = list(dict.fromkeys(sent))
+    assert keys[:3] == [StateKey(keys[0].tensor, f) for f in ("exp_avg", "master", "param")]
+    plan = plan_transition(src, dst)
+    assert sorted((t.src, t.dst, t.key, t.box) for t in plan.transfers) == documented_choices(src, dst)
+
+
+def test_pair_digests_see_both_directions():
+    """A pair's digest covers what the lower rank sends and what it receives: changing a transfer
+    either way changes it on both ends."""
+    from rlhf_switch.vps.planner import _pair_digests
+
+    src, dst = _two_rank_pair()
+    p0, p1 = plan_rank(src, dst, 0), plan_rank(src, dst, 1)  # 0 sends to 1
+    q0, q1 = plan_rank(dst, src, 0), plan_rank(dst, src, 1)  # 1 sends to 0
+    assert p0.pair_digests[1] == p1.pair_digests[0] and q0.pair_digests[1] == q1.pair_digests[0]
+    assert p0.pair_digests[1] != q0.pair_digests[1]
+    for plan in (p0, p1, q0, q1):
+        for attr in ("sends", "recvs"):
+            ts = getattr(plan, attr)
+            if not ts:
+                continue
+            changed = (ts[0]._replace(dst_offset=ts[0].dst_offset + 1),) + ts[1:]
+            sends, recvs = (changed, plan.recvs) if attr == "sends" else (plan.sends, changed)
+            peer = 1 - plan.rank
+            assert _pair_digests(plan.rank, sends, recvs)[peer] != plan.pair_digests[peer], (plan.rank, attr)
