@@ -1316,3 +1316,76 @@ def test_host_and_buddy_copies_by_hand():
     assert buddy_shift(["a", "a", "a", "b", "b", "b"]) == 3
     assert [holder_of(r, 3) for r in range(3)] == [1, 2, 0]
     assert lost_owners(1, {0}) == [0] and lost_owners(3, {2, 0}) == [2] and lost_owners(3, []) == []
+
+
+# vLLM's LoRA layers (vllm/lora/layers), written out: per wrapped module (qkv_proj, o_proj, gate_up_proj,
+# down_proj) and per output slice of it (q, k, v; gate, up; one otherwise), lora_a_stacked[slice] is
+# [max_loras, 1, max_rank, in_t] and lora_b_stacked[slice] [max_loras, 1, out_t, max_rank]; the adapter in
+# slot s has A in the first r rows of slot s and B in its first r columns. A worker's A / B block is cut
+# as its weight is: a column target's B takes the weight's rows (A whole), a row target's A its columns.
+
+def ref_vllm_lora(model: Model, tp: int, rank: int, slot: int, max_rank: int) -> dict[str, torch.Tensor]:
+    cfg, t = model.cfg, rank % tp
+    nh = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
+    base = {n: x for n, x in ref_vllm(model, tp, rank).items() if ".lora_" not in n}
+    slices = {"q": ("self_attn.qkv_proj", 0), "k": ("self_attn.qkv_proj", 1), "v": ("self_attn.qkv_proj", 2),
+              "o": ("self_attn.o_proj", 0), "gate": ("mlp.gate_up_proj", 0), "up": ("mlp.gate_up_proj", 1),
+              "down": ("mlp.down_proj", 0)}
+    for name in model.names:
+        m = re.match(r"(model\.layers\.\d+\.)(self_attn|mlp)\.(\w+)_proj\.lora_A\.weight$", name)
+        if not m:
+            continue
+        a, b = model.tensor(name), model.tensor(name.replace("lora_A", "lora_B"))
+        which = m.group(3)
+        if which in ("o", "down"):  # row target: A's columns split, B whole
+            a = a.tensor_split(tp, 1)[t]
+        elif which == "q":
+            b = b[t * nh // tp * hd:(t + 1) * nh // tp * hd]
+        elif which in ("k", "v"):
+            heads = range(t * kv // tp, (t + 1) * kv // tp) if tp <= kv else [t // (tp // kv)]
+            b = b[heads[0] * hd:(heads[-1] + 1) * hd]
+        else:
+            b = b.tensor_split(tp, 0)[t]
+        module, index = slices[which]
+        r = a.shape[0]
+        sa = torch.zeros(slot + 1, max_rank, a.shape[1], dtype=a.dtype)
+        sa[slot, :r] = a
+        sb = torch.zeros(slot + 1, b.shape[0], max_rank, dtype=b.dtype)
+        sb[slot, :, :r] = b
+        base[f"lora/{m.group(1)}{module}.lora_a_stacked.{index}"] = sa.reshape(-1)
+        base[f"lora/{m.group(1)}{module}.lora_b_stacked.{index}"] = sb.reshape(-1)
+    return base
+
+
+@pytest.mark.parametrize("tp,replicas,slot,r", [(1, 1, 0, 8), (2, 2, 1, 3), (4, 1, 2, 16)])
+def test_vllm_lora_layout_matches_vllm_lora_slots(tp, replicas, slot, r):
+    from rlhf_switch.vps.layouts.vllm import vllm_lora_layout
+    from rlhf_switch.vps.spec import LoraSpec
+
+    cfg = tiny_cfg()  # 4 heads, 2 KV heads: at TP 4 two workers share each KV head's B rows
+    spec = llama_spec(cfg).with_adapters(LoraSpec(r, 2.0 * r, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj")))
+    model = Model(spec, cfg)
+    lay = vllm_lora_layout(spec, tp, replicas, slot=slot).validate()
+    assert lay.name == f"vLLM-TP{tp}" + (f"×{replicas}" if replicas > 1 else "") + "·LoRA"
+    for rank in range(tp * replicas):
+        assert_bits_equal(lay, rank, ref_vllm_lora(model, tp, rank, slot, 8 if r <= 8 else 16), model)
+    assert vllm_lora_layout(spec, tp, replicas, slot=slot) == lay
+    assert vllm_lora_layout(spec, tp, replicas, slot=slot + 1) != lay
+    half = vllm_lora_layout(spec, tp, replicas, dtype="bfloat16", slot=slot)
+    assert {b.dtype for b in half.buffers(0).values()} == {"bfloat16"} and half != lay
+
+
+def test_vllm_lora_ranks_and_names():
+    from rlhf_switch.vps.layouts.vllm import lora_slot_buffer, vllm_lora_layout, vllm_lora_rank
+
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 16, 17, 256, 257, 320, 321, 512)] == \
+        [1, 8, 8, 16, 16, 32, 256, 320, 320, 512, 512]
+    with pytest.raises(LayoutError, match=r"^vLLM runs LoRA ranks up to 512, not 513$"):
+        vllm_lora_rank(513)
+    assert lora_slot_buffer("model.layers.0.self_attn.qkv_proj", "b", 2) == \
+        "lora/model.layers.0.self_attn.qkv_proj.lora_b_stacked.2"
+    with pytest.raises(LayoutError, match=r"^model 'llama' has no LoRA adapters$"):
+        vllm_lora_layout(llama_spec(tiny_cfg()), 2)
