@@ -21,6 +21,8 @@ from rlhf_switch.vps import (
     build_layout, fsdp, llama_spec, replicated, synthetic_spec, zero,
 )
 from rlhf_switch.vps.materialize import bits, materialize, synthetic_tensor, torch_dtype
+from rlhf_switch.vps.layouts.vllm import vllm_layout
+from rlhf_switch.vps.spec import qwen3_moe_spec
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -514,6 +516,270 @@ def test_zero_bad_stage():
         zero(llama_spec(tiny_cfg()), 2, 4)
 
 
+# --- expert parallelism (Megatron MoE) ---------------------------------------------------------------
+# Megatron's rule, written out here without the layout code: with DP size D and EP size E, DP rank d
+# is EP rank d % E and expert-DP rank d // E; EP rank e holds experts [e·X/E, (e+1)·X/E) of every MoE
+# layer whole (TP still splits each expert as a column / row linear); dense tensors stay on every DP
+# rank. DP sharding spreads the dense local tensors over all D ranks and the expert local tensors
+# over the D/E ranks holding the same experts, each group in its own buffer(s).
+
+def moe(**kw):
+    """A Qwen3-MoE model. Default sizes are odd (hidden 7, expert rows 5) so that ZeRO/FSDP shards
+    of the experts come out uneven."""
+    cfg = dict(hidden_size=7, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+               moe_intermediate_size=5, num_experts=8, vocab_size=10, tie_word_embeddings=False)
+    cfg.update(kw)
+    return Model(qwen3_moe_spec(cfg), cfg)
+
+
+def expert_of(name):
+    """The expert index in a Qwen3-MoE tensor name (``….mlp.experts.{e}.…``), None for a dense tensor."""
+    m = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def ref_rank_ep(model: Model, cfg: ParallelConfig, rank: int, fields=("param",)):
+    """Expected {"{field}/{buffer}": flat tensor} of ``rank`` under ``cfg`` with EP (rule above)."""
+    tp, dp, ep = cfg.tp, cfg.dp, cfg.ep
+    X = model.cfg["num_experts"]
+    pp_rank, rest = divmod(rank, dp * tp)
+    dp_rank, tp_rank = divmod(rest, tp)
+    ep_rank, edp_rank = dp_rank % ep, dp_rank // ep
+    mine = range(ep_rank * X // ep, (ep_rank + 1) * X // ep)
+    stage = [(n, b) for n, b in ref_stage(model, cfg.pp, pp_rank, cfg.stage_layers)
+             if expert_of(n) is None or expert_of(n) in mine]
+    out = {}
+    for field in fields:
+        local = ref_tp(model, stage, field, tp, tp_rank, cfg.vocab_divisible_by)
+        dense = [(b, x) for b, x in local if expert_of(b) is None]
+        experts = [(b, x) for b, x in local if expert_of(b) is not None]
+        for b, x in ref_dp(dense, dp, dp_rank, cfg.dp_shard, cfg.zero_alignment).items():
+            out[f"{field}/{b}"] = x
+        for b, x in ref_dp(experts, dp // ep, edp_rank, cfg.dp_shard, cfg.zero_alignment).items():
+            if b in ("zero.flat", "zero3.flat"):  # the experts' own flat buffer
+                b = b.replace(".flat", ".experts.flat")
+            out[f"{field}/{b}"] = x
+    return out
+
+
+def experts_held(layout: Layout, rank: int) -> dict[int, set[int]]:
+    """layer -> the experts of which ``rank`` holds some part."""
+    out: dict[int, set[int]] = {}
+    for f in layout.fragments(rank):
+        e = expert_of(f.key.tensor)
+        if e is not None:
+            out.setdefault(int(re.match(r"model\.layers\.(\d+)\.", f.key.tensor).group(1)), set()).add(e)
+    return out
+
+
+def test_ep_places_experts_per_megatron_rule():
+    """Which rank holds which experts, as hand tables (8 experts, 2 layers)."""
+    model = moe(hidden_size=8, moe_intermediate_size=6)  # TP2 divides every dim here
+    lo, hi = {0, 1, 2, 3}, {4, 5, 6, 7}
+    cases = [
+        # DP4·EP2: dp 0, 2 hold experts 0–3; dp 1, 3 hold 4–7 (the module docstring's example)
+        (ParallelConfig(dp=4, ep=2), {0: [lo, lo], 1: [hi, hi], 2: [lo, lo], 3: [hi, hi]}),
+        # DP4·EP4: two experts per rank, in order
+        (ParallelConfig(dp=4, ep=4, dp_shard="zero3"),
+         {0: [{0, 1}] * 2, 1: [{2, 3}] * 2, 2: [{4, 5}] * 2, 3: [{6, 7}] * 2}),
+        # DP8·EP8: one expert per rank, rank d holds expert d
+        (ParallelConfig(dp=8, ep=8, dp_shard="fsdp"), {d: [{d}, {d}] for d in range(8)}),
+        # TP2·DP2·EP2: rank = dp·2 + tp, both TP ranks of a DP rank hold its experts
+        (ParallelConfig(tp=2, dp=2, ep=2, vocab_divisible_by=2), {0: [lo, lo], 1: [lo, lo], 2: [hi, hi], 3: [hi, hi]}),
+        # PP2·DP2·EP2: rank = pp·2 + dp; stage 0 has layer 0 only, stage 1 layer 1 only
+        (ParallelConfig(pp=2, dp=2, ep=2, dp_shard="zero"), {0: {0: lo}, 1: {0: hi}, 2: {1: lo}, 3: {1: hi}}),
+        # DP4 without EP: every rank holds every expert
+        (ParallelConfig(dp=4, dp_shard="zero3"), {r: [set(range(8))] * 2 for r in range(4)}),
+    ]
+    for cfg, table in cases:
+        lay = build_layout(model.spec, cfg)
+        for rank, want in table.items():
+            want = dict(enumerate(want)) if isinstance(want, list) else want
+            assert experts_held(lay, rank) == want, (str(cfg), rank)
+            if cfg.dp_shard != "replicate":
+                continue  # (sharded, a small dense tensor may have no rows left for a rank)
+            # the dense tensors of its stage stay on every rank: attention, norms, the router
+            stage = {n for n, _ in ref_stage(model, cfg.pp, rank // (cfg.dp * cfg.tp))} - \
+                {n for n in model.names if expert_of(n) is not None}
+            assert stage <= {f.key.tensor for f in lay.fragments(rank)}, (str(cfg), rank)
+
+
+@pytest.mark.parametrize("cfg", [
+    ParallelConfig(dp=4, ep=2),
+    ParallelConfig(dp=4, ep=2, dp_shard="fsdp"),  # expert rows 5 over expert-DP 2: 3 + 2
+    ParallelConfig(dp=4, ep=2, dp_shard="zero3"),  # expert numel 35 over 2: 18 + 17 (padded)
+    ParallelConfig(dp=6, ep=2, dp_shard="zero"),  # expert-DP 3
+    ParallelConfig(dp=6, ep=2, dp_shard="zero", zero_alignment=16),  # both groups padded to 16·their DP
+    ParallelConfig(dp=4, ep=4, dp_shard="zero"),  # expert-DP 1: each rank its experts whole
+    ParallelConfig(pp=2, dp=4, ep=2, dp_shard="zero3"),
+], ids=lambda c: str(c).replace("·", "x") + (f"-align{c.zero_alignment}" if c.zero_alignment != 2 else ""))
+def test_ep_matches_megatron_reference(cfg):
+    """Every rank's buffers, bit for bit, against the rule above (odd sizes: uneven shards)."""
+    model = moe()
+    lay = build_layout(model.spec, cfg, ("param", "exp_avg"))
+    lay.validate()
+    for rank in range(cfg.world_size):
+        assert_bits_equal(lay, rank, ref_rank_ep(model, cfg, rank, ("param", "exp_avg")), model)
+    # each expert element is held by the D/E ranks of its EP rank, or once when they shard it
+    reps = 1 if cfg.dp_shard != "replicate" else cfg.dp // cfg.ep
+    for name in model.names:
+        if expert_of(name) is not None:
+            assert count_holdings(lay, StateKey(name)).eq(reps).all(), name
+
+
+def test_keep_experts_per_ep_rank():
+    """``keep_experts``, the rule on its own: EP rank e keeps experts [e·X/E, (e+1)·X/E) and every
+    dense tensor, in the given order (8 experts)."""
+    from rlhf_switch.vps.layouts.expert_parallel import keep_experts
+
+    spec = moe().spec
+    stage = [(t, t.name) for t in spec.tensors if t.layer == 1]
+    dense = [(t, b) for t, b in stage if expert_of(t.name) is None]
+    assert len(dense) == 9 and len(stage) == 9 + 8 * 3
+    for ep, table in ((2, [{0, 1, 2, 3}, {4, 5, 6, 7}]), (4, [{0, 1}, {2, 3}, {4, 5}, {6, 7}]),
+                      (8, [{e} for e in range(8)])):
+        for e, want in enumerate(table):
+            kept = keep_experts(spec, stage, ep, e)
+            assert [x for x in kept if expert_of(x[0].name) is None] == dense
+            assert kept == [x for x in stage if expert_of(x[0].name) in want or expert_of(x[0].name) is None]
+    assert keep_experts(spec, stage, 1, 0) == stage
+
+
+def test_ep_tp2_matches_megatron_reference():
+    model = moe(hidden_size=8, moe_intermediate_size=6)
+    for mode in ("replicate", "fsdp", "zero3", "zero"):
+        cfg = ParallelConfig(tp=2, dp=4, ep=2, dp_shard=mode, vocab_divisible_by=2)
+        lay = build_layout(model.spec, cfg)
+        for rank in range(cfg.world_size):
+            assert_bits_equal(lay, rank, ref_rank_ep(model, cfg, rank), model)
+
+
+def test_ep_refuses_uneven_experts_and_bad_sizes():
+    """Experts are never split unevenly over EP ranks: an EP that does not divide the experts, or
+    that is not carved out of DP, or a model without experts, is refused."""
+    with pytest.raises(LayoutError, match="EP=4 does not divide num_experts=6"):
+        build_layout(moe(num_experts=6).spec, ParallelConfig(dp=4, ep=4))
+    with pytest.raises(LayoutError, match="EP=3 must divide DP=4"):
+        ParallelConfig(dp=4, ep=3)
+    with pytest.raises(LayoutError, match="needs a mixture-of-experts model"):
+        build_layout(llama_spec(tiny_cfg()), ParallelConfig(dp=2, ep=2))
+    with pytest.raises(LayoutError, match="ep=0"):
+        ParallelConfig(dp=2, ep=0)
+    # EP 1 on a dense model is no EP at all
+    assert build_layout(llama_spec(tiny_cfg()), ParallelConfig(dp=2, ep=1)).world_size == 2
+
+
+# --- vLLM's generation layout --------------------------------------------------------------------------
+# vLLM's rules (vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py, fused_moe), written
+# out here for TP size T and worker t: ``qkv_proj`` = [q_t; k_t; v_t], q heads split evenly, KV heads
+# split evenly when T <= KV, else worker t holds KV head t // (T/KV) whole; ``gate_up_proj`` =
+# [gate_t; up_t]; o/down_proj split on dim 1, their biases whole; the vocabulary padded to a multiple
+# of 64, then split in T equal row ranges (padding rows are zero here); MoE experts stacked as
+# ``mlp.experts.routed_experts.w13_weight`` = per expert [gate_t; up_t] and ``w2_weight`` = per expert
+# down_t; norms, q/k norms and the router whole; replica r's worker t is rank r·T + t.
+
+def ref_vllm(model: Model, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    cfg, t = model.cfg, rank % tp
+    nh = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
+
+    def rows(x):
+        return x.tensor_split(tp, 0)[t]
+
+    def cols(x):
+        return x.tensor_split(tp, 1)[t]
+
+    out = {}
+    for name in model.names:
+        x = model.tensor(name)
+        qkv = re.match(r"(.*\.self_attn\.)([qkv])_proj\.(weight|bias)$", name)
+        mlp = re.match(r"(.*\.mlp\.)(gate|up|down)_proj\.(weight|bias)$", name)
+        expert = re.match(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if name in (EMBED, LM_HEAD):
+            vp = -(-x.shape[0] // 64) * 64
+            out[name] = _pad_rows(x, vp)[t * vp // tp:(t + 1) * vp // tp]
+        elif qkv:
+            if qkv.group(2) != "q":
+                continue
+            a, kind = qkv.group(1), qkv.group(3)
+            k, v = model.tensor(f"{a}k_proj.{kind}"), model.tensor(f"{a}v_proj.{kind}")
+            heads = range(t * kv // tp, (t + 1) * kv // tp) if tp <= kv else [t // (tp // kv)]
+            kr = slice(heads[0] * hd, (heads[-1] + 1) * hd)
+            out[f"{a}qkv_proj.{kind}"] = torch.cat([rows(x), k[kr], v[kr]])
+        elif expert:
+            m, e, w = expert.group(1), int(expert.group(2)), expert.group(3)
+            if e != 0 or w == "up":
+                continue
+            n = cfg["num_experts"]
+            if w == "gate":
+                out[f"{m}routed_experts.w13_weight"] = torch.cat(
+                    [rows(model.tensor(f"{m}{i}.{p}_proj.weight")) for i in range(n) for p in ("gate", "up")])
+            else:
+                out[f"{m}routed_experts.w2_weight"] = torch.cat(
+                    [cols(model.tensor(f"{m}{i}.down_proj.weight")) for i in range(n)])
+        elif mlp and mlp.group(2) in ("gate", "up"):
+            if mlp.group(2) == "gate":
+                out[f"{mlp.group(1)}gate_up_proj.{mlp.group(3)}"] = torch.cat(
+                    [rows(x), rows(model.tensor(f"{mlp.group(1)}up_proj.{mlp.group(3)}"))])
+        elif re.search(r"\.(o_proj|down_proj)\.weight$", name):
+            out[name] = cols(x)
+        else:  # norms, q/k norms, the router, o/down biases
+            out[name] = x
+    return {f"param/{b}": x.reshape(-1) for b, x in out.items()}
+
+
+@pytest.mark.parametrize("tp,replicas,kw", [
+    (1, 1, {}), (2, 2, {"attention_bias": True, "mlp_bias": True}), (4, 1, {}),  # TP4 > 2 KV heads: shared
+    (4, 1, {"num_key_value_heads": 4, "attention_bias": True}), (2, 1, {"tie_word_embeddings": True}),
+    (4, 2, {"num_key_value_heads": 1, "vocab_size": 100}),  # 100 -> 128 rows: worker 3 holds rows 96:100
+])
+def test_vllm_layout_matches_vllm_rules(tp, replicas, kw):
+    model = tiny(**kw)  # vocab 24 -> 64 rows: at TP4 workers 2 and 3 hold padding only
+    lay = vllm_layout(model.spec, tp, replicas).validate()
+    assert lay.world_size == tp * replicas
+    for rank in range(tp * replicas):
+        assert_bits_equal(lay, rank, ref_vllm(model, tp, rank), model)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vllm_layout_of_a_moe_matches_vllm_rules(tp):
+    model = moe(hidden_size=8, moe_intermediate_size=4, num_experts=4, num_key_value_heads=2)
+    lay = vllm_layout(model.spec, tp).validate()
+    for rank in range(tp):
+        assert_bits_equal(lay, rank, ref_vllm(model, tp, rank), model)
+    assert lay.name == f"vLLM-TP{tp}"
+
+
+def test_vllm_layout_engine_dtype_names_and_refusals():
+    model = tiny()
+    bf16 = vllm_layout(model.spec, 2, dtype="bfloat16")
+    assert {b.dtype for r in range(2) for b in bf16.buffers(r).values()} == {"bfloat16"}
+    # the model's own dtype named is the same layout, digest included
+    assert vllm_layout(model.spec, 2, dtype="float32") == vllm_layout(model.spec, 2)
+    assert vllm_layout(model.spec, 2, 3).name == "vLLM-TP2×3"
+    with pytest.raises(LayoutError, match=r"^vLLM TP and replicas must be >= 1, got tp=0, replicas=1$"):
+        vllm_layout(model.spec, 0)
+    with pytest.raises(LayoutError, match=r"^vLLM TP and replicas must be >= 1, got tp=2, replicas=0$"):
+        vllm_layout(model.spec, 2, 0)
+    with pytest.raises(LayoutError, match=r"unknown engine dtype 'float8'"):
+        vllm_layout(model.spec, 2, dtype="float8")
+    # every factor vLLM's TP must divide, each named: KV heads at TP <= KV, query heads, KV heads at
+    # TP > KV (a multiple of them), the padded vocabulary
+    with pytest.raises(LayoutError) as e:
+        vllm_layout(tiny(num_attention_heads=6, num_key_value_heads=3, hidden_size=24).spec, 2)
+    assert "num_attention_heads" not in str(e.value) and "num_key_value_heads=3" in str(e.value)
+    with pytest.raises(LayoutError) as e:
+        vllm_layout(tiny(num_attention_heads=6, num_key_value_heads=2, hidden_size=24).spec, 4)
+    msg = str(e.value)
+    assert msg.startswith("vLLM cannot run 'llama' at TP=4: it does not divide ")
+    assert "num_attention_heads=6" in msg and "num_key_value_heads=2 (TP above it must be a multiple of it)" not in msg
+    with pytest.raises(LayoutError, match=r"num_key_value_heads=2 \(TP above it must be a multiple of it\)"):
+        vllm_layout(tiny(num_attention_heads=6, num_key_value_heads=2, hidden_size=24, intermediate_size=18).spec, 3)
+    with pytest.raises(LayoutError, match="has no attention geometry"):
+        vllm_layout(synthetic_spec([("a", (4, 2), "float32", "replicate")]), 1)
+
+
 # --- compositions ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["replicate", "fsdp", "zero3", "zero"])
@@ -843,3 +1109,325 @@ def test_blocked_experts_layout_is_pad_then_block_transpose(tp, inter, block):
             assert b.numel == want.numel()
             assert torch.equal(bits(got[name]), bits(want)), name
             assert int(masks[name].sum()) == created.numel()  # padding: covered by no fragment
+
+
+def test_vllm_parameter_shapes_and_names():
+    """What the rollout engine checks its workers' parameters against: vLLM's names and shapes
+    (FusedMoE's w13 [E, 2I/T, H] and w2 [E, H, I/T]; everything else the local shape)."""
+    from rlhf_switch.vps.layouts.vllm import param_shape, vllm_buffer, worker_tensors
+
+    spec = moe(hidden_size=8, moe_intermediate_size=4, num_experts=4).spec
+    m = "model.layers.1.mlp.experts."
+    assert vllm_buffer(m + "w13_weight") == m + "routed_experts.w13_weight"
+    assert vllm_buffer(m + "w2_weight") == m + "routed_experts.w2_weight"
+    assert vllm_buffer("model.layers.1.self_attn.qkv_proj.weight") == "model.layers.1.self_attn.qkv_proj.weight"
+    for tp in (1, 2, 4):
+        shapes = {lt.buffer: param_shape(spec, lt) for lt in worker_tensors(spec, tp, tp - 1)}
+        assert shapes[m + "routed_experts.w13_weight"] == (4, 2 * 4 // tp, 8)
+        assert shapes[m + "routed_experts.w2_weight"] == (4, 8, 4 // tp)
+        assert shapes["model.layers.1.self_attn.qkv_proj.weight"] == ((4 // tp + 2 * max(1, 2 // tp)) * 4, 8)
+        assert shapes["model.embed_tokens.weight"] == (64 // tp, 8)
+        assert shapes["model.layers.1.mlp.gate.weight"] == (4, 8)
+
+
+# =================================================================================================
+# The mesh's names, digests and refusals
+# =================================================================================================
+
+def test_parallel_config_names_coords_and_refusals():
+    assert str(ParallelConfig()) == "DP1" and str(ParallelConfig(dp_shard="zero3")) == "DP1"
+    assert str(ParallelConfig(dp=4)) == "DP4" and str(ParallelConfig(tp=2)) == "TP2"
+    assert str(ParallelConfig(tp=2, pp=3, dp=4, ep=2, dp_shard="fsdp")) == "TP2·PP3·EP2·DP4[fsdp]"
+    cfg = ParallelConfig(tp=2, pp=2, dp=3)
+    assert cfg.world_size == 12
+    # rank = pp·(dp·tp) + dp·tp + tp, written out
+    assert [cfg.coords(r) for r in range(12)] == [(p, d, t) for p in range(2) for d in range(3) for t in range(2)]
+    with pytest.raises(LayoutError, match=r"^parallel sizes must be >= 1: tp=0, dp=-1$"):
+        ParallelConfig(tp=0, dp=-1)
+    with pytest.raises(LayoutError, match=r"^parallel sizes must be >= 1: pp=0, ep=0$"):
+        ParallelConfig(pp=0, ep=0)
+    assert ParallelConfig(tp=1, pp=1, dp=1, ep=1).world_size == 1
+    with pytest.raises(LayoutError, match=r"^EP=3 must divide DP=4 \(expert parallelism is carved out of DP\)$"):
+        ParallelConfig(dp=4, ep=3)
+    with pytest.raises(LayoutError, match=r"^dp_shard='zero4' is not one of \('replicate', 'fsdp', 'zero3', 'zero'\)$"):
+        ParallelConfig(dp_shard="zero4")
+    spec = llama_spec(tiny_cfg())
+    with pytest.raises(LayoutError, match=r"^TP2·PP2·DP3 needs tp·pp·dp = 2·2·3 = 12 ranks, the world has 8$"):
+        build_layout(spec, cfg, world_size=8)
+    with pytest.raises(LayoutError, match=r"^EP=2 needs a mixture-of-experts model; 'llama' has no experts$"):
+        build_layout(spec, ParallelConfig(dp=2, ep=2))
+    with pytest.raises(LayoutError, match=r"^EP=4 does not divide num_experts=6$"):
+        build_layout(moe(num_experts=6).spec, ParallelConfig(dp=4, ep=4))
+
+
+def test_named_layouts_names():
+    spec = llama_spec(tiny_cfg())
+    assert replicated(spec, 3).name == "DP3" and fsdp(spec, 2).name == "DP2[fsdp]"
+    assert build_layout(spec, ParallelConfig(tp=2), name="mine").name == "mine"
+    z1, z2, z3 = zero(spec, 2, 1), zero(spec, 2, 2, fields=("param",)), zero(spec, 2, 3)
+    assert (z1.name, z2.name, z3.name) == ("ZeRO1·DP2", "ZeRO2·DP2", "ZeRO3·DP2")
+    assert z2.fields() == ("param",) and set(z2.buffers(0)) == {f"param/{n}" for n in spec._order()}
+    only_adam = zero(spec, 2, 1, fields=ADAM_FIELDS)
+    assert only_adam.name == "ZeRO1·DP2" and only_adam.fields() == tuple(sorted(ADAM_FIELDS))
+    assert set(only_adam.buffers(1)) == {f"{f}/zero.flat" for f in ADAM_FIELDS}
+    with pytest.raises(LayoutError, match=r"^ZeRO stage must be 1, 2 or 3, got 0$"):
+        zero(spec, 2, 0)
+
+
+def test_layout_digests_tell_every_argument_apart():
+    """Plans are cached by the layouts' digests: two layouts differing in any argument must differ
+    in digest, and the same arguments must give the same digest."""
+    spec = llama_spec(tiny_cfg())
+    base = dict(tp=2, dp=2, dp_shard="zero", vocab_divisible_by=2)
+    variants = [dict(tp=1), dict(pp=2), dict(dp=4), dict(dp_shard="zero3"), dict(fuse_qkv=True),
+                dict(fuse_gate_up=True), dict(vocab_divisible_by=4), dict(zero_alignment=4)]
+    layouts = [build_layout(spec, ParallelConfig(**base))]
+    layouts += [build_layout(spec, ParallelConfig(**{**base, **v})) for v in variants]
+    layouts += [build_layout(spec, ParallelConfig(**base), ("param", "exp_avg")),
+                build_layout(spec, ParallelConfig(**base), param_dtype="bfloat16"),
+                build_layout(spec, ParallelConfig(**base), ("param", "exp_avg"), state_dtype="bfloat16"),
+                build_layout(spec, ParallelConfig(pp=2, dp=2, stage_layers=(0, 2))),
+                build_layout(spec, ParallelConfig(pp=2, dp=2, stage_layers=(1, 1)))]
+    assert len({lay.digest for lay in layouts}) == len(layouts)
+    assert build_layout(spec, ParallelConfig(**base)).digest == layouts[0].digest
+    assert build_layout(spec, ParallelConfig(**base)) == layouts[0]
+
+
+def test_a_flat_buffer_of_mixed_dtypes_is_refused_when_the_layout_is_built():
+    """A ZeRO flat buffer holds one dtype: a model of two dtypes needs ``param_dtype`` (refused
+    before any rank is asked for, not when a rank's buffers are first built)."""
+    spec = synthetic_spec([("a", (4, 2), "float32", "replicate"), ("b", (3, 2), "bfloat16", "replicate")])
+    for mode in ("zero", "zero3"):
+        with pytest.raises(LayoutError, match=rf"^a flat {mode}\.flat buffer cannot hold tensors of several "
+                                              r"dtypes \['bfloat16', 'float32'\]; pass param_dtype$"):
+            build_layout(spec, ParallelConfig(dp=2, dp_shard=mode))
+        lay = build_layout(spec, ParallelConfig(dp=2, dp_shard=mode), param_dtype="float16").validate()
+        assert lay.buffers(1)[f"param/{mode}.flat"].dtype == "float16"
+    # the Adam state is float32 whatever the model's dtypes: no refusal for it
+    lay = build_layout(spec, ParallelConfig(dp=2, dp_shard="zero"), ("exp_avg",))
+    assert lay.buffers(0)["exp_avg/zero.flat"].dtype == "float32"
+    # replicated and FSDP buffers are per tensor: each keeps its own dtype
+    lay = build_layout(spec, ParallelConfig(dp=2, dp_shard="fsdp"))
+    assert (lay.buffers(0)["param/a"].dtype, lay.buffers(0)["param/b"].dtype) == ("float32", "bfloat16")
+
+
+def test_pipeline_stage_refusals_and_edges():
+    spec = llama_spec(tiny_cfg(num_hidden_layers=2))
+    with pytest.raises(LayoutError, match=r"^PP=3 is larger than the model's 2 layers$"):
+        build_layout(spec, ParallelConfig(pp=3))
+    for bad in ((1, 0), (1, 0, 0), (3, 0, -1)):
+        with pytest.raises(LayoutError, match=rf"^stage_layers={re.escape(str(bad))} must give 3 stages summing to 2 layers$"):
+            build_layout(spec, ParallelConfig(pp=3, stage_layers=bad))
+    # PP as deep as the layers, and stages without layers, are fine
+    assert build_layout(spec, ParallelConfig(pp=2)).world_size == 2
+    lay = build_layout(spec, ParallelConfig(pp=3, stage_layers=(0, 2, 0)))
+    assert {f.key.tensor for f in lay.fragments(0)} == {EMBED}
+    assert {f.key.tensor for f in lay.fragments(2)} == {NORM, LM_HEAD}
+    # a model without layers: its tensors go by their anchors alone
+    from rlhf_switch.vps import ModelSpec, TensorSpec
+    flat = ModelSpec("flat", (TensorSpec("a", (4,), anchor="first"), TensorSpec("b", (2,), anchor="last")), 0)
+    assert [f.key.tensor for f in build_layout(flat, ParallelConfig(dp=2)).validate().fragments(1)] == ["a", "b"]
+    two = build_layout(flat, ParallelConfig(pp=2)).validate()
+    assert [f.key.tensor for f in two.fragments(0)] == ["a"] and [f.key.tensor for f in two.fragments(1)] == ["b"]
+
+
+def test_tp_refusal_lists_at_most_eight_factors():
+    # 12 tensors of odd dims over TP2: the message names the first 8 and the count
+    spec = synthetic_spec([(f"c{i}", (3, 2), "float32", "column") for i in range(6)]
+                          + [(f"r{i}", (2, 3), "float32", "row") for i in range(6)])
+    with pytest.raises(LayoutError) as e:
+        build_layout(spec, ParallelConfig(tp=2))
+    want = ("TP=2 does not divide " + ", ".join([f"c{i} dim 0=3" for i in range(6)] + ["r0 dim 1=3", "r1 dim 1=3"])
+            + ", … (12 in all)")
+    assert str(e.value) == want
+    spec = synthetic_spec([("v", (5, 2), "float32", "vocab"), ("c", (4, 2), "float32", "column")])
+    with pytest.raises(LayoutError) as e:
+        build_layout(spec, ParallelConfig(tp=2))
+    assert str(e.value) == "TP=2 does not divide v vocab=5 (pass vocab_divisible_by to pad it)"
+    lay = build_layout(spec, ParallelConfig(tp=4, vocab_divisible_by=1))  # 5 -> 8 rows; c's 4 rows divide
+    assert lay.buffers(3)["param/v"].numel == 2 * 2  # rows 6:8 of the padded 8: padding only
+    with pytest.raises(LayoutError) as e:
+        build_layout(spec, ParallelConfig(tp=3, vocab_divisible_by=2))  # 5 -> 6 rows; c's 4 rows do not split 3 ways
+    assert str(e.value) == "TP=3 does not divide c dim 0=4"
+
+
+# =================================================================================================
+# Layouts derived from another: handoff buckets, host copies, buddy copies (hand values)
+# =================================================================================================
+
+def _hand_dst():
+    """Two ranks. Rank 0 holds w (4×3 float32) whole, v (5, bfloat16) whole, u (2, float32) whole,
+    in that order; rank 1 holds rows 1:3 of w at offset 2 of a buffer of 9."""
+    spec = synthetic_spec([("w", (4, 3), "float32", "replicate"), ("v", (5,), "bfloat16", "replicate"),
+                           ("u", (2,), "float32", "replicate")])
+    w, v, u = StateKey("w"), StateKey("v"), StateKey("u")
+    return Layout(spec, [[Fragment(w, Box((0, 0), (4, 3)), "param/w", 0, (3, 1)),
+                          Fragment(v, Box((0,), (5,)), "param/v", 0, (1,)),
+                          Fragment(u, Box((0,), (2,)), "param/u", 0, (1,))],
+                         [Fragment(w, Box((1, 0), (3, 3)), "param/w", 2, (3, 1))]],
+                  [{"param/w": BufferSpec(12, "float32"), "param/v": BufferSpec(5, "bfloat16"),
+                    "param/u": BufferSpec(2, "float32")}, {"param/w": BufferSpec(9, "float16")}], "hand")
+
+
+def test_buckets_by_hand():
+    from rlhf_switch.vps.layouts.buckets import bucket_layout, bucket_name, worker_buckets
+
+    dst = _hand_dst()
+    w, v, u = StateKey("w"), StateKey("v"), StateKey("u")
+    assert bucket_name(3, 1) == "bucket/3/1"
+    # 32 B: w (48 B) cut into two runs of 2 rows (24 B each), a bucket each; v in a bfloat16 bucket
+    # of its own; u (8 B) fits after w's second run (24 + 8 = 32 B)
+    frags, bufs = worker_buckets(dst, 0, 32)
+    assert frags == (Fragment(w, Box((0, 0), (2, 3)), "bucket/0/0", 0, (3, 1)),
+                     Fragment(w, Box((2, 0), (4, 3)), "bucket/0/1", 0, (3, 1)),
+                     Fragment(v, Box((0,), (5,)), "bucket/0/2", 0, (1,)),
+                     Fragment(u, Box((0,), (2,)), "bucket/0/1", 6, (1,)))
+    assert bufs == {"bucket/0/0": BufferSpec(6, "float32"), "bucket/0/1": BufferSpec(8, "float32"),
+                    "bucket/0/2": BufferSpec(5, "bfloat16")}
+    # 8 B: a row of w (12 B) does not fit: each row cut in 2 + 1 elements; v in runs of 4 elements;
+    # every piece starts a new bucket when the open one of its dtype is full
+    frags, bufs = worker_buckets(dst, 0, 8)
+    assert [(f.key.tensor, f.box, f.buffer, f.offset) for f in frags][:3] == [
+        ("w", Box((0, 0), (1, 2)), "bucket/0/0", 0), ("w", Box((0, 2), (1, 3)), "bucket/0/1", 0),
+        ("w", Box((1, 0), (2, 2)), "bucket/0/2", 0)]
+    assert [f.box for f in frags if f.key == v] == [Box((0,), (4,)), Box((4,), (5,))]
+    assert sum(f.box.numel for f in frags) == 12 + 5 + 2
+    assert all(b.numel * (4 if b.dtype == "float32" else 2) <= 8 for b in bufs.values())
+    # 1-D runs: v (5 × 2 B) in 4 B buckets is 2 + 2 + 1; a bucket of one float16 row piece of rank 1
+    frags, _ = worker_buckets(dst, 0, 4)
+    assert [f.box for f in frags if f.key == v] == [Box((0,), (2,)), Box((2,), (4,)), Box((4,), (5,))]
+    frags, bufs = worker_buckets(dst, 1, 100)
+    assert frags == (Fragment(w, Box((1, 0), (3, 3)), "bucket/1/0", 0, (3, 1)),)
+    assert bufs == {"bucket/1/0": BufferSpec(6, "float16")}
+    with pytest.raises(LayoutError, match=r"^the bucket budget must be positive, not 0$"):
+        worker_buckets(dst, 0, 0)
+    with pytest.raises(LayoutError, match=r"^a bucket of 3 B cannot hold one float32 element$"):
+        worker_buckets(dst, 0, 3)
+    lay = bucket_layout(dst, {0: 1, 1: 1}, 32)
+    assert lay.name == "buckets(hand)" and lay.fragments(0) == () and dict(lay.buffers(0)) == {}
+    assert lay.fragments(1) == worker_buckets(dst, 0, 32)[0] + worker_buckets(dst, 1, 32)[0]
+    assert dict(lay.buffers(1)) == {**worker_buckets(dst, 0, 32)[1], **worker_buckets(dst, 1, 32)[1]}
+    assert lay.digest != bucket_layout(dst, {0: 1, 1: 0}, 32).digest != bucket_layout(dst, {0: 1, 1: 1}, 64).digest
+    for bad in ({2: 0}, {0: 2}, {-1: 0}, {0: -1}):
+        w_, h_ = next(iter(bad.items()))
+        with pytest.raises(LayoutError, match=rf"^bucket holder {h_} of rank {w_} is outside a world of 2$"):
+            bucket_layout(dst, bad, 32)
+
+
+def test_host_and_buddy_copies_by_hand():
+    from rlhf_switch.vps.layouts.buddy import buddy_layout, buddy_shift, holder_of, lost_owners
+    from rlhf_switch.vps.layouts.host import host_layout
+
+    dst = _hand_dst()
+    w, v, u = StateKey("w"), StateKey("v"), StateKey("u")
+    host = host_layout(dst)
+    assert host.name == "host(hand)" and host_layout(dst, name="h").name == "h"
+    assert host.fragments(1) == (Fragment(w, Box((1, 0), (3, 3)), "host/param/w", 0, (3, 1)),)
+    assert dict(host.buffers(1)) == {"host/param/w": BufferSpec(6, "float16")}  # the padding is not carried
+    assert [f.buffer for f in host.fragments(0)] == ["host/param/w", "host/param/v", "host/param/u"]
+    # buddies, shift 1: rank 1 (rows 1:3 of w) keeps rank 0's copy, whose whole w partly overlaps
+    # its own rows: a buddy copy does not cut boxes, refused
+    with pytest.raises(LayoutError, match=r"^buddy layout: rank 1 holds part of w\[0:4,0:3\] of rank 0 "
+                                          r"\(a partly overlapping box\); not supported$"):
+        buddy_layout(dst)
+    three = Layout(dst.spec, [dst.fragments(0), dst.fragments(0)[1:], dst.fragments(0)[:1]],
+                   [dst.buffers(0), dst.buffers(0), dst.buffers(0)], "three")
+    b = buddy_layout(three).validate()
+    assert b.name == "buddy(three, shift 1)" and buddy_layout(three, name="x").name == "x"
+    # rank 1 (v, u) keeps rank 0's w (v and u it holds itself); rank 2 (w) keeps rank 1's v and u;
+    # rank 0 holds everything of rank 2 already
+    assert b.fragments(1) == (Fragment(v, Box((0,), (5,)), "host/param/v", 0, (1,)),
+                              Fragment(u, Box((0,), (2,)), "host/param/u", 0, (1,)),
+                              Fragment(w, Box((0, 0), (4, 3)), "buddy/param/w", 0, (3, 1)))
+    assert b.fragments(2)[1:] == (Fragment(v, Box((0,), (5,)), "buddy/param/v", 0, (1,)),
+                                  Fragment(u, Box((0,), (2,)), "buddy/param/u", 0, (1,)))
+    assert [f.buffer for f in b.fragments(0)] == ["host/param/w", "host/param/v", "host/param/u"]
+    assert dict(b.buffers(2)) == {"host/param/w": BufferSpec(12, "float32"), "buddy/param/v": BufferSpec(5, "bfloat16"),
+                                  "buddy/param/u": BufferSpec(2, "float32")}
+    b2 = buddy_layout(three, shift=2)
+    assert b2.name == "buddy(three, shift 2)"
+    # shift 2: rank 0 keeps rank 1's v and u (held already), rank 2 keeps rank 0's (w held already)
+    assert [f.buffer for f in b2.fragments(0)] == ["host/param/w", "host/param/v", "host/param/u"]
+    assert [f.buffer for f in b2.fragments(2)] == ["host/param/w", "buddy/param/v", "buddy/param/u"]
+    for bad in (0, 3, -1):
+        with pytest.raises(LayoutError, match=rf"^buddy shift {bad} in a world of 3: expected 1\.\.2$"):
+            buddy_layout(three, shift=bad)
+    one = Layout(dst.spec, [dst.fragments(0)], [dst.buffers(0)], "one")
+    assert buddy_layout(one, shift=5).fragments(0) == host_layout(one).fragments(0)  # nobody else to keep
+    assert buddy_shift(["a"]) == 1 and buddy_shift(["a", "b", "c"]) == 1 and buddy_shift(["a", "a", "a"]) == 1
+    assert buddy_shift(["a", "a", "a", "b", "b", "b"]) == 3
+    assert [holder_of(r, 3) for r in range(3)] == [1, 2, 0]
+    assert lost_owners(1, {0}) == [0] and lost_owners(3, {2, 0}) == [2] and lost_owners(3, []) == []
+
+
+# vLLM's LoRA layers (vllm/lora/layers), written out: per wrapped module (qkv_proj, o_proj, gate_up_proj,
+# down_proj) and per output slice of it (q, k, v; gate, up; one otherwise), lora_a_stacked[slice] is
+# [max_loras, 1, max_rank, in_t] and lora_b_stacked[slice] [max_loras, 1, out_t, max_rank]; the adapter in
+# slot s has A in the first r rows of slot s and B in its first r columns. A worker's A / B block is cut
+# as its weight is: a column target's B takes the weight's rows (A whole), a row target's A its columns.
+
+def ref_vllm_lora(model: Model, tp: int, rank: int, slot: int, max_rank: int) -> dict[str, torch.Tensor]:
+    cfg, t = model.cfg, rank % tp
+    nh = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
+    base = {n: x for n, x in ref_vllm(model, tp, rank).items() if ".lora_" not in n}
+    slices = {"q": ("self_attn.qkv_proj", 0), "k": ("self_attn.qkv_proj", 1), "v": ("self_attn.qkv_proj", 2),
+              "o": ("self_attn.o_proj", 0), "gate": ("mlp.gate_up_proj", 0), "up": ("mlp.gate_up_proj", 1),
+              "down": ("mlp.down_proj", 0)}
+    for name in model.names:
+        m = re.match(r"(model\.layers\.\d+\.)(self_attn|mlp)\.(\w+)_proj\.lora_A\.weight$", name)
+        if not m:
+            continue
+        a, b = model.tensor(name), model.tensor(name.replace("lora_A", "lora_B"))
+        which = m.group(3)
+        if which in ("o", "down"):  # row target: A's columns split, B whole
+            a = a.tensor_split(tp, 1)[t]
+        elif which == "q":
+            b = b[t * nh // tp * hd:(t + 1) * nh // tp * hd]
+        elif which in ("k", "v"):
+            heads = range(t * kv // tp, (t + 1) * kv // tp) if tp <= kv else [t // (tp // kv)]
+            b = b[heads[0] * hd:(heads[-1] + 1) * hd]
+        else:
+            b = b.tensor_split(tp, 0)[t]
+        module, index = slices[which]
+        r = a.shape[0]
+        sa = torch.zeros(slot + 1, max_rank, a.shape[1], dtype=a.dtype)
+        sa[slot, :r] = a
+        sb = torch.zeros(slot + 1, b.shape[0], max_rank, dtype=b.dtype)
+        sb[slot, :, :r] = b
+        base[f"lora/{m.group(1)}{module}.lora_a_stacked.{index}"] = sa.reshape(-1)
+        base[f"lora/{m.group(1)}{module}.lora_b_stacked.{index}"] = sb.reshape(-1)
+    return base
+
+
+@pytest.mark.parametrize("tp,replicas,slot,r", [(1, 1, 0, 8), (2, 2, 1, 3), (4, 1, 2, 16)])
+def test_vllm_lora_layout_matches_vllm_lora_slots(tp, replicas, slot, r):
+    from rlhf_switch.vps.layouts.vllm import vllm_lora_layout
+    from rlhf_switch.vps.spec import LoraSpec
+
+    cfg = tiny_cfg()  # 4 heads, 2 KV heads: at TP 4 two workers share each KV head's B rows
+    spec = llama_spec(cfg).with_adapters(LoraSpec(r, 2.0 * r, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj")))
+    model = Model(spec, cfg)
+    lay = vllm_lora_layout(spec, tp, replicas, slot=slot).validate()
+    assert lay.name == f"vLLM-TP{tp}" + (f"×{replicas}" if replicas > 1 else "") + "·LoRA"
+    for rank in range(tp * replicas):
+        assert_bits_equal(lay, rank, ref_vllm_lora(model, tp, rank, slot, 8 if r <= 8 else 16), model)
+    assert vllm_lora_layout(spec, tp, replicas, slot=slot) == lay
+    assert vllm_lora_layout(spec, tp, replicas, slot=slot + 1) != lay
+    half = vllm_lora_layout(spec, tp, replicas, dtype="bfloat16", slot=slot)
+    assert {b.dtype for b in half.buffers(0).values()} == {"bfloat16"} and half != lay
+
+
+def test_vllm_lora_ranks_and_names():
+    from rlhf_switch.vps.layouts.vllm import lora_slot_buffer, vllm_lora_layout, vllm_lora_rank
+
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 16, 17, 256, 257, 320, 321, 512)] == \
+        [1, 8, 8, 16, 16, 32, 256, 320, 320, 512, 512]
+    with pytest.raises(LayoutError, match=r"^vLLM runs LoRA ranks up to 512, not 513$"):
+        vllm_lora_rank(513)
+    assert lora_slot_buffer("model.layers.0.self_attn.qkv_proj", "b", 2) == \
+        "lora/model.layers.0.self_attn.qkv_proj.lora_b_stacked.2"
+    with pytest.raises(LayoutError, match=r"^model 'llama' has no LoRA adapters$"):
+        vllm_lora_layout(llama_spec(tiny_cfg()), 2)

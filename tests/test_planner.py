@@ -3,6 +3,7 @@ buffers and checked bit for bit against a direct construction of the destination
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ from hypothesis import strategies as st
 
 from catalogue import CONFIGS, configs4, named_layouts, synthetic_specs
 from rank_jobs import tensor_source
-from rlhf_switch.vps import (ADAM_FIELDS, PARAM, LayoutError, build_layout,
-                             plan_rank, plan_transition, replicated, zero)
+from rlhf_switch.vps import (ADAM_FIELDS, PARAM, LayoutError, StateKey, build_layout, llama_spec,
+                             minimum_bytes_received, plan_rank, plan_transition, replicated, zero)
 from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize
 from rlhf_switch.vps.spec import itemsize
 
@@ -41,10 +42,10 @@ def brute_force_minimum(src, dst) -> int:
     return total
 
 
-def check_move(src, dst, seed=0):
+def check_move(src, dst, seed=0, ranks_per_node=None):
     W = src.world_size
     tensor_of = tensor_source(src, seed)
-    plan = plan_transition(src, dst)
+    plan = plan_transition(src, dst, ranks_per_node)
     src_bufs = [materialize(src, r, tensor_of) for r in range(W)]
     dst_bufs = [allocate(dst, r, fill=None) for r in range(W)]
     for bufs in dst_bufs:
@@ -60,7 +61,7 @@ def check_move(src, dst, seed=0):
             assert (bits(t)[~m].to(torch.int64) & 0xFF).eq(0x5A).all(), f"padding written on rank {r} {name}"
     # one rank's own plan is exactly its share of everyone's
     everyone = set(plan.transfers)
-    mine = [plan_rank(src, dst, r) for r in range(W)]
+    mine = [plan_rank(src, dst, r, ranks_per_node) for r in range(W)]
     assert set(t for p in mine for t in p.local + p.sends + p.recvs) == everyone
     for p in mine:
         assert all(t.src == p.rank or t.dst == p.rank for t in p.local + p.sends + p.recvs)
@@ -188,3 +189,308 @@ def test_moe_expert_parallel_to_vllm_and_back():
             check_move(gen, train)
     with pytest.raises(LayoutError, match="EP=3 does not divide num_experts=4"):
         build_layout(spec, ParallelConfig(dp=3, ep=3))
+
+
+# =================================================================================================
+# The documented holder choice, the posting order both ends rely on, and a node preference
+# =================================================================================================
+
+def documented_choices(src, dst, ranks_per_node=None):
+    """Sorted ``(holder, requester, key, piece)`` of every transfer of ``src -> dst``, by the rule
+    the planner documents, written out here from fragments alone (``src``'s boxes of a key must be
+    equal or disjoint): a requester that holds the piece copies it locally; the others, in rank
+    order (position ``i``), take holder ``(i + crc32(f"{tensor}|{field}|{piece.lo}")) % n`` of the
+    piece's ``n`` holders in rank order — of the holders on the requester's node when
+    ``ranks_per_node`` is given and there are some there."""
+    W = src.world_size
+    out = []
+    for key in {f.key for r in range(W) for f in dst.fragments(r)}:
+        held, wanted = {}, {}
+        for r in range(W):
+            for f in src.fragments(r):
+                if f.key == key:
+                    held.setdefault(f.box, []).append(r)
+            for f in dst.fragments(r):
+                if f.key == key:
+                    wanted.setdefault(f.box, []).append(r)
+        boxes = sorted(held)
+        assert all(a.intersect(b) is None for a, b in itertools.combinations(boxes, 2)), key
+        for dbox, requesters in wanted.items():
+            for sbox in boxes:
+                piece = sbox.intersect(dbox)
+                if piece is None:
+                    continue
+                holders = held[sbox]
+                out += [(d, d, key, piece) for d in requesters if d in holders]
+                rot = zlib.crc32(f"{key.tensor}|{key.field}|{piece.lo}".encode())
+                for i, d in enumerate(d for d in requesters if d not in holders):
+                    pool = holders
+                    if ranks_per_node:
+                        pool = [h for h in holders if h // ranks_per_node == d // ranks_per_node] or holders
+                    out.append((pool[(i + rot) % len(pool)], d, key, piece))
+    return sorted(out)
+
+
+def check_posting_order(src, dst, ranks_per_node=None):
+    """What two ranks rely on without talking: rank r's sends to p are, in order, p's receives
+    from r (a pair posts its messages in the same order), grouped by peer, and in canonical order
+    within a peer (the model's tensor order, then the field's name, then the box); the pair
+    digests agree; each rank's minimum is ``minimum_bytes_received``."""
+    W = src.world_size
+    index = {t.name: i for i, t in enumerate(src.spec.tensors)}
+    fields = sorted(src.fields())
+    plans = [plan_rank(src, dst, r, ranks_per_node) for r in range(W)]
+    for p in plans:
+        def canon(peer, t):
+            return (peer, index[t.key.tensor], fields.index(t.key.field), t.box.lo)
+        assert [canon(t.dst, t) for t in p.sends] == sorted(canon(t.dst, t) for t in p.sends)
+        assert [canon(t.src, t) for t in p.recvs] == sorted(canon(t.src, t) for t in p.recvs)
+        assert all(t.src == t.dst == p.rank for t in p.local)
+        assert p.min_bytes_received == minimum_bytes_received(src, dst, p.rank)
+        assert p.peers() == sorted({t.dst for t in p.sends} | {t.src for t in p.recvs})
+        for q in range(W):
+            if q == p.rank:
+                continue
+            sent = [t for t in p.sends if t.dst == q]
+            assert sent == [t for t in plans[q].recvs if t.src == p.rank], (p.rank, q)
+            if q in p.pair_digests:
+                assert plans[q].pair_digests[p.rank] == p.pair_digests[q]
+    assert sum(p.bytes_sent for p in plans) == sum(p.bytes_received for p in plans)
+    return plans
+
+
+SMALL = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+             intermediate_size=16, vocab_size=20, tie_word_embeddings=False)
+SMALL_MOE4 = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=2,
+                  moe_intermediate_size=4, num_experts=4, vocab_size=16)
+
+
+def _small_pairs():
+    from rlhf_switch.vps import ParallelConfig, vllm_layout
+    from rlhf_switch.vps.spec import qwen3_moe_spec
+
+    spec = llama_spec(SMALL, name="small")
+    lay = {n: build_layout(spec, c) for n, c in {
+        "tp2": ParallelConfig(tp=2, dp=2, vocab_divisible_by=2),
+        "pp2": ParallelConfig(pp=2, dp=2),
+        "zero3": ParallelConfig(dp=4, dp_shard="zero3"),
+        "zero": ParallelConfig(dp=4, dp_shard="zero"),
+        "tp2xpp2": ParallelConfig(tp=2, pp=2, fuse_qkv=True, vocab_divisible_by=2),
+        "fsdp2xtp2": ParallelConfig(tp=2, dp=2, dp_shard="fsdp", fuse_gate_up=True, vocab_divisible_by=2)}.items()}
+    lay["vllm2x2"] = vllm_layout(spec, 2, replicas=2)
+    moe = qwen3_moe_spec(SMALL_MOE4)
+    ep = build_layout(moe, ParallelConfig(dp=4, ep=2))
+    ep_pp = build_layout(moe, ParallelConfig(pp=2, dp=2, ep=2))
+    return [(lay["tp2"], lay["pp2"]), (lay["pp2"], lay["tp2"]), (lay["tp2"], lay["zero3"]),
+            (lay["zero3"], lay["tp2xpp2"]), (lay["tp2xpp2"], lay["vllm2x2"]), (lay["vllm2x2"], lay["tp2"]),
+            (lay["fsdp2xtp2"], lay["zero"]), (lay["zero"], lay["fsdp2xtp2"]), (lay["tp2"], lay["zero"]),
+            (ep, vllm_layout(moe, 2, replicas=2)), (vllm_layout(moe, 2, replicas=2), ep), (ep, ep_pp), (ep_pp, ep)]
+
+
+@pytest.mark.parametrize("ranks_per_node", [None, 2, 3])
+def test_holder_choice_is_the_documented_rule(ranks_per_node):
+    """Everyone's plan and every rank's own part follow the holder rule written out in
+    ``documented_choices``, with and without a node preference (nodes of 2: {0,1} {2,3}; of 3:
+    {0,1,2} {3}), and both ends of a pair agree on the order of their messages."""
+    for src, dst in _small_pairs():
+        plan = plan_transition(src, dst, ranks_per_node)
+        got = sorted((t.src, t.dst, t.key, t.box) for t in plan.transfers)
+        assert got == documented_choices(src, dst, ranks_per_node), f"{src} -> {dst}"
+        plans = check_posting_order(src, dst, ranks_per_node)
+        assert sorted(t for p in plans for t in p.local + p.sends + p.recvs) == \
+            sorted(plan.transfers + tuple(t for t in plan.transfers if t.src != t.dst))
+        assert sum(p.bytes_received for p in plans) == plan.bytes_moved
+        assert sum(p.bytes_local for p in plans) == plan.bytes_local
+
+
+def test_moves_with_a_node_preference_are_exact():
+    """``check_move`` (bits, minimum bytes, every rank's part) with nodes of 2 and of 3 ranks; the
+    last pairs' source is a stage-wide flat partition of a tied model under PP, whose embedding
+    boxes overlap (the first stage's and the LM head's flat ranges start at different places)."""
+    from rlhf_switch.vps import ParallelConfig
+
+    tied = llama_spec({**SMALL, "tie_word_embeddings": True}, name="small-tied")
+    flat = build_layout(tied, ParallelConfig(pp=2, dp=2, dp_shard="zero"))
+    assert not flat._partition
+    pairs = _small_pairs()[:9] + [(flat, build_layout(tied, ParallelConfig(tp=2, dp=2, vocab_divisible_by=2))),
+                                  (flat, build_layout(tied, ParallelConfig(dp=4, dp_shard="zero3")))]
+    for src, dst in pairs:
+        for rpn in (2, 3):
+            check_move(src, dst, ranks_per_node=rpn)
+            check_posting_order(src, dst, rpn)
+
+
+def _two_rank_pair(field="param"):
+    """Rank 0 holds all of w (4×3 float32), rank 1 nothing; the destination splits w's rows 2 + 2."""
+    from rlhf_switch.vps import BufferSpec, Fragment, Layout, StateKey, Box, synthetic_spec
+
+    spec = synthetic_spec([("w", (4, 3), "float32", "replicate")])
+    k = StateKey("w", field)
+    buf = f"{field}/w"
+    src = Layout(spec, [[Fragment(k, Box((0, 0), (4, 3)), buf, 0, (3, 1))], []],
+                 [{buf: BufferSpec(12, "float32")}, {}], name="one")
+    dst = Layout(spec, [[Fragment(k, Box((0, 0), (2, 3)), buf, 1, (3, 1))],
+                        [Fragment(k, Box((2, 0), (4, 3)), buf, 0, (3, 1))]],
+                 [{buf: BufferSpec(7, "float32")}, {buf: BufferSpec(6, "bfloat16")}], name="rows")
+    return src, dst
+
+
+def test_a_hand_plan_of_two_ranks():
+    """Every number of a plan small enough to write by hand: offsets, strides, dtypes, bytes, text."""
+    from rlhf_switch.vps import Box, StateKey, Transfer
+
+    src, dst = _two_rank_pair("exp_avg")
+    k = StateKey("w", "exp_avg")
+    local = Transfer(0, 0, k, Box((0, 0), (2, 3)), "exp_avg/w", 0, (3, 1), "exp_avg/w", 1, (3, 1), "float32")
+    sent = Transfer(0, 1, k, Box((2, 0), (4, 3)), "exp_avg/w", 6, (3, 1), "exp_avg/w", 0, (3, 1), "bfloat16")
+    plan = plan_transition(src, dst)
+    assert plan.transfers == (local, sent)
+    assert (local.numel, local.nbytes, sent.numel, sent.nbytes) == (6, 24, 6, 12)  # bf16 travels as the destination
+    assert str(sent) == "0->1 w[exp_avg][2:4,0:3] (12 B)"
+    assert (plan.bytes_moved, plan.bytes_local, plan.min_bytes, plan.world_size) == (12, 24, 12, 2)
+    assert plan.link_bytes() == {(0, 1): 12}
+    assert plan.transition == "one -> rows"
+    assert str(plan) == "one -> rows: 2 pieces, 12 B across ranks (minimum 12 B), 24 B local"
+    p0, p1 = plan_rank(src, dst, 0), plan_rank(src, dst, 1)
+    assert (p0.local, p0.sends, p0.recvs, p1.local, p1.sends, p1.recvs) == ((local,), (sent,), (), (), (), (sent,))
+    assert (p0.rank, p0.world_size, p1.rank, p0.transition) == (0, 2, 1, "one -> rows")
+    assert (p0.bytes_sent, p0.bytes_received, p0.bytes_local, p0.min_bytes_received) == (12, 0, 24, 0)
+    assert (p1.bytes_sent, p1.bytes_received, p1.bytes_local, p1.min_bytes_received) == (0, 12, 0, 12)
+    assert p0.peers() == [1] and p1.peers() == [0]
+    assert set(p0.pair_digests) == {1} and p0.pair_digests[1] == p1.pair_digests[0]
+    assert str(p0) == ("rank 0 of one -> rows: 1 local copies (24 B), 1 sends (12 B) to 1 peers, "
+                       "0 receives (0 B, minimum 0 B)")
+    assert str(p1) == ("rank 1 of one -> rows: 0 local copies (0 B), 0 sends (0 B) to 0 peers, "
+                       "1 receives (12 B, minimum 12 B)")
+    # the way back: rank 1 sends its rows (bf16 there, cast to the destination's float32)
+    back = plan_transition(dst, src)
+    assert back.transfers == (Transfer(0, 0, k, Box((0, 0), (2, 3)), "exp_avg/w", 1, (3, 1), "exp_avg/w", 0, (3, 1), "float32"),
+                              Transfer(1, 0, k, Box((2, 0), (4, 3)), "exp_avg/w", 0, (3, 1), "exp_avg/w", 6, (3, 1), "float32"))
+    assert plan_rank(dst, src, 0).recvs == back.transfers[1:]
+    assert plan_rank(dst, src, 1).sends == back.transfers[1:]
+    assert plan_rank(dst, src, 1).min_bytes_received == 0 and plan_rank(dst, src, 0).min_bytes_received == 24
+
+
+def test_refusals_say_which_layouts_and_ranks():
+    src, dst = _two_rank_pair()
+    with pytest.raises(LayoutError, match=r"^rank 2 is outside a world of 2$"):
+        plan_rank(src, dst, 2)
+    with pytest.raises(LayoutError, match=r"^rank -1 is outside a world of 2$"):
+        plan_rank(src, dst, -1)
+    assert plan_rank(src, dst, 1).rank == 1
+    other = replicated(llama_spec(SMALL, name="small"), 2)
+    with pytest.raises(LayoutError, match=r"^cannot move one \(model 'synthetic'\) into DP2 \(model 'small'\): "
+                                          r"the layouts describe different models$"):
+        plan_transition(src, other)
+    spec = llama_spec(SMALL, name="small")
+    with pytest.raises(LayoutError, match=r"^cannot move DP2 \(2 ranks\) into DP4 \(4 ranks\): world sizes differ$"):
+        plan_rank(replicated(spec, 2), replicated(spec, 4), 0)
+    with pytest.raises(LayoutError, match=r"^DP2 wants fields \['exp_avg', 'master'\] that DP2 does not hold$"):
+        plan_rank(replicated(spec, 2), replicated(spec, 2, fields=("param", "master", "exp_avg")), 0)
+
+
+def test_a_source_that_misses_elements_is_refused_on_every_path():
+    """Rank 0 holds rows 0:3 of w only: rank 1's rows 2:4 are half missing, and every planning path
+    (everyone's plan, a rank's own part with and without a node preference) names the hole."""
+    from rlhf_switch.vps import BufferSpec, Fragment, Layout, StateKey, Box
+
+    src, dst = _two_rank_pair()
+    holey = Layout(src.spec, [[Fragment(StateKey("w"), Box((0, 0), (3, 3)), "param/w", 0, (3, 1))], []],
+                   [{"param/w": BufferSpec(9, "float32")}, {}], name="holey")
+    msg = r"^holey holds only 3 of the 6 elements of w\[2:4,0:3\] that rows needs$"
+    with pytest.raises(LayoutError, match=msg):
+        plan_transition(holey, dst)
+    for rpn in (None, 1):
+        with pytest.raises(LayoutError, match=msg):
+            plan_rank(holey, dst, 1, rpn)
+    assert plan_rank(holey, dst, 0).recvs == ()  # rank 0's own rows are all there
+    # a rank wanting two boxes of the key takes the general walk: the same refusal
+    two = Layout(src.spec, [[Fragment(StateKey("w"), Box((0, 0), (2, 3)), "param/w", 0, (3, 1))],
+                            [Fragment(StateKey("w"), Box((2, 0), (3, 3)), "param/w", 0, (3, 1)),
+                             Fragment(StateKey("w"), Box((3, 0), (4, 3)), "param/w", 3, (3, 1))]],
+                 [{"param/w": BufferSpec(6, "float32")}, {"param/w": BufferSpec(6, "float32")}], name="two")
+    msg = r"^holey holds only 0 of the 3 elements of w\[3:4,0:3\] that two needs$"
+    with pytest.raises(LayoutError, match=msg):
+        plan_transition(holey, two)
+    for rpn in (None, 1):
+        with pytest.raises(LayoutError, match=msg):
+            plan_rank(holey, two, 1, rpn)
+
+
+def test_the_general_walk_gives_every_key_the_same_transfers():
+    """``_plan_key`` is the walk ``plan_rank`` takes for a key whose boxes overlap or that a rank
+    holds several boxes of; run here on every key, in both of its documented modes: everyone's
+    transfers (``rank`` None) are ``plan_transition``'s, and a rank's (its destination boxes given
+    or found by itself) are the ones it sends or receives there."""
+    from rlhf_switch.vps.planner import _plan_key
+
+    for src, dst in _small_pairs()[:9] + _six_rank_pairs():
+        for rpn in (None, 2, 3):
+            plan = plan_transition(src, dst, rpn)
+            for key in {t.key for t in plan.transfers}:
+                everyone = sorted(t for t in plan.transfers if t.key == key)
+                assert sorted(_plan_key(key, src, dst, None, rpn)) == everyone, (str(src), str(dst), key)
+                for r in range(src.world_size):
+                    mine = [t for t in everyone if r in (t.src, t.dst)]
+                    boxes = {f.box for f in dst.fragments(r) if f.key == key}
+                    assert sorted(_plan_key(key, src, dst, r, rpn)) == mine
+                    assert sorted(_plan_key(key, src, dst, r, rpn, boxes)) == mine
+
+
+def _six_rank_pairs():
+    """Three replicas of each TP shard (holders {0, 2, 4} and {1, 3, 5}) into PP2×DP3, and back:
+    with one node of 6 (or 3), a requester picks among three (two) holders on its node."""
+    from rlhf_switch.vps import ParallelConfig
+
+    spec = llama_spec(SMALL, name="small")
+    tp = build_layout(spec, ParallelConfig(tp=2, dp=3, vocab_divisible_by=2))
+    pp = build_layout(spec, ParallelConfig(pp=2, dp=3))
+    return [(tp, pp), (pp, tp)]
+
+
+@pytest.mark.parametrize("ranks_per_node", [None, 3, 6])
+def test_holder_choice_among_three_replicas_on_a_node(ranks_per_node):
+    for src, dst in _six_rank_pairs():
+        plan = plan_transition(src, dst, ranks_per_node)
+        assert sorted((t.src, t.dst, t.key, t.box) for t in plan.transfers) == \
+            documented_choices(src, dst, ranks_per_node)
+        check_posting_order(src, dst, ranks_per_node)
+        check_move(src, dst, ranks_per_node=ranks_per_node)
+
+
+def test_posting_order_with_several_fields():
+    """Keys are ordered by the model's tensor order, then by field name: a tensor's exp_avg and
+    master go out right after its param, before the next tensor's."""
+    from rlhf_switch.vps import ParallelConfig
+
+    spec = llama_spec(SMALL, name="small")
+    fields = ("param", "master", "exp_avg")
+    src = build_layout(spec, ParallelConfig(tp=2, dp=2, vocab_divisible_by=2), fields)
+    dst = build_layout(spec, ParallelConfig(dp=4, dp_shard="zero3"), fields)
+    plans = check_posting_order(src, dst)
+    sent = [t.key for t in plans[0].sends if t.dst == 1]
+    keys = list(dict.fromkeys(sent))
+    assert keys[:3] == [StateKey(keys[0].tensor, f) for f in ("exp_avg", "master", "param")]
+    plan = plan_transition(src, dst)
+    assert sorted((t.src, t.dst, t.key, t.box) for t in plan.transfers) == documented_choices(src, dst)
+
+
+def test_pair_digests_see_both_directions():
+    """A pair's digest covers what the lower rank sends and what it receives: changing a transfer
+    either way changes it on both ends."""
+    from rlhf_switch.vps.planner import _pair_digests
+
+    src, dst = _two_rank_pair()
+    p0, p1 = plan_rank(src, dst, 0), plan_rank(src, dst, 1)  # 0 sends to 1
+    q0, q1 = plan_rank(dst, src, 0), plan_rank(dst, src, 1)  # 1 sends to 0
+    assert p0.pair_digests[1] == p1.pair_digests[0] and q0.pair_digests[1] == q1.pair_digests[0]
+    assert p0.pair_digests[1] != q0.pair_digests[1]
+    for plan in (p0, p1, q0, q1):
+        for attr in ("sends", "recvs"):
+            ts = getattr(plan, attr)
+            if not ts:
+                continue
+            changed = (ts[0]._replace(dst_offset=ts[0].dst_offset + 1),) + ts[1:]
+            sends, recvs = (changed, plan.recvs) if attr == "sends" else (plan.sends, changed)
+            peer = 1 - plan.rank
+            assert _pair_digests(plan.rank, sends, recvs)[peer] != plan.pair_digests[peer], (plan.rank, attr)

@@ -362,7 +362,10 @@ def vllm_lora_layout(spec: ModelSpec, tp: int, replicas: int = 1, dtype: str | N
     for w in range(tp):
         declared = plain.buffers(w)
         kept = [f for f in plain.fragments(w) if not spec.is_adapter(f.key.tensor)]
-        mine = {n: declared[n] for f in kept for n in (f.buffer,)}
+        # every buffer of the plain layout but the adapters' (a worker whose vocabulary rows are all
+        # padding still has its embedding: a buffer without fragments)
+        adapters = {f.buffer for f in plain.fragments(w) if spec.is_adapter(f.key.tensor)}
+        mine = {n: b for n, b in declared.items() if n not in adapters}
         for lt in worker_tensors(spec, tp, w):
             for part in lt.parts:
                 if not spec.is_adapter(part.tensor):
