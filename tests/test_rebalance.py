@@ -121,6 +121,80 @@ def test_auto_grows_where_it_last_paid_and_measures_the_other_way_again():
     assert choose(True, {"lent": 3.5, "own": 3.0}, {"lent": 0, "own": 1}, 2, ways=ways)[0] is False
 
 
+class LendingCluster:
+    """Stands in for ``recipes.cluster.Cluster`` where ``Lending`` touches it (the cluster is not
+    what is tested here; ``Lending``'s bookkeeping is): ``lending``, which ``Lending`` sets, and
+    ``generating()``, the replicas a rollout is shared over — the lent one only while lending."""
+
+    def __init__(self):
+        self.lending = False
+        self.replicas = ["own", "lent"]
+
+    def generating(self) -> list:
+        return list(self.replicas) if self.lending else ["own"]
+
+
+def test_lend_auto_records_each_rollout_as_the_way_it_ran():
+    """``lend: auto`` over nineteen iterations with a stand-in cluster: each rollout's seconds are
+    recorded as the way it ran (lent or own) at its iteration; the choice follows them — each way
+    once, then the faster, the slower measured again once it is ``PROBE_EVERY`` iterations old —;
+    the devices are given back after every rollout."""
+    from recipes.rebalance import PROBE_EVERY, Lending
+
+    assert PROBE_EVERY == 8
+    cluster = LendingCluster()
+    lending = Lending(cluster, "auto")
+    seconds = {"lent": 3.0, "own": 2.0}  # lending costs more here, until it gets cheaper (iteration 9)
+    want = [  # (iteration, lent, why)
+        (0, True, "not measured lent yet"),
+        (1, False, "not measured own yet"),
+        *((it, False, "lent 3.000 s >= own 2.000 s") for it in range(2, 9)),
+        (9, True, "lent last measured at iteration 0: measured again"),
+        *((it, True, "lent 1.000 s < own 2.000 s") for it in range(10, 17)),
+        (17, False, "own last measured at iteration 8: measured again"),
+        (18, True, "lent 1.000 s < own 2.000 s"),
+    ]
+    for it, lent, why in want:
+        assert lending.lend(it) == {"lent": lent, "why": why, "replicas": 2 if lent else 1}, it
+        assert cluster.lending is lent
+        if it == 9:
+            seconds["lent"] = 1.0
+        way = "lent" if lent else "own"
+        assert lending.give_back(it, seconds[way]) == {"rollout_s": seconds[way]}
+        assert cluster.lending is False
+        assert lending.auto.last[way] == seconds[way] and lending.auto.measured_at[way] == it, (it, lending.auto)
+    assert lending.auto.last == {"lent": 1.0, "own": 2.0} and lending.auto.measured_at == {"lent": 18, "own": 17}
+
+
+def test_lend_rollout_lends_every_iteration():
+    from recipes.rebalance import Lending
+
+    cluster = LendingCluster()
+    lending = Lending(cluster, "rollout")
+    for it in range(3):
+        assert lending.lend(it) == {"lent": True, "why": "lend: rollout", "replicas": 2}
+        assert cluster.lending is True
+        lending.give_back(it, 1.5)
+        assert cluster.lending is False
+    assert lending.auto.last == {"lent": 1.5} and lending.auto.measured_at == {"lent": 2}
+
+
+def test_ways_record_the_way_measured_and_choose_from_it():
+    """``Ways`` (``rebalance: auto``'s and ``lend: auto``'s measurements): the first way or the
+    other, at the iteration given; ``choose`` reads exactly those."""
+    from recipes.rebalance import Ways
+
+    ways = Ways(("grown", "static"))
+    assert ways.choose(0, built=False) == (False, "the grown world is still building")
+    assert ways.choose(0) == (True, "not measured grown yet")
+    ways.measured(0, 1.25, first=True)
+    ways.measured(1, 1.0, first=False)
+    assert (ways.last, ways.measured_at) == ({"grown": 1.25, "static": 1.0}, {"grown": 0, "static": 1})
+    assert ways.choose(2) == (False, "grown 1.250 s >= static 1.000 s")
+    assert ways.choose(8) == (False, "grown 1.250 s >= static 1.000 s")  # 8 iterations old: not yet
+    assert ways.choose(9) == (True, "grown last measured at iteration 0: measured again")
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_auto_moves_devices_each_way_where_it_last_paid(ray_session, tmp_path):

@@ -132,6 +132,165 @@ def test_rm_command_refuses_bad_input_before_ray(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+# --------------------------------------------------------------------------- fast: DP shares
+
+
+class ShareEngine:
+    """Stands in for a value engine on DP rank ``dp_rank`` of ``dp`` (the engine is not what these
+    tests are about; each rank's share of the rows is). Its value after ``ids[b, :t+1]`` is
+    ``w · Σ_{s<=t} (s+1)·ids[b, s]`` — causal like the model, so a sequence's score is
+    ``w · Σ_i (i+1)·seq[i]`` however it is padded — and its DP group is a gloo group of this one
+    process (the test adds up the ranks' sums itself). It records the rows of every forward."""
+
+    def __init__(self, dp: int, dp_rank: int, w: float = 0.05):
+        import torch.distributed as dist
+
+        self.dp, self.dp_rank = dp, dp_rank
+        self.w = torch.tensor(w, requires_grad=True)
+        self.dp_group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+        self.forwards: list[list[list[int]]] = []
+
+    def outputs(self, ids: torch.Tensor) -> torch.Tensor:
+        self.forwards.append(ids.tolist())
+        position = torch.arange(1, ids.shape[1] + 1)
+        return (ids * position).cumsum(1)[:, :-1].float() * self.w
+
+    def train_step(self, ids: torch.Tensor, micro: int, loss_fn) -> dict:
+        stats = []
+        for start in range(0, ids.shape[0], micro):
+            s = slice(start, min(start + micro, ids.shape[0]))
+            loss, st = loss_fn(self.outputs(ids[s]), s)
+            loss.backward()
+            stats.append(st)
+        return {"stats": stats, "grad_norm": float(self.w.grad.abs())}
+
+
+def _score(seq, w=0.05) -> float:
+    """``ShareEngine``'s score of ``seq``, by hand."""
+    return w * sum((i + 1) * t for i, t in enumerate(seq))
+
+
+def _seqs(n: int) -> list[list[int]]:
+    """``n`` sequences of different lengths and different scores."""
+    return [[1] + [(3 * i + j) % 9 + 1 for j in range(i % 4 + 1)] for i in range(n)]
+
+
+# counts DP does not divide (and one it does), DP 2 and 3; n < dp leaves a rank padding only
+SHARES = [(n, dp) for dp in (2, 3) for n in (1, 2, 4, 5, 7, 8)]
+
+
+@pytest.mark.parametrize("n,dp", SHARES)
+def test_dp_shares_cover_every_item_once_with_equal_padded_shares(n, dp):
+    """``dp_share``: every rank the same number of rows (the engines' forwards are collective),
+    ``ceil(n / dp)``; the ranks' real items, in rank order, are items ``0..n-1`` once each — the last
+    ones too when ``dp`` does not divide ``n``; ``_padded`` fills a share with copies of item 0."""
+    from actors.reward_model import _padded, dp_share
+
+    per = math.ceil(n / dp)
+    items = [f"s{i}" for i in range(n)]
+    seen = []
+    for r in range(dp):
+        lo, hi, got_per = dp_share(n, dp, r)
+        assert (lo, hi, got_per) == (r * per, (r + 1) * per, per)
+        share = _padded(items, lo, hi)
+        real = [i for i in range(lo, hi) if i < n]
+        assert share == [f"s{i}" for i in real] + ["s0"] * (per - len(real)), (r, share)
+        seen += real
+    assert seen == list(range(n))
+
+
+def test_dp_share_by_hand():
+    from actors.reward_model import _padded, dp_share
+
+    assert [dp_share(7, 3, r) for r in range(3)] == [(0, 3, 3), (3, 6, 3), (6, 9, 3)]
+    assert [dp_share(5, 2, r) for r in range(2)] == [(0, 3, 3), (3, 6, 3)]
+    assert [dp_share(6, 3, r) for r in range(3)] == [(0, 2, 2), (2, 4, 2), (4, 6, 2)]
+    assert _padded("abcdefg", 6, 9) == ["g", "a", "a"] and _padded("ab", 0, 2) == ["a", "b"]
+
+
+@pytest.mark.parametrize("n,dp", SHARES)
+def test_score_share_scores_every_sequence_once_over_the_dp_ranks(n, dp):
+    """Each rank runs ``ceil(n / dp)`` rows and keeps the scores of its real sequences; the ranks'
+    scores in rank order are every sequence's own score, the last ones included."""
+    from actors.reward_model import score_share
+
+    seqs = _seqs(n)
+    got = []
+    for r in range(dp):
+        engine = ShareEngine(dp, r)
+        got += score_share(engine, seqs, pad_id=0, device=torch.device("cpu") if r % 2 else None)
+        (rows,) = engine.forwards
+        assert len(rows) == math.ceil(n / dp)
+    assert got == pytest.approx([_score(s) for s in seqs], rel=1e-6, abs=0)
+
+
+def _trainer(dp: int, r: int, micro_pairs: int):
+    from types import SimpleNamespace
+
+    from actors.reward_model import RewardModelTrainer
+
+    t = RewardModelTrainer()
+    t.engine, t.pad_id = ShareEngine(dp, r), 0
+    t.cfg = SimpleNamespace(training=SimpleNamespace(micro_batch_size=micro_pairs))
+    return t
+
+
+def _bt_by_hand(chosen, rejected, w=0.05):
+    """The global batch's mean Bradley–Terry loss, accuracy, margin and d loss / d w, by hand."""
+    n = len(chosen)
+    m = [_score(c, w) - _score(r, w) for c, r in zip(chosen, rejected)]
+    loss = sum(math.log1p(math.exp(-x)) for x in m) / n
+    grad = sum(-(x / w) / (1 + math.exp(x)) for x in m) / n  # d/dw softplus(-w·d) = -d·σ(-w·d)
+    return loss, sum(x > 0 for x in m) / n, sum(m) / n, grad
+
+
+@pytest.mark.parametrize("n,dp", [(5, 2), (7, 3), (4, 3), (6, 2)])
+@pytest.mark.parametrize("micro_pairs", [1, 2])
+def test_reward_model_training_takes_every_pair_once_over_the_dp_ranks(n, dp, micro_pairs):
+    """``rlhf-switch rm``'s batches over DP ranks, ``n`` pairs that ``dp`` may not divide: each
+    rank's rows are its share of the pairs interleaved ``[c, r, c, r, …]``, padding weighted 0;
+    the ranks' losses, accuracies and margins add up to the global batch's (``evaluate``), and the
+    gradient the engines average over DP is that of the global mean loss (``train_step``), by hand."""
+    from rlhf_switch.rl.reward_model import interleave
+
+    chosen = _seqs(2 * n)[0::2]
+    rejected = _seqs(2 * n)[1::2]
+    rejected[0] = [1, 9, 9, 9, 9]  # one pair ranked wrong
+    loss, accuracy, margin, grad = _bt_by_hand(chosen, rejected)
+    per = math.ceil(n / dp)
+    rows, weights = [], []
+    ev = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
+    st = {"loss": 0.0, "accuracy": 0.0, "grad": 0.0}
+    for r in range(dp):
+        t = _trainer(dp, r, micro_pairs)
+        ids, last, weight, pairs = t._pairs(chosen, rejected)
+        assert pairs == n and ids.shape[0] == 2 * per and weight.shape == (per,)
+        real = int(weight.sum())
+        assert weight.tolist() == [1.0] * real + [0.0] * (per - real)
+        rows += [ids[i, :last[i] + 1].tolist() for i in range(2 * real)]
+        out = t.evaluate(chosen, rejected)
+        assert out["pairs"] == n
+        for k in ev:
+            ev[k] += out[k]
+        out = t.train_step(chosen, rejected)
+        assert out["pairs"] == n and out["grad_norm"] == abs(float(t.engine.w.grad))
+        st["loss"] += out["loss"]
+        st["accuracy"] += out["accuracy"]
+        st["grad"] += float(t.engine.w.grad) / dp  # the engines average the ranks' gradients
+    assert rows == interleave(chosen, rejected)
+    assert ev == pytest.approx({"loss": loss, "accuracy": accuracy, "margin": margin}, rel=1e-5, abs=1e-7)
+    assert st == pytest.approx({"loss": loss, "accuracy": accuracy, "grad": grad}, rel=1e-5, abs=1e-7)
+
+
+def test_scores_names_the_rank():
+    from actors.reward_model import score_share
+
+    t = _trainer(3, 2, 1)
+    seqs = _seqs(7)
+    assert t.scores(seqs) == {"dp_rank": 2, "scores": score_share(ShareEngine(3, 2), seqs, 0)}
+    assert t.scores(seqs)["scores"] == pytest.approx([_score(seqs[6])])
+
+
 # --------------------------------------------------------------------------- slow: Ray, real engines
 
 
