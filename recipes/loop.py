@@ -379,8 +379,9 @@ class Loop:
         # a sync comes before the rollout engines are used again (partial rollout: after more
         # segments of the batch in flight, which a receive posted now would hold up)
         segmented = self.ahead is not None and self.ahead[1].segments is not None
-        if it + 1 not in self.faults.skip_sync_at and not segmented:
-            self.cluster.stand_by(version=it + 1)
+        version = stand_by_version(it, self.faults.skip_sync_at, segmented)
+        if version is not None:
+            self.cluster.stand_by(version=version)
         peak["generate"] = self.cluster.memory_mark(wait=False)
         return self.cluster.reload()
 
@@ -555,6 +556,17 @@ class Loop:
         self.log.write({"iteration": self.last + 1, "channel": channel}, self.last + 1)
         self.say(f"weight channel: opened {channel['opened']}x, {channel['moves']} syncs, process groups made "
                  f"per member process: {channel['groups_per_member']}")
+
+
+def stand_by_version(it: int, skip_sync_at, segmented: bool) -> int | None:
+    """The weights' version the rollout replicas record with the receive they post when iteration
+    ``it``'s rollout is done (``Cluster.stand_by``): that of the next sync, ``it + 1`` — the weights
+    this iteration's update makes, which iteration ``it + 1`` generates with (its sync is
+    ``sync(version=it + 1)``). None: no receive posted now — no sync at ``it + 1``
+    (``skip_sync_at``), or partial rollout's segments still in flight (a receive would hold them up)."""
+    if it + 1 in skip_sync_at or segmented:
+        return None
+    return it + 1
 
 
 def stale_check_said(rec: dict, tol: float) -> str:
