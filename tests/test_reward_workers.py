@@ -181,6 +181,74 @@ def test_in_the_driver_a_call_over_the_limit_is_refused_when_it_returns():
         score_samples(slowish, ["p"], ["r"], ["a"], timeout_s=0.1)
 
 
+class Clock:
+    """``rlhf_switch.rl.rewards.time`` in the driver's process: a call takes the seconds its
+    response names (the reward function advances the clock)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+CLOCK = Clock()
+
+
+def takes(prompt, response, answer):
+    CLOCK.now += float(response)
+    return 1.0
+
+
+@batched
+def takes_all(prompts, responses, answers):
+    CLOCK.now += sum(float(r) for r in responses)
+    return [2.0] * len(responses)
+
+
+def test_in_the_driver_the_limit_is_per_call_not_per_batch(monkeypatch):
+    """``reward_timeout_s`` bounds each call: three calls of 0.6 s under a limit of 1 s pass
+    (1.8 s in all); a call of 1.1 s after one of 0.2 s is refused, naming it — per-sample calls and
+    a batched call alike, with ``RewardRunner(workers=0)`` as with ``score_samples``."""
+    from rlhf_switch.rl import rewards
+
+    monkeypatch.setattr(rewards, "time", CLOCK)
+    assert score_samples(takes, ["p"] * 3, ["0.6"] * 3, ["a"] * 3, timeout_s=1.0) == [1.0, 1.0, 1.0]
+    assert score_samples(takes, ["p"] * 2, ["1.0", "1.0"], ["a"] * 2, timeout_s=1.0) == [1.0, 1.0]  # at the limit
+    with pytest.raises(RewardError) as e:
+        score_samples(takes, ["p0", "p1", "p2"], ["0.2", "1.1", "0.1"], ["a"] * 3, first=10, timeout_s=1.0)
+    assert str(e.value) == ("reward function test_reward_workers:takes on sample 11 (prompt='p1', response='1.1', "
+                            "answer='a') took 1.1 s, over the limit of 1 s (reward_timeout_s; in the driver's process "
+                            "a call is refused after it returns — reward_workers >= 1 stops it at the limit)")
+    assert score_samples(takes_all, ["p"] * 3, ["0.3"] * 3, ["a"] * 3, timeout_s=1.0) == [2.0] * 3
+    with pytest.raises(RewardError, match=r"\(batched\) on samples 0\.\.3, the first sample 0 .* took 1\.2 s, over "
+                                          r"the limit of 1 s"):
+        score_samples(takes_all, ["p"] * 4, ["0.3"] * 4, ["a"] * 4, timeout_s=1.0)
+    assert score_samples(takes, ["p"] * 2, ["5", "5"], ["a"] * 2) == [1.0, 1.0]  # no limit given
+    with RewardRunner(f"{HERE}:takes", workers=0, timeout_s=1.0) as reward:
+        assert reward(["p"] * 3, ["0.6"] * 3, ["a"] * 3) == [1.0, 1.0, 1.0]
+        with pytest.raises(RewardError, match=r"on sample 1 .* took 1\.1 s, over the limit of 1 s"):
+            reward(["p"] * 2, ["0.2", "1.1"], ["a"] * 2)
+
+
+def sleeps_response_seconds(prompt, response, answer):
+    time.sleep(float(response))
+    return float(response)
+
+
+def test_in_a_worker_the_limit_is_per_call_not_per_batch():
+    """In a worker process each call is timed from its own start: six calls of 0.5 s under a
+    limit of 2 s (3 s in all) pass, and so does a second batch after a pause longer than the
+    limit (the last batch's call times are not this one's)."""
+    with RewardRunner(f"{HERE}:sleeps_response_seconds", workers=1, timeout_s=2.0) as reward:
+        reward.wait_ready()
+        t0 = time.monotonic()
+        assert reward(["p"] * 6, ["0.5"] * 6, ["a"] * 6) == [0.5] * 6
+        assert time.monotonic() - t0 >= 3.0  # one worker: the calls ran one after the other
+        time.sleep(2.5)
+        assert reward(["p"] * 2, ["0.5", "0.25"], ["a"] * 2) == [0.5, 0.25]
+
+
 def test_what_a_stopped_reward_started_is_stopped_too(tmp_path):
     pid_file = tmp_path / "child.pid"
     reward = RewardRunner(f"{HERE}:hangs_with_a_child", workers=1, timeout_s=3.0)
