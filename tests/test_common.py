@@ -211,3 +211,59 @@ def test_fault_crashes_only_in_the_named_iterations():
     with pytest.raises(RuntimeError) as e:
         fault([2, 5], 5, "after generation")
     assert str(e.value) == "injected crash in iteration 5 (after generation)"
+
+
+# --------------------------------------------------------------------------- evaluation, the run's config
+
+
+class GreedyCluster:
+    """Stands in for the cluster's ``generate`` (not what is tested here): it answers each prompt
+    with the ids of the response named for it, and logs what it was asked."""
+
+    def __init__(self, tok, responses):
+        self.tok, self.responses, self.asked = tok, responses, []
+
+    def generate(self, prompts, seeds, max_new_tokens, temperature):
+        self.asked.append((prompts, seeds, max_new_tokens, temperature))
+        return [self.tok.encode(r, add_eos=True) for r in self.responses], None
+
+
+def test_the_evaluator_decodes_greedy_responses_of_the_first_heldout_prompts_and_scores_them():
+    from rlhf_switch.rl.tasks import CharTokenizer, Sample
+
+    tok = CharTokenizer()
+    heldout = (Sample("1+1=", "2"), Sample("2+2=", "4"), Sample("3+3=", "6"))
+    cfg = SimpleNamespace(eval=SimpleNamespace(num_prompts=2), algorithm=SimpleNamespace(max_new_tokens=3))
+    seen = []
+
+    def reward(prompts, responses, answers):
+        seen.append((prompts, responses, answers))
+        return [float(r == a) for r, a in zip(responses, answers)]
+
+    from recipes.common import Evaluator
+
+    ev = Evaluator(cfg, SimpleNamespace(heldout=heldout), tok, reward, max_ctx=16)
+    assert ev.samples == list(heldout[:2])
+    assert ev.prompts == [tok.encode("1+1=", add_bos=True), tok.encode("2+2=", add_bos=True)]
+    cluster = GreedyCluster(tok, ["2", "5"])
+    assert ev(cluster) == 0.5
+    assert cluster.asked == [(ev.prompts, [0, 0], 3, 0.0)]  # greedy, seed 0, the algorithm's length
+    assert seen == [(["1+1=", "2+2="], ["2", "5"], ["2", "4"])]
+    assert ev.responses == [tok.encode("2", add_eos=True), tok.encode("5", add_eos=True)]
+    with pytest.raises(ValueError, match="with max_new_tokens=3"):  # a prompt the context cannot take
+        Evaluator(cfg, SimpleNamespace(heldout=heldout), tok, reward, max_ctx=7)
+
+
+def test_the_run_config_is_written_as_the_run_follows_it(tmp_path):
+    import yaml
+
+    from recipes.common import write_run_config
+
+    class Config:
+        def model_dump(self):
+            return {"seed": 3, "elastic": {"schedule": [{"iteration": 2, "world_size": 4}]}, "algorithm": {"a": 1}}
+
+    write_run_config(tmp_path, Config())
+    text = (tmp_path / "config.yaml").read_text()
+    assert yaml.safe_load(text) == Config().model_dump()
+    assert text.index("seed") < text.index("elastic") < text.index("algorithm")  # the config's order kept
