@@ -171,6 +171,7 @@ class Build:
         self.log, self.clock = log, clock
 
     def __call__(self, ray, actor_cls, config, devices, plan, timeout_s, init_dir, device):
+        assert isinstance(ray, Ray) and isinstance(devices, Devices)  # the run's own, handed on
         self.log.append(("start_world", actor_cls, dict(config), plan, timeout_s, init_dir, device))
         build = self
 
@@ -198,11 +199,13 @@ def world(monkeypatch):
     old world's rank ``r`` is on device ``10 + r``; the clock starts at 100 s."""
     from rlhf_switch.elastic import recovery
 
-    log, clock = [], Clock()
+    clock = Clock()
+    build = Build([], clock)
     monkeypatch.setattr(recovery, "time", clock)
-    monkeypatch.setattr(recovery, "start_world", Build(log, clock))
+    monkeypatch.setattr(recovery, "start_world", build)
 
     def make(n, gone=(), torn=None, extra=None, unanswered=()):
+        log = build.log = []  # each world its own log
         workers = [Rank(log, r, torn=(torn or {}).get(r, ()), extra=(extra or {}).get(r, ({"iteration": 4},)))
                    for r in range(n)]
         return Ray(log, unanswered), Devices(log, clock, gone), workers, log, clock
@@ -306,6 +309,8 @@ def test_recover_refuses_before_anything_moves(world):
     assert (e.lost, e.devices_gone) == ([1], [11]) and ("kill", 1) in log
     e, log = refused(4, [0], shift=2, gone=[12])  # with shift 2, rank 0's copy is on rank 2
     assert (e.lost, e.unrecoverable) == ([0, 2], [0, 2])
+    e, log = refused(4, [2, 0], shift=2)  # ranks 0 and 2 hold each other's copies: refused at once
+    assert (e.lost, e.unrecoverable, log) == ([0, 2], [0, 2], [])
     e, log = refused(4, [3], torn={1: ["actor"], 2: ["actor", "critic"]})
     assert str(e) == ("trainer ranks [3] of 4 are lost during a refresh of the host copies: the copies of rank(s) "
                       "[1, 2] are torn (actor), the state cannot be restored from the buddies")
@@ -674,6 +679,27 @@ def test_the_survivors_copies_must_be_of_one_refresh():
     with pytest.raises(StateLost, match="different refreshes") as e:
         refreshed_alike([0, 2], [[{"iteration": 3}], [{"iteration": 2}]], [1])
     assert e.value.lost == [1] and e.value.unrecoverable == [0, 2]
+
+
+def test_refreshed_alike_names_the_mix_and_reads_the_first_copy():
+    """The message says which copies differ — one survivor's engines, or the survivors (each
+    refresh named once, with a survivor holding it) —; the refresh returned is the first copy's,
+    and nothing where the survivors hold no copy."""
+    from rlhf_switch.elastic.recovery import StateLost, refreshed_alike
+
+    with pytest.raises(StateLost) as e:
+        refreshed_alike([0, 2, 3], [[{"iteration": 3}], [{"iteration": 2}], [{"iteration": 3}]], [1])
+    assert str(e.value) == ("trainer ranks [1] are lost during a refresh of the host copies: the survivors' copies "
+                            "(rank 3: [{'iteration': 3}], rank 2: [{'iteration': 2}]) are of different refreshes; the "
+                            "state cannot be restored from the buddies")
+    with pytest.raises(StateLost) as e:
+        refreshed_alike([0, 2], [[{"iteration": 3}] * 2, [{"iteration": 3}, {"iteration": 2}]], [1])
+    assert str(e.value) == ("trainer ranks [1] are lost during a refresh of the host copies: rank 2's engines' copies "
+                            "([{'iteration': 3}, {'iteration': 2}]) are of different refreshes; the state cannot be "
+                            "restored from the buddies")
+    assert refreshed_alike([3], [[{"iteration": 5, "draw": 1}]], [0]) == {"iteration": 5, "draw": 1}
+    assert refreshed_alike([0, 1], [[], []], [2]) == {}
+    assert refreshed_alike([], [], [0]) == {}
 
 
 def test_recovery_refuses_critic_copies_from_different_refreshes():
