@@ -51,16 +51,17 @@ def _padded(items: Sequence, lo: int, hi: int) -> list:
     return mine + [items[0]] * (hi - lo - len(mine))
 
 
-@torch.no_grad()
 def score_share(engine, seqs: Sequence[Sequence[int]], pad_id: int, device=None) -> list[float]:
     """The scores (value at the last token) of this DP rank's share of ``seqs``, padding dropped;
     collective over the engine's ranks (every rank calls it with the same ``seqs``)."""
-    lo, hi, _ = dp_share(len(seqs), engine.dp, engine.dp_rank)
-    ids, last = last_token_batch(_padded(seqs, lo, hi), pad_id)
-    if device is not None:
-        ids = ids.to(device)
-    scores = scores_at_last(engine.outputs(ids), last).float().cpu()
-    return scores[:max(0, min(hi, len(seqs)) - lo)].tolist()
+    # no_grad as a block, not a decorator: mutation testing (mutmut) skips decorated functions
+    with torch.no_grad():
+        lo, hi, _ = dp_share(len(seqs), engine.dp, engine.dp_rank)
+        ids, last = last_token_batch(_padded(seqs, lo, hi), pad_id)
+        if device is not None:
+            ids = ids.to(device)
+        scores = scores_at_last(engine.outputs(ids), last).float().cpu()
+        return scores[:max(0, min(hi, len(seqs)) - lo)].tolist()
 
 
 def reward_model_weights(path: str | os.PathLike, spec):
@@ -180,14 +181,14 @@ class RewardModelTrainer:
         return {"loss": loss / n, "accuracy": right / n, "grad_norm": step["grad_norm"], "pairs": n,
                 "seconds": time.perf_counter() - t0}
 
-    @torch.no_grad()
     def evaluate(self, chosen: list, rejected: list) -> dict:
         """The mean Bradley–Terry loss and the pairwise accuracy (``r(chosen) > r(rejected)``) of
         the pairs, no gradients; every rank gets the global numbers."""
-        ids, last, weight, n = self._pairs(chosen, rejected)
-        r = scores_at_last(self.engine.outputs(ids), last).float().cpu()
-        loss, right = bradley_terry(r[0::2], r[1::2])
-        margin = r[0::2] - r[1::2]
+        with torch.no_grad():  # a block, not a decorator: mutmut skips decorated functions
+            ids, last, weight, n = self._pairs(chosen, rejected)
+            r = scores_at_last(self.engine.outputs(ids), last).float().cpu()
+            loss, right = bradley_terry(r[0::2], r[1::2])
+            margin = r[0::2] - r[1::2]
         loss, right, margin = self._global([float((loss * weight).sum()), float((right * weight).sum()),
                                             float((margin * weight).sum())])
         return {"loss": loss / n, "accuracy": right / n, "margin": margin / n, "pairs": n}

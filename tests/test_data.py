@@ -6,6 +6,7 @@ exit 2, before Ray starts."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,176 @@ def test_decode_when_pad_or_bos_is_the_eos(model_dir):
 
 
 # ---------------------------------------------------------------- files -> splits
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+PREFS = [{"prompt": "1+1=", "chosen": "2", "rejected": "3", "answer": "#### 2"},
+         {"prompt": "2+5=", "chosen": "7", "rejected": "8", "answer": "#### 7"}]
+
+
+def test_the_file_cache_keys_on_the_columns_asked_for(tmp_path, monkeypatch):
+    """``read_columns`` reads a file once per set of columns: the same file asked for other
+    columns (or the same ones in another order) gives those, not the first call's; asked again,
+    the cached rows without a new read; another file, or the file rewritten (its size, or only
+    its mtime, changed), is read."""
+    from rlhf_switch.rl import data
+
+    monkeypatch.setattr(data, "_READ", {})
+    loads = []
+    load = data._load
+    monkeypatch.setattr(data, "_load", lambda path, builder: loads.append((path.name, builder)) or load(path, builder))
+    path = _jsonl(tmp_path / "prefs.jsonl", PREFS)
+    chosen = data.read_columns(path, ("prompt", "chosen"))
+    assert chosen == (("1+1=", "2"), ("2+5=", "7"))
+    assert data.read_columns(path, ("prompt", "rejected")) == (("1+1=", "3"), ("2+5=", "8"))
+    assert data.read_columns(path, ("chosen", "prompt")) == (("2", "1+1="), ("7", "2+5="))
+    assert data.read_records(path, "prompt", "answer") == (("1+1=", "#### 2"), ("2+5=", "#### 7"))
+    assert data.read_columns(path, ("prompt",)) == (("1+1=",), ("2+5=",))
+    assert len(loads) == 5
+    assert data.read_columns(str(path), ("prompt", "chosen")) is chosen  # cached: no new read
+    assert data.read_records(path, "prompt", "answer") == (("1+1=", "#### 2"), ("2+5=", "#### 7"))
+    assert loads == [("prefs.jsonl", "json")] * 5
+    first = path.stat()
+    twin = _jsonl(tmp_path / "twin.jsonl", [{**r, "prompt": r["prompt"].replace("+", "-")} for r in PREFS])
+    os.utime(twin, ns=(first.st_atime_ns, first.st_mtime_ns))  # another file of the same size and mtime
+    assert data.read_columns(twin, ("prompt", "chosen")) == (("1-1=", "2"), ("2-5=", "7"))
+    _jsonl(path, [{**r, "chosen": r["chosen"] + "0"} for r in PREFS])  # another size, the same mtime
+    os.utime(path, ns=(first.st_atime_ns, first.st_mtime_ns))
+    assert data.read_columns(path, ("prompt", "chosen")) == (("1+1=", "20"), ("2+5=", "70"))
+    longer = path.stat()
+    _jsonl(path, [{**r, "chosen": r["rejected"] + "0"} for r in PREFS])  # the same size, another mtime
+    os.utime(path, ns=(longer.st_atime_ns, longer.st_mtime_ns + 1_000_000_000))
+    assert path.stat().st_size == longer.st_size
+    assert data.read_columns(path, ("prompt", "chosen")) == (("1+1=", "30"), ("2+5=", "80"))
+    assert len(loads) == 8
+
+
+def test_read_columns_refuses_each_bad_file_naming_it(tmp_path):
+    """One ``DataError`` naming the file (and the key) for each way a file cannot be used;
+    parquet and an upper-case extension read as well as JSON lines."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf_switch.rl.data import DataError, read_columns
+
+    def refused(name: str, keys=("a",)) -> str:
+        with pytest.raises(DataError) as e:
+            read_columns(tmp_path / name, keys)
+        return str(e.value)
+
+    (tmp_path / "a.csv").write_text("a\nx\n")
+    (tmp_path / "noext").write_text("{}")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    _jsonl(tmp_path / "ints.jsonl", [{"a": 1}])
+    _jsonl(tmp_path / "nested.jsonl", [{"a": {"b": "c"}}])
+    _jsonl(tmp_path / "nulls.jsonl", [{"a": "x", "b": "y"}, {"a": "x", "b": None}])
+    _jsonl(tmp_path / "NAMES.JSONL", [{"a": "x", "b": "y"}])
+    pq.write_table(pa.table({"a": ["p", "q"], "b": ["r", "s"]}), tmp_path / "t.parquet")
+    d = tmp_path
+    assert refused("a.csv") == f"{d / 'a.csv'}: unsupported extension '.csv' (use .jsonl, .json, .parquet)"
+    assert refused("noext") == f"{d / 'noext'}: unsupported extension '(none)' (use .jsonl, .json, .parquet)"
+    assert refused("gone.json") == f"{d / 'gone.json'}: no such file"
+    assert refused("empty.jsonl") == f"{d / 'empty.jsonl'}: the file is empty"
+    assert refused("bad.jsonl") == f"{d / 'bad.jsonl'}: not readable as json (ArrowInvalid: JSON parse error: " \
+                                   f"Invalid value. in row 0)"
+    assert refused("ints.jsonl") == f"{d / 'ints.jsonl'}: key 'a' holds int64, not strings"
+    assert refused("nested.jsonl") == f"{d / 'nested.jsonl'}: key 'a' holds dict, not strings"
+    assert refused("nulls.jsonl", ("a", "b")) == f"{d / 'nulls.jsonl'}: record 1 has no value for key 'b'"
+    assert refused("nulls.jsonl", ("a", "c", "b")) == f"{d / 'nulls.jsonl'}: no key 'c' (keys: a, b)"
+    assert read_columns(d / "NAMES.JSONL", ("b", "a")) == (("y", "x"),)
+    assert read_columns(d / "t.parquet", ("a", "b")) == (("p", "r"), ("q", "s"))
+
+
+class WordTokenizer:
+    """Stands in for the run's tokenizer (not what is tested here): a token per word, ``<bos>``
+    first; the chat template wraps the prompt in ``<user> … <assistant>``."""
+
+    def render_prompt(self, text: str, chat_template: bool) -> str:
+        return f"<user> {text} <assistant>" if chat_template else text
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return [0] * add_bos + [len(w) for w in text.split()]
+
+
+def _data_cfg(tmp_path: Path, **fields):
+    from rlhf_switch.rl.config import DataConfig
+
+    train = _jsonl(tmp_path / "train.jsonl", [{"q": " ".join(["w"] * k), "a": f"#### {k}"} for k in (1, 4, 2, 6, 3)])
+    heldout = _jsonl(tmp_path / "heldout.jsonl", [{"q": " ".join(["h"] * k), "a": str(k)} for k in (2, 5, 1)])
+    return DataConfig(**{"train_files": [str(train)], "heldout_files": [str(heldout)], "prompt_key": "q",
+                         "answer_key": "a", **fields})
+
+
+def test_load_data_splits_keeps_file_order_drops_too_long_prompts_and_counts(tmp_path):
+    """A prompt of exactly ``max_tokens`` tokens (``<bos>`` counted) is kept, longer ones dropped
+    and counted; file order kept; the chat template counted in the length; ``num_heldout`` stops
+    reading the held-out files once that many are kept (several files in a split are read in
+    order)."""
+    from rlhf_switch.rl.data import DataError, DataSummary, load_data_splits
+    from rlhf_switch.rl.tasks import Sample
+
+    tok = WordTokenizer()
+    cfg = _data_cfg(tmp_path)
+    splits, summary = load_data_splits(cfg, tok, 4)  # prompts of up to 3 words (+ <bos>)
+    assert splits.train == (Sample("w", "#### 1"), Sample("w w", "#### 2"), Sample("w w w", "#### 3"))
+    assert splits.heldout == (Sample("h h", "2"), Sample("h", "1"))
+    assert summary == DataSummary(5, 2, 3, 1, 4)
+    assert summary.line() == ("data: 5 train prompts read, 2 dropped; 3 held-out read, 1 dropped (longer than 4 "
+                              "tokens)")
+    # the chat template's two words count; two held-out files, num_heldout=3 stops in the second
+    cfg = _data_cfg(tmp_path, chat_template=True, num_heldout=3)
+    cfg.heldout_files = cfg.heldout_files * 2
+    splits, summary = load_data_splits(cfg, tok, 5)
+    assert [s.prompt for s in splits.train] == ["<user> w <assistant>", "<user> w w <assistant>"]
+    assert [s.prompt for s in splits.heldout] == ["<user> h h <assistant>", "<user> h <assistant>",
+                                                  "<user> h h <assistant>"]
+    assert summary == DataSummary(5, 3, 4, 1, 5)  # the second file: 1 read and kept, then full
+    with pytest.raises(DataError) as e:
+        load_data_splits(_data_cfg(tmp_path), tok, 1)
+    assert str(e.value) == ("data.train_files: all 5 prompts are longer than 1 tokens after rendering and tokenizing "
+                            "(data.max_prompt_tokens, or the context minus algorithm.max_new_tokens)")
+    heldout_only = _data_cfg(tmp_path)
+    _jsonl(Path(heldout_only.heldout_files[0]), [{"q": "h h h h h h", "a": "6"}])
+    with pytest.raises(DataError, match=r"^data\.heldout_files: all 1 prompts are longer than 4 tokens"):
+        load_data_splits(heldout_only, tok, 4)
+
+
+def test_prompt_token_limit_by_hand(tmp_path):
+    from rlhf_switch.rl.data import prompt_token_limit
+
+    cfg = _data_cfg(tmp_path)
+    assert prompt_token_limit(cfg, 24, 128) == 104  # the context minus the response
+    cfg.max_prompt_tokens = 50
+    assert prompt_token_limit(cfg, 24, 128) == 50
+    cfg.max_prompt_tokens = 104
+    assert prompt_token_limit(cfg, 24, 128) == 104
+    cfg.max_prompt_tokens = 105  # more than the context leaves
+    assert prompt_token_limit(cfg, 24, 128) == 104
+
+
+def test_load_splits_of_a_task_and_of_files(tmp_path):
+    """``load_splits``: a generated task's splits (``make_splits`` of the task's settings), or the
+    files' with the limit the context leaves (``max_position_embeddings`` minus ``max_new_tokens``)."""
+    from types import SimpleNamespace
+
+    from rlhf_switch.rl.data import load_splits
+    from rlhf_switch.rl.tasks import build_task, make_splits
+
+    task = SimpleNamespace(name="addition", min_len=1, max_len=2, length_skew=0.0, num_train=6, num_heldout=3, seed=4)
+    splits, line = load_splits(SimpleNamespace(task=task), WordTokenizer())
+    assert splits == make_splits(build_task("addition", 1, 2, 0.0), 6, 3, 4)
+    assert line == "task addition: 6 train prompts, 3 held-out"
+    files = SimpleNamespace(task=None, data=_data_cfg(tmp_path), algorithm=SimpleNamespace(max_new_tokens=6),
+                            model=SimpleNamespace(hf_dict=lambda: {"max_position_embeddings": 10}))
+    splits, line = load_splits(files, WordTokenizer())
+    assert [s.prompt for s in splits.train] == ["w", "w w", "w w w"]  # 10 - 6 = 4 tokens, <bos> counted
+    assert line == "data: 5 train prompts read, 2 dropped; 3 held-out read, 1 dropped (longer than 4 tokens)"
+
 
 
 def test_load_splits_renders_drops_and_counts(model_dir):

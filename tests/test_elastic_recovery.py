@@ -7,6 +7,7 @@ is named before anything moves.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 
@@ -71,6 +72,291 @@ def test_both_owner_and_holder_lost_is_refused_before_anything_moves():
     with pytest.raises(StateLost, match=r"every host copy of rank\(s\) \[1\]") as e:
         recover(None, None, {}, None, range(4), [None] * 4, [1, 2])
     assert e.value.unrecoverable == [1]
+
+
+# --- recover's decisions, with stand-ins for Ray, the devices and the world's build ----------------
+#
+# What ``recover`` decides is tested here in the pytest process: who is lost (a second loss, the
+# ranks on a node gone, re-checked), what it refuses before anything moves, which devices the new
+# world gets, what it asks the build and the move for, the record. Ray, the device manager and
+# ``start_world``'s build are stood in for (they are not what is tested; the slow tests below run
+# them for real). The stand-ins log every call, so a test sees what happened before a refusal.
+
+
+class Clock:
+    """``recovery.time``: a clock the stand-ins advance (each wait takes the seconds it names)."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class Call:
+    """``actor.method.options(concurrency_group=...).remote()``: its answer as the ref."""
+
+    def __init__(self, log, rank, name, answer):
+        self.log, self.rank, self.name, self.answer, self.group = log, rank, name, answer, None
+
+    def options(self, concurrency_group=None):
+        self.group = concurrency_group
+        return self
+
+    def remote(self):
+        self.log.append((self.name, self.rank, self.group))
+        return ("ref", self.rank, self.name, self.answer)
+
+
+class Rank:
+    """A trainer actor of the old world: what it answers the recovery's calls."""
+
+    def __init__(self, log, rank, torn=(), extra=({"iteration": 4},), pid=None):
+        self.log, self.rank, self.answers = log, rank, {"host_copy_torn": list(torn),
+                                                        "host_copy_extra": list(extra), "pid": pid}
+
+    def __getattr__(self, name):
+        if name not in ("host_copy_torn", "host_copy_extra", "pid"):
+            raise AttributeError(name)
+        return Call(self.log, self.rank, name, self.answers[name])
+
+    def __repr__(self):
+        return f"rank{self.rank}"
+
+
+class Ray:
+    """What ``recover`` and ``lost_ranks`` call of Ray."""
+
+    def __init__(self, log, unanswered=()):
+        self.log, self.unanswered = log, set(unanswered)
+
+    def kill(self, actor):
+        self.log.append(("kill", actor.rank))
+
+    def get(self, refs, timeout=None):
+        if isinstance(refs, tuple):  # one ref (lost_ranks asks each)
+            answer = refs[3]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        self.log.append(("get", [r[2] for r in refs], timeout))
+        return [r[3] for r in refs]
+
+    def wait(self, refs, num_returns, timeout):
+        self.log.append(("wait", num_returns, timeout))
+        pending = [r for r in refs if r[1] in self.unanswered]
+        return [r for r in refs if r not in pending], pending
+
+
+class Devices:
+    """The device manager: ``placed`` answers the devices still placed (after ``wait_s``)."""
+
+    def __init__(self, log, clock, gone=()):
+        self.log, self.clock, self.gone = log, clock, set(gone)
+
+    def placed(self, ids, wait_s):
+        self.log.append(("placed", list(ids), wait_s))
+        self.clock.now += 2.0 if self.gone else 0.5
+        return [d for d in ids if d not in self.gone]
+
+    def release(self, ids):
+        self.log.append(("release", list(ids)))
+
+
+class Build:
+    """``start_world``'s stand-in: logs what the new world is built of; building takes 7 s, the
+    move 3 s; the new world's actors are ``new<rank>``."""
+
+    def __init__(self, log, clock):
+        self.log, self.clock = log, clock
+
+    def __call__(self, ray, actor_cls, config, devices, plan, timeout_s, init_dir, device):
+        assert isinstance(ray, Ray) and isinstance(devices, Devices)  # the run's own, handed on
+        self.log.append(("start_world", actor_cls, dict(config), plan, timeout_s, init_dir, device))
+        build = self
+
+        class Pending:
+            def wait(self):
+                build.clock.now += 7.0
+                build.log.append(("wait",))
+
+            def commit(self, old_workers, timeout_s, source):
+                build.clock.now += 3.0
+                build.log.append(("commit", [w.rank for w in old_workers], timeout_s, source))
+                members = [{"side": "old", "bytes_sent": 10 * (i + 1), "bytes_local": 1,
+                            "parts": [{"bytes_sent": 10 * (i + 1), "bytes_local": 1}]} for i in range(2)]
+                members.append({"side": "new", "bytes_sent": 0, "bytes_local": 5, "parts": [{"bytes_sent": 0,
+                                                                                            "bytes_local": 5}]})
+                return SimpleNamespace(workers=[f"new{r}" for r in range(plan.new_world)], stop_the_world_s=2.5,
+                                       members=members)
+
+        return Pending()
+
+
+@pytest.fixture
+def world(monkeypatch):
+    """``make(n, gone=devices gone, torn/extra per rank)`` -> (ray, devices, workers, log); the
+    old world's rank ``r`` is on device ``10 + r``; the clock starts at 100 s."""
+    from rlhf_switch.elastic import recovery
+
+    clock = Clock()
+    build = Build([], clock)
+    monkeypatch.setattr(recovery, "time", clock)
+    monkeypatch.setattr(recovery, "start_world", build)
+
+    def make(n, gone=(), torn=None, extra=None, unanswered=()):
+        log = build.log = []  # each world its own log
+        workers = [Rank(log, r, torn=(torn or {}).get(r, ()), extra=(extra or {}).get(r, ({"iteration": 4},)))
+                   for r in range(n)]
+        return Ray(log, unanswered), Devices(log, clock, gone), workers, log, clock
+
+    return make
+
+
+def test_a_node_loss_that_adds_lost_ranks_is_checked_again(world):
+    """Rank 1 of 4 lost, then its device's neighbour goes with its node: rank 2 (device 12) is
+    lost too, and rank 2 held rank 1's only copy — ``StateLost`` naming both ranks and rank 1's
+    share, raised before the ranks on the gone node are killed or anything is built or released."""
+    from rlhf_switch.elastic.recovery import StateLost, recover
+
+    ray, devices, workers, log, _ = world(4, gone=[12])
+    with pytest.raises(StateLost) as e:
+        recover(ray, "Actor", {"world_size": 4}, devices, [10, 11, 12, 13], workers, [1],
+                config_for=lambda n: {"world_size": n})  # a smaller world could be built: not the reason
+    assert str(e.value) == ("trainer ranks [1, 2] of 4 are lost (devices [12] gone with their node) and so is every "
+                            "host copy of rank(s) [1]: the state cannot be restored from the buddies")
+    assert (e.value.lost, e.value.unrecoverable) == ([1, 2], [1])
+    assert log == [("kill", 1), ("placed", [10, 11, 12, 13], 60.0)]
+
+
+def test_a_node_loss_that_leaves_every_copy_goes_on_in_a_smaller_world(world):
+    """Rank 1 lost, then device 13 (rank 3) gone with its node: rank 1's copy is on rank 2, rank
+    3's on rank 0 — the recovery goes on: ranks 1 and 3 killed, the gone device released, a world
+    of ``config_for(3)`` on devices 10, 11, 12 built from the survivors 0 and 2's host copies."""
+    from rlhf_switch.elastic import ResizePlan
+    from rlhf_switch.elastic.manager import CONTROL
+    from rlhf_switch.elastic.recovery import recover
+
+    ray, devices, workers, log, clock = world(4, gone=[13])
+    asked = []
+    rec = recover(ray, "Actor", {"world_size": 4}, devices, [10, 11, 12, 13], workers, [1], init_dir="/init",
+                  device="cpu", failed_at=99.0, timeout_s=300.0,
+                  config_for=lambda n: asked.append(n) or {"world_size": n, "tag": "scaled"}, replace_wait_s=30.0)
+    plan = ResizePlan((10, 12), (10, 11, 12))
+    assert asked == [3]
+    assert log == [("kill", 1), ("placed", [10, 11, 12, 13], 30.0), ("kill", 3),
+                   ("host_copy_torn", 0, CONTROL), ("host_copy_torn", 2, CONTROL),
+                   ("get", ["host_copy_torn", "host_copy_torn"], 60),
+                   ("host_copy_extra", 0, CONTROL), ("host_copy_extra", 2, CONTROL),
+                   ("get", ["host_copy_extra", "host_copy_extra"], 60),
+                   ("release", [13]),
+                   ("start_world", "Actor", {"world_size": 3, "tag": "scaled"}, plan, 300.0, "/init", "cpu"),
+                   ("wait",), ("commit", [0, 2], 300.0, "host_copy")]
+    assert rec.workers == ["new0", "new1", "new2"] and rec.plan == plan
+    assert (rec.lost, rec.survivors, rec.devices, rec.devices_gone) == ([1, 3], [0, 2], [10, 11, 12], [13])
+    assert (rec.detect_s, rec.build_s, rec.move_s, rec.seconds) == (3.0, 7.0, 2.5, 13.0)  # failed at 99, clock 100
+    assert rec.extra == {"iteration": 4} and rec.bytes_moved == 32
+    assert rec.event("zero3 dp4", "zero3 dp3") == {
+        "kind": "trainer_lost", "lost_ranks": [1, 3], "survivors": [0, 2], "old": "zero3 dp4", "new": "zero3 dp3",
+        "new_world": 3, "devices_gone": [13], "detect_s": 3.0, "build_s": 7.0, "move_s": 2.5, "seconds": 13.0,
+        "bytes_moved": 32, "bytes_moved_by_engine": [32]}
+    assert clock.now == 112.0
+
+
+def test_a_lost_rank_is_replaced_on_its_device(world):
+    """Every device still placed: the same world (the run's config, not ``config_for``'s) on the
+    same devices, the lost rank's device given to its replacement; nothing released. Without
+    ``failed_at`` the detection is timed from the call."""
+    from rlhf_switch.elastic import ResizePlan
+    from rlhf_switch.elastic.recovery import recover
+
+    ray, devices, workers, log, _ = world(3, extra={r: ({"iteration": 7}, {"iteration": 7}) for r in range(3)})
+    rec = recover(ray, "Actor", {"world_size": 3}, devices, [10, 11, 12], workers, [2],
+                  config_for=lambda n: pytest.fail("no smaller world asked for"))
+    assert [c for c in log if c[0] in ("kill", "release", "start_world", "commit")] == [
+        ("kill", 2), ("start_world", "Actor", {"world_size": 3}, ResizePlan((10, 11), (10, 11, 12)), 600.0, None, None),
+        ("commit", [0, 1], 600.0, "host_copy")]
+    assert ("placed", [10, 11, 12], 60.0) in log
+    assert (rec.lost, rec.survivors, rec.devices, rec.devices_gone, rec.extra) == ([2], [0, 1], [10, 11, 12], [],
+                                                                                   {"iteration": 7})
+    assert (rec.detect_s, rec.build_s, rec.seconds) == (0.5, 7.0, 10.5)
+
+
+def test_recover_refuses_before_anything_moves(world):
+    """Each refusal names what is lost and comes before the build: every rank lost; all ranks lost
+    once a node's go too; a survivor's torn copy; survivors' copies of two refreshes; a smaller
+    world that cannot be built (none asked for, or its config refused)."""
+    from rlhf_switch.elastic.recovery import StateLost, WorldLost, recover
+
+    def refused(n, lost, gone=(), error=StateLost, **kw):
+        ray, devices, workers, log, _ = world(n, gone=gone, torn=kw.pop("torn", None), extra=kw.pop("extra", None))
+        with pytest.raises(error) as e:
+            recover(ray, "Actor", {"world_size": n}, devices, [10 + r for r in range(n)], workers, lost, **kw)
+        assert not [c for c in log if c[0] in ("start_world", "release")], log
+        return e.value, log
+
+    e, log = refused(2, [1, 0])
+    assert str(e) == ("trainer ranks [0, 1] of 2 are lost and so is every host copy of rank(s) [0, 1]: the state "
+                      "cannot be restored from the buddies")
+    assert (e.lost, e.unrecoverable, log) == ([0, 1], [0, 1], [])
+    e, _ = refused(1, [0])
+    assert (e.lost, e.unrecoverable) == ([0], [0])
+    e, log = refused(2, [0], gone=[11])  # the other rank's node gone too: every rank lost
+    assert str(e) == ("trainer ranks [0, 1] of 2 are lost (devices [11] gone with their node) and so is every host "
+                      "copy of rank(s) [0, 1]: the state cannot be restored from the buddies")
+    assert (e.lost, e.unrecoverable) == ([0, 1], [0, 1])
+    e, log = refused(4, [1], gone=[11], error=WorldLost)  # the lost rank's own device gone: no new loss
+    assert (e.lost, e.devices_gone) == ([1], [11]) and ("kill", 1) in log
+    e, log = refused(4, [0], shift=2, gone=[12])  # with shift 2, rank 0's copy is on rank 2
+    assert (e.lost, e.unrecoverable) == ([0, 2], [0, 2])
+    e, log = refused(4, [2, 0], shift=2)  # ranks 0 and 2 hold each other's copies: refused at once
+    assert (e.lost, e.unrecoverable, log) == ([0, 2], [0, 2], [])
+    e, log = refused(4, [3], torn={1: ["actor"], 2: ["actor", "critic"]})
+    assert str(e) == ("trainer ranks [3] of 4 are lost during a refresh of the host copies: the copies of rank(s) "
+                      "[1, 2] are torn (actor), the state cannot be restored from the buddies")
+    assert (e.lost, e.unrecoverable) == ([3], [1, 2])
+    e, log = refused(4, [3], torn={2: ["critic", "actor"]})
+    assert "the copies of rank(s) [2] are torn (critic)" in str(e)
+    e, _ = refused(3, [0], extra={1: ({"iteration": 4},), 2: ({"iteration": 3},)})
+    assert "are of different refreshes" in str(e) and (e.lost, e.unrecoverable) == ([0], [1, 2])
+    e, log = refused(4, [1], gone=[11, 13], error=WorldLost)
+    assert str(e) == ("trainer ranks [1, 3] of 4 are lost with devices [11, 13], which are not placed any more; the "
+                      "2 devices left cannot take the run (no smaller world is built here)")
+    assert (e.lost, e.devices_gone, e.unrecoverable) == ([1, 3], [11, 13], [])
+
+    class Refused(ValueError):
+        problems = ["train: dp=3 does not divide 8", "another"]
+
+    def config_for(n):
+        raise Refused("not this")
+
+    e, _ = refused(4, [1], gone=[11], error=WorldLost, config_for=config_for)
+    assert str(e).endswith("the 3 devices left cannot take the run (Refused: train: dp=3 does not divide 8)")
+    e, _ = refused(4, [1], gone=[11], error=WorldLost, config_for=lambda n: 1 / 0)
+    assert str(e).endswith("the 3 devices left cannot take the run (ZeroDivisionError: division by zero)")
+
+
+def test_lost_ranks_are_the_dead_and_the_silent(world):
+    """``lost_ranks`` asks every rank for its pid in the control group, waits ``deadline_s`` for
+    all of them: a rank that does not answer is killed and lost, one that answers Ray's actor
+    error is lost, the others are not."""
+    from ray.exceptions import ActorDiedError, RayActorError
+
+    from rlhf_switch.elastic.manager import CONTROL
+    from rlhf_switch.elastic.recovery import lost_ranks
+
+    ray, _, workers, log, _ = world(5, unanswered=[3])
+    workers[1].answers["pid"] = RayActorError()
+    workers[4].answers["pid"] = ActorDiedError()
+    for r in (0, 2, 3):
+        workers[r].answers["pid"] = 1000 + r
+    assert lost_ranks(ray, workers, deadline_s=12.0) == [1, 3, 4]
+    assert log == [("pid", r, CONTROL) for r in range(5)] + [("wait", 5, 12.0), ("kill", 3)]
+    ray, _, workers, log, _ = world(2)
+    workers[1].answers["pid"] = RuntimeError("not an actor's death")
+    with pytest.raises(RuntimeError, match="not an actor's death"):
+        lost_ranks(ray, workers)
+    assert ("wait", 2, 300.0) in log
 
 
 # --- over Ray: real actors, real DeepSpeed ZeRO-3, a real kill -9 ----------------------------------
@@ -394,6 +680,27 @@ def test_the_survivors_copies_must_be_of_one_refresh():
     with pytest.raises(StateLost, match="different refreshes") as e:
         refreshed_alike([0, 2], [[{"iteration": 3}], [{"iteration": 2}]], [1])
     assert e.value.lost == [1] and e.value.unrecoverable == [0, 2]
+
+
+def test_refreshed_alike_names_the_mix_and_reads_the_first_copy():
+    """The message says which copies differ — one survivor's engines, or the survivors (each
+    refresh named once, with a survivor holding it) —; the refresh returned is the first copy's,
+    and nothing where the survivors hold no copy."""
+    from rlhf_switch.elastic.recovery import StateLost, refreshed_alike
+
+    with pytest.raises(StateLost) as e:
+        refreshed_alike([0, 2, 3], [[{"iteration": 3}], [{"iteration": 2}], [{"iteration": 3}]], [1])
+    assert str(e.value) == ("trainer ranks [1] are lost during a refresh of the host copies: the survivors' copies "
+                            "(rank 3: [{'iteration': 3}], rank 2: [{'iteration': 2}]) are of different refreshes; the "
+                            "state cannot be restored from the buddies")
+    with pytest.raises(StateLost) as e:
+        refreshed_alike([0, 2], [[{"iteration": 3}] * 2, [{"iteration": 3}, {"iteration": 2}]], [1])
+    assert str(e.value) == ("trainer ranks [1] are lost during a refresh of the host copies: rank 2's engines' copies "
+                            "([{'iteration': 3}, {'iteration': 2}]) are of different refreshes; the state cannot be "
+                            "restored from the buddies")
+    assert refreshed_alike([3], [[{"iteration": 5, "draw": 1}]], [0]) == {"iteration": 5, "draw": 1}
+    assert refreshed_alike([0, 1], [[], []], [2]) == {}
+    assert refreshed_alike([], [], [0]) == {}
 
 
 def test_recovery_refuses_critic_copies_from_different_refreshes():

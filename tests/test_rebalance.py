@@ -137,6 +137,74 @@ def test_auto_grows_where_it_last_paid_and_measures_the_other_way_again():
     assert choose(True, {"lent": 3.5, "own": 3.0}, {"lent": 0, "own": 1}, 2, ways=ways)[0] is False
 
 
+class LendingCluster:
+    """Stands in for ``recipes.cluster.Cluster`` where ``Lending`` touches it (the cluster is not
+    what is tested here; ``Lending``'s bookkeeping is): ``lending``, which ``Lending`` sets, and
+    ``generating()``, the replicas a rollout is shared over — the lent one only while lending."""
+
+    def __init__(self):
+        self.lending = False
+        self.replicas = ["own", "lent"]
+
+    def generating(self) -> list:
+        return list(self.replicas) if self.lending else ["own"]
+
+
+def test_lend_auto_records_each_rollout_as_the_way_it_ran():
+    """``lend: auto`` over fifteen iterations with a stand-in cluster: each rollout's seconds are
+    recorded as the way it ran (lent or own) at its iteration, from each way's second run on (the
+    first is its warm-up); the choice follows them — each way until it has a warm measurement,
+    then the faster, the slower measured again once it is ``PROBE_EVERY`` iterations old —; the
+    devices are given back after every rollout."""
+    from recipes.elastic.lending import Lending
+    from recipes.elastic.rebalance import PROBE_EVERY
+
+    assert PROBE_EVERY == 8
+    cluster = LendingCluster()
+    lending = Lending(cluster, "auto")
+    seconds = {"lent": 3.0, "own": 2.0}  # lending costs more here, until it gets cheaper (iteration 10)
+    want = [  # (iteration, lent, why)
+        (0, True, "no warm measurement of lent yet"),
+        (1, True, "no warm measurement of lent yet"),
+        (2, False, "no warm measurement of own yet"),
+        (3, False, "no warm measurement of own yet"),
+        *((it, False, "lent 3.000 s >= own 2.000 s") for it in range(4, 10)),
+        (10, True, "lent last measured at iteration 1: measured again"),
+        (11, True, "lent 1.000 s < own 2.000 s"),
+        (12, False, "own last measured at iteration 3: measured again"),
+        (13, True, "lent 1.000 s < own 2.000 s"),
+        (14, True, "lent 1.000 s < own 2.000 s"),
+    ]
+    runs = {"lent": 0, "own": 0}
+    for it, lent, why in want:
+        assert lending.lend(it) == {"lent": lent, "why": why, "replicas": 2 if lent else 1}, it
+        assert cluster.lending is lent
+        if it == 10:
+            seconds["lent"] = 1.0
+        way = "lent" if lent else "own"
+        runs[way] += 1
+        assert lending.give_back(it, seconds[way]) == {"rollout_s": seconds[way]}
+        assert cluster.lending is False
+        if runs[way] == 1:  # the way's warm-up: not recorded
+            assert way not in lending.auto.last, (it, lending.auto)
+        else:
+            assert lending.auto.last[way] == seconds[way] and lending.auto.measured_at[way] == it, (it, lending.auto)
+    assert lending.auto.last == {"lent": 1.0, "own": 2.0} and lending.auto.measured_at == {"lent": 14, "own": 12}
+
+
+def test_lend_rollout_lends_every_iteration():
+    from recipes.elastic.lending import Lending
+
+    cluster = LendingCluster()
+    lending = Lending(cluster, "rollout")
+    for it in range(3):
+        assert lending.lend(it) == {"lent": True, "why": "lend: rollout", "replicas": 2}
+        assert cluster.lending is True
+        lending.give_back(it, 1.5)
+        assert cluster.lending is False
+    assert lending.auto.last == {"lent": 1.5} and lending.auto.measured_at == {"lent": 2}
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_auto_moves_devices_each_way_where_it_last_paid(ray_session, tmp_path):

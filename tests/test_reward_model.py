@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,6 +131,256 @@ def test_rm_command_refuses_bad_input_before_ray(tmp_path, capsys):
                  "data.train_files[0]: ", "data.heldout_files[0]: ", "no key 'worse' (keys: chosen, prompt, rejected)"):
         assert want in err, (want, err)
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- fast: DP shares
+
+
+class ShareEngine:
+    """Stands in for a value engine on DP rank ``dp_rank`` of ``dp`` (the engine is not what these
+    tests are about; each rank's share of the rows is). Its value after ``ids[b, :t+1]`` is
+    ``w · Σ_{s<=t} (s+1)·ids[b, s]`` — causal like the model, so a sequence's score is
+    ``w · Σ_i (i+1)·seq[i]`` however it is padded. ``group``: its DP group (a real gloo group of
+    the ranks, ``dp_world``); a step averages ``w``'s gradient over it, as the engines do. It
+    records the rows of every forward."""
+
+    def __init__(self, dp: int, dp_rank: int, group=None, w: float = 0.05):
+        self.dp, self.dp_rank, self.dp_group = dp, dp_rank, group
+        self.w = torch.tensor(w, requires_grad=True)
+        self.forwards: list[list[list[int]]] = []
+
+    def outputs(self, ids: torch.Tensor) -> torch.Tensor:
+        self.forwards.append(ids.tolist())
+        position = torch.arange(1, ids.shape[1] + 1)
+        return (ids * position).cumsum(1)[:, :-1].float() * self.w
+
+    def train_step(self, ids: torch.Tensor, micro: int, loss_fn) -> dict:
+        import torch.distributed as dist
+
+        stats = []
+        for start in range(0, ids.shape[0], micro):
+            s = slice(start, min(start + micro, ids.shape[0]))
+            loss, st = loss_fn(self.outputs(ids[s]), s)
+            loss.backward()
+            stats.append(st)
+        if self.dp > 1:
+            dist.all_reduce(self.w.grad, group=self.dp_group)
+            self.w.grad /= self.dp
+        return {"stats": stats, "grad_norm": float(self.w.grad.abs())}
+
+
+def dp_world(dp: int, fn) -> list:
+    """``fn(rank, group)`` on ``dp`` ranks at once, each a thread of this process in a real gloo
+    group of ``dp`` (``None`` at DP 1); their results in rank order."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if dp == 1:
+        return [fn(0, None)]
+    store, results, errors = dist.HashStore(), [None] * dp, []
+
+    def rank(r):
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("dp", store), r, dp, timedelta(seconds=60))
+            results[r] = fn(r, group)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(dp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    return results
+
+
+def _score(seq, w=0.05) -> float:
+    """``ShareEngine``'s score of ``seq``, by hand."""
+    return w * sum((i + 1) * t for i, t in enumerate(seq))
+
+
+def _seqs(n: int) -> list[list[int]]:
+    """``n`` sequences of different lengths and different scores."""
+    return [[1] + [(3 * i + j) % 9 + 1 for j in range(i % 4 + 1)] for i in range(n)]
+
+
+# counts DP does not divide (and one it does), DP 2 and 3; n < dp leaves a rank padding only
+SHARES = [(n, dp) for dp in (2, 3) for n in (1, 2, 4, 5, 7, 8)]
+
+
+@pytest.mark.parametrize("n,dp", SHARES)
+def test_dp_shares_cover_every_item_once_with_equal_padded_shares(n, dp):
+    """``dp_share``: every rank the same number of rows (the engines' forwards are collective),
+    ``ceil(n / dp)``; the ranks' real items, in rank order, are items ``0..n-1`` once each — the last
+    ones too when ``dp`` does not divide ``n``; ``_padded`` fills a share with copies of item 0."""
+    from actors.reward_model import _padded, dp_share
+
+    per = math.ceil(n / dp)
+    items = [f"s{i}" for i in range(n)]
+    seen = []
+    for r in range(dp):
+        lo, hi, got_per = dp_share(n, dp, r)
+        assert (lo, hi, got_per) == (r * per, (r + 1) * per, per)
+        share = _padded(items, lo, hi)
+        real = [i for i in range(lo, hi) if i < n]
+        assert share == [f"s{i}" for i in real] + ["s0"] * (per - len(real)), (r, share)
+        seen += real
+    assert seen == list(range(n))
+
+
+def test_dp_share_by_hand():
+    from actors.reward_model import _padded, dp_share
+
+    assert [dp_share(7, 3, r) for r in range(3)] == [(0, 3, 3), (3, 6, 3), (6, 9, 3)]
+    assert [dp_share(5, 2, r) for r in range(2)] == [(0, 3, 3), (3, 6, 3)]
+    assert [dp_share(6, 3, r) for r in range(3)] == [(0, 2, 2), (2, 4, 2), (4, 6, 2)]
+    assert _padded("abcdefg", 6, 9) == ["g", "a", "a"] and _padded("ab", 0, 2) == ["a", "b"]
+
+
+@pytest.mark.parametrize("n,dp", SHARES)
+def test_score_share_scores_every_sequence_once_over_the_dp_ranks(n, dp):
+    """Each rank runs ``ceil(n / dp)`` rows and keeps the scores of its real sequences; the ranks'
+    scores in rank order are every sequence's own score, the last ones included."""
+    from actors.reward_model import score_share
+
+    seqs = _seqs(n)
+    got = []
+    for r in range(dp):
+        engine = ShareEngine(dp, r)
+        got += score_share(engine, seqs, pad_id=0, device=torch.device("cpu") if r % 2 else None)
+        (rows,) = engine.forwards
+        assert len(rows) == math.ceil(n / dp)
+    assert got == pytest.approx([_score(s) for s in seqs], rel=1e-6, abs=0)
+
+
+def _trainer(dp: int, r: int, micro_pairs: int, group=None):
+    from types import SimpleNamespace
+
+    from actors.reward_model import RewardModelTrainer
+
+    t = RewardModelTrainer()
+    t.engine, t.pad_id = ShareEngine(dp, r, group), 0
+    t.cfg = SimpleNamespace(training=SimpleNamespace(micro_batch_size=micro_pairs))
+    return t
+
+
+def _bt_by_hand(chosen, rejected, w=0.05):
+    """The global batch's mean Bradley–Terry loss, accuracy, margin and d loss / d w, by hand."""
+    n = len(chosen)
+    m = [_score(c, w) - _score(r, w) for c, r in zip(chosen, rejected)]
+    loss = sum(math.log1p(math.exp(-x)) for x in m) / n
+    grad = sum(-(x / w) / (1 + math.exp(x)) for x in m) / n  # d/dw softplus(-w·d) = -d·σ(-w·d)
+    return loss, sum(x > 0 for x in m) / n, sum(m) / n, grad
+
+
+@pytest.mark.parametrize("n,dp", [(5, 2), (7, 3), (4, 3), (6, 2), (3, 1)])
+@pytest.mark.parametrize("micro_pairs", [1, 2])
+def test_reward_model_training_takes_every_pair_once_over_the_dp_ranks(n, dp, micro_pairs):
+    """``rlhf-switch rm``'s batches over ``dp`` ranks (threads in a real gloo group), ``n`` pairs
+    that ``dp`` may not divide: each rank's rows are its share of the pairs interleaved
+    ``[c, r, c, r, …]``, padding weighted 0; every rank gets the global batch's mean loss,
+    accuracy and margin (``evaluate``), and the gradient averaged over DP is that of the global
+    mean loss (``train_step``) — all by hand."""
+    from rlhf_switch.rl.reward_model import interleave
+
+    chosen = _seqs(2 * n)[0::2]
+    rejected = _seqs(2 * n)[1::2]
+    rejected[0] = [1, 9, 9, 9, 9]  # one pair ranked wrong
+    loss, accuracy, margin, grad = _bt_by_hand(chosen, rejected)
+    per = math.ceil(n / dp)
+
+    def rank(r, group):
+        t = _trainer(dp, r, micro_pairs, group)
+        ids, last, weight, pairs = t._pairs(chosen, rejected)
+        assert pairs == n and ids.shape[0] == 2 * per and weight.shape == (per,)
+        real = int(weight.sum())
+        assert weight.tolist() == [1.0] * real + [0.0] * (per - real)
+        rows = [ids[i, :last[i] + 1].tolist() for i in range(2 * real)]
+        return rows, t.evaluate(chosen, rejected), t.train_step(chosen, rejected), float(t.engine.w.grad)
+
+    results = dp_world(dp, rank)
+    assert [row for rows, *_ in results for row in rows] == interleave(chosen, rejected)
+    for r, (_, ev, st, w_grad) in enumerate(results):
+        assert ev == pytest.approx({"loss": loss, "accuracy": accuracy, "margin": margin, "pairs": n},
+                                   rel=1e-5, abs=1e-7), r
+        assert (st["pairs"], st["grad_norm"]) == (n, abs(w_grad))
+        assert {"loss": st["loss"], "accuracy": st["accuracy"], "grad": w_grad} == \
+            pytest.approx({"loss": loss, "accuracy": accuracy, "grad": grad}, rel=1e-5, abs=1e-7), r
+
+
+def test_the_global_sums_are_float64_over_the_dp_group():
+    """``_global``: each rank's sums added over DP in float64 (a float32 sum would drop the 1 of
+    2^24 + 1); at DP 1 no group is needed."""
+    def rank(r, group):
+        return _trainer(2, r, 1, group)._global([2.0 ** 24 + 1, 0.5] if r == 0 else [0.0, 0.25])
+
+    assert dp_world(2, rank) == [[2.0 ** 24 + 1, 0.75]] * 2
+    assert dp_world(3, lambda r, g: _trainer(3, r, 1, g)._global([float(r)])) == [[3.0]] * 3
+    assert _trainer(1, 0, 1)._global([2.0 ** 24 + 1]) == [2.0 ** 24 + 1]
+
+
+def test_a_train_step_says_its_seconds(monkeypatch):
+    import actors.reward_model as rm
+
+    ticks = iter(range(10, 100, 3))
+    monkeypatch.setattr(rm, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    out = _trainer(1, 0, 1).train_step(_seqs(4)[0::2], _seqs(4)[1::2])
+    assert out["seconds"] == 3.0
+
+
+def test_scores_names_the_rank():
+    from actors.reward_model import score_share
+
+    t = _trainer(3, 2, 1)
+    seqs = _seqs(7)
+    assert t.scores(seqs) == {"dp_rank": 2, "scores": score_share(ShareEngine(3, 2), seqs, 0)}
+    assert t.scores(seqs)["scores"] == pytest.approx([_score(seqs[6])])
+
+
+def _reward_dir(path: Path, weights: dict) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def test_a_reward_model_directory_is_read_whole_or_refused_naming_each_problem(tmp_path):
+    """``reward_model_weights``: a directory with ``score.bias`` keeps it (only a missing one reads
+    as zero); every missing, misshapen or extra tensor named in one ``ValueError`` (the first five
+    extra ones); no weights at all is its own error."""
+    from actors.reward_model import reward_model_weights
+    from rlhf_switch.models import value_spec
+
+    spec = value_spec(HF)
+    full = {t.name: torch.full(t.shape, 0.5) for t in spec.tensors}
+    full["score.bias"] = torch.tensor([0.25])
+    state = reward_model_weights(_reward_dir(tmp_path / "whole", full), spec)
+    assert torch.equal(state.master["score.bias"], torch.tensor([0.25])) and state.name == \
+        f"reward model {tmp_path / 'whole'}"
+    assert all(torch.equal(state.master[k], v) for k, v in full.items())
+    no_head = {k: v for k, v in full.items() if not k.startswith("score.")}
+    with pytest.raises(ValueError) as e:  # no score.weight either: the bias is missing too, not made up
+        reward_model_weights(_reward_dir(tmp_path / "no_head", no_head), spec)
+    h = HF["hidden_size"]
+    assert str(e.value) == (f"{tmp_path / 'no_head'} does not hold the reward model its config.json describes: "
+                            f"score.weight [1, {h}] is missing; score.bias [1] is missing")
+    wrong = {**full, "score.weight": torch.zeros(2, h), **{f"extra.{i}": torch.zeros(1) for i in range(7)}}
+    del wrong["model.norm.weight"]
+    with pytest.raises(ValueError) as e:
+        reward_model_weights(_reward_dir(tmp_path / "wrong", wrong), spec)
+    assert str(e.value) == (f"{tmp_path / 'wrong'} does not hold the reward model its config.json describes: "
+                            f"model.norm.weight [{h}] is missing; score.weight has shape [2, {h}], the model's is "
+                            f"[1, {h}]; unexpected tensors: extra.0, extra.1, extra.2, extra.3, extra.4")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError) as e:
+        reward_model_weights(tmp_path / "empty", spec)
+    assert str(e.value) == f"{tmp_path / 'empty'}: no *.safetensors (a reward model directory holds its weights)"
 
 
 # --------------------------------------------------------------------------- slow: Ray, real engines

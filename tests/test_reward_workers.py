@@ -181,6 +181,74 @@ def test_in_the_driver_a_call_over_the_limit_is_refused_when_it_returns():
         score_samples(slowish, ["p"], ["r"], ["a"], timeout_s=0.1)
 
 
+class Clock:
+    """``rlhf_switch.rl.rewards.time`` in the driver's process: a call takes the seconds its
+    response names (the reward function advances the clock)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+CLOCK = Clock()
+
+
+def takes(prompt, response, answer):
+    CLOCK.now += float(response)
+    return 1.0
+
+
+@batched
+def takes_all(prompts, responses, answers):
+    CLOCK.now += sum(float(r) for r in responses)
+    return [2.0] * len(responses)
+
+
+def test_in_the_driver_the_limit_is_per_call_not_per_batch(monkeypatch):
+    """``reward_timeout_s`` bounds each call: three calls of 0.6 s under a limit of 1 s pass
+    (1.8 s in all); a call of 1.1 s after one of 0.2 s is refused, naming it — per-sample calls and
+    a batched call alike, with ``RewardRunner(workers=0)`` as with ``score_samples``."""
+    from rlhf_switch.rl import rewards
+
+    monkeypatch.setattr(rewards, "time", CLOCK)
+    assert score_samples(takes, ["p"] * 3, ["0.6"] * 3, ["a"] * 3, timeout_s=1.0) == [1.0, 1.0, 1.0]
+    assert score_samples(takes, ["p"] * 2, ["1.0", "1.0"], ["a"] * 2, timeout_s=1.0) == [1.0, 1.0]  # at the limit
+    with pytest.raises(RewardError) as e:
+        score_samples(takes, ["p0", "p1", "p2"], ["0.2", "1.1", "0.1"], ["a"] * 3, first=10, timeout_s=1.0)
+    assert str(e.value) == ("reward function test_reward_workers:takes on sample 11 (prompt='p1', response='1.1', "
+                            "answer='a') took 1.1 s, over the limit of 1 s (reward_timeout_s; in the driver's process "
+                            "a call is refused after it returns — reward_workers >= 1 stops it at the limit)")
+    assert score_samples(takes_all, ["p"] * 3, ["0.3"] * 3, ["a"] * 3, timeout_s=1.0) == [2.0] * 3
+    with pytest.raises(RewardError, match=r"\(batched\) on samples 0\.\.3, the first sample 0 .* took 1\.2 s, over "
+                                          r"the limit of 1 s"):
+        score_samples(takes_all, ["p"] * 4, ["0.3"] * 4, ["a"] * 4, timeout_s=1.0)
+    assert score_samples(takes, ["p"] * 2, ["5", "5"], ["a"] * 2) == [1.0, 1.0]  # no limit given
+    with RewardRunner(f"{HERE}:takes", workers=0, timeout_s=1.0) as reward:
+        assert reward(["p"] * 3, ["0.6"] * 3, ["a"] * 3) == [1.0, 1.0, 1.0]
+        with pytest.raises(RewardError, match=r"on sample 1 .* took 1\.1 s, over the limit of 1 s"):
+            reward(["p"] * 2, ["0.2", "1.1"], ["a"] * 2)
+
+
+def sleeps_response_seconds(prompt, response, answer):
+    time.sleep(float(response))
+    return float(response)
+
+
+def test_in_a_worker_the_limit_is_per_call_not_per_batch():
+    """In a worker process each call is timed from its own start: six calls of 0.5 s under a
+    limit of 2 s (3 s in all) pass, and so does a second batch after a pause longer than the
+    limit (the last batch's call times are not this one's)."""
+    with RewardRunner(f"{HERE}:sleeps_response_seconds", workers=1, timeout_s=2.0) as reward:
+        reward.wait_ready()
+        t0 = time.monotonic()
+        assert reward(["p"] * 6, ["0.5"] * 6, ["a"] * 6) == [0.5] * 6
+        assert time.monotonic() - t0 >= 3.0  # one worker: the calls ran one after the other
+        time.sleep(2.5)
+        assert reward(["p"] * 2, ["0.5", "0.25"], ["a"] * 2) == [0.5, 0.25]
+
+
 def test_what_a_stopped_reward_started_is_stopped_too(tmp_path):
     pid_file = tmp_path / "child.pid"
     reward = RewardRunner(f"{HERE}:hangs_with_a_child", workers=1, timeout_s=3.0)
@@ -240,3 +308,206 @@ def sleeps_on_empty(prompt, response, answer):
     if response == "":  # the check's second sample
         time.sleep(60)
     return 1.0
+
+
+# --- the worker's side and the helpers, in this process ------------------------------------------
+# (a worker runs ``_serve`` in a process of its own, where mutation testing cannot see which test
+# reached it: these call it here, over a real pipe)
+
+
+def raises_system_exit(prompt, response, answer):
+    raise SystemExit(3)
+
+
+def kills_itself(prompt, response, answer):
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _serve_here(monkeypatch, spec: str, jobs: list, slot: int = 1, setpgrp=None):
+    """Run a worker's loop (``_serve``) in this process over a real pipe: ``jobs`` sent first,
+    then the end. Returns (the worker's messages, its slot of the progress array, the process
+    group and signal calls it made)."""
+    import multiprocessing as mp
+    import signal
+
+    from rlhf_switch import reward_workers as rw
+
+    calls = []
+
+    def no_setpgrp():
+        calls.append("setpgrp")
+        if setpgrp is not None:
+            raise setpgrp
+
+    monkeypatch.setattr(rw.os, "setpgrp", no_setpgrp)  # not this process's own group
+    monkeypatch.setattr(rw.signal, "signal", lambda sig, handler: calls.append((sig, handler)))
+    here, there = mp.Pipe()
+    for job in jobs:
+        here.send(job)
+    here.send(None)
+    progress = mp.RawArray("d", rw.FIELDS * 3)
+    rw._serve(spec, there, progress, slot)
+    out = []
+    while here.poll():
+        out.append(here.recv())
+    assert calls == ["setpgrp", (signal.SIGINT, signal.SIG_IGN)]
+    return out, list(progress[rw.FIELDS * slot:rw.FIELDS * (slot + 1)]), list(progress)
+
+
+def test_a_worker_scores_each_part_it_is_sent_and_says_where_it_is(monkeypatch):
+    """``_serve``: ``("ready", batched)`` once the function is imported, then one ``("ok", scores)``
+    per part; its slot of the shared array holds the index of the call it started last, when, and
+    how many samples it scored (the other slots untouched)."""
+    t0 = time.monotonic()
+    out, mine, every = _serve_here(monkeypatch, f"{HERE}:digit", [(5, ["p", "p"], ["3", "4"], ["a", "a"]),
+                                                                  (9, ["p"], ["8"], ["a"])])
+    assert out == [("ready", False), ("ok", [3.0, 4.0]), ("ok", [8.0])]
+    index, started, scored = mine
+    assert (index, scored) == (9, 3) and t0 <= started <= time.monotonic()
+    assert every[:3] == [0.0] * 3 and every[6:] == [0.0] * 3
+    out, mine, _ = _serve_here(monkeypatch, f"{HERE}:batch_sizes", [(4, ["p"] * 2, ["1", "2"], ["a"] * 2)], slot=0,
+                               setpgrp=OSError("not allowed"))
+    assert out == [("ready", True), ("ok", [2001.0, 2002.0])] and (mine[0], mine[2]) == (4, 2)
+
+
+def test_a_worker_answers_each_failure_as_an_error_and_goes_on(monkeypatch):
+    out, _, _ = _serve_here(monkeypatch, f"{HERE}:raises_on_x", [(3, ["p", "q"], ["a", "x"], ["0", "1"]),
+                                                                 (5, ["p"], ["a"], ["0"])])
+    assert out[0] == ("ready", False) and out[2] == ("ok", [0.0])
+    kind, message = out[1]
+    assert kind == "error" and message.startswith(f"reward function {HERE}:raises_on_x on sample 4 (prompt='q', "
+                                                  f"response='x', answer='1') raised KeyError: 'no such answer table'")
+    out, _, _ = _serve_here(monkeypatch, f"{HERE}:raises_system_exit", [(6, ["p", "q"], ["a", "b"], ["0", "1"])])
+    assert out == [("ready", False), ("error", f"reward function {HERE}:raises_system_exit on samples 6..7: "
+                                               f"SystemExit: 3")]
+    out, _, _ = _serve_here(monkeypatch, f"{HERE}:nope", [(0, ["p"], ["a"], ["0"])])
+    ((kind, message),) = out  # no ready: the worker ends
+    assert kind == "error" and message.startswith(f"reward function '{HERE}:nope': '{HERE}' has no attribute 'nope'")
+
+
+def test_a_worker_ends_when_the_driver_is_gone(monkeypatch):
+    """The driver's end of the pipe closed (``EOFError`` or ``OSError`` on receiving): the worker
+    returns, after answering what it was sent before."""
+    import multiprocessing as mp
+
+    from rlhf_switch import reward_workers as rw
+
+    monkeypatch.setattr(rw.os, "setpgrp", lambda: None)
+    monkeypatch.setattr(rw.signal, "signal", lambda sig, handler: None)
+    for gone in (EOFError, OSError):
+        jobs, sent = [(0, ["p"], ["1"], ["a"])], []
+
+        class Driver:  # one job, then gone
+            def send(self, msg):
+                sent.append(msg)
+
+            def recv(self):
+                if jobs:
+                    return jobs.pop()
+                raise gone
+
+        rw._serve(f"{HERE}:digit", Driver(), mp.RawArray("d", 3), 0)
+        assert sent == [("ready", False), ("ok", [1.0])]
+
+
+def test_shared_watch_writes_its_own_slot():
+    import multiprocessing as mp
+
+    from rlhf_switch.reward_workers import FIELDS, SharedWatch
+
+    assert FIELDS == 3
+    progress = mp.RawArray("d", 9)
+    watch = SharedWatch(progress, 2)
+    t0 = time.monotonic()
+    watch.started(17)
+    watch.scored(4)
+    watch.scored(2)
+    assert progress[6] == 17 and t0 <= progress[7] <= time.monotonic() and progress[8] == 6
+    assert list(progress[:6]) == [0.0] * 6
+
+
+def test_parts_cut_a_batch_into_contiguous_nearly_equal_parts():
+    from rlhf_switch.reward_workers import _parts
+
+    assert _parts(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert _parts(9, 3) == [(0, 3), (3, 6), (6, 9)]
+    assert _parts(2, 3) == [(0, 1), (1, 2)]  # never an empty part
+    assert _parts(5, 1) == [(0, 5)]
+    assert _parts(5, 2) == [(0, 3), (3, 5)]
+
+
+def test_kill_takes_the_process_group_of_a_worker_that_leads_one():
+    """A worker leads its own process group (``_serve``: ``setpgrp``): ``_kill`` takes the group,
+    what the reward function started with it; a process that leads none is killed alone."""
+    import subprocess
+    import sys
+
+    from rlhf_switch.reward_workers import _kill
+
+    script = ("import subprocess, time; c = subprocess.Popen(['sleep', '300']); print(c.pid, flush=True); "
+              "time.sleep(300)")
+    leader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True,
+                              text=True)
+    child = int(leader.stdout.readline())
+    _kill(leader)
+    assert leader.wait(timeout=30) == -9 and _gone([child])
+    plain = subprocess.Popen(["sleep", "300"])  # in this process's group: only it is killed
+    _kill(plain)
+    assert plain.wait(timeout=30) == -9
+
+
+def test_start_without_main_hides_the_drivers_main_while_the_child_starts():
+    import sys
+
+    from rlhf_switch.reward_workers import _start_without_main
+
+    main = sys.modules["__main__"]
+    seen = []
+
+    class Process:
+        def start(self):
+            seen.append(sys.modules["__main__"])
+
+    _start_without_main(Process())
+    (bare,) = seen
+    assert bare is not main and bare.__name__ == "__main__" and not hasattr(bare, "__file__")
+    assert sys.modules["__main__"] is main
+
+    class Fails:
+        def start(self):
+            raise RuntimeError("cannot start")
+
+    with pytest.raises(RuntimeError, match="cannot start"):
+        _start_without_main(Fails())
+    assert sys.modules["__main__"] is main
+
+
+def test_a_runner_refuses_bad_settings_and_says_where_it_runs():
+    with pytest.raises(ValueError, match=r"^workers must be >= 0 and timeout_s > 0, got -1, 60\.0$"):
+        RewardRunner(f"{HERE}:digit", workers=-1)
+    with pytest.raises(ValueError, match=r"^workers must be >= 0 and timeout_s > 0, got 0, 0\.0$"):
+        RewardRunner(f"{HERE}:digit", workers=0, timeout_s=0)
+    with RewardRunner(f"{HERE}:digit", workers=0, timeout_s=2.5) as reward:
+        assert repr(reward) == f"{HERE}:digit in this process, each call limited to 2.5 s"
+        assert reward._poll_s() == 0.5 and reward.timeout_s == 2.5 and reward.say is None
+        with pytest.raises(ValueError, match=r"^prompts, responses and answers must be equally long, got 1, 2, 1$"):
+            reward(["p"], ["1", "2"], ["a"])
+    reward = RewardRunner(f"{HERE}:digit", workers=2, timeout_s=1.2)
+    try:
+        assert repr(reward) == f"{HERE}:digit in 2 worker processes, each call limited to 1.2 s"
+        assert reward._poll_s() == pytest.approx(0.3)
+        with pytest.raises(ValueError, match="equally long, got 2, 2, 1"):
+            reward(["p", "q"], ["1", "2"], ["a"])
+    finally:
+        reward.close()
+    with RewardRunner(f"{HERE}:digit", workers=1) as reward:
+        assert repr(reward) == f"{HERE}:digit in 1 worker process, each call limited to 60 s"
+
+
+def test_a_worker_killed_by_a_signal_is_named_with_its_sample():
+    with pytest.raises(RewardError) as e:
+        RewardRunner(f"{HERE}:kills_itself", workers=1)(["p0", "p1"], ["r0", "r1"], ["a", "a"])
+    assert str(e.value) == (f"reward function {HERE}:kills_itself: its worker process was killed by signal 9 "
+                            f"(SIGKILL) while scoring sample 0 (prompt='p0', response='r0', answer='a')")

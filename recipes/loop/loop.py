@@ -201,8 +201,9 @@ class Loop:
         memory mark, the parked trainer state back (``train.offload``)."""
         fault(self.faults.crash_at, it, "after generation")
         self.world.after_rollout(it, rec)
-        if it + 1 not in self.faults.skip_sync_at and self.source.stands_by():
-            self.cluster.stand_by(version=it + 1)
+        version = stand_by_version(it, self.faults.skip_sync_at, segmented=not self.source.stands_by())
+        if version is not None:
+            self.cluster.stand_by(version=version)
         rec.peak["generate"] = self.cluster.memory_mark(wait=False)
         rec.reloaded = self.cluster.reload()
 
@@ -347,3 +348,14 @@ def channel_summary(cluster) -> dict:
             "groups_per_member": sorted({m.get("groups_created", 0) for m in members}),
             "members": len(members), "pieces_verified": sum(m.get("pieces_verified", 0) for m in members),
             "nodes": cluster.nodes()}
+
+
+def stand_by_version(it: int, skip_sync_at, segmented: bool) -> int | None:
+    """The weights' version the rollout replicas record with the receive they post when iteration
+    ``it``'s rollout is done (``Cluster.stand_by``): that of the next sync, ``it + 1`` — the weights
+    this iteration's update makes, which iteration ``it + 1`` generates with (its sync is
+    ``sync(version=it + 1)``). None: no receive posted now — no sync at ``it + 1``
+    (``skip_sync_at``), or partial rollout's segments still in flight (a receive would hold them up)."""
+    if it + 1 in skip_sync_at or segmented:
+        return None
+    return it + 1
