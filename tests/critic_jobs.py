@@ -87,15 +87,30 @@ def critic_vs_reference(engine: str, stage: int = 0, more_steps: int = 4) -> dic
 
 
 def whitening_matches() -> dict:
-    """global_masked_whiten over DP ranks == masked_whiten of the concatenated batch."""
+    """global_masked_whiten over DP ranks == masked_whiten of the concatenated batch: as the
+    critic's batch is whitened, scale only (``shift_mean=False``) with another eps, with two
+    masked-in values in the whole batch (one per rank: the fewest an unbiased variance takes), and
+    the refusal of one value in the whole batch."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(B, T - 1, generator=g)
     mask = data()[1]
     per = B // dist.get_world_size()
     r = dist.get_rank()
-    mine = global_masked_whiten(x[r * per:(r + 1) * per], mask[r * per:(r + 1) * per])
-    want = masked_whiten(x, mask)[r * per:(r + 1) * per]
-    return {"diff": float((mine - want).abs().max())}
+    mine = slice(r * per, (r + 1) * per)
+    out = {"diff": float((global_masked_whiten(x[mine], mask[mine]) - masked_whiten(x, mask)[mine]).abs().max())}
+    unshifted = global_masked_whiten(x[mine], mask[mine], shift_mean=False, eps=0.5)
+    out["diff_unshifted"] = float((unshifted - masked_whiten(x, mask, shift_mean=False, eps=0.5)[mine]).abs().max())
+    two = torch.zeros_like(mask)
+    two[0, 3] = two[per, 5] = 1.0  # one on each rank's share
+    out["diff_two"] = float((global_masked_whiten(x[mine], two[mine]) - masked_whiten(x, two)[mine]).abs().max())
+    one = torch.zeros_like(mask)
+    one[0, 3] = 1.0
+    try:
+        global_masked_whiten(x[mine], one[mine])
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
 
 
 def init_from_checkpoint() -> dict:

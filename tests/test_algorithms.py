@@ -12,9 +12,9 @@ import torch
 import yaml
 
 from rlhf_switch.rl import algorithms as A
-from rlhf_switch.rl.algorithm import Algorithm, OldPolicy, RankBatch, mini_batch_totals
+from rlhf_switch.rl.algorithm import Algorithm, OldPolicy, RankBatch, loss_weight, mini_batch_totals, pad_batch
 from rlhf_switch.rl.choices import ALGORITHMS
-from rlhf_switch.rl.estimators import CRITIC_FREE
+from rlhf_switch.rl.estimators import CRITIC_FREE, Estimator
 from rlhf_switch.rl.config import ConfigError, load_config
 
 from test_rl_pure import CONFIGS
@@ -298,6 +298,9 @@ def test_an_estimator_from_outside_the_package_declares_its_needs_and_fields():
         data["algorithm"].pop(key, None)
     cfg = load_config(data)
     assert cfg.algorithm.baseline_scale == 0.5 and cfg.algorithm.critic_lr == data["algorithm"]["critic_lr"]
+    values = cfg.algorithm.values()  # what the paper rules read: every field, the estimator's own too
+    assert set(values) == set(type(cfg.algorithm).model_fields) | {"baseline_scale"} and values["baseline_scale"] == 0.5
+    assert values["clip_eps"] == cfg.algorithm.clip_eps and "baseline_scale" not in config("grpo").algorithm.values()
     assert algorithm_problems(cfg) == []
     alg = Algorithm.build(cfg.algorithm)
     assert alg.needs_critic and alg.kl_in_loss and alg.sequence_advantages([1.0, 0.0]) is None
@@ -315,3 +318,372 @@ def test_an_estimator_from_outside_the_package_declares_its_needs_and_fields():
     with pytest.raises(ConfigError, match="algorithm.baseline_scal: unknown field in algorithm; did you mean "
                                           "'baseline_scale'"):
         load_config({**data, "algorithm": {**data["algorithm"], "baseline_scal": 1.0}})
+    # an estimator that does not import: the block loads (without fields of its own) and the check says why
+    missing = load_config({**data, "algorithm": {**{k: v for k, v in data["algorithm"].items() if k != "baseline_scale"},
+                                                 "advantage": "no_such_module:Estimator"}})
+    assert set(missing.algorithm.values()) == set(type(missing.algorithm).model_fields)
+    (problem,) = algorithm_problems(missing)
+    assert problem.startswith("algorithm.advantage: algorithm.advantage 'no_such_module:Estimator' cannot be imported")
+
+
+# --- the registries and the rules, called at test time --------------------------------------------
+# (PAPER_RULES and the registered estimators are built when the modules are imported; these tests
+# call the builders themselves, so a slip in one shows here and not only in a table built before it)
+
+def test_paper_rule_builders():
+    from rlhf_switch.rl.choices import _at_most, _equals, off_paper
+
+    rule = _equals("kl_coef", 0.0)
+    assert (rule.field, rule.paper) == ("kl_coef", "0.0")
+    assert rule.holds({"kl_coef": 0.0}) and not rule.holds({"kl_coef": 0.1}) and not rule.holds({})
+    rule = _at_most("clip_eps", 1e-3, "3e-4 (at most 1e-3)")
+    assert (rule.field, rule.paper) == ("clip_eps", "3e-4 (at most 1e-3)")
+    assert rule.holds({"clip_eps": 1e-3}) and rule.holds({"clip_eps": 3e-4})
+    assert not rule.holds({"clip_eps": 2e-3}) and not rule.holds({"clip_eps": None}) and not rule.holds({})
+    broken = off_paper("gspo", {"clip_eps": 0.2, "clip_eps_high": 4e-4, "loss_aggregation": "token-mean",
+                                "kl_coef": 0.0})
+    assert [(r.field, value) for r, value in broken] == [("clip_eps", 0.2), ("loss_aggregation", "token-mean")]
+    assert off_paper("grpo", {"clip_eps": 0.9}) == [] and off_paper("my_pkg:Algo", {}) == []
+
+
+def test_register_estimator_refuses_a_nameless_or_taken_name():
+    from rlhf_switch.rl.estimators import ESTIMATORS, Estimator, register_estimator
+
+    class Nameless(Estimator):
+        pass
+
+    class Taken(Estimator):
+        name = "group"
+
+    class Fresh(Estimator):
+        name = "test_fresh"
+
+    with pytest.raises(ValueError) as info:
+        register_estimator(Nameless)
+    assert str(info.value) == "an estimator needs a name of its own: Nameless has ''"
+    with pytest.raises(ValueError, match="an estimator needs a name of its own: Taken has 'group'"):
+        register_estimator(Taken)
+    assert ESTIMATORS["group"].__name__ == "GroupAdvantages"
+    try:
+        assert register_estimator(Fresh) is Fresh and ESTIMATORS["test_fresh"] is Fresh
+    finally:
+        ESTIMATORS.pop("test_fresh", None)
+
+
+def test_all_fields_are_every_estimators_declared_once():
+    from pydantic import Field
+
+    from rlhf_switch.rl.estimators import CRITIC_FIELDS, ESTIMATORS, Estimator, all_fields
+
+    got = all_fields()
+    assert set(got) == {"norm_adv_by_std", "adv_eps", "gamma", "lam", "whiten_advantages", *CRITIC_FIELDS}
+    assert got["lam"] is ESTIMATORS["gae"].fields["lam"] and got["critic_lr"] is CRITIC_FIELDS["critic_lr"]
+
+    class OtherGamma(Estimator):
+        name, fields = "test_other_gamma", {"gamma": (float, Field(0.5))}
+
+    ESTIMATORS[OtherGamma.name] = OtherGamma
+    try:
+        with pytest.raises(ValueError) as info:
+            all_fields()
+        assert str(info.value).startswith("estimators declare algorithm.gamma differently: ")
+        assert "default=1.0" in str(info.value) and "default=0.5" in str(info.value)
+    finally:
+        ESTIMATORS.pop(OtherGamma.name)
+
+
+# --- an algorithm whose config block has only what the algorithm reads ----------------------------
+
+def test_an_algorithm_on_a_bare_config_object():
+    """``Algorithm`` reads DAPO's and the off-policy options only where the config object has them
+    (a user's own config object need not)."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(name="grpo", group_size=2, norm_adv_by_std=True, adv_eps=1e-6, max_new_tokens=4)
+    alg = Algorithm(cfg)
+    assert alg.has_signal([1.0, 0.0]) and not alg.has_signal([1.0, 1.0], raw=[1.0, 1.0])
+    assert alg.shape_scores([1.0, 0.5], [[5] * 4, [5]]) == [1.0, 0.5]
+    assert alg.batch_fields([1.0, 0.0]) == {"advantages": pytest.approx([0.7071058, -0.7071058])}
+    adv = torch.ones(1, 2)
+    batch = RankBatch(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 2), torch.zeros(1, 2), torch.ones(1), 1, 1)
+    assert alg.correct_off_policy(adv, batch, OldPolicy(torch.zeros(1, 2), None, None)) == (adv, {})
+
+
+def test_shape_scores_with_and_without_the_penalty():
+    responses = [[5] * 8, [5] * 6, [5] * 2]  # max_new_tokens 8, buffer 4: penalties -1, -0.5, 0
+    plain = Algorithm.build(config("grpo", max_new_tokens=8).algorithm)
+    assert plain.shape_scores([1.0, 1.0, 0.0], responses) == [1.0, 1.0, 0.0]
+    half = Algorithm.build(config("dapo", max_new_tokens=8, overlong={"buffer_len": 4, "penalty": 0.5}).algorithm)
+    assert half.shape_scores([1.0, 1.0, 0.0], responses) == [0.5, 0.75, 0.0]
+    off = Algorithm.build(config("dapo", max_new_tokens=8, overlong={"buffer_len": 4, "penalty": 0.0}).algorithm)
+    assert off.shape_scores([1.0, 1.0, 0.0], responses) == [1.0, 1.0, 0.0]
+
+
+def test_rloo_without_a_reference_has_no_kl_in_its_rewards():
+    cfg = config("rloo", group_size=2, kl_coef=0.1).algorithm
+    batch = _rank_batch(scores=[1.0, 0.0, 3.0, 1.0])
+    adv, _ = Algorithm.build(cfg).estimator.tokens(batch, OldPolicy(batch.mask * 0, None, None), cfg, OneRank0(), None)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 2.0, -2.0])[:, None] * batch.mask)
+
+
+class OneRank0(OneRank):
+    dp_rank = 0
+
+
+# --- the batch one trainer rank holds --------------------------------------------------------------
+
+def test_pad_batch_ids_targets_and_mask():
+    ids, targets, mask = pad_batch([[1, 3], [1, 4, 5]], [[6, 2], [7]], pad_id=0)
+    assert ids.tolist() == [[1, 3, 6, 2], [1, 4, 5, 7]] and ids.dtype == torch.long
+    assert targets.tolist() == [[3, 6, 2], [4, 5, 7]]
+    assert mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]] and mask.dtype == torch.float32
+
+
+def test_loss_weight_counts_tokens_or_sequences_with_tokens():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    assert loss_weight(mask, "token-mean").item() == 3.0
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        assert loss_weight(mask, mode).item() == 2.0
+
+
+def test_mini_batch_totals_over_ranks_and_steps():
+    """Rank r holds rows [r·per, (r+1)·per); step s takes local_mini of each rank's rows."""
+    prompts = [[1]] * 8
+    responses = [[5] * n for n in (1, 2, 3, 4, 5, 6, 7, 8)]
+    # dp 2, per 4, local_mini 2: step 0 = rows 0, 1 | 4, 5; step 1 = rows 2, 3 | 6, 7
+    got = mini_batch_totals(prompts, responses, 0, 2, 2, "token-mean")
+    assert got.tolist() == [1 + 2 + 5 + 6, 3 + 4 + 7 + 8] and got.dtype == torch.float64
+    keep = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    assert mini_batch_totals(prompts, responses, 0, 2, 2, "token-mean", keep).tolist() == [1 + 6, 3 + 4 + 7 + 8]
+    assert mini_batch_totals(prompts, responses, 0, 2, 2, "seq-mean-token-mean", keep).tolist() == [2, 4]
+
+
+def _two_samples(**extra):
+    return {"prompts": [[1, 3], [1, 4]], "responses": [[5, 6], [7]], "rollout_logprobs": [[-1.0, -2.0], [-0.5]],
+            **extra}
+
+
+def _cfg(**algorithm):
+    return config("grpo", group_size=2, prompts_per_iteration=1, mini_batch_size=2, micro_batch_size=2,
+                  **algorithm).algorithm
+
+
+def test_rank_batch_of_a_batch():
+    rows = RankBatch.of(_two_samples(scores=[1, 0], keep=[1.0, 0.0], fresh=[True, [False]]), 1, 0, 0, _cfg(),
+                        torch.device("cpu"))
+    assert rows.ids.tolist() == [[1, 3, 5, 6], [1, 4, 7, 0]]
+    assert rows.response_mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]
+    assert rows.mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]  # the second sample kept out of the loss
+    assert rows.rollout_logprobs.tolist() == [[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]]
+    assert rows.totals.tolist() == [2.0]  # the kept-out sample weighs nothing
+    # a reward function's integer scores become float32, as the losses compute in
+    assert rows.scores.tolist() == [1.0, 0.0] and rows.scores.dtype == torch.float32 and rows.advantages is None
+    assert rows.fresh.tolist() == [[False, True, True], [False, False, False]]
+    assert rows.checked_mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    # per generated token (partial rollout: the versions a sample's tokens were made with)
+    rows = RankBatch.of(_two_samples(advantages=[0.5, -0.5], fresh=[[False, True], [True]]), 1, 0, 0, _cfg(),
+                        torch.device("cpu"))
+    assert rows.fresh.tolist() == [[False, False, True], [False, True, False]] and rows.scores is None
+    # no fresh flags: every token is checked
+    rows = RankBatch.of(_two_samples(advantages=[0.5, -0.5]), 1, 0, 0, _cfg(), torch.device("cpu"))
+    assert rows.fresh is None and rows.checked_mask.tolist() == rows.response_mask.tolist()
+
+
+def test_rank_batch_of_each_rank_and_the_micro_batch():
+    batch = {"prompts": [[1, 3]] * 4, "responses": [[5], [5, 6], [6], [6, 5, 2]], "rollout_logprobs": [[-1.0]] * 4,
+             "advantages": [1.0, 2.0, 3.0, 4.0]}
+    cfg = config("grpo", group_size=2, prompts_per_iteration=2, mini_batch_size=4, micro_batch_size=8).algorithm
+    ranks = [RankBatch.of(batch, 2, r, 0, cfg, torch.device("cpu")) for r in (0, 1)]
+    assert [r.advantages.tolist() for r in ranks] == [[1.0, 2.0], [3.0, 4.0]]
+    assert [r.mask.sum(-1).tolist() for r in ranks] == [[1.0, 2.0], [1.0, 3.0]]
+    assert [r.totals.tolist() for r in ranks] == [[7.0], [7.0]]  # the whole mini-batch's tokens, on each rank
+    # a micro-batch larger than the rank's mini-batch shrinks to it (an integer: a row count)
+    assert ranks[0].local_mini == 2 and ranks[0].micro == 2 and isinstance(ranks[0].micro, int)
+
+
+def test_rank_batch_of_refuses_what_does_not_divide():
+    def refused(batch, dp, **algorithm):
+        with pytest.raises(ValueError) as info:
+            RankBatch.of(batch, dp, 0, 0, config("grpo", **algorithm).algorithm, torch.device("cpu"))
+        return str(info.value)
+
+    six = {"prompts": [[1]] * 6, "responses": [[5]] * 6, "rollout_logprobs": [[-1.0]] * 6, "advantages": [0.0] * 6}
+    assert refused(six, 1, group_size=2, prompts_per_iteration=3, mini_batch_size=4) == (
+        "batch 6, mini-batch 4 and DP 1 do not divide")
+    assert refused(six, 2, group_size=2, prompts_per_iteration=3, mini_batch_size=3) == (
+        "batch 6, mini-batch 3 and DP 2 do not divide")
+    assert refused(six, 1, group_size=2, prompts_per_iteration=3, mini_batch_size=3, micro_batch_size=2) == (
+        "micro_batch_size 2 does not divide the per-rank mini-batch 3")
+
+
+def test_rank_batch_of_keeps_every_tensor_on_the_device():
+    """The meta device stands in for a GPU: a tensor made on the CPU would not follow."""
+    rows = RankBatch.of(_two_samples(advantages=[0.5, -0.5], keep=[1.0, 0.0], fresh=[True, False]), 1, 0, 0, _cfg(),
+                        torch.device("meta"))
+    for name in ("ids", "mask", "response_mask", "rollout_logprobs", "advantages", "fresh"):
+        assert getattr(rows, name).device.type == "meta", name
+
+
+def test_a_rank_batch_made_by_hand_checks_every_generated_token():
+    mask = torch.tensor([[1.0, 0.0]])
+    rows = RankBatch(torch.zeros(1, 3, dtype=torch.long), mask, torch.zeros(1, 2), torch.ones(1), 1, 1)
+    assert rows.response_mask is mask and rows.checked_mask is mask
+
+
+# --- the off-policy correction and the update's own checks ----------------------------------------
+
+def test_correct_off_policy_by_hand():
+    """IcePop over [0.8, 1.3] on a batch of a fresh and a stale sample: ρ = 1.1, 2.0 | 0.5 (and a
+    padding position): weights 1.1, 0 | 0 with ``correct: all``; the fresh sample keeps 1 with
+    ``stale``; ``none`` leaves the advantages alone."""
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    rows = RankBatch(torch.zeros(2, 3, dtype=torch.long), mask, torch.zeros(2, 2), torch.ones(1), 2, 2,
+                     fresh=torch.tensor([[True, True], [False, False]]))
+    old = OldPolicy(torch.log(torch.tensor([[1.1, 2.0], [0.5, 1.0]])), None, None)
+    adv = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+
+    def corrected(correct, correction="icepop"):
+        cfg = config("grpo", off_policy={"max_staleness": 1, "correction": correction, "correct": correct, "low": 0.8,
+                                         "high": 1.3}).algorithm
+        return Algorithm.build(cfg).correct_off_policy(adv, rows, old)
+
+    got, stats = corrected("all")
+    assert torch.allclose(got, torch.tensor([[1.1, 0.0], [0.0, 0.0]]))
+    assert stats == {"is_weight_sum": pytest.approx(1.1), "is_masked_tokens": 2}
+    got, stats = corrected("stale")
+    assert torch.allclose(got, torch.tensor([[1.0, 2.0], [0.0, 0.0]]))
+    assert stats == {"is_weight_sum": pytest.approx(2.0), "is_masked_tokens": 1}
+    assert corrected("all", "none") == (adv, {})
+
+
+def test_a_critic_algorithm_refuses_to_update_without_a_critic():
+    cfg = load_config({**yaml.safe_load((CONFIGS / "ppo_tiny.yaml").read_text())}).algorithm
+    alg = Algorithm.build(cfg)
+    rows = _rank_batch(scores=[1.0, 0.0, 1.0, 0.0])
+    values = torch.zeros_like(rows.mask)
+    for critic, old in ((None, OldPolicy(values, None, values)), (object(), OldPolicy(values, None, None))):
+        with pytest.raises(ValueError) as info:
+            alg.update(None, critic, rows, old)
+        assert str(info.value) == "ppo needs a critic's values"
+
+
+def my_loss(lp, old_lp, adv, mask, cfg):
+    """A user's policy loss (``algorithm.policy_loss: test_algorithms:my_loss``): -A·logp."""
+    return A.aggregate(-adv * lp, mask), {"clipfrac": torch.zeros(())}
+
+
+def test_user_pieces_that_do_not_import_say_which_field_named_them():
+    alg = Algorithm.build(config("grpo", policy_loss="test_algorithms:my_loss").algorithm)
+    assert alg.policy_loss is my_loss
+    with pytest.raises(ValueError) as info:
+        Algorithm.build(config("grpo", policy_loss="test_algorithms:no_loss").algorithm)
+    assert str(info.value).startswith("algorithm.policy_loss 'test_algorithms:no_loss' cannot be imported: AttributeError")
+    with pytest.raises(ValueError) as info:
+        Algorithm.build(config("no_such_module:Algo").algorithm)
+    assert str(info.value).startswith("algorithm.name 'no_such_module:Algo' cannot be imported: ModuleNotFoundError")
+
+
+class RecordingEngine:
+    """A training engine that only runs the loss: every micro-batch's weighted loss, at log-probs
+    equal to the old ones (ratio 1)."""
+
+    dp, dp_rank, dp_group = 1, 0, None
+
+    def __init__(self, old: torch.Tensor):
+        self.old, self.losses = old, []
+
+    def train_step(self, ids, micro, loss_fn):
+        stats = []
+        for s in range(0, ids.shape[0], micro):
+            sl = slice(s, s + micro)
+            loss, st = loss_fn(self.old[sl].clone().requires_grad_(), sl)
+            self.losses.append(float(loss.detach()))
+            stats.append(st)
+        return {"grad_norm": 1.0, "stats": stats}
+
+
+@pytest.mark.parametrize("lengths, advantages", [((1,), (0.5,)), ((1, 3), (0.5, -1.0))])
+def test_micro_batch_losses_add_up_to_the_whole_batch_loss(lengths, advantages):
+    """token-mean at ratio 1: the loss is -mean_tokens(A); micro-batches of one sequence each carry
+    their tokens' share of it (a batch of one token: all of it)."""
+    mask = torch.tensor([[1.0] * n + [0.0] * (3 - n) for n in lengths])
+    rows = RankBatch(torch.zeros(len(lengths), 4, dtype=torch.long), mask, torch.zeros_like(mask),
+                     torch.tensor([float(sum(lengths))]), len(lengths), 1)
+    cfg = config("grpo", kl_coef=0.0).algorithm
+    old = torch.full_like(mask, -1.0)
+    engine = RecordingEngine(old)
+    adv = torch.tensor(advantages)[:, None] * mask
+    alg = Algorithm.build(cfg)
+    alg.estimator.tokens = lambda *args: (adv, None)  # the advantages as given
+    record = alg.update(engine, None, rows, OldPolicy(old, None, None))
+    want = -sum(a * n for a, n in zip(advantages, lengths)) / sum(lengths)
+    assert sum(engine.losses) == pytest.approx(want)
+    assert record["policy_loss"] == pytest.approx(sum(-a for a in advantages) / len(lengths))  # per micro-batch
+    assert record["tokens"] == sum(lengths) and record["old_vs_ref_kl"] == 0.0
+
+
+# --- the algorithm block's rules, every message in full ---------------------------------------------
+
+class GroupReference(Estimator):
+    """A user's estimator (``test_algorithms:GroupReference``): compares a group's samples and
+    needs the reference's log-probs."""
+
+    groups, reference = True, True
+
+
+def _problems(name="grpo", critic=None, reference=True, **algorithm):
+    data = yaml.safe_load((CONFIGS / "grpo_tiny_fsdp.yaml").read_text())
+    data["algorithm"] = {**{k: v for k, v in data["algorithm"].items() if k in SIZES}, "name": name, **algorithm}
+    if critic:
+        data["critic"] = dict(data["train"])
+    if not reference:
+        data["reference"] = None
+    return algorithm_problems(load_config(data))
+
+
+def test_the_rules_name_a_users_estimator_by_its_config_name():
+    est = "test_algorithms:GroupReference"
+    assert _problems(advantage=est, critic=True, reference=False, group_size=1, kl_coef=0.0, gamma=0.9) == [
+        f"algorithm.gamma: the gae, reinforce_pp estimator's; grpo uses {est}, which does not read it",
+        f"critic: grpo has no critic (its estimator {est} uses none); remove the block",
+        f"reference: the {est} estimator needs a reference block",
+        f"algorithm.group_size: 1 — the {est} estimator compares the samples of a prompt with each other: it needs "
+        f"group_size >= 2"]
+    user = "user_pkg.estimators:CriticBaseline"
+    assert _problems(advantage=user, critic=True, dynamic_sampling={}) == [
+        f"algorithm.dynamic_sampling: drops groups whose samples all got the same reward; the {user} estimator "
+        f"does not work on groups"]
+
+
+def test_the_rules_at_their_edges():
+    assert _problems(kl_coef=0.0, reference=False) == []  # no KL, an estimator without a reference: none needed
+    assert _problems(kl_coef=0.05, reference=False) == [
+        "reference: algorithm.kl_coef=0.05 needs a reference block (or set kl_coef: 0)"]
+    assert _problems("dapo", max_new_tokens=8, overlong={"buffer_len": 8}) == []
+    assert _problems("dapo", max_new_tokens=8, overlong={"buffer_len": 9}) == [
+        "algorithm.overlong.buffer_len: 9 is more than max_new_tokens=8"]
+    assert _problems(off_policy={"max_staleness": 0}) == []
+    assert _problems(off_policy={"max_staleness": 1, "low": 1.0, "high": 1.0}) == [
+        "algorithm.off_policy.low: 1.0 is not below high: 1.0 (the band ρ must fall in)"]
+    # an estimator's second field is checked even where its first is read (gamma by reinforce_pp)
+    assert _problems("reinforce_pp", group_size=1, lam=0.5) == [
+        "algorithm.lam: the gae estimator's; reinforce_pp uses reinforce_pp, which does not read it"]
+    assert _problems("dapo", kl_coef=0.001) == [
+        "algorithm.kl_coef: 0.001 — dapo's paper has 0.0; remove the field to take dapo's setting, or list it in "
+        "algorithm.off_paper to keep yours"]
+    assert _problems("dapo", off_paper=["lr", "epochs"])[0].startswith("algorithm.off_paper: lr, epochs — not a setting")
+
+
+def test_shown_writes_a_value_as_the_config_does():
+    from rlhf_switch.rl.choices import shown
+    from rlhf_switch.rl.config import DynamicSampling
+
+    assert [shown(None), shown("token-mean"), shown(0.5), shown(True)] == ["null", "'token-mean'", "0.5", "True"]
+    assert shown(DynamicSampling()) == "{'max_draws': 4, 'filter_on': 'reward'}"
+
+
+def test_an_estimator_computes_nothing_it_does_not_define():
+    est = GroupReference()
+    assert est.sequence([1.0, 0.0], None) is None  # per token, on the trainer ranks
+    with pytest.raises(NotImplementedError, match=r"^GroupReference\.tokens$"):
+        est.tokens(None, None, None, None, None)

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from rlhf_switch.rl.algorithms import ppo_batch
+from rlhf_switch.rl.algorithms import global_masked_whiten, ppo_batch
 
 assert importlib.util.find_spec("deepspeed"), "deepspeed is not installed; `make test` installs it"
 
@@ -39,7 +39,17 @@ def test_critic_matches_one_process(world2, engine, stage):
 
 
 def test_global_whitening(world2):
-    assert all(r["diff"] < 1e-6 for r in world2.run(jobs.whitening_matches)), "whitening differs"
+    """Over two DP ranks: the whole batch's whitening (critic_jobs.whitening_matches); in one
+    process without a process group (here: ``make mutate`` sees which function this test reaches,
+    and the ranks arm the same mutant): masked_whiten itself."""
+    for r in world2.run(jobs.whitening_matches):
+        assert max(r["diff"], r["diff_unshifted"], r["diff_two"]) < 1e-6, r
+        assert r["refused"] == "an unbiased variance needs at least 2 masked-in values, got 1"
+    x, mask = torch.tensor([[1.0, 2.0, 9.0], [4.0, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # mean 7/3, unbiased variance 7/3
+    want = torch.tensor([[-4 / 3, -1 / 3, 0.0], [5 / 3, 0.0, 0.0]]) / (7 / 3 + 0.5) ** 0.5
+    torch.testing.assert_close(global_masked_whiten(x, mask, eps=0.5), want)
+    torch.testing.assert_close(global_masked_whiten(x, mask, shift_mean=False, eps=0.5), (want + 7 / 3) * mask)
 
 
 def test_value_model_from_actor_checkpoint(world2):

@@ -35,10 +35,15 @@ def problems(data: dict) -> list[str]:
 
 def cfg_data(name: str, **algorithm) -> dict:
     """The shipped FSDP2 config with ``algorithm.name`` changed (as a user writes it) and sized
-    for ``rl_paper_jobs.BATCH``: 3 prompts x 2 samples, one optimizer step, micro-batches of 3."""
+    for ``rl_paper_jobs.BATCH``: 3 prompts x 2 samples (PPO: 6 prompts x 1), one optimizer step,
+    micro-batches of 3; PPO gets a critic block."""
     data = yaml.safe_load(yaml.safe_dump(SHIPPED))
-    data["algorithm"].update(name=name, prompts_per_iteration=3, group_size=2, mini_batch_size=6,
-                             micro_batch_size=3, max_new_tokens=jobs.MAX_NEW, **algorithm)
+    groups = {"prompts_per_iteration": 6, "group_size": 1} if name == "ppo" else {"prompts_per_iteration": 3,
+                                                                                  "group_size": 2}
+    data["algorithm"].update({"name": name, **groups, "mini_batch_size": 6, "micro_batch_size": 3,
+                              "max_new_tokens": jobs.MAX_NEW, **algorithm})
+    if name == "ppo":
+        data["critic"] = dict(data["train"])
     return data
 
 
@@ -57,7 +62,19 @@ CASES = {
                                                   "high": 1.1}),
     "rloo+kl": cfg_data("rloo", kl_coef=0.2),
     "reinforce_pp+kl": cfg_data("reinforce_pp", kl_coef=0.2),
-    "gspo+wide": cfg_data("gspo", clip_eps=0.2, clip_eps_high=0.2, off_paper=["clip_eps", "clip_eps_high"]),
+    "gspo+wide": cfg_data("gspo", clip_eps=0.2, clip_eps_high=0.2, loss_aggregation="seq-mean-token-sum-norm",
+                          off_paper=["clip_eps", "clip_eps_high", "loss_aggregation"]),
+    "gspo+high_2e-4": cfg_data("gspo", clip_eps_high=2e-4),  # the last sequence's ratio e^3e-4 is clipped
+    "cispo+off_paper": cfg_data("cispo", clip_eps=0.2, clip_eps_high=0.1, loss_aggregation="seq-mean-token-sum-norm",
+                                off_paper=["clip_eps", "loss_aggregation"]),
+    "rloo+k3_clamped": cfg_data("rloo", kl_coef=0.2, kl_estimator="k3", off_paper=["kl_estimator"]),
+    # several optimizer steps: the old log-probs and the advantages stay the rollout's
+    "grpo+three_steps": cfg_data("grpo", mini_batch_size=2, micro_batch_size=1, kl_coef=0.05),
+    "ppo+two_epochs_three_steps": cfg_data("ppo", mini_batch_size=2, epochs=2),
+    # PPO: k1 KL in the reward (β 0.05), GAE (γ 1, λ 0.95), whitened advantages, value clip 0.2
+    "ppo": cfg_data("ppo"),
+    "ppo+discounted_unwhitened": cfg_data("ppo", gamma=0.9, lam=0.7, whiten_advantages=False, kl_coef=0.2,
+                                          kl_estimator="k3", value_clip_eps=None),
 }
 
 
@@ -69,20 +86,66 @@ def W():
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_rank_update_is_the_papers_step(case, W):
     """``Algorithm.update`` on one rank (two micro-batches) lands where one SGD step on the
-    paper's whole-batch objective lands."""
+    paper's whole-batch objective lands (PPO: the critic's value table too, its last row)."""
     got, want = jobs.update_step(CASES[case], W), jobs.oracle_step(CASES[case], W)
-    assert not torch.equal(got, W), "the update did not change the table"
+    assert not torch.equal(got[:jobs.V], W), "the update did not change the table"
+    if got.shape[0] > jobs.V:
+        assert not torch.equal(got[jobs.V], jobs.value_table()), "the critic's update did not change its table"
     assert torch.allclose(got, want, atol=2e-6, rtol=0), (case, (got - want).abs().max())
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# Several optimizer steps on two DP ranks: each rank takes its half of the rollout batch first and
+# then its mini-batches from it, so at DP 2 a step holds other samples than at DP 1 (rows {0, 3},
+# {1, 4}, {2, 5} against {0, 1}, {2, 3}, {4, 5}): a run with mini_batch_size below the rollout batch
+# depends on its DP layout, where docs/algorithms.md and docs/loop.md say a DP step is the
+# one-process step. Strict: the day the shares follow the mini-batches, these pass and must lose
+# the mark.
+DP_ORDER = pytest.mark.xfail(strict=True, reason="DP shares are taken before the mini-batches")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=DP_ORDER) if "steps" in c else c for c in sorted(CASES)])
 def test_two_dp_ranks_take_the_one_process_step(case, W, world2):
-    """Two DP ranks (a group split between them; the ranks hold 9 and 8 tokens) take the same
-    step: whitening, leave-one-out baselines and loss normalisers are over the whole batch."""
+    """Two DP ranks (a group split between them; the ranks hold 9 and 8 tokens) take the step one
+    process takes, and the paper's: whitening, leave-one-out baselines and loss normalisers are
+    over the whole batch. (The one-process step runs here, in the test's own process, so that
+    ``make mutate`` sees which functions this test reaches: the ranks run the same ones.)"""
     got = world2.run(jobs.update_step, CASES[case], W, 2, timeout=120)
-    want = jobs.oracle_step(CASES[case], W)
+    one, want = jobs.update_step(CASES[case], W), jobs.oracle_step(CASES[case], W)
+    assert torch.allclose(one, want, atol=2e-6, rtol=0), (case, (one - want).abs().max())
     for rank, table in enumerate(got):
-        assert torch.allclose(table, want, atol=2e-6, rtol=0), (case, rank, (table - want).abs().max())
+        assert torch.allclose(table, one, atol=2e-6, rtol=0), (case, rank, (table - one).abs().max())
+
+
+@pytest.mark.parametrize("case", ["rloo+kl", "reinforce_pp+kl", "reinforce_pp_baseline", "ppo"])
+def test_dp_groups_smaller_than_the_world_keep_to_themselves(case, W, world4):
+    """Four ranks as two DP groups of 2 (the layout beside a TP or PP peer, where the world is not
+    the DP group): each group takes the one-process step, so the gather of RLOO's rewards, the
+    whitening over DP and the critic's totals stay inside the group."""
+    got = world4.run(jobs.update_step_in_pairs, CASES[case], W, timeout=120)
+    one = jobs.update_step(CASES[case], W)
+    for rank, table in enumerate(got):
+        assert torch.allclose(table, one, atol=2e-6, rtol=0), (case, rank, (table - one).abs().max())
+
+
+RECORDED = {  # one optimizer step in two micro-batches
+    "grpo+kl+icepop": cfg_data("grpo", kl_coef=0.05, off_policy={"max_staleness": 1, "correction": "icepop", "low": 0.8,
+                                                            "high": 1.3}),
+    "gspo": cfg_data("gspo"),
+    "ppo": cfg_data("ppo"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECORDED))
+def test_the_update_records_what_the_oracle_computes(case, W):
+    """The stats ``Algorithm.update`` returns for the run's record: each micro-batch's policy
+    loss, KL and clip share (averaged), the gradient norm, the critic's value loss and clip share,
+    the mean old value and return, the off-policy weights' sum and zeros, the tokens, the old
+    policy's k3 KL to the reference — every key, and only those."""
+    got, want = jobs.update_record(RECORDED[case], W), jobs.oracle_record(RECORDED[case], W)
+    assert set(got) == set(want), (case, set(got) ^ set(want))
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (case, key, got[key], value)
+    assert 0 < want["clipfrac"] < 1 and (case != "ppo" or 0 < want["vf_clipfrac"] < 1), want
 
 
 # --- each algorithm's settings are its paper's ------------------------------------------------------
@@ -134,6 +197,12 @@ def test_a_value_off_the_paper_is_refused_unless_named(name, field, value):
     assert getattr(kept, field) == value or (value is None and getattr(kept, field) is None)
     notes = kept.off_paper_notes()
     assert len(notes) == 1 and notes[0].startswith(f"algorithm.{field}: ")
+
+
+def test_the_note_said_at_start_for_a_value_kept_off_the_paper():
+    kept = load_config(cfg_data("dapo", kl_coef=0.001, off_paper=["kl_coef"])).algorithm
+    assert kept.off_paper_notes() == ["algorithm.kl_coef: 0.001 — dapo's paper has 0.0; kept, as algorithm.off_paper says"]
+    assert load_config(cfg_data("dapo")).algorithm.off_paper_notes() == []
 
 
 def test_off_paper_names_only_what_the_paper_fixes():

@@ -18,6 +18,12 @@ only: a function reached only in a process a test spawns (a ``LocalWorld`` rank,
 no test for mutmut, and its mutants count as "no tests" unless ``--unreached all`` runs every
 selected test on them (slow: a rank world per mutant).
 
+``--functions`` mutates only some functions of the modules (``Class.method``, ``Class.*``, a
+top-level ``function``; ``*`` matches any run of characters): the part of a large module a change
+touched, such as the ``algorithm`` block's classes of ``rl/config.py``. The score then counts those
+functions' mutants only. (mutmut mutates functions only, and not those with decorators other than
+``@staticmethod`` and ``@classmethod``: pydantic's validators and properties have no mutants.)
+
 ``mutants/`` is made anew by every run; ``--again`` keeps it and reruns only the last run's
 survivors (and mutants without tests), after a new test was written, for example. Read one
 mutant in full with ``mutmut show <name>`` (from the repository root).
@@ -165,15 +171,32 @@ def _time_fixtures_and_run_fastest_first() -> None:
     mm.get_mutant_runner = runner_fastest_first
 
 
-def _results(files: list[str]) -> dict[str, dict[str, str]]:
-    """Per module: mutant name -> status (mutmut's words: killed, survived, no tests, timeout, ...)."""
+def mutant_patterns(files: list[str], functions: list[str]) -> list[str]:
+    """mutmut's names (fnmatch patterns) of the mutants of ``functions`` in every module of
+    ``files``: ``Class.method`` -> ``<module>.xǁClassǁmethod__mutmut_*``, ``function`` ->
+    ``<module>.x_function__mutmut_*``."""
+    out = []
+    for f in files:
+        for fn in functions:
+            cls, dot, name = fn.rpartition(".")
+            stem = f"xǁ{cls}ǁ{name}" if dot else f"x_{name}"
+            out.append(f"{module_name(f)}.{stem}" + ("" if stem.endswith("*") else "__mutmut_*"))
+    return out
+
+
+def _results(files: list[str], patterns: list[str] | None = None) -> dict[str, dict[str, str]]:
+    """Per module: mutant name -> status (mutmut's words: killed, survived, no tests, timeout, ...);
+    only the mutants ``patterns`` match where given."""
+    from fnmatch import fnmatchcase
+
     from mutmut.mutation.data import SourceFileMutationData
 
     out = {}
     for f in files:
         data = SourceFileMutationData(path=f)
         data.load()
-        out[f] = {k: status_of(v) for k, v in data.exit_code_by_key.items()}
+        out[f] = {k: status_of(v) for k, v in data.exit_code_by_key.items()
+                  if not patterns or any(fnmatchcase(k, p) for p in patterns)}
     return out
 
 
@@ -191,13 +214,14 @@ def one_line_diff(name: str, path: str) -> str:
     return f"{' / '.join(old) or '(nothing)'}  ->  {' / '.join(new) or '(removed)'}"
 
 
-def summarise(files: list[str], seconds: float) -> int:
+def summarise(files: list[str], seconds: float, patterns: list[str] | None = None) -> int:
     """Print each module's score, its survivors and timeouts (one line each) and, per function, the
-    mutants no selected test reached; returns how many mutants went undetected."""
+    mutants no selected test reached; returns how many mutants went undetected. ``patterns``: only
+    the mutants they match (``--functions``)."""
     undetected = 0
     print()
     print(f"mutation score ({seconds / 60:.1f} min for {len(files)} module(s))")
-    for f, statuses in _results(files).items():
+    for f, statuses in _results(files, patterns).items():
         total = len(statuses)
         counts: dict[str, int] = {}
         for s in statuses.values():
@@ -206,7 +230,8 @@ def summarise(files: list[str], seconds: float) -> int:
         undetected += total - killed
         pct = 100.0 * killed / total if total else 0.0
         rest = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()) if s != "killed")
-        print(f"\n{f}: {killed}/{total} killed ({pct:.1f} %)" + (f" [{rest}]" if rest else ""))
+        part = " (the functions --functions names)" if patterns else ""
+        print(f"\n{f}{part}: {killed}/{total} killed ({pct:.1f} %)" + (f" [{rest}]" if rest else ""))
         unreached: dict[str, int] = {}
         for name, s in sorted(statuses.items(), key=lambda kv: (kv[1], kv[0])):
             if s in ("no tests", "not checked"):
@@ -231,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="mutants tested at once (default: the CPU count)")
     ap.add_argument("--again", action="store_true",
                     help="keep mutants/ and rerun only the last run's undetected mutants")
+    ap.add_argument("--functions", nargs="+", default=None,
+                    help="mutate only these functions of the modules: Class.method, Class.*, function (see the docstring)")
     ap.add_argument("--unreached", choices=("none", "all"), default="none",
                     help="functions no test reaches in the pytest process: no tests (none), or every selected test (all)")
     args = ap.parse_args(argv)
@@ -245,11 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     _configure(files, tests)
     import mutmut.__main__ as mm
 
-    names: list[str] = []
+    patterns = mutant_patterns(files, args.functions) if args.functions else None
+    names: list[str] = list(patterns or [])
     if args.again:
         if not Path("mutants").is_dir():
             raise SystemExit("mutate: --again needs a previous run's mutants/")
-        names = [n for st in _results(files).values() for n, s in st.items() if s not in DETECTED]
+        names = [n for st in _results(files, patterns).values() for n, s in st.items() if s not in DETECTED]
         if not names:
             print("nothing to rerun: every mutant of the last run was killed")
             return 0
@@ -270,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         if e.code:
             print(f"mutate: mutmut stopped ({e.code})")
             return int(e.code) if isinstance(e.code, int) else 1
-    summarise(files, time.monotonic() - start)
+    summarise(files, time.monotonic() - start, patterns)
     return 0
 
 
