@@ -22,8 +22,9 @@ from .workload import Workload
 
 
 def layout_key(layout) -> tuple:
-    """A hashable identity of a phase layout (the config's models are not hashable)."""
-    return (type(layout).__name__, *layout.model_dump().values())
+    """A hashable identity of a phase layout (the config's models are not hashable, nor are the
+    dicts some fields hold, such as a rollout layout's ``options``): its class and its JSON."""
+    return (type(layout).__name__, layout.model_dump_json())
 
 
 class TuneError(ValueError):
