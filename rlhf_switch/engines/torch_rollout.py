@@ -365,6 +365,7 @@ class TorchRolloutEngine(RolloutEngine):
 
     placement = "worker"
     takes_adapters = True
+    profile_name = "torch"
 
     @classmethod
     def layout_problems(cls, phase, layout, dims):
