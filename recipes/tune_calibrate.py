@@ -313,11 +313,12 @@ def _vllm_child(model_dir: str, prompt: int, new: int) -> dict[int, float]:
 # --- the profile -----------------------------------------------------------------------------------
 
 def switch_member_seconds(run_dir: str | Path, profile: MachineProfile) -> tuple[str, float]:
-    """(rollout engine, seconds) of a switch's fixed cost per sync and channel member — a Ray call
+    """(the rollout engine's profile key, seconds) of a switch's fixed cost per sync and channel member — a Ray call
     to every member, the rollout engine's RPC and prefix-cache reset — from a finished
     ``rlhf-switch train`` run: the median of its ``switch_train_to_rollout_s`` (iteration 0, the
     warm-up, left out) less what the profile models for its bytes, over the channel's members."""
 
+    from rlhf_switch.engines.base import rollout_engine
     from rlhf_switch.rl.config import load_config
     from rlhf_switch.tune.cost import channel_members, switch_cost
     from rlhf_switch.tune.workload import Workload
@@ -333,7 +334,8 @@ def switch_member_seconds(run_dir: str | Path, profile: MachineProfile) -> tuple
     bytes_only = dataclasses.replace(profile, switch_member_s={})  # the fixed cost is what is sought
     modelled = switch_cost(Workload.from_config(cfg), bytes_only, cfg.train, cfg.rollout).seconds
     members = channel_members(cfg.train, cfg.rollout)
-    return cfg.rollout.engine, max(0.0, statistics.median(syncs) - modelled) / members
+    key = rollout_engine(cfg.rollout.engine).profile_key(cfg.rollout)
+    return key, max(0.0, statistics.median(syncs) - modelled) / members
 
 
 def calibrate(w, with_vllm: bool = True, log=print, switch_runs: tuple = ()) -> MachineProfile:

@@ -206,3 +206,99 @@ def test_the_loop_and_its_strategies_read_as_their_phases():
     big = [f"{path.relative_to(REPO)}: {len(path.read_text().splitlines())} lines" for path in _run_machinery_files()
            if len(path.read_text().splitlines()) > 600]
     assert long == [] and big == []
+
+
+# --- engine names: compared only inside the engines' own adapters ----------------------------------
+
+# where the code compares a string that is also an engine's name but means something else, and what
+NOT_ENGINE_NAMES = {
+    ("rlhf_switch/compat.py", "choice"): "the CPU kernels a vLLM worker runs (plain | vllm), not an engine",
+}
+ADAPTERS = "rlhf_switch/engines/"  # each engine's own adapter module, and the interfaces they implement
+
+
+def engine_names() -> frozenset[str]:
+    from rlhf_switch.engines.base import rollout_engine_names, training_engine_names
+
+    return frozenset(training_engine_names()) | frozenset(rollout_engine_names())
+
+
+def _named(node: ast.AST, names: frozenset[str], constants: dict[str, set[str]]) -> set[str]:
+    """The engine names ``node`` spells: a string, a tuple/list/set of them (or a set()/tuple()/
+    frozenset() of one), or a name bound to such a collection (``constants``)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & names
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_named(e, names, {}) for e in node.elts))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args and \
+            node.func.id in ("set", "frozenset", "tuple", "list"):
+        return _named(node.args[0], names, {})
+    if isinstance(node, ast.Name):
+        return constants.get(node.id, set())
+    return set()
+
+
+def engine_name_constants(trees: dict[str, ast.AST], names: frozenset[str]) -> dict[str, set[str]]:
+    """Every name bound anywhere to a collection of engine names (``ELASTIC = ("torch", "vllm")``)."""
+    found: dict[str, set[str]] = {}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
+            spelled = _named(node.value, names, {}) if targets else set()
+            for t in targets:
+                if spelled and isinstance(t, ast.Name) and not isinstance(node.value, ast.Constant):
+                    found.setdefault(t.id, set()).update(spelled)
+    return found
+
+
+def engine_name_comparisons(trees: dict[str, ast.AST], names: frozenset[str]) -> list[str]:
+    """``file:line: code`` of every ``==``/``!=``/``in``/``not in`` (and ``match``/``case``) outside
+    the adapters with an engine's name on one side (a string, a collection of them, or a name bound
+    to one), less ``NOT_ENGINE_NAMES``. Dispatch through a dict keyed by names is not seen here."""
+    constants = engine_name_constants(trees, names)
+    found = []
+    for path, tree in trees.items():
+        if path.startswith(ADAPTERS):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and all(
+                    isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+                sides = [node.left, *node.comparators]
+                if any(_named(s, names, constants) for s in sides) and \
+                        (path, ast.unparse(node.left)) not in NOT_ENGINE_NAMES:
+                    found.append((path, node.lineno, ast.unparse(node)))
+            elif isinstance(node, ast.MatchValue) and _named(node.value, names, {}):
+                found.append((path, node.lineno, f"case {ast.unparse(node.value)}"))
+    return [f"{path}:{line}: {code}" for path, line, code in sorted(found)]
+
+
+def _sources() -> dict[str, ast.AST]:
+    return {str(p.relative_to(REPO)): ast.parse(p.read_text(), str(p))
+            for part in ("rlhf_switch", *ABOVE_THE_PACKAGE) for p in sorted((REPO / part).rglob("*.py"))}
+
+
+def test_no_engine_name_is_compared_outside_its_adapter():
+    """What an engine is (resizable, paged KV, LoRA, ZeRO stages, how it shards and gathers, its
+    profile key, ...) is a class attribute of its adapter, asked through the registry
+    (``engines.base.training_engine``/``rollout_engine``): nothing outside ``rlhf_switch/engines/``
+    compares a config's ``engine`` with a registered name, so a user's ``module:Class`` engine is
+    never silently treated as a different one."""
+    assert engine_name_comparisons(_sources(), engine_names()) == []
+
+
+def test_the_engine_name_check_sees_a_comparison():
+    """The check itself: comparisons with a name, a tuple of names and a constant bound to them are
+    found (and where they are); an adapter's own and an allowed meaning are not."""
+    names = engine_names()
+    assert {"deepspeed", "fsdp2", "torch_tp", "torch_pp", "torch", "vllm"} <= names
+    code = ('PAGED = ("vllm",)\n'
+            'if layout.engine == "deepspeed": pass\n'
+            'if engine in ("fsdp2", "torch_tp"): pass\n'
+            'if cfg.rollout.engine not in PAGED: pass\n'
+            'if "torch" != kind: pass\n'
+            'if phase == "rollout": pass\n'
+            'match engine:\n    case "torch_pp": pass\n')
+    found = engine_name_comparisons({"recipes/x.py": ast.parse(code), "rlhf_switch/engines/x.py": ast.parse(code),
+                                     "rlhf_switch/compat.py": ast.parse('if choice == "vllm": pass\n')}, names)
+    assert [f.split(": ")[0] for f in found] == [f"recipes/x.py:{n}" for n in (2, 3, 4, 5, 8)]

@@ -39,6 +39,7 @@ import torch
 from ..device import CPU, DeviceSpec
 from ..families import DEFAULT_CONTEXT, context_length
 from ..vps.layout import Layout
+from ..vps.layouts import ParallelConfig
 from ..vps.spec import ModelSpec
 from .optim import AdamWConfig
 
@@ -108,6 +109,73 @@ class TrainingEngine(ABC):
         (parameters under it kept whole on every rank between steps: DeepSpeed ZeRO-3's)."""
         return False
     lora_dropout: float = 0.0  # > 0: ``outputs`` runs the model in eval mode (no dropout)
+
+    # --- what it is, for the enumeration and the cost model (rlhf_switch.tune), which ask these
+    # instead of comparing engine names. The defaults describe a plain engine: its weights whole on
+    # every DP rank (split by TP and PP only), the gradients all-reduced, one optimizer tensor per
+    # parameter. A user's engine (``module:Class``) is modelled as one unless it says otherwise.
+
+    # the ``zero_stage`` values it runs (``tune`` enumerates each; DeepSpeed: 1, 2, 3)
+    zero_stages: ClassVar[tuple[int, ...]] = (0,)
+    # its optimizer steps all its parameters as one flat group (one tensor per step: ZeRO), not
+    # one tensor per parameter
+    steps_flat_group: ClassVar[bool] = False
+    # where its weights are split (``state_shards``), it gathers them to compute and holds a
+    # gathered layer (or the whole model, ``gathers_per_call``) beside its shards
+    gathers_sharded_weights: ClassVar[bool] = False
+    # the key of its fixed costs in a machine profile (``engine_forward_s``, ``engine_step_s``);
+    # None: the name the config gives it
+    profile_name: ClassVar[str | None] = None
+
+    @classmethod
+    def profile_key(cls, layout: Any) -> str:
+        """The key of ``layout``'s fixed costs in a machine profile (``deepspeed-z3``, ``fsdp2``, ...)."""
+        return cls.profile_name or layout.engine
+
+    @classmethod
+    def profile_keys(cls, layout: Any) -> tuple[str, ...]:
+        """Every profile key whose fixed costs ``layout`` pays, summed: its own, and those of the
+        engines it runs inside itself (a pipeline's stages running DTensor TP)."""
+        return (cls.profile_key(layout),)
+
+    @classmethod
+    def parallel_config(cls, layout: Any) -> ParallelConfig:
+        """Its weights' layout under ``layout`` as its adapter describes them to the weight channel
+        (``param`` only): the source of a modelled switch."""
+        return ParallelConfig(tp=layout.tp, pp=layout.pp, dp=layout.dp)
+
+    @classmethod
+    def shards_parameters(cls, layout: Any) -> bool:
+        """Whether ``layout`` splits its parameters over DP (ZeRO-3, FSDP2), gathering them to compute."""
+        return cls.parallel_config(layout).dp_shard != "replicate"
+
+    @classmethod
+    def state_shards(cls, layout: Any) -> tuple[int, int, int]:
+        """Into how many parts ``layout`` splits its (weights, gradients, optimizer state): each
+        device holds one part of each."""
+        mp = layout.tp * layout.pp
+        return mp, mp, mp
+
+    @classmethod
+    def gathers_per_call(cls, model_bytes: float) -> bool:
+        """Whether its DP-sharded parameters (a model of ``model_bytes``) are gathered once per call
+        (an ``outputs`` pass, an optimizer step) rather than for every micro-batch's forward and
+        again for its backward."""
+        return False
+
+    @classmethod
+    def gather_messages(cls, tensors: int, layers: int, head: str, model_bytes: float) -> int:
+        """The collectives one gather of its DP-sharded parameters takes (``tensors`` tensors and
+        ``layers`` decoder layers on a rank, a model of ``model_bytes``): default one per decoder
+        layer and one for the rest."""
+        return layers + 1
+
+    @classmethod
+    def step_collectives(cls, layout: Any) -> tuple[str, ...]:
+        """The collectives over DP, each of all its weights' bytes, that one optimizer step of
+        ``layout`` runs when its parameters are whole on every DP rank: default the gradients'
+        all-reduce."""
+        return ("all_reduce",)
 
     @classmethod
     def layout_problems(cls, phase: str, layout: Any, dims: Any, head: str = "lm") -> list[str]:
@@ -233,6 +301,14 @@ class RolloutEngine(ABC):
     # whether an elastic resize takes it (its layout changed in a running world, or it follows the
     # trainer world's: placement "worker")
     resizable: ClassVar[bool] = False
+
+    # it decodes a batch larger than its KV cache in waves (paged attention and a scheduler: vLLM);
+    # else it needs the KV cache of its replica's whole share of the batch at once
+    paged_kv: ClassVar[bool] = False
+    # the key of its fixed costs in a machine profile (``decode_step_overhead_s``,
+    # ``decode_sequence_s``, ``switch_member_s``); None: the name the config gives it
+    profile_name: ClassVar[str | None] = None
+
     # the options ``rollout.options`` may give this engine (handed to ``build`` as ``ctx.options``),
     # each with the values it takes
     options: ClassVar[Mapping[str, tuple]] = {}
@@ -253,6 +329,11 @@ class RolloutEngine(ABC):
             problems.append(f"{phase}: rollout engines hold whole (TP-sharded) weights; "
                             f"zero_stage={layout.zero_stage} must be 0")
         return problems
+
+    @classmethod
+    def profile_key(cls, layout: Any) -> str:
+        """The key of ``layout``'s fixed costs in a machine profile."""
+        return cls.profile_name or layout.engine
 
     @classmethod
     def process_env(cls, verbose: bool = False) -> dict[str, str]:

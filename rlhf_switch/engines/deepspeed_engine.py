@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..models import build_model, model_spec
+from ..vps.layouts import ParallelConfig
 from .base import LossFn, ModuleEngine, TrainingContext
 
 
@@ -16,6 +17,36 @@ class DeepSpeedEngine(ModuleEngine):
     supports_lora = True  # ZeRO-1/2/3: tests/test_lora.py
     # bf16: DeepSpeed's bit16 weights compute, its fp32 master copy and moments stay apart
     compute_dtypes = ("float32", "bfloat16")
+    zero_stages = (2, 3)
+    steps_flat_group = True  # ZeRO's optimizer steps one flat fp32 partition
+    gathers_sharded_weights = True  # ZeRO-3 gathers each layer's partitions in its forward hooks
+    profile_name = "deepspeed"
+
+    @classmethod
+    def profile_key(cls, layout) -> str:
+        """One key per ZeRO stage (``deepspeed-z3``): each stage's hooks cost differently."""
+        return f"{cls.profile_name}-z{layout.zero_stage}"
+
+    @classmethod
+    def parallel_config(cls, layout) -> ParallelConfig:
+        """The bit16 weights: partitioned over DP at ZeRO-3, whole on every rank at ZeRO-1/2."""
+        return ParallelConfig(dp=layout.dp, dp_shard="zero3" if layout.zero_stage == 3 else "replicate")
+
+    @classmethod
+    def state_shards(cls, layout) -> tuple[int, int, int]:
+        """ZeRO-1 partitions the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too."""
+        z, dp = layout.zero_stage, layout.dp
+        return (dp if z == 3 else 1), (dp if z >= 2 else 1), dp
+
+    @classmethod
+    def gather_messages(cls, tensors: int, layers: int, head: str, model_bytes: float) -> int:
+        return tensors  # ZeRO-3 gathers parameter by parameter
+
+    @classmethod
+    def step_collectives(cls, layout) -> tuple[str, ...]:
+        """ZeRO-1 all-reduces the gradients, ZeRO-2 reduce-scatters them; each rank steps its
+        partition and the updated weights are all-gathered."""
+        return ("all_reduce" if layout.zero_stage == 1 else "reduce_scatter", "all_gather")
 
     @classmethod
     def keeps_small_params_whole(cls, layout) -> bool:
@@ -27,7 +58,7 @@ class DeepSpeedEngine(ModuleEngine):
         if layout.tp > 1 or layout.pp > 1:
             problems.append(f"{phase}: engine deepspeed is ZeRO data parallelism (tp=1, pp=1); "
                             f"for tp={layout.tp}, pp={layout.pp} use engine torch_tp / torch_pp")
-        if layout.zero_stage not in (1, 2, 3):
+        if layout.zero_stage not in cls.zero_stages:
             problems.append(f"{phase}: engine deepspeed needs zero_stage 1, 2 or 3, got {layout.zero_stage}")
         return problems
 

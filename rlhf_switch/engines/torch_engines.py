@@ -10,6 +10,7 @@ import torch
 
 from ..families import DENSE, engine_family_problems
 from ..models import build_model, model_spec
+from ..vps.layouts import ParallelConfig
 from .base import LossFn, ModuleEngine, TrainingContext, TrainingEngine
 
 
@@ -22,7 +23,24 @@ def _fixed(phase: str, layout: Any, engine: str, **want: int) -> list[str]:
 
 
 class _TorchTrainerEngine(ModuleEngine):
-    """Shared by the engines built as a ``torch_train.TorchTrainer``."""
+    """Shared by the engines built as a ``torch_train.TorchTrainer``: FSDP2 over DP shards the
+    weights, gradients and optimizer state alike (beside TP's split), gathering each FSDP2 unit to
+    compute."""
+
+    gathers_sharded_weights = True
+
+    @classmethod
+    def parallel_config(cls, layout) -> ParallelConfig:
+        return ParallelConfig(tp=layout.tp, dp=layout.dp, dp_shard="fsdp" if layout.dp > 1 else "replicate")
+
+    @classmethod
+    def state_shards(cls, layout) -> tuple[int, int, int]:
+        n = layout.tp * layout.pp * layout.dp
+        return n, n, n
+
+    @classmethod
+    def gathers_per_call(cls, model_bytes: float) -> bool:
+        return gathers_once(model_bytes)
 
     def __init__(self, trainer: Any, ctx: TrainingContext):
         self.trainer, self.module = trainer, trainer.module
@@ -120,9 +138,17 @@ class FSDP2Engine(_TorchTrainerEngine):
     precision over fp32 sharded parameters (the master the optimizer steps)."""
 
     compute_dtypes = ("float32", "bfloat16")
+    profile_name = "fsdp2"
 
     can_offload = True  # tests/test_offload.py
     supports_lora = True  # tests/test_lora.py
+
+    @classmethod
+    def gather_messages(cls, tensors: int, layers: int, head: str, model_bytes: float) -> int:
+        """A causal LM gathered whole per call is one FSDP2 unit (``build``): one message."""
+        if head == "lm" and gathers_once(model_bytes):
+            return 1
+        return super().gather_messages(tensors, layers, head, model_bytes)
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
@@ -152,6 +178,8 @@ class TorchTPEngine(_TorchTrainerEngine):
     replicated with their gradients summed over TP (``torch_train.apply_tensor_parallel``). Not
     qwen3_moe: its stacked experts have no TP plan here."""
 
+    profile_name = "torch_tp"
+
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):
         problems = _fixed(phase, layout, "torch_tp", pp=1, zero_stage=0)
@@ -178,6 +206,14 @@ class TorchPPEngine(TrainingEngine):
     tp > 1: every batch goes through the stages in micro-batches; the last stage computes the
     log-probs and losses and hands them to every rank of the engine. The dense families (the
     stages call the family's own decoder layers); not qwen3_moe."""
+
+    profile_name = "torch_pp"
+
+    @classmethod
+    def profile_keys(cls, layout) -> tuple[str, ...]:
+        """At tp > 1 its stages run DTensor TP: the TP engine's dispatch costs too."""
+        own = super().profile_keys(layout)
+        return own + (TorchTPEngine.profile_name,) if layout.tp > 1 else own
 
     @classmethod
     def layout_problems(cls, phase, layout, dims, head="lm"):

@@ -366,6 +366,7 @@ class TorchRolloutEngine(RolloutEngine):
     placement = "worker"
     takes_adapters = True
     resizable = True  # it lives in the trainer's actors: it follows the trainer world's resize
+    profile_name = "torch"
 
     @classmethod
     def layout_problems(cls, phase, layout, dims):

@@ -582,6 +582,8 @@ class VLLMRolloutEngine(RolloutEngine):
     compute_dtypes = ("float32", "bfloat16", "float16")
     takes_adapters = True  # into vLLM's LoRA slot (vllm_lora_layout); tests/test_lora.py
     resizable = True  # its replicas' layout (TP x replicas) changes in a running world (recipes.elastic)
+    paged_kv = True  # paged attention and a scheduler: a batch beyond its KV cache decodes in waves
+    profile_name = "vllm"
     # docs/weight-channel.md, "Weights vLLM processes after loading"
     options = {"cpu_kernels": compat.CPU_KERNEL_CHOICES, "processed_weights": PROCESSED_WEIGHTS}
 

@@ -31,11 +31,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..engines.base import rollout_engine
+from ..engines.base import rollout_engine, training_engine
 from ..rl.config import PhaseLayout
-from ..vps import ParallelConfig, build_layout, plan_rank
+from ..vps import build_layout, plan_rank
 from ..vps.layout import Layout
-from ..engines.torch_engines import gathers_once
 from ..vps.placement import place_lazy
 from .enumerate import Combination
 from .memory import STAGING_BYTES, MemoryEstimate, _shards
@@ -76,7 +75,7 @@ class PassCost:
 
 def engine_key(layout: PhaseLayout) -> str:
     """The profile's key of a training engine's fixed costs: ``deepspeed-z3``, ``fsdp2``, ..."""
-    return f"deepspeed-z{layout.zero_stage}" if layout.engine == "deepspeed" else layout.engine
+    return training_engine(layout.engine).profile_key(layout)
 
 
 def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world: int, sequences: int,
@@ -85,6 +84,7 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
     (in ``steps`` optimizer steps) of one training engine's layout."""
     d, b = w.dims, w.bytes_per_param
     tp, pp, dp = layout.tp, layout.pp, layout.dp
+    engine = training_engine(layout.engine)
     per_rank = sequences / dp
     micro = max(1, min(w.micro_batch, w.mini_batch // dp))
     if not train and pp == 1 and w.logprob_micro_batch:  # (a pipeline's buffers are sized for micro_batch)
@@ -95,10 +95,8 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
     flops = w.forward_flops_per_token() * w.seq * per_rank * mult / (tp * pp)
     layers = math.ceil(d.num_layers / pp)
     compute = flops / profile.flops(w.dtype) * slow + n_micro * layers * mult * profile.layer_overhead_s * slow
-    fwd_fixed, step_fixed = profile.engine_costs(engine_key(layout))
-    if layout.engine == "torch_pp" and tp > 1:  # its stages run DTensor TP: the TP engine's dispatch too
-        tp_fwd, tp_step = profile.engine_costs("torch_tp")
-        fwd_fixed, step_fixed = fwd_fixed + tp_fwd, step_fixed + tp_step
+    costs = [profile.engine_costs(key) for key in engine.profile_keys(layout)]
+    fwd_fixed, step_fixed = sum(c[0] for c in costs), sum(c[1] for c in costs)
     compute += (n_micro * fwd_fixed * mult + (steps * step_fixed if train else 0.0)) * slow
     if pp > 1:  # GPipe: the stages idle for pp - 1 micro-batch slots
         per_step_micro = max(1, n_micro // max(1, steps))
@@ -107,27 +105,22 @@ def engine_pass(w: Workload, profile: MachineProfile, layout: PhaseLayout, world
     weights = params * b / (tp * pp)
     if train:  # the optimizer: AdamW reads param, grad and two moments and writes three (fp32)
         _, _, opt_shards = _shards(layout)
-        tensors = 1 if layout.engine == "deepspeed" else math.ceil(len(w.spec.tensors) / pp)  # ZeRO: one flat group
+        tensors = 1 if engine.steps_flat_group else math.ceil(len(w.spec.tensors) / pp)
         compute += steps * (tensors * profile.optimizer_tensor_s * slow
                             + params / opt_shards * 28 / profile.memory_bandwidth * slow)
     dp_link = ring_link(profile, dp, tp)
     comm = 0.0
-    sharded = (layout.engine == "deepspeed" and layout.zero_stage == 3) or layout.engine in ("fsdp2", "torch_tp")
-    if dp > 1 and sharded:
-        msgs = len(w.spec.tensors) if layout.engine == "deepspeed" else layers + 1
-        gathers = n_micro * (2 if train else 1)
-        if layout.engine != "deepspeed" and gathers_once(params * b):  # FSDP2: once per call
+    if dp > 1 and engine.shards_parameters(layout):
+        msgs = engine.gather_messages(len(w.spec.tensors), layers, head, params * b)
+        if engine.gathers_per_call(params * b):
             gathers = steps if train else 1
-            if layout.engine == "fsdp2" and head == "lm":  # one FSDP2 unit (torch_engines.FSDP2Engine)
-                msgs = 1
+        else:
+            gathers = n_micro * (2 if train else 1)
         comm += _gather_cost(dp_link, weights, dp, gathers, msgs)
         if train:
             comm += _gather_cost(dp_link, weights, dp, n_micro, msgs)  # reduce-scatter of the gradients
-    elif dp > 1 and train and layout.engine == "deepspeed":
-        op = "all_reduce" if layout.zero_stage == 1 else "reduce_scatter"
-        comm += ring_seconds(dp_link, weights, dp, op, steps) + ring_seconds(dp_link, weights, dp, "all_gather", steps)
     elif dp > 1 and train:
-        comm += ring_seconds(dp_link, weights, dp, "all_reduce", steps)
+        comm += sum(ring_seconds(dp_link, weights, dp, op, steps) for op in engine.step_collectives(layout))
     if tp > 1:
         act = micro * w.seq * d.hidden_size * b
         comm += ring_seconds(ring_link(profile, tp, 1), act, tp, "all_reduce", n_micro * layers * 2 * (2 if train else 1))
@@ -158,7 +151,7 @@ def _wave_seconds(w: Workload, profile: MachineProfile, layout: PhaseLayout, wor
     slow = profile.slowdown(world)
     rate, mem = profile.flops(w.dtype) / slow, profile.memory_bandwidth / slow
     weight_bytes = w.params() * b / tp
-    overhead = profile.decode_overhead(layout.engine, batch) * slow
+    overhead = profile.decode_overhead(rollout_engine(layout.engine).profile_key(layout), batch) * slow
     tp_link = ring_link(profile, tp, 1)
     prefill = 2 * w.matmul_params * batch * w.prompt_tokens / tp / rate + weight_bytes / mem + overhead
     kv_heads = max(1, d.num_kv_heads // tp)
@@ -177,14 +170,7 @@ def _wave_seconds(w: Workload, profile: MachineProfile, layout: PhaseLayout, wor
 
 def train_layout(w: Workload, layout: PhaseLayout) -> Layout:
     """The trainer's weights as the engines describe them to the channel (``param`` only)."""
-    spec = w.spec
-    if layout.engine == "deepspeed":
-        cfg = ParallelConfig(dp=layout.dp, dp_shard="zero3" if layout.zero_stage == 3 else "replicate")
-    elif layout.engine in ("fsdp2", "torch_tp"):
-        cfg = ParallelConfig(tp=layout.tp, dp=layout.dp, dp_shard="fsdp" if layout.dp > 1 else "replicate")
-    else:
-        cfg = ParallelConfig(tp=layout.tp, pp=layout.pp, dp=layout.dp)
-    return build_layout(spec, cfg)
+    return build_layout(w.spec, training_engine(layout.engine).parallel_config(layout))
 
 
 @dataclass(frozen=True)
@@ -254,12 +240,12 @@ def channel_members(train: PhaseLayout, rollout: PhaseLayout) -> int:
 def switch_fixed_seconds(profile: MachineProfile, train: PhaseLayout, rollout: PhaseLayout) -> float:
     """A sync's cost beyond its bytes — a Ray call to every member, the engine's RPC, the cache
     reset — at the profile's measured seconds per member."""
-    return profile.switch_member_s.get(rollout.engine, 0.0) * channel_members(train, rollout)
+    key = rollout_engine(rollout.engine).profile_key(rollout)
+    return profile.switch_member_s.get(key, 0.0) * channel_members(train, rollout)
 
 
 def _dp_sharded(layout: PhaseLayout) -> bool:
-    return (layout.engine == "deepspeed" and layout.zero_stage == 3) or \
-        (layout.engine in ("fsdp2", "torch_tp") and layout.dp > 1)
+    return training_engine(layout.engine).shards_parameters(layout)
 
 
 def _sharded_switch(w: Workload, profile: MachineProfile, train: PhaseLayout, rollout: PhaseLayout) -> SwitchCost:

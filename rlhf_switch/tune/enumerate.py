@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Iterable, Sequence
 
-from ..engines.base import phase_engine_problems, rollout_engine_names, training_engine_names
+from ..engines.base import (EngineError, phase_engine_problems, rollout_engine_names, training_engine,
+                            training_engine_names)
 from ..problems import batch_problems, layout_problems, model_split_problems
 from ..rl import config as rlconfig
 from ..rl.config import PhaseLayout, RolloutLayout, RunConfig, TrainerLayout, TrainLayout
@@ -56,6 +57,18 @@ def phase_problems(phase: str, layout: PhaseLayout, world: int, dims) -> list[st
     return problems + phase_engine_problems(phase, layout, dims)
 
 
+def zero_stages(phase: str, engine: str) -> tuple[int, ...]:
+    """The ``zero_stage`` values to try for ``engine`` in ``phase``: a training engine's own
+    (DeepSpeed: 1, 2, 3), else 0 — also for a name the registry cannot resolve, which
+    ``phase_problems`` then refuses with the reason."""
+    if phase == "rollout":
+        return (0,)
+    try:
+        return training_engine(engine).zero_stages
+    except EngineError:
+        return (0,)
+
+
 def phase_layouts(phase: str, world: int, dims, engines: Iterable[str]) -> list[PhaseLayout]:
     """Every legal layout of ``phase`` on ``world`` devices with one of ``engines``."""
     # the train block has fields of its own (offload); the candidates keep their defaults
@@ -65,7 +78,7 @@ def phase_layouts(phase: str, world: int, dims, engines: Iterable[str]) -> list[
         for tp, pp in product(divisors(world), divisors(world)):
             if world % (tp * pp):
                 continue
-            for zero in (1, 2, 3) if engine == "deepspeed" else (0,):
+            for zero in zero_stages(phase, engine):
                 layout = cls(engine=engine, zero_stage=zero, tp=tp, pp=pp, dp=world // (tp * pp))
                 if not phase_problems(phase, layout, world, dims):
                     found.append(layout)

@@ -26,26 +26,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engines.torch_engines import gathers_once
+from ..engines.base import rollout_engine, training_engine
 from ..rl.config import PhaseLayout
 from .enumerate import Combination
 from .workload import Workload
 
-PAGED_ENGINES = ("vllm",)       # rollout engines that decode a batch larger than their KV cache in waves
 STAGING_BYTES = 2 * (64 << 20)  # the executor's default budget (routing.executor.DEFAULT_BUDGET), send + receive
 ADAM_BYTES = 8                  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4
 
 
 def _shards(layout: PhaseLayout) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) divisors of one layout."""
-    mp = layout.tp * layout.pp
-    if layout.engine == "deepspeed":
-        z, dp = layout.zero_stage, layout.dp
-        return (dp if z == 3 else 1), (dp if z >= 2 else 1), dp
-    if layout.engine in ("fsdp2", "torch_tp"):
-        return mp * layout.dp, mp * layout.dp, mp * layout.dp
-    return mp, mp, mp * layout.dp  # torch_pp (dp 1) and engines the model does not know: no DP sharding
+    """(weights, gradients, optimizer state) divisors of one layout: what its engine says."""
+    return training_engine(layout.engine).state_shards(layout)
 
 
 def _stage_share(w: Workload, layout: PhaseLayout) -> float:
@@ -61,11 +54,12 @@ def _stage_share(w: Workload, layout: PhaseLayout) -> float:
 def train_state_bytes(w: Workload, layout: PhaseLayout, head: str = "lm", trains: bool = True) -> float:
     """Resident bytes per device of a training engine (``trains=False``: the reference, weights only)."""
     p, b = w.params(head) * _stage_share(w, layout), w.bytes_per_param
+    engine = training_engine(layout.engine)
     ws, gs, os_ = _shards(layout)
     weights = p * b / ws
-    if ws > 1 and layout.engine in ("fsdp2", "torch_tp") and gathers_once(w.params(head) * b):
+    if ws > 1 and engine.gathers_sharded_weights and engine.gathers_per_call(w.params(head) * b):
         weights += p * b / (layout.tp * layout.pp)  # a small model is held gathered for a whole call
-    elif ws > 1 and layout.engine in ("deepspeed", "fsdp2", "torch_tp"):
+    elif ws > 1 and engine.gathers_sharded_weights:
         weights += w.layer_params() * b / (layout.tp * layout.pp) * 2  # a gathered layer (+ the prefetched one)
     if not trains:
         return weights
@@ -98,7 +92,7 @@ def rollout_need(w: Workload, layout: PhaseLayout) -> float:
     """The least a rollout layout needs per device: weights and one sequence's KV cache (paged
     engines) or the whole batch's."""
     rb = rollout_bytes(w, layout)
-    return rb["weights"] + (rb["kv_per_sequence"] if layout.engine in PAGED_ENGINES else rb["kv_cache"])
+    return rb["weights"] + (rb["kv_per_sequence"] if rollout_engine(layout.engine).paged_kv else rb["kv_cache"])
 
 
 @dataclass(frozen=True)
@@ -140,7 +134,7 @@ def estimate_memory(w: Workload, combo: Combination, device_memory: float = floa
     ref = train_state_bytes(w, combo.reference, trains=False) if combo.reference is not None else 0.0
     n, per_seq = int(ro["sequences"]), ro["kv_per_sequence"]
     concurrent = n
-    if combo.rollout.engine in PAGED_ENGINES:
+    if rollout_engine(combo.rollout.engine).paged_kv:
         free = device_memory - (train + ref + critic + ro["weights"] + STAGING_BYTES)
         concurrent = max(1, min(n, int(free // per_seq))) if free < float("inf") else n
     return MemoryEstimate(train_state=train, reference=ref, critic=critic, activations=acts,

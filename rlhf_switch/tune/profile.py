@@ -62,7 +62,7 @@ class MachineProfile:
     optimizer_tensor_s: float = 0.0           # AdamW (foreach=False) + clipping, fixed cost per tensor per step
     # a training engine's own fixed costs beyond the above (hooks, DTensor dispatch, gathers'
     # bookkeeping), measured by a micro-run of the real engine: per micro-batch forward, per
-    # optimizer step; keyed by engine_key ("deepspeed-z3", "fsdp2", ...)
+    # optimizer step; keyed by the engine's profile key (TrainingEngine.profile_key: "deepspeed-z3", "fsdp2", ...)
     engine_forward_s: dict[str, float] = field(default_factory=dict)
     engine_step_s: dict[str, float] = field(default_factory=dict)
     # the switch's fixed cost per sync beyond its bytes (a Ray call to every member of the weight
@@ -80,9 +80,10 @@ class MachineProfile:
         """(per forward micro-batch, per optimizer step) fixed seconds of a training engine."""
         return self.engine_forward_s.get(key, 0.0), self.engine_step_s.get(key, 0.0)
 
-    def decode_overhead(self, engine: str, batch: int = 0) -> float:
-        """A decode step's fixed seconds for ``batch`` sequences (sampling, scheduling)."""
-        return self.decode_step_overhead_s.get(engine, 0.0) + batch * self.decode_sequence_s.get(engine, 0.0)
+    def decode_overhead(self, key: str, batch: int = 0) -> float:
+        """A decode step's fixed seconds for ``batch`` sequences (sampling, scheduling) of the
+        rollout engine whose profile key is ``key`` (``RolloutEngine.profile_key``)."""
+        return self.decode_step_overhead_s.get(key, 0.0) + batch * self.decode_sequence_s.get(key, 0.0)
 
     def slowdown(self, world: int) -> float:
         """How much slower each device computes when ``world`` of them share ``compute_slots``."""

@@ -16,15 +16,16 @@ from typing import Sequence
 from ..rl.config import RunConfig
 from .cost import PHASE_COLUMNS, SwitchCost, engine_pass, iteration_seconds, switch_cost
 from .enumerate import Combination, combination_problems, describe, enumerate_combinations
-from .memory import PAGED_ENGINES, MemoryEstimate, estimate_memory, rollout_bytes, rollout_need, train_state_bytes
+from ..engines.base import rollout_engine
+from .memory import MemoryEstimate, estimate_memory, rollout_bytes, rollout_need, train_state_bytes
 from .profile import GIB, MachineProfile
 from .workload import Workload
 
 
 def layout_key(layout) -> tuple:
-    """A hashable identity of a phase layout (the config's models are not hashable)."""
-    return (type(layout).__name__, *(tuple(sorted(v.items())) if isinstance(v, dict) else v
-                                     for v in layout.model_dump().values()))
+    """A hashable identity of a phase layout (the config's models are not hashable, nor are the
+    dicts some fields hold, such as a rollout layout's ``options``): its class and its JSON."""
+    return (type(layout).__name__, layout.model_dump_json())
 
 
 class TuneError(ValueError):
@@ -79,7 +80,7 @@ def _fits(w: Workload, profile: MachineProfile, phases: dict) -> None:
         best = phases["rollout"][min(need)[1]]
         rb = rollout_bytes(w, best)
         kv, what = ((rb["kv_per_sequence"], f"even one sequence of {w.seq} tokens needs")
-                    if best.engine in PAGED_ENGINES else
+                    if rollout_engine(best.engine).paged_kv else
                     (rb["kv_cache"], f"{w.rollout_batch} sequences of {w.seq} tokens need"))
         raise TuneError(f"the rollout batch does not fit: {what} {kv / GIB:.4g} GiB of KV cache + "
                         f"{rb['weights'] / GIB:.4g} GiB of weights per device in the smallest rollout layout "
