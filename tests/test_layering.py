@@ -39,6 +39,38 @@ def test_compat_imports_no_third_party_engine_at_module_level():
     assert out.strip() == "[]"
 
 
+def test_a_transport_is_imported_only_where_a_group_may_take_it():
+    """Transports are plug-ins (``routing.transport.GLOO_TRANSPORTS``): the move's machinery — the
+    comm, the schedule, the executor, the weight channel — imports none of them; a one-rank group
+    asks none; a gloo group asks each in order, imported then, and takes the first that takes it."""
+    probe = ("import sys, rlhf_switch.routing.comm as c, rlhf_switch.routing.executor, rlhf_switch.routing.schedule, "
+             "rlhf_switch.engines.channel\n"
+             "loaded = lambda: 'rlhf_switch.routing.same_host' in sys.modules\n"
+             "before = loaded()\n"
+             "class One(c.Comm):\n"
+             "    rank, size = 0, 1\n"
+             "    def _group_key(self): return object()\n"
+             "t = One().choose_transport()\n"
+             "print(before, loaded(), type(t).__name__)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(REPO), "PATH": ""}).stdout
+    assert out.split() == ["False", "False", "PointToPoint"]
+    from rlhf_switch.routing.transport import GLOO_TRANSPORTS, POINT_TO_POINT, Transport, find_transport
+
+    assert GLOO_TRANSPORTS == ("rlhf_switch.routing.same_host:for_group",)
+    asked, taken = [], Transport()
+    sys.modules["transport_plugins"] = type(sys)("transport_plugins")
+    sys.modules["transport_plugins"].none = lambda comm, key, timeout: asked.append(("none", key)) or None
+    sys.modules["transport_plugins"].this = lambda comm, key, timeout: asked.append(("this", key)) or taken
+    try:
+        assert find_transport(("transport_plugins:none", "transport_plugins:this", "transport_plugins:missing"),
+                              None, "g") is taken
+        assert asked == [("none", "g"), ("this", "g")]  # in order, and none asked after the one taken
+        assert find_transport(("transport_plugins:none",), None, "h") is POINT_TO_POINT
+    finally:
+        del sys.modules["transport_plugins"]
+
+
 # inside the package, each layer may import only the layers below it
 LAYERS = {"device": set(), "runtime_env": set(), "timeouts": set(), "vps": set(), "routing": {"vps"}, "families": {"vps"}, "models": {"vps", "families"},
           "testing": {"vps", "families", "models", "rl"}, "rl": {"vps", "families", "models"},

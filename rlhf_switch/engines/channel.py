@@ -50,7 +50,6 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..routing import same_host as _same_host
 from ..routing.comm import GroupComm, as_comm, bare_group, comm_device
 from ..routing.executor import (
     DEFAULT_BUDGET,
@@ -345,8 +344,9 @@ class ChannelEnd:
                       verify_seed=seed, hooks=hooks)
         report.phases["entered_at"] = t_enter
         self._count(report)
-        if self.share_sources and report.same_host_messages and self._comm.transport.mapped_by_peers():
-            self._stats.shared_bytes += _same_host.share(src_buffers.values())
+        transport = self._comm.transport
+        if self.share_sources and report.same_host_messages and transport.mapped_by_peers():
+            self._stats.shared_bytes += transport.share(src_buffers.values())
         return report
 
     def _count(self, report: MoveReport) -> None:

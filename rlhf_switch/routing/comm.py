@@ -23,9 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import same_host as _same_host
 from .tags import CLOSE_TAG, DEFAULT_TAG
-from .transport import POINT_TO_POINT, P2P, Transport
+from .transport import GLOO_TRANSPORTS, POINT_TO_POINT, P2P, Transport, find_transport
 
 
 # torch 2.13 deprecates ``all_gather_into_tensor`` (a FutureWarning per call) in favour of
@@ -46,14 +45,14 @@ class Comm:
         return None
 
     def choose_transport(self, timeout: timedelta | None = None) -> Transport:
-        """This group's transport: single copies between ranks of one host (``same_host``) where
-        its probe finds pairs that can use them — a gloo group of more than one rank, unless
-        ``RLHF_SWITCH_SAME_HOST_COPY=0`` — else plain point-to-point. A collective of the group at
-        its first call (every rank calls it at the same point: the executor, before a move's
-        agreement), a lookup after."""
+        """This group's transport: for a gloo group of more than one rank, the first of
+        ``GLOO_TRANSPORTS`` that takes it (single copies between ranks of one host, ``same_host``,
+        where its probe finds pairs that can use them, unless ``RLHF_SWITCH_SAME_HOST_COPY=0``),
+        else plain point-to-point. A collective of the group at its first call (every rank calls it
+        at the same point: the executor, before a move's agreement), a lookup after."""
         key = self._group_key()
         if self.gloo and self.size > 1 and key is not None:
-            self.transport = _same_host.for_group(self, key, timeout) or POINT_TO_POINT
+            self.transport = find_transport(GLOO_TRANSPORTS, self, key, timeout)
         return self.transport
 
     def _allgather(self, outs: list[torch.Tensor], tensor: torch.Tensor):

@@ -707,6 +707,10 @@ class SameHost(Transport):
         """Whether some peer can map this rank's shared memory (``share`` is then worth its copy)."""
         return any(m >> self.rank & 1 for r, m in enumerate(self.can_map) if r != self.rank)
 
+    def share(self, tensors) -> int:
+        """The module's ``share``: the sender's buffers into shared memory, where its peers map them."""
+        return share(tensors)
+
     def start_agreement(self, comm, values: list[int]):
         """By the group's board where every rank maps every other (``_Board``), else gloo's collective."""
         if self.board is not None:

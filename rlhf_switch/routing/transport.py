@@ -13,13 +13,17 @@ of the wire:
   failed move.
 
 ``PointToPoint`` is the plain transport: every op a message of the comm's process group (gloo
-or NCCL point-to-point), the agreement one collective, no read messages. ``same_host.SameHost``
-is the other one: single copies between ranks of one host, chosen per group by
-``Comm.choose_transport``. A transport belongs to its group, not to one ``Comm`` of it (a move
-may wrap the same group anew): each call is given the comm to post over.
+or NCCL point-to-point), the agreement one collective, no read messages. Other transports are
+plug-ins (``GLOO_TRANSPORTS``), each a ``module:function`` imported only when a group may use it:
+``same_host.SameHost``, single copies between ranks of one host, is one — a gloo group of more
+than one rank asks it (``Comm.choose_transport``); a CUDA run never imports it. A transport
+belongs to its group, not to one ``Comm`` of it (a move may wrap the same group anew): each call
+is given the comm to post over.
 """
 from __future__ import annotations
 
+import importlib
+from datetime import timedelta
 from typing import Hashable, NamedTuple
 
 import torch
@@ -95,9 +99,14 @@ class Transport:
         return {}
 
     def mapped_by_peers(self) -> bool:
-        """Whether a peer reads this rank's buffers in shared memory where they are
-        (``same_host.share`` is then worth its copy)."""
+        """Whether a peer reads this rank's buffers in shared memory where they are (``share`` is
+        then worth its copy)."""
         return False
+
+    def share(self, tensors) -> int:
+        """Make ``tensors`` (a sender's buffers) readable by its peers where they are; returns the
+        bytes that cost. The plain transport: nothing to do."""
+        return 0
 
     def close(self) -> None:
         """After a failed move (``Comm.close``): stop peers waiting on this rank by this transport's own way."""
@@ -116,3 +125,26 @@ class PointToPoint(Transport):
 
 
 POINT_TO_POINT = PointToPoint()
+
+
+# the transports a gloo group of more than one rank may take instead of the plain one, asked in
+# this order: ``module:function``, ``function(comm, key, timeout)`` -> a ``Transport`` or None
+# (none of its pairs can use it). Each is a collective of the group at its first call (every rank
+# asks the same list at the same point), a lookup after. Imported at the first group that asks.
+GLOO_TRANSPORTS = ("rlhf_switch.routing.same_host:for_group",)
+
+
+def load_transport_finder(path: str):
+    """The finder ``path`` (``module:function``) names, imported now."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def find_transport(finders, comm, key, timeout: timedelta | None = None) -> Transport:
+    """The first transport of ``finders`` (``GLOO_TRANSPORTS``' form) that takes the group ``key``,
+    else the plain one."""
+    for path in finders:
+        found = load_transport_finder(path)(comm, key, timeout)
+        if found is not None:
+            return found
+    return POINT_TO_POINT
