@@ -323,7 +323,7 @@ def test_an_estimator_from_outside_the_package_declares_its_needs_and_fields():
                                                  "advantage": "no_such_module:Estimator"}})
     assert set(missing.algorithm.values()) == set(type(missing.algorithm).model_fields)
     (problem,) = algorithm_problems(missing)
-    assert problem.startswith("algorithm.advantage: algorithm.advantage 'no_such_module:Estimator' cannot be imported")
+    assert problem.startswith("algorithm.advantage 'no_such_module:Estimator' cannot be imported")
 
 
 # --- the registries and the rules, called at test time --------------------------------------------

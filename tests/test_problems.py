@@ -51,17 +51,17 @@ def rollout(tp=1, pp=1, dp=1):
 # ------------------------------------------------------------------------ the registry itself
 
 def test_the_checks_run_in_registration_order_and_a_name_registers_once():
-    assert list(P.CHECKS) == ["model", "layouts", "batch", "algorithm", "off_policy", "rebalance", "lend",
+    assert list(P.CHECKS) == ["model", "elastic", "layouts", "batch", "algorithm", "off_policy", "rebalance", "lend",
                               "sampling", "prompts", "engines", "device", "lora", "reward", "logging",
                               "reward_model"]
     with pytest.raises(ValueError, match=r"^a check named 'batch' is registered already$"):
         P.check("batch")(lambda c, f: [])
-    assert list(P.CHECKS)[2] == "batch" and P.CHECKS["batch"] is P._batch
+    assert list(P.CHECKS)[3] == "batch" and P.CHECKS["batch"] is P._batch
 
 
 def test_run_problems_refuses_unknown_skips_and_skips_what_it_is_told():
     c = cfg(**{"algorithm.top_p": 0.5, "algorithm.micro_batch_size": 32})
-    with pytest.raises(ValueError, match=r"^no such checks: nope, zzz; known: model, layouts, batch, "):
+    with pytest.raises(ValueError, match=r"^no such checks: nope, zzz; known: model, elastic, layouts, batch, "):
         P.run_problems(c, skip=("zzz", "batch", "nope"))
     top_p = "algorithm.top_p: 0.5 — the rollout engines sample from the whole distribution; only top_p 1.0 runs"
     micro = "algorithm.micro_batch_size=32 does not divide the per-rank mini batch 32/2 = 16"
@@ -548,16 +548,11 @@ def test_the_worlds_device_is_resolved_once_where_the_actors_run():
 
 # ------------------------------------------------------------------------------ algorithm, LoRA
 
-class CriticEstimator:
-    """A user's advantage estimator that declares it uses a critic (``needs_critic``)."""
-
-    needs_critic = True
-
-
 def test_the_algorithm_resolves_and_has_its_critic():
     assert P._algorithm(cfg(), None) == [] and P._algorithm(cfg("ppo_tiny.yaml"), None) == []
-    assert P._algorithm(cfg(**{"algorithm.advantage": "test_problems:CriticEstimator"}), None) == [
-        "algorithm: grpo's advantage estimator uses a critic, and only algorithm.name: ppo has a critic block"]
+    assert P._algorithm(cfg(**{"algorithm.advantage": "user_pkg.estimators:CriticBaseline"}), None) == [
+        "critic: grpo's estimator (user_pkg.estimators:CriticBaseline) uses a critic: give a critic block (engine "
+        "and layout of the value model)"]
     assert P._algorithm(cfg(**{"algorithm.advantage": "no_such_module:Estimator"}), None) == [
         "algorithm.advantage 'no_such_module:Estimator' cannot be imported: ModuleNotFoundError: No module named "
         "'no_such_module'"]
@@ -570,7 +565,7 @@ def test_lora_needs_engines_that_train_and_take_adapters_and_modules_the_model_h
     assert P.lora_problems(cfg()) == [] and P.lora_problems(cfg(LORA)) == []
     tp = {"train": {"engine": "torch_tp", "tp": 2}, "reference": {"engine": "torch_tp", "tp": 2}}
     assert P.lora_problems(cfg(LORA, **tp)) == [
-        "model.lora: engine torch_tp does not train LoRA adapters (engines that do: fsdp2, deepspeed)"]
+        "model.lora: engine torch_tp does not train LoRA adapters (engines that do: deepspeed, fsdp2)"]
     assert P.lora_problems(cfg(LORA, **{"model.lora.target_modules": ["q_proj", "w_pack", "c_attn"]})) == [
         "model.lora.target_modules: w_pack, c_attn — model_type llama has no such linear module in its decoder "
         "layers (it has down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)"]
@@ -588,7 +583,7 @@ def test_lora_needs_engines_that_train_and_take_adapters_and_modules_the_model_h
     assert P.lora_problems(cfg(LORA, **two, **{"model.lora.target_modules": ["v_proj"]})) == []  # tp 2 = kv heads
     # a model whose config does not read: only the engines are asked
     assert P.lora_problems(cfg(LORA, **tp), P.Facts(None, False)) == [
-        "model.lora: engine torch_tp does not train LoRA adapters (engines that do: fsdp2, deepspeed)"]
+        "model.lora: engine torch_tp does not train LoRA adapters (engines that do: deepspeed, fsdp2)"]
 
 
 # ------------------------------------------------------------------------------- task prompts

@@ -151,7 +151,7 @@ class LendingCluster:
 
 
 def test_lend_auto_records_each_rollout_as_the_way_it_ran():
-    """``lend: auto`` over fifteen iterations with a stand-in cluster: each rollout's seconds are
+    """``lend: auto`` over twenty iterations with a stand-in cluster: each rollout's seconds are
     recorded as the way it ran (lent or own) at its iteration, from each way's second run on (the
     first is its warm-up); the choice follows them — each way until it has a warm measurement,
     then the faster, the slower measured again once it is ``PROBE_EVERY`` iterations old —; the
@@ -170,10 +170,9 @@ def test_lend_auto_records_each_rollout_as_the_way_it_ran():
         (3, False, "no warm measurement of own yet"),
         *((it, False, "lent 3.000 s >= own 2.000 s") for it in range(4, 10)),
         (10, True, "lent last measured at iteration 1: measured again"),
-        (11, True, "lent 1.000 s < own 2.000 s"),
-        (12, False, "own last measured at iteration 3: measured again"),
-        (13, True, "lent 1.000 s < own 2.000 s"),
-        (14, True, "lent 1.000 s < own 2.000 s"),
+        *((it, True, "lent 1.000 s < own 2.000 s") for it in range(11, 18)),
+        (18, False, "own last measured at iteration 9: measured again"),
+        (19, True, "lent 1.000 s < own 2.000 s"),
     ]
     runs = {"lent": 0, "own": 0}
     for it, lent, why in want:
@@ -189,7 +188,7 @@ def test_lend_auto_records_each_rollout_as_the_way_it_ran():
             assert way not in lending.auto.last, (it, lending.auto)
         else:
             assert lending.auto.last[way] == seconds[way] and lending.auto.measured_at[way] == it, (it, lending.auto)
-    assert lending.auto.last == {"lent": 1.0, "own": 2.0} and lending.auto.measured_at == {"lent": 14, "own": 12}
+    assert lending.auto.last == {"lent": 1.0, "own": 2.0} and lending.auto.measured_at == {"lent": 19, "own": 18}
 
 
 def test_lend_rollout_lends_every_iteration():

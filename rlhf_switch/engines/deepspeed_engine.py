@@ -17,7 +17,7 @@ class DeepSpeedEngine(ModuleEngine):
     supports_lora = True  # ZeRO-1/2/3: tests/test_lora.py
     # bf16: DeepSpeed's bit16 weights compute, its fp32 master copy and moments stay apart
     compute_dtypes = ("float32", "bfloat16")
-    zero_stages = (2, 3)
+    zero_stages = (1, 2, 3)
     steps_flat_group = True  # ZeRO's optimizer steps one flat fp32 partition
     gathers_sharded_weights = True  # ZeRO-3 gathers each layer's partitions in its forward hooks
     profile_name = "deepspeed"
@@ -66,7 +66,7 @@ class DeepSpeedEngine(ModuleEngine):
     def build(cls, layout, ctx: TrainingContext):
         from .deepspeed_zero import build_zero_trainer
 
-        if layout.zero_stage not in (1, 2, 3):
+        if layout.zero_stage not in cls.zero_stages:
             raise ValueError(f"engine deepspeed needs zero_stage 1, 2 or 3, got {layout.zero_stage}")
         ranks = list(ctx.ranks)
         # only the engine's ranks build the model (ZeRO-3 counts the parameters it partitions)

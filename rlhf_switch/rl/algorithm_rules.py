@@ -30,7 +30,8 @@ def algorithm_problems(cfg: Any) -> list[str]:
     try:
         est = estimator_class(a.estimator)
     except ValueError as e:
-        return [f"algorithm.advantage: {e}" if a.advantage else f"algorithm: {e}"]
+        text = str(e)  # names the field itself where the import failed (rl.imports)
+        return [text if text.startswith("algorithm.") else f"algorithm: {text}"]
     return (_unread_fields(a, est) + _needs(cfg, est) + _dapo_options(a, est) + _off_policy(a)
             + _paper(a))
 
