@@ -257,3 +257,35 @@ def test_value_loss_aggregates_as_told():
     zeros = torch.zeros(2, 2)
     assert A.value_loss(values, zeros, zeros, mask, None)[0].item() == pytest.approx(0.5)
     assert A.value_loss(values, zeros, zeros, mask, None, "seq-mean-token-sum")[0].item() == pytest.approx(0.75)
+
+
+# --- ppo_batch's defaults and dtypes -----------------------------------------------------------------
+
+def test_ppo_batch_defaults_are_instructgpts_k1_at_005_and_gae_1_095_whitened():
+    """One sequence of two tokens: old -1, -1 and ref -1.5, -1 (k1: 0.5, 0); values 0.5, 0.2; score 1.
+    Rewards -0.05·0.5, 1; δ1 = 1 - 0.2 = 0.8 = A1; δ0 = -0.025 + 0.2 - 0.5 = -0.325,
+    A0 = -0.325 + 0.95·0.8 = 0.435; returns A + V = 0.935, 1.0. Two values whitened: ∓1/√2."""
+    old, ref = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.5, -1.0]])
+    values, mask, score = torch.tensor([[0.5, 0.2]]), torch.ones(1, 2), torch.tensor([1.0])
+    raw = A.ppo_batch(old, ref, values, score, mask, whiten=False)
+    assert raw["kl"][0].tolist() == pytest.approx([0.5, 0.0])
+    assert raw["rewards"][0].tolist() == pytest.approx([-0.025, 1.0])
+    assert raw["advantages"][0].tolist() == pytest.approx([0.435, 0.8])
+    assert raw["returns"][0].tolist() == pytest.approx([0.935, 1.0])
+    white = A.ppo_batch(old, ref, values, score, mask)
+    assert white["advantages"][0].tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)], abs=1e-6)
+
+
+def test_ppo_batch_and_token_rewards_are_float32_whatever_comes_in():
+    """Without a reference the KL is zeros of the same dtype as with one (float32); the rewards
+    are float32 even where torch's default dtype is float64."""
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    out = A.ppo_batch(old, None, old, torch.tensor([1.0]), torch.ones(1, 2), whiten=False)
+    assert out["kl"].dtype == torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        rewards = A.token_rewards(torch.tensor([1.0]), torch.ones(1, 2))
+    finally:
+        torch.set_default_dtype(default)
+    assert rewards.dtype == torch.float32 and rewards.tolist() == [[0.0, 1.0]]
