@@ -289,3 +289,11 @@ def test_ppo_batch_and_token_rewards_are_float32_whatever_comes_in():
     finally:
         torch.set_default_dtype(default)
     assert rewards.dtype == torch.float32 and rewards.tolist() == [[0.0, 1.0]]
+
+
+def test_global_whitening_without_a_process_group_is_masked_whitening_as_told():
+    """No process group (one process): ``masked_whiten`` with the caller's ``shift_mean`` and
+    ``eps``. Values 1, 3 (9 masked out): mean 2, unbiased variance 2; eps 2 -> ∓1/2."""
+    x, mask = torch.tensor([[1.0, 3.0, 9.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    assert A.global_masked_whiten(x, mask, eps=2.0).tolist() == [[-0.5, 0.5, 0.0]]
+    assert A.global_masked_whiten(x, mask, shift_mean=False, eps=2.0).tolist() == [[1.5, 2.5, 0.0]]
