@@ -687,3 +687,55 @@ def test_an_estimator_computes_nothing_it_does_not_define():
     assert est.sequence([1.0, 0.0], None) is None  # per token, on the trainer ranks
     with pytest.raises(NotImplementedError, match=r"^GroupReference\.tokens$"):
         est.tokens(None, None, None, None, None)
+
+
+# --- the estimators at their edges (each a mutant of rl/estimators.py that no test told apart) ---------
+
+def test_estimator_class_refuses_an_unknown_name_and_a_class_that_is_not_an_estimator():
+    from rlhf_switch.rl.estimators import estimator_class
+
+    with pytest.raises(ValueError) as info:
+        estimator_class("nope")
+    assert str(info.value) == ("unknown advantage estimator 'nope' (known: group, rloo, group_whitened, reinforce_pp, "
+                               "gae; or your own as 'module:Class')")
+    with pytest.raises(ValueError) as info:
+        estimator_class("fractions:Fraction")  # a class, but no Estimator
+    assert str(info.value) == ("algorithm.advantage 'fractions:Fraction' is not a subclass of "
+                               "rlhf_switch.rl.estimators.Estimator")
+    with pytest.raises(ValueError, match="is not a subclass"):
+        estimator_class("math:pi")  # not a class at all
+
+
+def test_only_a_critic_estimator_reads_the_critic_fields():
+    from rlhf_switch.rl.estimators import CRITIC_FIELDS, ESTIMATORS
+
+    assert set(ESTIMATORS["group"].fields_read()) == {"norm_adv_by_std", "adv_eps"}
+    assert set(ESTIMATORS["rloo"].fields_read()) == set()
+    assert set(ESTIMATORS["gae"].fields_read()) == {"gamma", "lam", "whiten_advantages", *CRITIC_FIELDS}
+
+
+def test_group_estimator_divides_by_the_std_plus_the_configs_eps():
+    """Scores 1, 0: mean 1/2, unbiased std √½; adv_eps 1: ±½ / (√½ + 1)."""
+    from types import SimpleNamespace
+
+    from rlhf_switch.rl.estimators import ESTIMATORS
+
+    cfg = SimpleNamespace(group_size=2, norm_adv_by_std=True, adv_eps=1.0)
+    want = 0.5 / (math.sqrt(0.5) + 1.0)
+    assert ESTIMATORS["group"]().sequence([1.0, 0.0], cfg) == pytest.approx([want, -want])
+
+
+def test_reinforce_pp_estimator_clamps_the_kl_as_configured_and_runs_without_a_reference():
+    """One sequence of 2 tokens, γ 1, score 1. k1 KL of 3 on the first token (old -1, ref -4),
+    clamped to 0.5, at kl_coef 0.2: rewards -0.1, 1 -> returns 0.9, 1. Without a reference: 1, 1."""
+    from types import SimpleNamespace
+
+    from rlhf_switch.rl.estimators import ESTIMATORS
+
+    cfg = SimpleNamespace(kl_coef=0.2, kl_estimator="k1", kl_clamp=0.5, gamma=1.0)
+    batch = SimpleNamespace(scores=torch.tensor([1.0]), mask=torch.ones(1, 2))
+    old, ref = torch.full((1, 2), -1.0), torch.tensor([[-4.0, -1.0]])
+    _, returns = ESTIMATORS["reinforce_pp"]().tokens(batch, OldPolicy(old, ref, None), cfg, OneRank(), None)
+    assert returns.tolist() == [pytest.approx([0.9, 1.0])]
+    adv, returns = ESTIMATORS["reinforce_pp"]().tokens(batch, OldPolicy(old, None, None), cfg, OneRank(), None)
+    assert returns.tolist() == [[1.0, 1.0]] and adv.tolist() == [[0.0, 0.0]]  # two equal returns whiten to 0

@@ -183,3 +183,12 @@ def test_reinforce_pp_estimator_whitens_its_returns_over_every_rank(default_grou
     for r, (got, target) in enumerate(_on_two_ranks(job)):
         torch.testing.assert_close(got, torch.tensor(want[r]), atol=1e-5, rtol=0)
         torch.testing.assert_close(target, torch.tensor([returns[r]]), atol=1e-6, rtol=0)
+
+
+def test_over_dp_gathers_in_rank_order_in_the_callers_dtype():
+    from rlhf_switch.rl.estimators import _over_dp
+
+    def job(r, pg):
+        return _over_dp(torch.tensor([10.0 * r + 1, 10.0 * r + 2]), _engine(r, pg))
+    for got in _on_two_ranks(job):
+        assert got.dtype == torch.float32 and got.tolist() == [1.0, 2.0, 11.0, 12.0]
