@@ -739,3 +739,41 @@ def test_reinforce_pp_estimator_clamps_the_kl_as_configured_and_runs_without_a_r
     assert returns.tolist() == [pytest.approx([0.9, 1.0])]
     adv, returns = ESTIMATORS["reinforce_pp"]().tokens(batch, OldPolicy(old, None, None), cfg, OneRank(), None)
     assert returns.tolist() == [[1.0, 1.0]] and adv.tolist() == [[0.0, 0.0]]  # two equal returns whiten to 0
+
+
+# --- the algorithm block's rules at their edges (mutants of rl/algorithm_rules.py no test told apart) --
+
+def test_an_estimator_that_does_not_resolve_is_one_problem_prefixed_once():
+    from types import SimpleNamespace
+
+    def only(estimator):
+        return algorithm_problems(SimpleNamespace(algorithm=SimpleNamespace(estimator=estimator)))
+
+    assert only("nope") == ["algorithm: unknown advantage estimator 'nope' (known: group, rloo, group_whitened, "
+                            "reinforce_pp, gae; or your own as 'module:Class')"]
+    assert only("fractions:Fraction") == ["algorithm.advantage 'fractions:Fraction' is not a subclass of "
+                                          "rlhf_switch.rl.estimators.Estimator"]
+
+
+def test_a_field_another_estimator_reads_passes_at_its_default_factorys_value():
+    """A field whose default comes from a factory (a user's estimator may declare one) is at its
+    default when it equals the factory's value; another value is refused."""
+    from types import SimpleNamespace
+
+    from pydantic import Field
+
+    from rlhf_switch.rl.algorithm_rules import _unread_fields
+    from rlhf_switch.rl.estimators import ESTIMATORS, Estimator
+
+    class WithFactory(Estimator):
+        name, fields = "test_with_factory", {"stops": (list, Field(default_factory=lambda: ["\n"]))}
+
+    ESTIMATORS[WithFactory.name] = WithFactory
+    try:
+        a = SimpleNamespace(name="grpo", estimator="group", stops=["\n"])
+        assert _unread_fields(a, ESTIMATORS["group"]) == []
+        a.stops = []
+        assert _unread_fields(a, ESTIMATORS["group"]) == [
+            "algorithm.stops: the test_with_factory estimator's; grpo uses group, which does not read it"]
+    finally:
+        ESTIMATORS.pop(WithFactory.name)
