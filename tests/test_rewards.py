@@ -231,3 +231,79 @@ def test_a_per_sample_reward_that_raises_keeps_the_cause():
                                    f"<locals>.fails on sample 3 (prompt='p0', response='r0', answer='a') raised "
                                    f"ZeroDivisionError: x (test_rewards.py:")
     assert isinstance(e.value.__cause__, ZeroDivisionError)
+
+
+# --- the edges of the plug-in point (each a mutant of rl/rewards.py no test told apart) -------------
+
+def test_a_callable_without_names_is_described_by_its_repr():
+    """A ``functools.partial`` has no ``__qualname__`` and no ``__name__`` (and a module of its own)."""
+    import functools
+
+    fn = functools.partial(exact_match, "p")
+    assert describe_fn(fn) == f"functools:{fn!r}"
+    namespace = SimpleNamespace()  # no __module__ either
+    assert describe_fn(namespace) == "?:namespace()"
+
+
+def test_an_exception_from_code_without_a_directory_names_its_file():
+    code = compile("def f():\n    raise ValueError('bad')\n", "my_rewards.py", "exec")
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        scope["f"]()
+    except ValueError as e:
+        assert describe_exception(e) == "ValueError: bad (my_rewards.py:2)"
+
+
+def test_a_per_sample_reward_gets_the_prompt():
+    assert score_samples(lambda p, r, a: float(p == "12+5="), ["12+5=", "1+1="], ["17", "2"], ["17", "2"]) == [1.0, 0.0]
+
+
+def _slow(p, r, a):
+    import time
+
+    time.sleep(0.05)
+    return 1.0
+
+
+@pytest.mark.parametrize("fn, where", [
+    (_slow, f"reward function {HERE}:_slow on sample 4 (prompt='p', response='r', answer='a')"),
+    (batched(lambda ps, rs, as_: [_slow(*s) for s in zip(ps, rs, as_)]),
+     f"reward function {HERE}:<lambda> (batched) on samples 4..4, the first sample 4 (prompt='p', response='r', "
+     f"answer='a')"),
+])
+def test_a_call_over_reward_timeout_s_is_refused_after_it_returns(fn, where):
+    """A call of at least 50 ms against a limit of 1 ms: refused, naming the call and the limit; a
+    limit of a minute: scored."""
+    with pytest.raises(RewardError) as info:
+        score_samples(fn, ["p"], ["r"], ["a"], first=4, timeout_s=0.001)
+    text = str(info.value)
+    assert text.startswith(f"{where} took ") and text.endswith(
+        " s, over the limit of 0.001 s (reward_timeout_s; in the driver's process a call is refused after it returns "
+        "— reward_workers >= 1 stops it at the limit)"), text
+    assert score_samples(fn, ["p"], ["r"], ["a"], first=4, timeout_s=60) == [1.0]
+
+
+def test_a_batched_reward_names_its_first_sample_and_returns_one_number_a_sample():
+    @batched
+    def raises(ps, rs, as_):
+        raise KeyError("k")
+
+    with pytest.raises(RewardError) as info:
+        score_samples(raises, ["p0", "p1"], ["r0", "r1"], ["a0", "a1"], first=5)
+    assert str(info.value).startswith(
+        f"reward function {HERE}:test_a_batched_reward_names_its_first_sample_and_returns_one_number_a_sample.<locals>"
+        f".raises (batched) on samples 5..6, the first sample 5 (prompt='p0', response='r0', answer='a0') raised "
+        f"KeyError: 'k' (")
+    # a column of scores ([n, 1]) is not one number per sample: its rows are lists
+    column = batched(lambda ps, rs, as_: torch.tensor([[1.0], [0.0]]))
+    with pytest.raises(RewardError, match=r"\(batched\) on sample 0 \(prompt='p0', response='r0', answer='a0'\) "
+                                          r"returned \[1\.0\] \(list\), not a number$"):
+        score_samples(column, ["p0", "p1"], ["r0", "r1"], ["a0", "a1"])
+    # what is not a sequence is shown shortened to 60 characters of its repr
+    long = batched(lambda ps, rs, as_: "x" * 100)
+    with pytest.raises(RewardError) as info:
+        score_samples(long, ["p0"], ["r0"], ["a0"])
+    text = repr("x" * 100)
+    assert str(info.value).endswith(f" returned {repr(text[:60])}... ({len(text)} chars) (str), not one number per "
+                                    f"sample")
