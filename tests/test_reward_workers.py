@@ -552,3 +552,12 @@ def test_a_worker_that_does_not_import_the_function_in_time_is_stopped(tmp_path,
         reward.wait_ready()
     assert str(e.value) == f"reward function {spec}: its worker process did not import it within 1 s"
     assert _gone(pids)
+
+
+def test_a_worker_that_is_done_is_not_timed_while_another_works():
+    """Each worker's part is taken as soon as it is done: worker 1 (samples 3, 4: no wait) is done
+    long before worker 0 (samples 0..2: 1 s each, 3 s in all, each call under the 2 s limit), and
+    its last call's start is not held against the limit while worker 0 goes on."""
+    with RewardRunner(f"{HERE}:sleeps_response_seconds", workers=2, timeout_s=2.0) as reward:
+        reward.wait_ready()
+        assert reward(["p"] * 5, ["1", "1", "1", "0", "0"], ["a"] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
