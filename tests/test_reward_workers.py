@@ -561,3 +561,28 @@ def test_a_worker_that_is_done_is_not_timed_while_another_works():
     with RewardRunner(f"{HERE}:sleeps_response_seconds", workers=2, timeout_s=2.0) as reward:
         reward.wait_ready()
         assert reward(["p"] * 5, ["1", "1", "1", "0", "0"], ["a"] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_progress_is_said_every_progress_every_s_of_a_call_and_never_without_say():
+    """A progress line comes once ``progress_every_s`` of the call has passed while a worker is
+    still at it, says the seconds since the call began (by the call's clock: at most what the
+    test measured), and none comes before, or at all without ``say``."""
+    import re
+
+    said: list[str] = []
+    with RewardRunner(f"{HERE}:sleeps_response_seconds", workers=1, timeout_s=30.0, say=said.append,
+                      progress_every_s=60.0) as reward:
+        reward.wait_ready()
+        assert reward(["p"], ["1"], ["a"]) == [1.0]
+        assert said == []
+        reward.progress_every_s = 0.2
+        t0 = time.monotonic()
+        assert reward(["p"] * 2, ["0.6", "0.6"], ["a"] * 2) == [0.6, 0.6]
+        took = time.monotonic() - t0
+    assert said, "1.2 s of calls said nothing at one line per 0.2 s"
+    for line in said:
+        m = re.fullmatch(rf"reward: [012]/2 samples scored after (\d+) s \({HERE}:sleeps_response_seconds in 1 "
+                         rf"worker process, each call limited to 30 s\)", line)
+        assert m and int(m.group(1)) <= took + 1, (line, took)
+    with RewardRunner(f"{HERE}:sleeps_response_seconds", workers=1, say=None, progress_every_s=0.0) as reward:
+        assert reward(["p"], ["0.6"], ["a"]) == [0.6]
