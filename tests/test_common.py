@@ -71,6 +71,18 @@ def test_pruning_keeps_what_is_not_a_numbered_step_and_keep_1(tmp_path):
     assert _steps(root) == ["step_x", "step_11", "step_13.tmp"]
 
 
+def test_pruning_never_fails_the_run_on_what_it_cannot_remove(tmp_path):
+    """Pruning after a save is best effort: a ``step_<N>`` it cannot remove (here a file, not a
+    directory) is left where it is and the run goes on; the directories beside it are pruned."""
+    root = tmp_path / "checkpoints"
+    for step in (1, 3):
+        (root / f"step_{step}").mkdir(parents=True)
+    (root / "step_2").write_text("not a checkpoint")
+    prune_checkpoints(root, 1)
+    assert _steps(root) == ["step_2", "step_3"]
+    assert (root / "step_2").read_text() == "not a checkpoint"
+
+
 def test_resume_takes_the_newest_complete_checkpoint_by_iteration_not_by_name(tmp_path):
     """Among ``step_2``, ``step_10`` and ``step_11`` the newest is ``step_11``; a ``final/`` of the
     same iteration as the newest step wins the tie; an incomplete newest is skipped; the total

@@ -511,3 +511,78 @@ def test_a_worker_killed_by_a_signal_is_named_with_its_sample():
         RewardRunner(f"{HERE}:kills_itself", workers=1)(["p0", "p1"], ["r0", "r1"], ["a", "a"])
     assert str(e.value) == (f"reward function {HERE}:kills_itself: its worker process was killed by signal 9 "
                             f"(SIGKILL) while scoring sample 0 (prompt='p0', response='r0', answer='a')")
+
+
+def test_after_an_error_the_workers_are_killed_without_waiting():
+    """A failed call does not wait for its workers (one may be stuck in a call): each is killed at
+    once (SIGKILL), even one idle on its pipe that would have exited when asked."""
+    import signal
+
+    reward = RewardRunner(f"{HERE}:raises_on_x", workers=1)
+    reward.wait_ready()
+    with pytest.raises(RewardError, match="on sample 0"):
+        reward(["p"], ["x"], ["a"])
+    (w,) = reward._pool
+    assert w.process.exitcode == -signal.SIGKILL
+
+
+def _module(tmp_path, monkeypatch, name: str, body: str) -> str:
+    """A reward module ``name`` in ``tmp_path`` (on the workers' path) whose import runs ``body``."""
+    (tmp_path / f"{name}.py").write_text(f"{body}\n\n\ndef score(prompt, response, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get the driver's sys.path
+    return f"{name}:score"
+
+
+def test_a_worker_that_dies_while_importing_the_function_is_named(tmp_path, monkeypatch):
+    spec = _module(tmp_path, monkeypatch, "dies_on_import_reward", "import os\nos._exit(3)")
+    with pytest.raises(RewardError) as e:
+        RewardRunner(spec, workers=1).wait_ready()
+    assert str(e.value) == f"reward function {spec}: its worker process exited with code 3 while importing it"
+
+
+def test_a_worker_that_does_not_import_the_function_in_time_is_stopped(tmp_path, monkeypatch):
+    """The import's limit is the larger of the call limit and ``LOAD_LIMIT_S`` (1 s each here)."""
+    from rlhf_switch import reward_workers
+
+    monkeypatch.setattr(reward_workers, "LOAD_LIMIT_S", 1.0)
+    spec = _module(tmp_path, monkeypatch, "hangs_on_import_reward", "import time\ntime.sleep(120)")
+    reward = RewardRunner(spec, workers=1, timeout_s=0.5)
+    pids = _pids(reward)
+    with pytest.raises(RewardError) as e:
+        reward.wait_ready()
+    assert str(e.value) == f"reward function {spec}: its worker process did not import it within 1 s"
+    assert _gone(pids)
+
+
+def test_a_worker_that_is_done_is_not_timed_while_another_works():
+    """Each worker's part is taken as soon as it is done: worker 1 (samples 3, 4: no wait) is done
+    long before worker 0 (samples 0..2: 1 s each, 3 s in all, each call under the 2 s limit), and
+    its last call's start is not held against the limit while worker 0 goes on."""
+    with RewardRunner(f"{HERE}:sleeps_response_seconds", workers=2, timeout_s=2.0) as reward:
+        reward.wait_ready()
+        assert reward(["p"] * 5, ["1", "1", "1", "0", "0"], ["a"] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_progress_is_said_every_progress_every_s_of_a_call_and_never_without_say():
+    """A progress line comes once ``progress_every_s`` of the call has passed while a worker is
+    still at it, says the seconds since the call began (by the call's clock: at most what the
+    test measured), and none comes before, or at all without ``say``."""
+    import re
+
+    said: list[str] = []
+    with RewardRunner(f"{HERE}:sleeps_response_seconds", workers=1, timeout_s=30.0, say=said.append,
+                      progress_every_s=60.0) as reward:
+        reward.wait_ready()
+        assert reward(["p"], ["1"], ["a"]) == [1.0]
+        assert said == []
+        reward.progress_every_s = 0.2
+        t0 = time.monotonic()
+        assert reward(["p"] * 2, ["0.6", "0.6"], ["a"] * 2) == [0.6, 0.6]
+        took = time.monotonic() - t0
+    assert said, "1.2 s of calls said nothing at one line per 0.2 s"
+    for line in said:
+        m = re.fullmatch(rf"reward: [012]/2 samples scored after (\d+) s \({HERE}:sleeps_response_seconds in 1 "
+                         rf"worker process, each call limited to 30 s\)", line)
+        assert m and int(m.group(1)) <= took + 1, (line, took)
+    with RewardRunner(f"{HERE}:sleeps_response_seconds", workers=1, say=None, progress_every_s=0.0) as reward:
+        assert reward(["p"], ["0.6"], ["a"]) == [0.6]
