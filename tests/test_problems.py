@@ -982,3 +982,38 @@ def test_a_scaled_run_is_the_run_along_dp_checked_but_for_its_reward():
         P.scaled_run(run, 0)
     assert str(e.value).splitlines()[0] == "no 0-device world with the run's layouts scaled along DP"
     assert e.value.problems == ["world_size: Input should be greater than or equal to 1 (got 0)"]
+
+
+# ------------------------------------------------------------------ what the callers pass through
+
+def test_a_check_registered_at_test_time_is_the_function_given(monkeypatch):
+    """The registry is filled at import (before a mutation test arms a mutant): register one here."""
+    monkeypatch.setattr(P, "CHECKS", dict(P.CHECKS))
+
+    def probe(c, facts):
+        return ["probe"]
+
+    assert P.check("probe")(probe) is probe
+    assert list(P.CHECKS)[-1] == "probe" and P.CHECKS["probe"] is probe
+
+
+def test_a_recipe_refuses_a_config_of_another_algorithm():
+    c = cfg()  # grpo
+    assert P.run_problems(c, cuda_available=False, recipe="grpo") == []
+    assert P.run_problems(c, cuda_available=False, recipe="ppo") == [
+        "algorithm.name: this recipe runs ppo, the config names 'grpo' (use recipes.grpo or rlhf-switch train)"]
+
+
+def test_check_run_and_check_reward_training_pass_their_arguments_on(monkeypatch):
+    import rlhf_switch.device as device
+
+    P.check_run(cfg(**{"algorithm.top_p": 0.5}), cuda_available=False, skip=("sampling",))  # nothing left to find
+    monkeypatch.setattr(device, "cuda_available", lambda: True)  # this machine's answer is not the one given
+    with pytest.raises(ConfigError) as e:
+        P.check_reward_training(rm(**{"model.dtype": "bfloat16"}), cuda_available=False)
+    assert e.value.problems == ["model.dtype: bfloat16 — on CPU a reward model trains in float32"]
+
+
+def test_a_task_whose_operands_have_one_length_fits():
+    """min_len = max_len = 2: 90·90 = 8100 prompts hold 2000 + 200; '99+99' -> '198' is 4 tokens with <eos>."""
+    assert P.task_problems(cfg(**{"task.min_len": 2, "task.max_len": 2}), None) == []
