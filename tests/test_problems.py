@@ -1017,3 +1017,18 @@ def test_check_run_and_check_reward_training_pass_their_arguments_on(monkeypatch
 def test_a_task_whose_operands_have_one_length_fits():
     """min_len = max_len = 2: 90·90 = 8100 prompts hold 2000 + 200; '99+99' -> '198' is 4 tokens with <eos>."""
     assert P.task_problems(cfg(**{"task.min_len": 2, "task.max_len": 2}), None) == []
+
+
+def test_the_checks_get_the_models_dimensions():
+    """A vocabulary of 40 below the character tokenizer's 47 ids: only a check given the model's
+    dimensions can see it."""
+    assert P.run_problems(cfg(**{"model.hf_config.vocab_size": 40}), cuda_available=False) == [
+        "model: vocab_size=40 is smaller than the tokenizer's 47 ids"]
+
+
+def test_device_auto_waits_for_the_actors_when_this_machine_cannot_say():
+    """Not known before Ray (None): ``auto`` is not resolved, so bf16 is not refused as if on CPU."""
+    bf16 = cfg(**{"model.dtype": "bfloat16"})
+    assert bf16.device == "auto"
+    assert P.device_problems(bf16, None) == []
+    assert P.device_problems(bf16, False) == ["model.dtype: bfloat16 — the CPU loop trains in float32"]
