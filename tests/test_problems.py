@@ -1032,3 +1032,20 @@ def test_device_auto_waits_for_the_actors_when_this_machine_cannot_say():
     assert bf16.device == "auto"
     assert P.device_problems(bf16, None) == []
     assert P.device_problems(bf16, False) == ["model.dtype: bfloat16 — the CPU loop trains in float32"]
+
+
+from rlhf_switch.engines.base import TrainingEngine  # noqa: E402
+
+
+class SaysWhatItWasAsked(TrainingEngine):
+    """A user's training engine (``test_problems:SaysWhatItWasAsked``) that refuses every layout,
+    naming the head and the model's vocabulary it was asked about."""
+
+    @classmethod
+    def layout_problems(cls, phase, layout, dims, head="lm"):
+        return [f"{phase}: asked for head {head} of a vocabulary of {dims.vocab_size if dims else 'unknown'}"]
+
+
+def test_a_reward_model_runs_engine_is_asked_for_a_value_head_of_the_model():
+    assert P.reward_training_problems(rm(train={"engine": "test_problems:SaysWhatItWasAsked", "dp": 2}),
+                                      cuda_available=False) == ["train: asked for head value of a vocabulary of 64"]
