@@ -1049,3 +1049,21 @@ class SaysWhatItWasAsked(TrainingEngine):
 def test_a_reward_model_runs_engine_is_asked_for_a_value_head_of_the_model():
     assert P.reward_training_problems(rm(train={"engine": "test_problems:SaysWhatItWasAsked", "dp": 2}),
                                       cuda_available=False) == ["train: asked for head value of a vocabulary of 64"]
+
+
+def test_a_reward_model_runs_tokenizer_that_does_not_load_is_named_by_model_path(tmp_path):
+    m = model_dir(tmp_path / "m", LM)
+    (m / "tokenizer_config.json").write_text("{}")
+    (m / "tokenizer.json").write_text("not json")
+    found = P.reward_training_problems(rm(model={"path": str(m), "dtype": "float32"}), cuda_available=False)
+    assert len(found) == 1 and found[0].startswith(f"model.path: the tokenizer in {m} does not load: "), found
+
+
+def test_a_resize_request_keeps_the_elastic_block_and_needs_one():
+    # the block's other settings survive the new entry
+    new, _ = P.check_resize_request(cfg(**NO_REWARD, elastic={"on_node_change": "resize"}), ONE, 3, 5, 1)
+    assert new.elastic.on_node_change == "resize" and [e.iteration for e in new.elastic.schedule] == [3]
+    # a run without an elastic block has no device manager (and no schedule to read)
+    assert _refused(cfg(), ONE, 3, 5, None) == ("resize request refused: 1 problem", [
+        "resize request: this run has no elastic device manager (give the config an elastic block, with the torch "
+        "rollout engine or vLLM replicas, colocated)"])
