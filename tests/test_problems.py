@@ -1067,3 +1067,20 @@ def test_a_resize_request_keeps_the_elastic_block_and_needs_one():
     assert _refused(cfg(), ONE, 3, 5, None) == ("resize request refused: 1 problem", [
         "resize request: this run has no elastic device manager (give the config an elastic block, with the torch "
         "rollout engine or vLLM replicas, colocated)"])
+
+
+def test_a_reward_model_runs_train_file_of_pairs_too_long_is_named(tmp_path):
+    """Every train pair 64 ids long (one more than the 63 that fit): the train split is named."""
+    from rlhf_switch.rl.reward_model import sequence_ids
+    from rlhf_switch.rl.tasks import CharTokenizer
+
+    tok = CharTokenizer()
+    prompt = "1+" * 40
+    while len(sequence_ids(tok, prompt, "2", False)) > 64:
+        prompt = prompt[:-1]
+    assert len(sequence_ids(tok, prompt, "2", False)) == 64
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": prompt, "chosen": "2", "rejected": "3"}) + "\n")
+    assert P.reward_training_problems(rm(**{"data.train_files": [str(long)]}), cuda_available=False) == [
+        "data.train_files: every one of its 1 pairs is longer than the model's context of 64 tokens (less the "
+        "scored position)"]
