@@ -907,3 +907,180 @@ def test_a_reward_model_runs_model_trunk_engine_and_context_edge(tmp_path):
         assert found == ([] if fits else [
             "data.heldout_files: every one of its 1 pairs is longer than the model's context of 64 tokens (less the "
             "scored position)"]), ids
+
+
+# ------------------------------------------------------------ the worlds elastic control moves a run into
+# A run that cannot call its reward function: the checks below skip the reward check (the run's
+# reward already ran), so the worlds they accept would be refused by it.
+NO_REWARD = {"task.reward_fn": "rlhf_switch.rl.rewards:no_such_fn"}
+ONE = {"world_size": 1, "train": {"engine": "fsdp2", "dp": 1}, "rollout": {"engine": "torch", "dp": 1},
+       "reference": {"engine": "fsdp2", "dp": 1}}  # the tiny run's layouts on one device: a world that fits
+ENTRY_KEYS = "world_size, train, rollout, reference, critic"
+
+
+def _refused(*args) -> tuple[str, list[str]]:
+    with pytest.raises(ConfigError) as e:
+        P.check_resize_request(*args)
+    return str(e.value).splitlines()[0], e.value.problems
+
+
+def test_the_rollout_engines_a_resize_takes_are_named():
+    assert P._resizable_engines() == "only the rollout engines torch, vllm"
+
+
+def test_a_resize_request_becomes_the_schedule_entry_at_its_iteration_in_order():
+    run = cfg(**NO_REWARD, elastic={"schedule": [{**ONE, "iteration": 5}]})
+    new, entry = P.check_resize_request(run, {"id": "a", "reason": "api", **ONE}, 3, 5, 1)
+    assert (entry.iteration, entry.world_size, entry.train.dp, entry.rollout.engine) == (3, 1, 1, "torch")
+    assert [e.iteration for e in new.elastic.schedule] == [3, 5]
+    assert new.elastic.schedule[0] == entry and new.world_size == 2 and new.algorithm == run.algorithm
+    # at the run's last iteration, holding exactly the devices it asks for
+    new, entry = P.check_resize_request(cfg(**NO_REWARD, elastic={}), ONE, 5, 5, 1)
+    assert [e.iteration for e in new.elastic.schedule] == [5] and entry.world_size == 1
+
+
+def test_a_resize_request_is_refused_with_every_problem_once():
+    run = cfg(elastic={"schedule": [{**ONE, "iteration": 4}]})
+    bad = {**ONE, "world_size": 3}  # layouts of one device in a world of three
+    why_bad = [f"elastic.schedule[0]: {phase}: tp·pp·dp = 1·1·1 = 1, but world_size = 3 (every phase is colocated "
+               f"on all devices)" for phase in ("train", "rollout", "reference")]
+    assert _refused(run, {"unreadable": "JSONDecodeError", "foo": 1}, 3, 5, None) == (
+        "resize request refused: 1 problem", ["resize request: unreadable (JSONDecodeError)"])
+    # what the loop knows refuses it before its entry is checked
+    assert _refused(run, {"foo": 1, "bar": 2, **bad}, 6, 5, None) == ("resize request refused: 3 problems", [
+        f"resize request: unknown keys ['bar', 'foo'] (give {ENTRY_KEYS})",
+        "resize request: this run has no elastic device manager (give the config an elastic block, with the torch "
+        "rollout engine or vLLM replicas, colocated)",
+        "resize request: the run ends at iteration 5; there is no next iteration to resize before"])
+    assert _refused(run, bad, 4, 5, 4) == (
+        "resize request refused: 1 problem", ["resize request: elastic.schedule already resizes before iteration 4"])
+    # unknown keys alone: the entry is checked too, and a good one is still refused for them
+    assert _refused(run, {"foo": 1, **bad}, 3, 5, 4) == (
+        "resize request refused: 4 problems", [f"resize request: unknown keys ['foo'] (give {ENTRY_KEYS})"] + why_bad)
+    assert _refused(run, {"foo": 1, **ONE}, 3, 5, 4) == (
+        "resize request refused: 1 problem", [f"resize request: unknown keys ['foo'] (give {ENTRY_KEYS})"])
+    # the config's types, then the devices Ray holds
+    assert _refused(run, {**ONE, "world_size": "x"}, 3, 5, 4) == ("resize request refused: 1 problem", [
+        "elastic.schedule[0].world_size: Input should be a valid integer, unable to parse string as an integer "
+        "(got 'x')"])
+    two = {"world_size": 2, "train": {"engine": "fsdp2", "dp": 2}, "rollout": {"engine": "torch", "dp": 2},
+           "reference": {"engine": "fsdp2", "dp": 2}}
+    assert _refused(run, two, 3, 5, 1) == (
+        "resize request refused: 1 problem", ["resize request: world_size 2 — Ray holds 1 devices for this run"])
+
+
+def test_a_scaled_run_is_the_run_along_dp_checked_but_for_its_reward():
+    run = cfg(**NO_REWARD)
+    one = P.scaled_run(run, 1)
+    assert (one.world_size, one.train.dp, one.rollout.dp, one.reference.dp) == (1, 1, 1, 1)
+    assert one.algorithm == run.algorithm and one.seed == run.seed and one.task == run.task
+    with pytest.raises(ConfigError) as e:
+        P.scaled_run(run, 4)  # 32 sequences per mini batch over 4 ranks: 8, not a multiple of 16
+    assert str(e.value).splitlines()[0] == "no 4-device world with the run's layouts scaled along DP"
+    assert e.value.problems == ["algorithm.micro_batch_size=16 does not divide the per-rank mini batch 32/4 = 8"]
+    with pytest.raises(ConfigError) as e:
+        P.scaled_run(run, 0)
+    assert str(e.value).splitlines()[0] == "no 0-device world with the run's layouts scaled along DP"
+    assert e.value.problems == ["world_size: Input should be greater than or equal to 1 (got 0)"]
+
+
+# ------------------------------------------------------------------ what the callers pass through
+
+def test_a_check_registered_at_test_time_is_the_function_given(monkeypatch):
+    """The registry is filled at import (before a mutation test arms a mutant): register one here."""
+    monkeypatch.setattr(P, "CHECKS", dict(P.CHECKS))
+
+    def probe(c, facts):
+        return ["probe"]
+
+    assert P.check("probe")(probe) is probe
+    assert list(P.CHECKS)[-1] == "probe" and P.CHECKS["probe"] is probe
+
+
+def test_a_recipe_refuses_a_config_of_another_algorithm():
+    c = cfg()  # grpo
+    assert P.run_problems(c, cuda_available=False, recipe="grpo") == []
+    assert P.run_problems(c, cuda_available=False, recipe="ppo") == [
+        "algorithm.name: this recipe runs ppo, the config names 'grpo' (use recipes.grpo or rlhf-switch train)"]
+
+
+def test_check_run_and_check_reward_training_pass_their_arguments_on(monkeypatch):
+    import rlhf_switch.device as device
+
+    P.check_run(cfg(**{"algorithm.top_p": 0.5}), cuda_available=False, skip=("sampling",))  # nothing left to find
+    monkeypatch.setattr(device, "cuda_available", lambda: True)  # this machine's answer is not the one given
+    with pytest.raises(ConfigError) as e:
+        P.check_reward_training(rm(**{"model.dtype": "bfloat16"}), cuda_available=False)
+    assert e.value.problems == ["model.dtype: bfloat16 — on CPU a reward model trains in float32"]
+
+
+def test_a_task_whose_operands_have_one_length_fits():
+    """min_len = max_len = 2: 90·90 = 8100 prompts hold 2000 + 200; '99+99' -> '198' is 4 tokens with <eos>."""
+    assert P.task_problems(cfg(**{"task.min_len": 2, "task.max_len": 2}), None) == []
+
+
+def test_the_checks_get_the_models_dimensions():
+    """A vocabulary of 40 below the character tokenizer's 47 ids: only a check given the model's
+    dimensions can see it."""
+    assert P.run_problems(cfg(**{"model.hf_config.vocab_size": 40}), cuda_available=False) == [
+        "model: vocab_size=40 is smaller than the tokenizer's 47 ids"]
+
+
+def test_device_auto_waits_for_the_actors_when_this_machine_cannot_say():
+    """Not known before Ray (None): ``auto`` is not resolved, so bf16 is not refused as if on CPU."""
+    bf16 = cfg(**{"model.dtype": "bfloat16"})
+    assert bf16.device == "auto"
+    assert P.device_problems(bf16, None) == []
+    assert P.device_problems(bf16, False) == ["model.dtype: bfloat16 — the CPU loop trains in float32"]
+
+
+from rlhf_switch.engines.base import TrainingEngine  # noqa: E402
+
+
+class SaysWhatItWasAsked(TrainingEngine):
+    """A user's training engine (``test_problems:SaysWhatItWasAsked``) that refuses every layout,
+    naming the head and the model's vocabulary it was asked about."""
+
+    @classmethod
+    def layout_problems(cls, phase, layout, dims, head="lm"):
+        return [f"{phase}: asked for head {head} of a vocabulary of {dims.vocab_size if dims else 'unknown'}"]
+
+
+def test_a_reward_model_runs_engine_is_asked_for_a_value_head_of_the_model():
+    assert P.reward_training_problems(rm(train={"engine": "test_problems:SaysWhatItWasAsked", "dp": 2}),
+                                      cuda_available=False) == ["train: asked for head value of a vocabulary of 64"]
+
+
+def test_a_reward_model_runs_tokenizer_that_does_not_load_is_named_by_model_path(tmp_path):
+    m = model_dir(tmp_path / "m", LM)
+    (m / "tokenizer_config.json").write_text("{}")
+    (m / "tokenizer.json").write_text("not json")
+    found = P.reward_training_problems(rm(model={"path": str(m), "dtype": "float32"}), cuda_available=False)
+    assert len(found) == 1 and found[0].startswith(f"model.path: the tokenizer in {m} does not load: "), found
+
+
+def test_a_resize_request_keeps_the_elastic_block_and_needs_one():
+    # the block's other settings survive the new entry
+    new, _ = P.check_resize_request(cfg(**NO_REWARD, elastic={"on_node_change": "resize"}), ONE, 3, 5, 1)
+    assert new.elastic.on_node_change == "resize" and [e.iteration for e in new.elastic.schedule] == [3]
+    # a run without an elastic block has no device manager (and no schedule to read)
+    assert _refused(cfg(), ONE, 3, 5, None) == ("resize request refused: 1 problem", [
+        "resize request: this run has no elastic device manager (give the config an elastic block, with the torch "
+        "rollout engine or vLLM replicas, colocated)"])
+
+
+def test_a_reward_model_runs_train_file_of_pairs_too_long_is_named(tmp_path):
+    """Every train pair 64 ids long (one more than the 63 that fit): the train split is named."""
+    from rlhf_switch.rl.reward_model import sequence_ids
+    from rlhf_switch.rl.tasks import CharTokenizer
+
+    tok = CharTokenizer()
+    prompt = "1+" * 40
+    while len(sequence_ids(tok, prompt, "2", False)) > 64:
+        prompt = prompt[:-1]
+    assert len(sequence_ids(tok, prompt, "2", False)) == 64
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": prompt, "chosen": "2", "rejected": "3"}) + "\n")
+    assert P.reward_training_problems(rm(**{"data.train_files": [str(long)]}), cuda_available=False) == [
+        "data.train_files: every one of its 1 pairs is longer than the model's context of 64 tokens (less the "
+        "scored position)"]

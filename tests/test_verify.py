@@ -550,6 +550,16 @@ def test_checksum_of_foreign_memory_whose_storage_offset_is_not_a_multiple_of_8(
         assert [v & M64 for v in checksum(view).tolist()] == _reference_checksum(view), view.storage_offset()
 
 
+def test_checksum_of_an_aligned_address_at_a_storage_offset_that_9_divides():
+    """Storage offset 63 (a multiple of 9, not of 8) at an 8-byte aligned address: torch refuses
+    the int64 view of it, so the checksum must copy it by its offset modulo 8 alone."""
+    data = bytearray(range(256)) * 3
+    base = torch.frombuffer(memoryview(data)[1:], dtype=torch.uint8)
+    view = base[63:63 + 88]
+    assert view.data_ptr() % 8 == 0 and view.storage_offset() == 63
+    assert [v & M64 for v in checksum(view).tolist()] == _reference_checksum(view)
+
+
 def test_checksum_of_more_rows_than_the_weights_cache_starts_with():
     """More than 4·COLS rows of words (the size the weights cache starts at): the definition,
     computed with numpy's wrapping uint64 arithmetic."""
