@@ -11,24 +11,16 @@ import struct
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rlhf_switch import problems as P
 from rlhf_switch.rl.config import ConfigError, ModelDims, RolloutLayout, TrainLayout, load_config
 
+from test_loop_inputs import config  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def raw(name: str = "grpo_tiny_fsdp.yaml", **changes) -> dict:
-    """A shipped config as data, with ``changes`` (dotted paths) applied."""
-    cfg = yaml.safe_load((REPO / "configs" / name).read_text())
-    for path, value in changes.items():
-        node = cfg
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
+raw = config  # a shipped config as data, with changes (dotted paths) applied
 
 
 def cfg(name: str = "grpo_tiny_fsdp.yaml", **changes):
