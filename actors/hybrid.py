@@ -582,16 +582,16 @@ class HybridWorker:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                  seeds: Sequence[int]) -> dict:
         """This rank's replica generates its contiguous share of ``prompts`` (all TP ranks of a
-        replica return the same); only TP rank 0 of each replica returns its tokens. ``seeds``:
-        one per prompt, so a sample does not depend on the rollout layout."""
-        n = len(prompts)
-        if n % self.replicas:
-            raise ValueError(f"{n} sequences do not split over {self.replicas} rollout replicas")
-        per = n // self.replicas
-        lo, hi = self.replica * per, (self.replica + 1) * per
+        replica return the same); only TP rank 0 of each replica returns its tokens. The shares
+        differ by one prompt at most where the replicas do not divide the count (a multi-turn
+        rollout's turns; a replica may get none). ``seeds``: one per prompt, so a sample does not
+        depend on the rollout layout."""
+        n, R = len(prompts), self.replicas
+        cut = [r * (n // R) + min(r, n % R) for r in (self.replica, self.replica + 1)]
+        lo, hi = cut
         t0 = time.perf_counter()
-        tokens, logprobs = self.rollout.generate(prompts[lo:hi], max_new_tokens, temperature,
-                                                 list(seeds[lo:hi]), self.eos_id)
+        tokens, logprobs = (self.rollout.generate(prompts[lo:hi], max_new_tokens, temperature, list(seeds[lo:hi]),
+                                                  self.eos_id) if hi > lo else ([], []))
         return {"replica": self.replica, "lead": self.tp_rank == 0, "tokens": tokens, "logprobs": logprobs,
                 "seconds": time.perf_counter() - t0}
 

@@ -94,6 +94,8 @@ def run(config_source, iterations: int | None = None, output_dir: str | None = N
     finally:
         if loop.world is not None:  # before the cluster: the trainer's own world gets its actors back
             loop.world.close()
+        if loop.source is not None:  # an agent run's environment workers
+            loop.source.close()
         close_started(state, inputs, ok)
         elastic.close(graceful=ok)
         if owns_ray:

@@ -49,14 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .agent.env import EnvError
 from .device import DeviceUnavailable, resolve_device
 from .engines.base import EngineError, phase_engine_problems, rollout_engine, training_engine, training_engine_names
 from .families import DEFAULT_CONTEXT, derive_spec, family_problems
 from .rl.config import (ConfigError, ElasticEntry, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig,
-                        load_config, model_dims, scaled_along_dp)
+                        load_config, model_dims, scaled_along_dp, task_prompt_tokens)
 from .rl.algorithm_rules import algorithm_problems
 from .rl.data import DataError, load_data_splits, prompt_token_limit, read_columns, read_records
-from .rl.tasks import CharTokenizer, build_task, longest_answer_tokens, longest_prompt_tokens
+from .rl.tasks import CharTokenizer, build_task, longest_answer_tokens
 from .rl.tokenizer import TokenizerError, load_tokenizer
 
 LOCAL = "local"  # cuda_available: ask this machine (an embedded Ray's actors see what it sees)
@@ -248,7 +249,10 @@ def task_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
                         f"answer ({answer} tokens with <eos>)")
     if dims is None:
         return problems
-    prompt = longest_prompt_tokens(task, tokenizer)
+    try:
+        prompt = episode_prompt_tokens(cfg) if cfg.agent is not None else task_prompt_tokens(cfg)
+    except EnvError:  # an environment that cannot be imported: the agent check says so
+        return problems
     if prompt + cfg.algorithm.max_new_tokens > dims.max_context:
         problems.append(f"model: the task's longest prompt is {prompt} tokens; with max_new_tokens="
                         f"{cfg.algorithm.max_new_tokens} that is {prompt + cfg.algorithm.max_new_tokens} "
@@ -510,6 +514,44 @@ def _sampling(cfg: RunConfig, facts: Facts) -> list[str]:
         return [f"algorithm.top_p: {cfg.algorithm.top_p} — the rollout engines sample from the whole "
                 f"distribution; only top_p 1.0 runs"]
     return []
+
+
+def episode_prompt_tokens(cfg: RunConfig) -> int:
+    """An agent run's longest prompt: the longest sample's episode prompt (the environment's text
+    around the sample's: ``agent.workflow.episode_request``), in the character tokenizer's ids."""
+    from .agent.workflow import episode_request
+
+    t = cfg.task
+    longest = build_task(t.name, t.min_len, t.max_len, t.length_skew).longest()
+    return len(episode_request(cfg.agent.env, cfg.agent.env_kwargs, longest, "longest", CharTokenizer()).prompt_ids)
+
+
+@check("agent")
+def _agent(cfg: RunConfig, facts: Facts) -> list[str]:
+    """Multi-turn rollouts (``agent``): the environment must import; its episodes fit the trainer's
+    room (everything after the prompt is ``algorithm.max_new_tokens`` at most); the rollout is
+    synchronous (a batch in flight does not carry episodes yet)."""
+    a = cfg.agent
+    if a is None:
+        return []
+    from .agent.env import environment_class
+
+    problems = []
+    try:
+        environment_class(a.env)
+    except EnvError as e:
+        problems.append(f"agent.env: {e}")
+    if a.max_total_tokens is not None and a.max_total_tokens > cfg.algorithm.max_new_tokens:
+        problems.append(f"agent.max_total_tokens: {a.max_total_tokens} — more than algorithm.max_new_tokens="
+                        f"{cfg.algorithm.max_new_tokens}, the trainer's room for everything after the prompt "
+                        f"(model turns and observations); leave it null to use that")
+    if a.max_turn_tokens is not None and a.max_turn_tokens > cfg.algorithm.max_new_tokens:
+        problems.append(f"agent.max_turn_tokens: {a.max_turn_tokens} — more than algorithm.max_new_tokens="
+                        f"{cfg.algorithm.max_new_tokens}, the whole episode's room")
+    if cfg.algorithm.max_staleness:
+        problems.append(f"agent: multi-turn rollouts run synchronously (algorithm.off_policy.max_staleness: 0); "
+                        f"this config has {cfg.algorithm.max_staleness}")
+    return problems
 
 
 @check("prompts")

@@ -71,3 +71,36 @@ class Pid(Environment):
     def step(self, action):
         self.left -= 1
         return StepResult(f"{os.getpid()} ", 0.0, self.left <= 0)
+
+
+class GuessFailsOnOdd:
+    """The guessing game, whose step raises when the secret is odd: half the samples of a run fail
+    (``env_error``), the others play on."""
+
+    def __init__(self, **kwargs):
+        from rlhf_switch.agent.guess import GuessEnvironment
+
+        self.game = GuessEnvironment(**kwargs)
+
+    @classmethod
+    def episode_request(cls, sample, session, tokenizer, **kwargs):
+        from rlhf_switch.agent.guess import request
+
+        return _with_env(request(sample, session, tokenizer, **kwargs))
+
+    def reset(self, sample):
+        return self.game.reset(sample)
+
+    def step(self, action):
+        if self.game.secret % 2:
+            raise RuntimeError(f"the secret {self.game.secret} is odd")
+        return self.game.step(action)
+
+    def close(self):
+        pass
+
+
+def _with_env(request):
+    import dataclasses
+
+    return dataclasses.replace(request, env="agent_envs:GuessFailsOnOdd")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhf_switch.agent import calc, guess
-from rlhf_switch.agent.config import AgentConfig
+from rlhf_switch.agent.config import AgentConfig, build_pool, episode_limits
 from rlhf_switch.agent.env import (EnvError, StepResult, build_environment, check_step_result,
                                    environment_class)
 from rlhf_switch.agent.episode import EpisodeRequest, Generated, HFCodec, episode_metrics, run_episode, run_episodes
@@ -536,10 +536,14 @@ def test_evaluator_token_list_is_the_generated_turns_and_the_observations():
 
 def test_agent_config_is_strict_and_gives_the_limits():
     cfg = AgentConfig(env="calc", max_turns=3, max_total_tokens=48, pool={"num_workers": 3, "num_cpus": 0.5})
-    assert cfg.limits(64) == Limits(3, 48, 64, None) and cfg.pool.timeout_s == 30.0
-    assert isinstance(AgentConfig(env="guess", max_turns=6, max_total_tokens=50,
-                                  pool={"in_process": True}).pool.build(), LocalEnvPool)
-    for bad in ({"env": "chess"}, {"env": "calc", "max_turn": 3}, {"env": "calc", "pool": {"num_cpus": 0}},
+    assert episode_limits(cfg, 64) == Limits(3, 48, 64, None) and cfg.pool.timeout_s == 30.0
+    # a run's block may leave the total to algorithm.max_new_tokens
+    assert episode_limits(AgentConfig(env="calc", max_turns=2), 64, 30) == Limits(2, 30, 64, None)
+    with pytest.raises(ValueError, match="max_total_tokens is not set"):
+        episode_limits(AgentConfig(env="calc", max_turns=2), 64)
+    assert isinstance(build_pool(AgentConfig(env="guess", max_turns=6, max_total_tokens=50,
+                                             pool={"in_process": True}).pool), LocalEnvPool)
+    for bad in ({"env": ""}, {"env": "calc", "max_turn": 3}, {"env": "calc", "pool": {"num_cpus": 0}},
                 {"env": "calc", "failed_samples": "retry"}):
         with pytest.raises(ValueError):
             AgentConfig(**{"max_turns": 3, "max_total_tokens": 10, **bad})

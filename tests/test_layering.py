@@ -80,7 +80,7 @@ LAYERS = {"device": set(), "runtime_env": set(), "timeouts": set(), "vps": set()
           # environments, tools and episodes: rl's tasks, rewards and SFT pieces
           "agent": {"rl"},
           # the pre-start checks ask the config, the engines' registry and the device, and call the reward
-          "problems": {"vps", "families", "models", "rl", "engines", "device", "reward_workers"},
+          "problems": {"vps", "families", "models", "rl", "engines", "device", "reward_workers", "agent"},
           "elastic": {"vps", "routing", "families", "models", "rl", "compat", "launch", "engines", "device",
                       "problems", "timeouts"},
           # the cost model asks the engine registry which layouts each engine runs (no process group)

@@ -44,7 +44,7 @@ def rollout(tp=1, pp=1, dp=1):
 
 def test_the_checks_run_in_registration_order_and_a_name_registers_once():
     assert list(P.CHECKS) == ["model", "elastic", "layouts", "batch", "algorithm", "off_policy", "rebalance", "lend",
-                              "sampling", "prompts", "engines", "device", "lora", "reward", "logging",
+                              "sampling", "agent", "prompts", "engines", "device", "lora", "reward", "logging",
                               "reward_model"]
     with pytest.raises(ValueError, match=r"^a check named 'batch' is registered already$"):
         P.check("batch")(lambda c, f: [])
@@ -1076,3 +1076,48 @@ def test_a_reward_model_runs_train_file_of_pairs_too_long_is_named(tmp_path):
     assert P.reward_training_problems(rm(**{"data.train_files": [str(long)]}), cuda_available=False) == [
         "data.train_files: every one of its 1 pairs is longer than the model's context of 64 tokens (less the "
         "scored position)"]
+
+
+# ------------------------------------------------------------------------ agent (multi-turn rollouts)
+
+def test_agent_problems_each_with_its_words():
+    assert P._agent(cfg("agent_guess_tiny.yaml"), None) == []
+    assert P._agent(cfg(), None) == []  # no agent block: nothing to check
+    assert P._agent(cfg("agent_guess_tiny.yaml", **{"agent.env": "chess"}), None) == [
+        "agent.env: unknown environment 'chess'; registered: calc, guess, tools (or name your own as 'module:Class')"]
+    got = P._agent(cfg("agent_guess_tiny.yaml", **{"agent.env": "no_such_module:Env", "agent.max_total_tokens": 25,
+                                                    "agent.max_turn_tokens": 30}), None)
+    assert len(got) == 3
+    assert got[0].startswith("agent.env: ") and "no_such_module" in got[0]
+    assert got[1] == ("agent.max_total_tokens: 25 — more than algorithm.max_new_tokens=24, the trainer's room for "
+                      "everything after the prompt (model turns and observations); leave it null to use that")
+    assert got[2] == "agent.max_turn_tokens: 30 — more than algorithm.max_new_tokens=24, the whole episode's room"
+    # at the bound: accepted
+    assert P._agent(cfg("agent_guess_tiny.yaml", **{"agent.max_total_tokens": 24, "agent.max_turn_tokens": 24}),
+                    None) == []
+
+
+def test_agent_runs_synchronously():
+    c = cfg("agent_guess_tiny.yaml", **{"algorithm.off_policy": {"max_staleness": 1}})
+    assert P._agent(c, None) == ["agent: multi-turn rollouts run synchronously (algorithm.off_policy.max_staleness: "
+                                 "0); this config has 1"]
+
+
+def test_an_agent_runs_prompt_is_its_episodes_and_must_fit_the_context():
+    """The calculator's episode prompt is the tool declaration and the problem: the sizes use it."""
+    from rlhf_switch.agent.calc import TOOL_PREFIX
+    task_prompt_tokens = P.episode_prompt_tokens
+
+    changes = {"task": {"name": "calc", "min_len": 5, "max_len": 6, "num_train": 100, "num_heldout": 16},
+               "agent": {"env": "calc", "env_kwargs": {"tools": True}, "max_turns": 3}}
+    with_tool = cfg("agent_guess_tiny.yaml", **changes)
+    assert task_prompt_tokens(with_tool) == 1 + len(TOOL_PREFIX) + len("999999+999999=")
+    changes["agent"]["env_kwargs"] = {"tools": False}
+    assert task_prompt_tokens(cfg("agent_guess_tiny.yaml", **changes)) == 1 + len("999999+999999=")
+    changes["agent"]["env_kwargs"] = {"tools": True}
+    changes["algorithm.max_new_tokens"] = 64 - 21 + 1  # one token more than the tool prompt leaves
+    got = P.task_problems(cfg("agent_guess_tiny.yaml", **changes), P.model_dims(with_tool.model))
+    assert got == ["model: the task's longest prompt is 21 tokens; with max_new_tokens=44 that is 65 > "
+                   "max_position_embeddings=64"]
+    changes["algorithm.max_new_tokens"] = 43
+    assert P.task_problems(cfg("agent_guess_tiny.yaml", **changes), P.model_dims(with_tool.model)) == []

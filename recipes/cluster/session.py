@@ -39,10 +39,21 @@ def start_ray(cfg, world: int, verbose: bool = False):
         res = resources_for(cfg)
         logical = resolve_device(cfg.device, cuda_available(), cfg.model.dtype).kind == "cpu"
         with quiet_default_token_auth_notice():
-            ray.init(address="local", num_cpus=max(world, int(res.cpus)),
+            ray.init(address="local", num_cpus=max(world, int(res.cpus)) + env_pool_cpus(cfg),
                      num_gpus=max(world, res.devices) if logical else None,
                      log_to_driver=True, include_dashboard=False, runtime_env=env)
     return ray, True
+
+
+def env_pool_cpus(cfg) -> int:
+    """The CPUs an agent run's environment workers take (``agent.pool``), beside the bundles': its
+    workers and one more, the successor a timed-out worker gets while it finishes its sessions."""
+    import math
+
+    pool = cfg.agent.pool if cfg.agent is not None else None
+    if pool is None or pool.in_process:
+        return 0
+    return math.ceil((pool.num_workers + 1) * pool.num_cpus)
 
 
 def run_runtime_env(cfg, verbose: bool = False) -> dict:

@@ -10,7 +10,8 @@ The phases of one iteration, in order (``PHASES``; docs/loop.md lists the same, 
     rollout       group_size samples per prompt, from the source (elastic.lend: on the trainer's
                   devices too); partial rollout: the unfinished samples finished with the new weights
     reward        the run's reward function on every sample (in the driver or its reward workers, each
-                  call within reward_timeout_s); a reward model's score too; shaped by the algorithm
+                  call within reward_timeout_s) — a multi-turn sample's environment's reward instead;
+                  a reward model's score too; shaped by the algorithm
     dynamic_sampling  DAPO's: groups without signal dropped, more prompts drawn
     advantages    the algorithm's per-sequence advantages (the driver's estimators), the batch the
                   trainer ranks take their shares of
@@ -140,8 +141,10 @@ class Loop:
         from recipes.loop.world import TrainWorld
 
         self.splits, self.tok, self.reward_runner, self.max_ctx, self.eos_id = splits, tok, reward_runner, max_ctx, eos_id
-        self.evaluator = Evaluator(self.cfg, splits, tok, reward_runner, max_ctx)
         self.source = rollout_source(self)
+        # a multi-turn source evaluates episodes; every other run greedy single-turn responses
+        self.evaluator = getattr(self.source, "evaluator", None) or Evaluator(self.cfg, splits, tok, reward_runner,
+                                                                              max_ctx)
         self.world = TrainWorld.of(self)
 
     # --- one iteration, phase by phase -----------------------------------------------------------
@@ -211,16 +214,22 @@ class Loop:
         """The decoded responses, scored by the run's reward function (``RewardRunner``: in this
         process or its workers, every call within ``reward_timeout_s``), shaped by the algorithm
         (DAPO's overlong punishment)."""
-        for s in exp.samples:
-            s.text = self.tok.decode(s.response)
-        raw = self.reward_runner([s.source.prompt for s in exp.samples], exp.column("text"),
-                                 [s.source.answer for s in exp.samples])
+        for s in exp.samples:  # an episode's: the whole conversation, each turn and observation decoded alone
+            s.text = self.tok.decode(s.response) if s.episode is None else s.episode.text(self.tok)
+        env = exp.column("env_reward")
+        if all(r is not None for r in env):  # multi-turn: the environments scored the samples
+            raw = list(env)
+        else:
+            raw = self.reward_runner([s.source.prompt for s in exp.samples], exp.column("text"),
+                                     [s.source.answer for s in exp.samples])
         if self.cfg.reward is not None:
             raw = self.model_reward(exp, raw)
         responses = exp.column("response")
         shaped = self.algorithm.shape_scores(raw, responses)
         for s, r, shaped_r, cut in zip(exp.samples, raw, shaped, self.algorithm.truncated(responses, self.eos_id)):
-            s.raw_reward, s.reward, s.finish_reason = r, shaped_r, "length" if cut else "stop"
+            s.raw_reward, s.reward = r, shaped_r
+            if s.episode is None:  # an episode's finish reason is its own (max_turns, env_error, ...)
+                s.finish_reason = "length" if cut else "stop"
 
     def resample(self, it: int, exp: Experience) -> Experience:
         """Dynamic sampling: the groups without signal (every sample the same reward) dropped and

@@ -60,6 +60,15 @@ class IterationRecord:
         rec.update(_update(self.stats))
         if exp.dynamic_sampling is not None:
             rec["dynamic_sampling"] = exp.dynamic_sampling
+        episodes = [s.episode for s in exp.samples if s.episode is not None]
+        if episodes:  # multi-turn: turns, tool calls and their success, finish reasons, environment seconds
+            from rlhf_switch.agent.episode import episode_metrics
+
+            rec["agent"] = {**episode_metrics(episodes), "turn_batches": exp.turn_batches,
+                            "model_tokens": sum(sum(s.loss_mask) for s in exp.samples),
+                            # agent.failed_samples: exclude — samples the environment failed, no token trained
+                            "excluded": sum(1 for s in exp.samples if s.episode is not None and s.episode.failed
+                                            and not any(s.loss_mask))}
         seconds = time.perf_counter() - self.started
         rec.update(_versions(exp, self.iteration), samples_per_s=len(exp) / seconds if seconds > 0 else float("nan"))
         rec.update(_correction(self.stats))

@@ -7,6 +7,8 @@
 ``Partial``         one step ahead, the batch in flight generated K tokens at a time
                     (``segment_tokens``): the update landing interrupts it, and its unfinished samples
                     continue with the new weights after the next sync (``recipes.loop.partial``)
+``MultiTurn``       synchronous, each sample an episode with an environment (``agent``;
+                    ``recipes.loop.workflow``)
 ==================  ===================================================================================
 
 A source owns the generation's submission and collection and the batch in flight. The loop asks it,
@@ -50,6 +52,9 @@ class Synchronous:
 
     def during_update(self, calls: list) -> None:
         pass
+
+    def close(self) -> None:
+        """The run is over: what the source holds released."""
 
     # --- the generation's parts ------------------------------------------------------------------------
     def _samples(self, it: int, drawn: list, draw: int) -> Experience:
@@ -153,9 +158,76 @@ class Partial(OneStepAhead):
             segments.pump(calls, None if hook is None else lambda: hook(nxt, self.loop.cluster))
 
 
+class MultiTurn(Synchronous):
+    """Each sample an episode with the run's environment (``agent``), generated after the sync
+    (``recipes.loop.workflow``)."""
+
+    def __init__(self, loop):
+        super().__init__(loop)
+        from recipes.loop.workflow import EpisodeEvaluator
+        from rlhf_switch.agent.config import build_pool, episode_limits
+
+        agent, alg = loop.cfg.agent, loop.cfg.algorithm
+        self.limits = episode_limits(agent, loop.max_ctx, alg.max_new_tokens)
+        self.pool = build_pool(agent.pool)
+        self.evaluator = EpisodeEvaluator(loop, self)
+        self._started()
+
+    def _started(self) -> None:
+        """The pool's workers up, or one clear error now: a worker that cannot start would fail
+        every sample's episode (``env_error``) and the run would train on nothing."""
+        import asyncio
+
+        pids = getattr(self.pool, "pids", None)
+        if pids is not None and None in asyncio.run(pids()):
+            self.pool.shutdown()
+            p = self.loop.cfg.agent.pool
+            raise RuntimeError(f"agent.pool: the environment workers did not start within start_timeout_s="
+                               f"{p.start_timeout_s} s; each needs num_cpus={p.num_cpus} free in the Ray cluster "
+                               f"beside the run's devices ({p.num_workers} workers)")
+
+    def requests(self, samples, tag: str) -> list:
+        from rlhf_switch.agent.workflow import episode_request
+
+        agent = self.loop.cfg.agent
+        return [episode_request(agent.env, agent.env_kwargs, s, f"{tag}-{i}", self.loop.tok) for i, s in enumerate(samples)]
+
+    def play(self, it: int, samples, seeds, temperature: float, tag: str):
+        """Every sample's episode (``agent.workflow.run_workflow``) over the run's replicas."""
+        from recipes.loop.workflow import replica_batches
+        from rlhf_switch.agent.workflow import run_workflow
+
+        return run_workflow(replica_batches(self.loop, it), self.pool, self.requests(samples, tag), self.loop.tok,
+                            self.limits, seeds, temperature)
+
+    def generate(self, it: int, drawn: list, draw: int = 0) -> Experience:
+        loop, alg = self.loop, self.loop.cfg.algorithm
+        sources = [s for s in drawn for _ in range(alg.group_size)]
+        seeds = sample_seeds(loop.cfg, it, len(sources), first=draw * len(sources))
+        started = time.perf_counter()
+        result = self.play(it, sources, seeds, alg.temperature, f"it{it}.{draw}")
+        exclude = loop.cfg.agent.failed_samples == "exclude"
+        samples = []
+        for i, (src, seed, ep) in enumerate(zip(sources, seeds, result.episodes)):
+            s = SampleExperience(ep.prompt_ids, src, i // alg.group_size, seed, response=ep.response_ids,
+                                 logprobs=ep.logprobs or [], versions=ep.versions or [], finish_reason=ep.finish_reason,
+                                 loss_mask=[0] * len(ep.loss_mask) if exclude and ep.failed else ep.loss_mask,
+                                 env_reward=0.0 if ep.failed else ep.reward, episode=ep)
+            samples.append(s)
+        exp = Experience(samples, time.perf_counter() - started)
+        exp.turn_batches = result.batches
+        return exp
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
 def rollout_source(loop):
-    """The run's rollout source, from ``algorithm.off_policy``."""
+    """The run's rollout source, from ``algorithm.off_policy`` and ``agent`` (multi-turn:
+    ``recipes.loop.workflow``)."""
     alg = loop.cfg.algorithm
+    if loop.cfg.agent is not None:
+        return MultiTurn(loop)
     if not alg.max_staleness:
         return Synchronous(loop)
     return Partial(loop) if alg.off_policy.segment_tokens else OneStepAhead(loop)

@@ -10,7 +10,8 @@
 - ``calc``, ``guess``: the two tasks (a calculator tool; a number-guessing game).
 - ``experts``, ``sft``, ``evaluate``, ``warm_start``: the tasks' scripted transcripts, the
   multi-turn supervised warm start, greedy multi-turn evaluation and their measurement.
-- ``config``: the ``agent`` config block.
+- ``config``: the ``agent`` config block's pool and limits.
+- ``workflow``: many episodes driven together against a batch generator, the token-exactness check.
 
-Running these episodes inside the RL loop is not built yet (docs/agents.md).
+The RL loop runs these episodes for a run with an ``agent`` block (``workflow``; docs/agents.md).
 """

@@ -56,6 +56,11 @@ class CalcEnvironment(ToolEnvironment):
     def __init__(self, tools: bool = True):
         super().__init__([Calculator()] if tools else [], CompactCallFormat(), "rlhf_switch.rl.rewards:exact_match")
 
+    @classmethod
+    def episode_request(cls, sample: Sample, session: str, tokenizer: CharTokenizer, tools: bool = True) -> EpisodeRequest:
+        """The RL loop's episode of ``sample`` (``agent.workflow.episode_request``): ``request``."""
+        return request(sample, session, tokenizer, tools)
+
 
 @dataclass(frozen=True)
 class CalcTask(Task):

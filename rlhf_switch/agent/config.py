@@ -1,10 +1,14 @@
-"""The ``agent`` config block (typed, strict), for a run's multi-turn rollouts::
+"""The ``agent`` config block and what the episode driver and the pool are built from.
+
+The block itself (``AgentConfig``, ``EnvPoolConfig``) is a part of the run config
+(``rlhf_switch.rl.config``: typed, strict, importing nothing of this package)::
 
     agent:
-      env: calc                    # a registered environment or "module:Class"
+      env: calc                    # a registered environment or "module:Class" (checked before the run)
       env_kwargs: {tools: true}
       max_turns: 3
-      max_total_tokens: 48         # everything after the prompt (observations included)
+      max_total_tokens: null       # everything after the prompt (observations included); null: the
+                                   # run's algorithm.max_new_tokens (the trainer's room)
       max_turn_tokens: null        # one model turn (null: only the total)
       failed_samples: zero         # env_error / timeout samples: zero (reward 0, trained on) | exclude
       pool:
@@ -15,59 +19,34 @@
         max_concurrency: 32        # threads per worker: calls of different sessions at once
         in_process: false          # true: no Ray (LocalEnvPool: no timeouts; tests, evaluation)
 
-``AgentConfig.limits(max_context)`` and ``EnvPoolConfig.build()`` give what the episode driver
+``episode_limits(block, max_context)`` and ``build_pool(block.pool)`` give what the episode driver
 and the pool take.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
+from ..rl.config import AgentConfig, EnvPoolConfig
 from .limits import Limits
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+__all__ = ["AgentConfig", "EnvPoolConfig", "build_pool", "episode_limits"]
 
 
-class EnvPoolConfig(_Strict):
-    num_workers: int = Field(2, ge=1)
-    num_cpus: float = Field(0.25, gt=0)
-    timeout_s: float = Field(30.0, gt=0)
-    start_timeout_s: float = Field(120.0, gt=0)
-    max_concurrency: int = Field(32, ge=1)
-    in_process: bool = False
+def build_pool(pool: EnvPoolConfig) -> Any:
+    """The pool: ``RayEnvPool`` (Ray must be running), or ``LocalEnvPool`` when ``in_process``."""
+    from .pool import LocalEnvPool, RayEnvPool
 
-    def build(self) -> Any:
-        """The pool: ``RayEnvPool`` (Ray must be running), or ``LocalEnvPool`` when ``in_process``."""
-        from .pool import LocalEnvPool, RayEnvPool
-
-        if self.in_process:
-            return LocalEnvPool()
-        return RayEnvPool(num_workers=self.num_workers, num_cpus=self.num_cpus, timeout_s=self.timeout_s,
-                          start_timeout_s=self.start_timeout_s, max_concurrency=self.max_concurrency)
+    if pool.in_process:
+        return LocalEnvPool()
+    return RayEnvPool(num_workers=pool.num_workers, num_cpus=pool.num_cpus, timeout_s=pool.timeout_s,
+                      start_timeout_s=pool.start_timeout_s, max_concurrency=pool.max_concurrency)
 
 
-class AgentConfig(_Strict):
-    env: str
-    env_kwargs: dict = Field(default_factory=dict)
-    max_turns: int = Field(..., ge=1)
-    max_total_tokens: int = Field(..., ge=1)
-    max_turn_tokens: int | None = Field(None, ge=1)
-    failed_samples: Literal["zero", "exclude"] = "zero"
-    pool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
-
-    @field_validator("env")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        from .env import ENVIRONMENTS
-
-        if v not in ENVIRONMENTS and ":" not in v:
-            raise ValueError(f"unknown environment {v!r}; registered: {', '.join(sorted(ENVIRONMENTS))} "
-                             f"(or 'module:Class')")
-        return v
-
-    def limits(self, max_context: int) -> Limits:
-        return Limits(max_turns=self.max_turns, max_total_tokens=self.max_total_tokens, max_context=max_context,
-                      max_turn_tokens=self.max_turn_tokens)
+def episode_limits(agent: AgentConfig, max_context: int, max_total_tokens: int | None = None) -> Limits:
+    """The episode's limits; ``max_total_tokens``: where the block leaves it null (a run's
+    ``algorithm.max_new_tokens``)."""
+    total = agent.max_total_tokens if agent.max_total_tokens is not None else max_total_tokens
+    if total is None:
+        raise ValueError("agent.max_total_tokens is not set")
+    return Limits(max_turns=agent.max_turns, max_total_tokens=total, max_context=max_context,
+                  max_turn_tokens=agent.max_turn_tokens)

@@ -115,6 +115,15 @@ class Episode:
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
+    def text(self, codec: Codec) -> str:
+        """The conversation after the prompt as text: each segment decoded alone (a model turn up
+        to its eos), in order — for records; the token list is what trains."""
+        out, at = [], 0
+        for _, n in self.segments:
+            out.append(codec.decode(self.response_ids[at:at + n]))
+            at += n
+        return "".join(out)
+
     def _append(self, kind: str, ids: Sequence[int], logprobs: Sequence[float] | None = None,
                 versions: Sequence[int] | None = None) -> None:
         model = kind == "model"

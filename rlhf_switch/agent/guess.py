@@ -46,6 +46,12 @@ class GuessEnvironment(Environment):
         self.low, self.high, self.turn_cost = low, high, turn_cost
         self.secret, self.guesses = None, 0
 
+    @classmethod
+    def episode_request(cls, sample, session: str, tokenizer, low: int = 1, high: int = 63,
+                        turn_cost: float = 0.0) -> "EpisodeRequest":
+        """The RL loop's episode of ``sample`` (``agent.workflow.episode_request``): ``request``."""
+        return request(sample, session, tokenizer, low, high, turn_cost)
+
     def reset(self, sample) -> str:
         self.secret = int(sample_field(sample, "answer"))
         if not self.low <= self.secret <= self.high:

@@ -244,7 +244,8 @@ class TaskConfig(Strict):
     """A generated task (``rlhf_switch.rl.tasks``). Its own ``seed`` (not the run's) fixes the
     prompts, so runs with different seeds are evaluated on the same held-out set."""
 
-    name: Literal["addition", "sorting", "reversal"]
+    # calc and guess are the agent tasks (rlhf_switch.agent): run them with an ``agent`` block
+    name: Literal["addition", "sorting", "reversal", "calc", "guess"]
     min_len: int = Field(1, ge=1)
     max_len: int = Field(3, ge=1)
     # P(length n) ∝ exp(-length_skew·(n-min_len)/(max_len-min_len)): 0 = uniform; > 0 = mostly
@@ -607,6 +608,32 @@ class ElasticConfig(Strict):
     lend: Literal["off", "rollout", "auto"] = "off"
 
 
+class EnvPoolConfig(Strict):
+    """Where an agent run's environments run (``rlhf_switch.agent.config.build_pool``): Ray worker
+    actors, or this process (``in_process``)."""
+
+    num_workers: int = Field(2, ge=1)
+    num_cpus: float = Field(0.25, gt=0)
+    timeout_s: float = Field(30.0, gt=0)
+    start_timeout_s: float = Field(120.0, gt=0)
+    max_concurrency: int = Field(32, ge=1)
+    in_process: bool = False
+
+
+class AgentConfig(Strict):
+    """Multi-turn rollouts (``rlhf_switch.agent``; docs/agents.md): each sample an episode with the
+    environment ``env`` (a registered name or ``module:Class``: whether it imports is a pre-start
+    check, so loading a config imports no environment)."""
+
+    env: str = Field(min_length=1)
+    env_kwargs: dict = Field(default_factory=dict)
+    max_turns: int = Field(..., ge=1)
+    max_total_tokens: int | None = Field(None, ge=1)  # null: the run's algorithm.max_new_tokens
+    max_turn_tokens: int | None = Field(None, ge=1)
+    failed_samples: Literal["zero", "exclude"] = "zero"
+    pool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
+
+
 class RunConfig(Strict):
     world_size: int = Field(ge=1)
     # where every engine computes (rlhf_switch.device): auto = cuda when the actors see a GPU
@@ -639,6 +666,9 @@ class RunConfig(Strict):
     verify_fraction: float = Field(0.1, gt=0, le=1)
     elastic: ElasticConfig | None = None  # planned resizes of the run's world (rlhf_switch/elastic)
     reward: RewardModelConfig | None = None  # a learned reward model (docs/reward-models.md)
+    # multi-turn rollouts: each sample an episode with an environment (docs/agents.md); absent: one
+    # prompt, one completion
+    agent: AgentConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -896,6 +926,8 @@ def longest_sequence_tokens(cfg: RunConfig, max_context: int) -> int:
     data's prompt limit) plus ``max_new_tokens``, never more than the context. An engine with
     static shapes (the pipeline's buffers) is built for this length, not for the whole context."""
     new = cfg.algorithm.max_new_tokens
+    if cfg.agent is not None:  # an episode's prompt is its environment's to write: the whole context
+        return max_context
     if cfg.task is not None:
         prompt = task_prompt_tokens(cfg)
     else:

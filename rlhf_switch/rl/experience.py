@@ -14,13 +14,19 @@ field              filled by        what
 ``loss_mask``      rollout          per response token: 1 — the loss counts it (the model's), 0 — not
 ``group``          rollout          the index of its prompt in the iteration's draw: the samples of one
                                     group share a prompt (group advantages)
-``finish_reason``  rollout/reward   ``stop`` (the end token), ``length`` (cut at ``max_new_tokens``)
+``finish_reason``  rollout/reward   ``stop`` (the end token), ``length`` (cut at ``max_new_tokens``);
+                                    a multi-turn sample's is its episode's (``max_turns``,
+                                    ``env_error``, ``timeout`` too)
 ``text``           reward           the decoded response
 ``raw_reward``     reward           the reward before shaping (the rule's, or rule and model combined)
 ``reward``         reward           after shaping (DAPO's overlong punishment): what the estimator sees
 ``rule_reward``,   reward           with a reward model: the two parts of ``raw_reward``
 ``model_reward``
 ``advantage``      advantages       where the estimator works in the driver: the sample's advantage
+``env_reward``     rollout          a multi-turn sample: its environment's reward (the reward phase
+                                    takes it instead of the reward function's)
+``episode``        rollout          a multi-turn sample: its ``agent.episode.Episode`` (turns, tool
+                                    calls, environment seconds: the record's ``agent`` metrics)
 =================  ===============  ====================================================================
 
 On the trainer ranks each rank's share becomes a ``RankBatch`` (``rl.algorithm``), cut from
@@ -54,11 +60,14 @@ class SampleExperience:
     rule_reward: float | None = None
     model_reward: float | None = None
     advantage: float | None = None
+    env_reward: float | None = None
+    episode: Any = None
 
     @property
     def version(self) -> int:
-        """The weights' version of its oldest token (the sample's staleness)."""
-        return min(v for v in self.versions if v >= 0)
+        """The weights' version of its oldest token (the sample's staleness); -1 when the model
+        generated none (an episode its environment failed before the first turn)."""
+        return min((v for v in self.versions if v >= 0), default=-1)
 
     @property
     def truncated(self) -> bool:
@@ -84,6 +93,7 @@ class Experience:
     # how many did)
     segmented: bool = False
     dynamic_sampling: dict | None = None  # what dynamic sampling kept, drew and filled
+    turn_batches: list[int] | None = None  # multi-turn: the size of each batch of turns sent to the engines
 
     def __len__(self) -> int:
         return len(self.samples)

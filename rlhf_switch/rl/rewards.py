@@ -119,6 +119,9 @@ DEFAULT_REWARDS: dict[str, str] = {
     "addition": "rlhf_switch.rl.rewards:exact_match",
     "sorting": "rlhf_switch.rl.rewards:exact_match",
     "reversal": "rlhf_switch.rl.rewards:exact_match",
+    # the agent tasks: an agent run is scored by its environment; this scores a single-turn run
+    "calc": "rlhf_switch.rl.rewards:exact_match",
+    "guess": "rlhf_switch.rl.rewards:exact_match",
 }
 
 

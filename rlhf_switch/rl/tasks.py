@@ -220,11 +220,20 @@ class ReversalTask(Task):
 TASKS: dict[str, type[Task]] = {"addition": AdditionTask, "sorting": SortingTask, "reversal": ReversalTask}
 
 
+# the agent tasks (rlhf_switch.agent), imported on first use: they import this module
+AGENT_TASKS: dict[str, str] = {"calc": "rlhf_switch.agent.calc:CalcTask", "guess": "rlhf_switch.agent.guess:GuessTask"}
+
+
 def build_task(name: str, min_len: int = 1, max_len: int = 3, length_skew: float = 0.0) -> Task:
-    try:
+    if name in AGENT_TASKS:
+        import importlib
+
+        module, cls_name = AGENT_TASKS[name].split(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+    elif name in TASKS:
         cls = TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
+    else:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join([*TASKS, *AGENT_TASKS])}")
     return cls(min_len=min_len, max_len=max_len, length_skew=length_skew)
 
 

@@ -1,0 +1,203 @@
+"""Many samples' episodes driven together against a batch generator: what a multi-turn rollout is.
+
+    result = run_workflow(generate_batch, pool, requests, codec, limits, seeds, temperature)
+
+``generate_batch(prompts, seeds, budgets, temperature)`` is the rollout engines, called with every
+turn that is ready at once (token ids in, token ids, their log-probs and the weight version out:
+``recipes.loop.workflow`` adapts the run's replicas to it). Each sample's episode runs as its own
+coroutine (``episode.run_episode``); its ``generate`` call parks the turn in ``TurnBatcher``, and
+the batcher sends the parked turns as one batch when every episode still running is waiting for
+the model — the environments' calls of one round run concurrently in the pool meanwhile. The
+batches therefore depend only on the samples, their seeds and the environments' answers, never
+on timing: a run is reproducible turn for turn.
+
+A turn's budget differs per sample (what is left of the total); the engine stops at ``<eos>`` but
+not at an episode's own stop ids (a tool call's closing text), so the batcher cuts each answer
+after its first stop id. The tokens it keeps are exactly those an engine that stopped there would
+have produced: a token is sampled from the ones before it and the sample's own seed, never from
+the ones after. Turn 0 is generated with the sample's own seed (a one-turn workflow is the
+single-turn rollout, token for token); turn ``t`` with ``turn_seed(seed, t)``.
+
+Token exactness is checked, not assumed (``check_tokens``): the batcher records every call's
+context (its length and a digest of its ids) and the ids it returned; every episode's final
+sequence must begin with each of its calls' contexts, hold each call's ids right after it, and
+its loss mask must be 1 on exactly those ids. An episode whose history was rebuilt from text
+(decoded and encoded again between turns, the field's most reported multi-turn bug) fails it.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .env import environment_class
+from .episode import Episode, EpisodeRequest, Generated, run_episode
+from .limits import Limits
+
+# (prompts, seeds, budgets, temperature) -> (tokens, logprobs, versions): one entry per prompt
+GenerateBatch = Callable[[list[list[int]], list[int], list[int], float],
+                         tuple[list[list[int]], list[list[float]], list[int]]]
+
+
+class TokenMismatchError(RuntimeError):
+    """A sample's trained tokens are not the tokens its turns were generated from and produced."""
+
+
+def episode_request(env: str, env_kwargs: dict, sample: Any, session: str, tokenizer: Any) -> EpisodeRequest:
+    """The episode of ``sample`` in environment ``env``: the environment class's own
+    ``episode_request(sample, session, tokenizer, **env_kwargs)`` when it has one (its prompt
+    text and the stop ids that end a model turn), else ``<bos>`` + the sample's prompt with no
+    stop id but ``<eos>``."""
+    cls = environment_class(env)
+    own = getattr(cls, "episode_request", None)
+    if own is not None:
+        return own(sample, session, tokenizer, **env_kwargs)
+    return EpisodeRequest(session=session, env=env, sample=sample,
+                          prompt_ids=tuple(tokenizer.encode(sample.prompt, add_bos=True)), env_kwargs=dict(env_kwargs))
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of a sample's turn ``turn``: its own seed for the first, then a hash of
+    (seed, turn) below 2^62."""
+    if turn == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def cut_at_stop(tokens: Sequence[int], stops: frozenset) -> int:
+    """How many of ``tokens`` a turn keeps: up to and including its first stop id (all when none)."""
+    for k, t in enumerate(tokens):
+        if t in stops:
+            return k + 1
+    return len(tokens)
+
+
+@dataclass
+class TurnCall:
+    """One model turn as the batcher sent it: which episode, its context and what came back."""
+
+    episode: int
+    turn: int
+    context_len: int
+    context_digest: str
+    output: list[int]
+
+
+def _digest(ids: Sequence[int]) -> str:
+    return hashlib.blake2b(",".join(map(str, ids)).encode(), digest_size=16).hexdigest()
+
+
+@dataclass
+class TurnBatcher:
+    """Parks each episode's turn until every episode still running waits for the model, then
+    sends them as one batch (module docstring)."""
+
+    generate_batch: GenerateBatch
+    seeds: list[int]
+    temperature: float
+    live: int = 0
+    calls: list[TurnCall] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)  # the size of each batch sent
+    _parked: list[tuple] = field(default_factory=list)
+    _turns: dict[int, int] = field(default_factory=dict)
+    _flushing: bool = False
+
+    def generate_for(self, episode: int):
+        """The ``generate`` function of episode ``episode`` (its seeds are ``seeds[episode]``'s)."""
+        async def generate(ids: list[int], budget: int, stops: frozenset) -> Generated:
+            fut = asyncio.get_running_loop().create_future()
+            self._parked.append((episode, list(ids), budget, stops, fut))
+            self._maybe_flush()
+            return await fut
+        return generate
+
+    def episode_done(self) -> None:
+        self.live -= 1
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if self._parked and len(self._parked) == self.live and not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        parked, self._parked = self._parked, []
+        try:
+            turns = [self._turns.get(e, 0) for e, *_ in parked]
+            for e, *_ in parked:
+                self._turns[e] = self._turns.get(e, 0) + 1
+            seeds = [turn_seed(self.seeds[e], t) for (e, *_), t in zip(parked, turns)]
+            # the engines block: in a thread, so the event loop keeps the pool's calls going
+            tokens, logprobs, versions = await asyncio.to_thread(
+                self.generate_batch, [p[1] for p in parked], seeds, [p[2] for p in parked], self.temperature)
+            for (e, ids, budget, stops, fut), t, toks, lps, v in zip(parked, turns, tokens, logprobs, versions):
+                keep = cut_at_stop(toks[:budget], stops)
+                out = Generated([int(x) for x in toks[:keep]], [float(x) for x in lps[:keep]], [int(v)] * keep)
+                self.calls.append(TurnCall(e, t, len(ids), _digest(ids), out.token_ids))
+                fut.set_result(out)
+            self.batches.append(len(parked))
+        except BaseException as exc:  # every parked episode learns the batch failed
+            for *_, fut in parked:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        finally:
+            self._flushing = False
+        self._maybe_flush()
+
+
+@dataclass
+class WorkflowResult:
+    episodes: list[Episode]
+    calls: list[TurnCall]
+    batches: list[int]  # the size of each batch of turns sent to the engines
+
+
+def run_workflow(generate_batch: GenerateBatch, pool: Any, requests: Sequence[EpisodeRequest], codec: Any,
+                 limits: Limits, seeds: Sequence[int], temperature: float) -> WorkflowResult:
+    """Every request's episode, the turns of all of them batched (module docstring), checked for
+    token exactness (``check_tokens``)."""
+    batcher = TurnBatcher(generate_batch, list(seeds), temperature, live=len(requests))
+
+    async def one(i: int, r: EpisodeRequest) -> Episode:
+        try:
+            return await run_episode(batcher.generate_for(i), pool, r, codec, limits)
+        finally:
+            batcher.episode_done()
+
+    async def all_of_them() -> list[Episode]:
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+
+    episodes = asyncio.run(all_of_them())
+    check_tokens([e.ids for e in episodes], [e.loss_mask for e in episodes], [len(e.prompt_ids) for e in episodes],
+                 batcher.calls)
+    return WorkflowResult(episodes, batcher.calls, batcher.batches)
+
+
+def check_tokens(sequences: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
+                 prompt_lens: Sequence[int], calls: Sequence[TurnCall]) -> int:
+    """``TokenMismatchError`` unless every sequence (prompt + response, as it will be trained) is
+    what its turns were generated from and produced: each call's context is a prefix of it, the
+    call's ids follow right after, and the loss mask is 1 on exactly the calls' ids. Returns the
+    number of model tokens checked."""
+    model = [set() for _ in sequences]
+    for c in calls:
+        seq = sequences[c.episode]
+        end = c.context_len + len(c.output)
+        if _digest(seq[:c.context_len]) != c.context_digest or c.context_len > len(seq):
+            raise TokenMismatchError(f"sample {c.episode}: its tokens before turn {c.turn} are not the "
+                                     f"{c.context_len} tokens that turn was generated from")
+        if list(seq[c.context_len:end]) != c.output:
+            raise TokenMismatchError(f"sample {c.episode}: tokens {c.context_len}..{end} are not those turn "
+                                     f"{c.turn} generated")
+        model[c.episode].update(range(c.context_len, end))
+    for i, (seq, mask, p) in enumerate(zip(sequences, loss_masks, prompt_lens)):
+        if len(mask) != len(seq) - p:
+            raise TokenMismatchError(f"sample {i}: {len(mask)} loss-mask entries for {len(seq) - p} response tokens")
+        wrong = [k for k, m in enumerate(mask) if bool(m) != (p + k in model[i])]
+        if wrong:
+            raise TokenMismatchError(f"sample {i}: the loss mask is {mask[wrong[0]]} at response token {wrong[0]}, "
+                                     f"which {'no' if mask[wrong[0]] else 'a'} model turn generated")
+    return sum(len(m) for m in model)

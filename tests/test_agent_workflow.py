@@ -1,0 +1,175 @@
+"""Many episodes driven together (rlhf_switch.agent.workflow): turns batched only when every episode
+still running waits for the model, each answer cut after its first stop id, turn seeds, and the
+token-exactness check — which must catch a history rebuilt from text, a changed model token and a
+loss mask on the environment's tokens. The "engine" here is a scripted batch function (the
+workflow's contract is about tokens, not about a model); the loop's multi-turn runs with real
+engines are in tests/test_agent_loop.py. Seconds, one process."""
+from __future__ import annotations
+
+import pytest
+
+from rlhf_switch.agent import calc, guess
+from rlhf_switch.agent.pool import LocalEnvPool
+from rlhf_switch.agent.workflow import (TokenMismatchError, TurnCall, _digest, check_tokens, cut_at_stop,
+                                        episode_request, run_workflow, turn_seed)
+from rlhf_switch.rl.tasks import CharTokenizer, Sample
+
+TOK = CharTokenizer()
+GARBAGE = TOK.encode("999")  # what an engine that does not know the stop ids generates after one
+
+
+class Scripted:
+    """A batch "engine": each prompt's answer is ``policy(context text)`` encoded (a final answer
+    with its <eos>), then garbage past the stop (the batcher must cut it); log-probs -0.5 per token, version 7. Records every batch."""
+
+    def __init__(self, policy):
+        self.policy, self.batches = policy, []
+
+    def __call__(self, prompts, seeds, budgets, temperature):
+        self.batches.append((list(map(list, prompts)), list(seeds), list(budgets), temperature))
+        tokens = [(self.turn(self.policy(TOK.decode(p), s)) + GARBAGE)[:b] for p, s, b in zip(prompts, seeds, budgets)]
+        return tokens, [[-0.5] * len(t) for t in tokens], [7] * len(tokens)
+
+    @staticmethod
+    def turn(text: str) -> list[int]:
+        """A call or a guess ends at its closing character; a final answer at <eos>."""
+        return TOK.encode(text) + ([] if text.endswith((",", ">")) else [TOK.eos_id])
+
+
+def binary_search(text: str, seed: int) -> str:
+    lo, hi = guess.feasible(text)
+    return f"{(lo + hi + 1) // 2 if lo < hi else lo},"
+
+
+def test_every_game_is_played_turn_by_turn_in_batches_and_cut_at_the_stop():
+    secrets = ["1", "32", "63", "17", "40"]
+    requests = [episode_request("guess", {}, Sample("guess=", s), f"s{i}", TOK) for i, s in enumerate(secrets)]
+    engine = Scripted(binary_search)
+    result = run_workflow(engine, LocalEnvPool(), requests, TOK, guess.limits(64), seeds=[10, 11, 12, 13, 14],
+                          temperature=1.0)
+    eps = result.episodes
+    assert all(e.finish_reason == "stop" and e.reward == 1.0 for e in eps)
+    # a batch holds every episode still playing: 5 at first, fewer as games are won
+    turns = [e.turns for e in eps]
+    assert result.batches == [sum(t > k for t in turns) for k in range(max(turns))]
+    assert result.batches[0] == 5 and len(engine.batches) == max(turns)
+    # each turn is the guess and its "," — the garbage after the stop is never appended
+    for e in eps:
+        assert all(a.endswith(",") for a in e.actions)
+        assert not any(e.response_ids[k:k + 3] == GARBAGE for k in range(len(e.response_ids)))
+        model = [t for t, m in zip(e.response_ids, e.loss_mask) if m]
+        assert TOK.decode(model) == "".join(e.actions)
+        assert e.logprobs == [-0.5 if m else 0.0 for m in e.loss_mask]
+        assert e.versions == [7 if m else -1 for m in e.loss_mask]
+    # turn 0 with each sample's own seed, later turns with seeds of their own
+    assert engine.batches[0][1] == [10, 11, 12, 13, 14]
+    assert engine.batches[1][1] == [turn_seed(s, 1) for s, t in zip([10, 11, 12, 13, 14], turns) if t > 1]
+    assert result.calls and len(result.calls) == sum(turns)
+
+
+def test_a_turn_budget_is_each_samples_own_and_the_context_is_the_whole_list_so_far():
+    requests = [episode_request("calc", {"tools": True}, Sample("12345*67=", "827115"), "c0", TOK),
+                episode_request("calc", {"tools": False}, Sample("11111+22222=", "33333"), "c1", TOK)]
+    assert requests[0].prompt_ids == calc.request(requests[0].sample, "c0", TOK, True).prompt_ids
+    engine = Scripted(lambda text, seed: calc.expert_policy(text))
+    result = run_workflow(engine, LocalEnvPool(), requests, TOK, calc.limits(64), seeds=[3, 4], temperature=0.0)
+    a, b = result.episodes
+    assert (a.reward, a.turns, b.reward, b.turns) == (1.0, 2, 1.0, 1)
+    prompts, _, budgets, temperature = engine.batches[0]
+    assert prompts == [list(r.prompt_ids) for r in requests] and temperature == 0.0
+    assert budgets == [64 - len(r.prompt_ids) for r in requests]
+    # the second turn's context: the prompt, the call and the calculator's answer, as one list
+    assert engine.batches[1][0] == [a.ids[:len(a.prompt_ids) + a.segments[0][1] + a.segments[1][1]]]
+
+
+def test_a_failing_engine_fails_the_workflow_not_hangs_it():
+    def broken(prompts, seeds, budgets, temperature):
+        raise RuntimeError("replica lost")
+
+    requests = [episode_request("guess", {}, Sample("guess=", "5"), f"b{i}", TOK) for i in range(3)]
+    with pytest.raises(RuntimeError, match="replica lost"):
+        run_workflow(broken, LocalEnvPool(), requests, TOK, guess.limits(64), seeds=[0, 1, 2], temperature=1.0)
+
+
+def test_cut_at_stop_and_turn_seed():
+    assert cut_at_stop([5, 6, 7, 6], frozenset({6})) == 2
+    assert cut_at_stop([5, 6, 7], frozenset({9})) == 3 and cut_at_stop([], frozenset({1})) == 0
+    assert cut_at_stop([2, 6], frozenset({2, 6})) == 1
+    assert turn_seed(123, 0) == 123
+    seeds = {turn_seed(s, t) for s in range(50) for t in range(1, 6)}
+    assert len(seeds) == 250 and all(0 <= x < 2 ** 62 for x in seeds)
+    assert turn_seed(123, 2) == turn_seed(123, 2) != turn_seed(124, 2)
+
+
+def _one_game():
+    """A played game: its sequence, mask, prompt length and the batcher's calls."""
+    req = episode_request("guess", {}, Sample("guess=", "20"), "g", TOK)
+    result = run_workflow(Scripted(binary_search), LocalEnvPool(), [req], TOK, guess.limits(64), seeds=[1],
+                          temperature=1.0)
+    e = result.episodes[0]
+    assert e.turns >= 3
+    return list(e.ids), list(e.loss_mask), len(e.prompt_ids), result.calls
+
+
+def test_token_check_passes_the_played_game_and_counts_its_model_tokens():
+    seq, mask, p, calls = _one_game()
+    assert check_tokens([seq], [mask], [p], calls) == sum(mask)
+
+
+def test_token_check_catches_a_history_rebuilt_between_turns():
+    """The field's multi-turn bug: the conversation decoded and encoded again, so an earlier
+    observation's ids differ from the ones the next turn was generated from."""
+    seq, mask, p, calls = _one_game()
+    env_pos = p + mask.index(0)  # the first observation's token
+    rebuilt = seq[:env_pos] + [TOK.encode("<")[0] if seq[env_pos] != TOK.encode("<")[0] else TOK.encode(">")[0]] \
+        + seq[env_pos + 1:]
+    with pytest.raises(TokenMismatchError, match="before turn 1 are not"):
+        check_tokens([rebuilt], [mask], [p], calls)
+
+
+def test_token_check_catches_a_changed_model_token_and_a_shifted_turn():
+    seq, mask, p, calls = _one_game()
+    last = max(p + k for k, m in enumerate(mask) if m)
+    changed = seq[:last] + [TOK.eos_id if seq[last] != TOK.eos_id else 5] + seq[last + 1:]
+    with pytest.raises(TokenMismatchError, match="are not those turn"):
+        check_tokens([changed], [mask], [p], calls)
+    shifted = [TurnCall(c.episode, c.turn, c.context_len, c.context_digest, c.output) for c in calls]
+    c0 = shifted[0]
+    shifted[0] = TurnCall(0, 0, c0.context_len - 1, _digest(seq[:c0.context_len - 1]), c0.output)
+    with pytest.raises(TokenMismatchError):
+        check_tokens([seq], [mask], [p], shifted)
+
+
+def test_token_check_catches_a_loss_mask_on_the_environments_tokens_or_off_the_models():
+    seq, mask, p, calls = _one_game()
+    on_env = list(mask)
+    on_env[mask.index(0)] = 1
+    with pytest.raises(TokenMismatchError, match="which no model turn generated"):
+        check_tokens([seq], [on_env], [p], calls)
+    off_model = list(mask)
+    off_model[0] = 0
+    with pytest.raises(TokenMismatchError, match="which a model turn generated"):
+        check_tokens([seq], [off_model], [p], calls)
+    with pytest.raises(TokenMismatchError, match="loss-mask entries"):
+        check_tokens([seq], [mask[:-1]], [p], calls)
+
+
+def test_an_environment_without_its_own_request_gets_the_samples_prompt():
+    req = episode_request("agent_envs:Raises", {}, Sample("7+8=", "15"), "r", TOK)
+    assert req.prompt_ids == tuple(TOK.encode("7+8=", add_bos=True)) and req.stop_ids == frozenset()
+
+
+def test_a_batch_waits_for_every_episode_still_running_however_long_its_environment_takes():
+    """Environments answering after different times (threads of the pool): each round's turns still
+    go to the engine as one batch — sending the first to arrive alone would make the batches, and
+    so a run, depend on timing."""
+    from rlhf_switch.agent.limits import Limits
+
+    requests = [episode_request("agent_envs:Sleeps", {}, Sample("go=", s), f"z{i}", TOK)
+                for i, s in enumerate(["0", "0.05", "0.1"])]
+    engine = Scripted(lambda text, seed: "ok")
+    with LocalEnvPool(timeout_s=5.0) as pool:
+        result = run_workflow(engine, pool, requests, TOK, Limits(max_turns=3, max_total_tokens=40, max_context=64),
+                              seeds=[0, 1, 2], temperature=1.0)
+    assert [e.finish_reason for e in result.episodes] == ["max_turns"] * 3
+    assert result.batches == [3, 3, 3]
