@@ -777,3 +777,57 @@ def test_a_field_another_estimator_reads_passes_at_its_default_factorys_value():
             "algorithm.stops: the test_with_factory estimator's; grpo uses group, which does not read it"]
     finally:
         ESTIMATORS.pop(WithFactory.name)
+
+
+# --- a multi-turn sample's environment tokens ---------------------------------------------------------
+
+class LogitsPolicy:
+    """The smallest trainable policy for ``Algorithm.update``: its parameters are the logits of
+    every position of the batch itself (one micro-batch, DP 1); each step's gradient is kept."""
+
+    dp, dp_rank, dp_group = 1, 0, None
+
+    def __init__(self, rows: int, length: int, vocab: int = 11):
+        self.logits = torch.randn(rows, length, vocab, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        self.grads: list[torch.Tensor] = []
+
+    def logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    def train_step(self, ids, micro, loss_fn):
+        assert micro == ids.shape[0] == self.logits.shape[0]
+        loss, stats = loss_fn(self.logprobs(ids), slice(0, ids.shape[0]))
+        loss.backward()
+        self.grads.append(self.logits.grad.clone())
+        self.logits.grad = None
+        return {"grad_norm": 0.0, "stats": [stats]}
+
+
+@pytest.mark.parametrize("name", CRITIC_FREE)
+def test_environment_tokens_carry_no_gradient_in_any_algorithms_update(name):
+    """A multi-turn sample's response holds the environment's tokens (``loss_mask`` 0) between the
+    model's: every critic-free algorithm's update — its loss, its KL, GSPO's sequence ratio — puts
+    no gradient on the logits that predict them, and some on every model token's."""
+    cfg = config(name, group_size=2, prompts_per_iteration=1, mini_batch_size=2, micro_batch_size=2,
+                 kl_coef=0.1).algorithm
+    alg = Algorithm.build(cfg)
+    responses, loss_mask = [[5, 6, 7, 8, 9], [5, 7, 6]], [[1, 1, 0, 0, 1], [1, 0, 1]]
+    policy = LogitsPolicy(2, 2 + 5)
+    ids = torch.tensor([[1, 3] + responses[0], [1, 3] + responses[1] + [0, 0]])
+    with torch.no_grad():
+        now = policy.logprobs(ids)
+    # the rollout's log-probs a little off the trainer's (ratios not 1), the reference further off
+    noise = torch.linspace(-0.05, 0.05, now.numel()).view_as(now)
+    batch = {"prompts": [[1, 3], [1, 3]], "responses": responses, "loss_mask": loss_mask,
+             "rollout_logprobs": [(now[r, 1:1 + len(x)] + 0.02).tolist() for r, x in enumerate(responses)],
+             **alg.batch_fields([1.0, 0.0], [False, False])}
+    rows = RankBatch.of(batch, 1, 0, 0, cfg, torch.device("cpu"))
+    assert rows.mask.tolist() == [[0, 1, 1, 0, 0, 1], [0, 1, 0, 1, 0, 0]]
+    old = OldPolicy(old=((now + noise) * rows.response_mask).detach(), ref=((now - 2 * noise) * rows.response_mask),
+                    values=None)
+    alg.update(policy, None, rows, old)
+    per_position = policy.grads[0][:, :-1].abs().sum(-1)  # position t predicts ids[:, t + 1]
+    # the environment's tokens: response tokens 2, 3 of row 0 and 1 of row 1, predicted at positions
+    # 1 + k (the prompt is 2 tokens)
+    assert [per_position[0, 3].item(), per_position[0, 4].item(), per_position[1, 2].item()] == [0.0, 0.0, 0.0], name
+    assert (per_position[rows.mask == 1] > 0).all(), name
