@@ -5,6 +5,7 @@ injection. (What a config is checked for before anything starts: ``rlhf_switch.p
 """
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -59,9 +60,39 @@ def warm_start(cfg, out_dir: Path, quiet: bool = False) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return Path(sft_warm_start(cfg, out_dir, progress=not quiet, log=None if quiet else print))
+        return Path(sft_warm_start(cfg, out_dir, progress=not quiet, log=None if quiet else print,
+                                   train=agent_warm_start(cfg)))
     finally:
         torch.set_num_threads(threads)
+
+
+def agent_warm_start(cfg):
+    """An agent run's SFT (``warm_start``'s ``train``): on the transcripts its environment class
+    writes for the task's train samples (``warm_start_transcripts(samples, tokenizer, max_context,
+    seed, max_turns, **env_kwargs)``: ``calc`` and ``guess`` play scripted experts through the
+    episode driver), the loss on the player's tokens only. None — the task's prompt → answer SFT —
+    for a run without an agent block or an environment without transcripts."""
+    if cfg.agent is None or cfg.sft is None or not cfg.sft.steps:
+        return None
+    from rlhf_switch.agent.env import environment_class
+
+    write = getattr(environment_class(cfg.agent.env), "warm_start_transcripts", None)
+    if write is None:
+        return None
+
+    def train(model):
+        from rlhf_switch.agent.sft import sft_transcripts
+        from rlhf_switch.rl.data import load_splits
+        from rlhf_switch.rl.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(cfg)
+        splits, _ = load_splits(cfg, tok)
+        transcripts = write(splits.train, tok, int(model.config.max_position_embeddings), cfg.seed,
+                            cfg.agent.max_turns, **cfg.agent.env_kwargs)
+        return sft_transcripts(model, transcripts, cfg.sft.steps, cfg.sft.lr, cfg.sft.batch_size, cfg.seed)
+    name = json.dumps({"env": cfg.agent.env, "env_kwargs": cfg.agent.env_kwargs, "max_turns": cfg.agent.max_turns},
+                      sort_keys=True)
+    return f"agent transcripts {name}", train
 
 
 class Evaluator:

@@ -127,7 +127,8 @@ def start(state: RunState, resuming: bool, t_start: float) -> dict:
     inputs = {"tok": tok, "splits": splits,
               "reward_runner": RewardRunner(cfg.reward_fn, cfg.reward_workers, cfg.reward_timeout_s, say=state.say)}
     try:
-        state.say(f"reward: {inputs['reward_runner']!r}")
+        state.say(f"reward: the environment's ({cfg.agent.env})" if cfg.agent is not None
+                  else f"reward: {inputs['reward_runner']!r}")
         hf = cfg.model.hf_dict()
         inputs.update(max_ctx=context_length(hf), eos_id=hf.get("eos_token_id"))
         write_run_config(state.out_dir, cfg)

@@ -6,6 +6,8 @@ workflow's contract is about tokens, not about a model); the loop's multi-turn r
 engines are in tests/test_agent_loop.py. Seconds, one process."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rlhf_switch.agent import calc, guess
@@ -173,3 +175,30 @@ def test_a_batch_waits_for_every_episode_still_running_however_long_its_environm
                               seeds=[0, 1, 2], temperature=1.0)
     assert [e.finish_reason for e in result.episodes] == ["max_turns"] * 3
     assert result.batches == [3, 3, 3]
+
+
+def test_an_agent_runs_warm_start_trains_on_its_environments_transcripts(tmp_path):
+    """``recipes.common.agent_warm_start``: the game's SFT is on played games (the loss on the
+    player's turns), its checkpoint's fingerprint says so, and a single-turn run's warm start of
+    the same task and model is another checkpoint."""
+    import yaml
+
+    from recipes.common import agent_warm_start, warm_start
+    from rlhf_switch.rl.config import load_config
+    from rlhf_switch.rl.sft import cached_checkpoint
+    from test_rl_pure import CONFIGS
+
+    data = yaml.safe_load((CONFIGS / "agent_guess_tiny.yaml").read_text())
+    data["sft"].update(steps=3, batch_size=4)
+    cfg = load_config(data)
+    name, _ = agent_warm_start(cfg)
+    assert name == 'agent transcripts {"env": "guess", "env_kwargs": {"high": 63, "low": 1}, "max_turns": 6}'
+    out = warm_start(cfg, tmp_path / "init", quiet=True)
+    saved = json.loads((out / "warm_start.json").read_text())
+    assert saved["fingerprint"]["sft_on"] == name
+    assert saved["sft_stats"]["num_transcripts"] == 47 * 40 and saved["sft_stats"]["steps"] == 3
+    assert cached_checkpoint(cfg, out, name) == out and cached_checkpoint(cfg, out) is None
+    single = load_config({**data, "agent": None})
+    assert agent_warm_start(single) is None
+    no_sft = load_config({**data, "sft": None})
+    assert agent_warm_start(no_sft) is None

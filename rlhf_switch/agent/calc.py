@@ -57,6 +57,16 @@ class CalcEnvironment(ToolEnvironment):
         super().__init__([Calculator()] if tools else [], CompactCallFormat(), "rlhf_switch.rl.rewards:exact_match")
 
     @classmethod
+    def warm_start_transcripts(cls, samples, tokenizer: CharTokenizer, max_context: int, seed: int, max_turns: int,
+                               tools: bool = True) -> list:
+        """The RL loop's warm start (``recipes.common.agent_warm_start``): each sample once by the
+        scripted expert — a quarter answered at once, the rest through the tool (all at once
+        without it)."""
+        from .experts import calc_transcripts
+
+        return calc_transcripts(samples, tokenizer, max_context, direct_fraction=0.25 if tools else 1.0, seed=seed)
+
+    @classmethod
     def episode_request(cls, sample: Sample, session: str, tokenizer: CharTokenizer, tools: bool = True) -> EpisodeRequest:
         """The RL loop's episode of ``sample`` (``agent.workflow.episode_request``): ``request``."""
         return request(sample, session, tokenizer, tools)

@@ -47,6 +47,19 @@ class GuessEnvironment(Environment):
         self.secret, self.guesses = None, 0
 
     @classmethod
+    def warm_start_transcripts(cls, samples, tokenizer, max_context: int, seed: int, max_turns: int, low: int = 1,
+                               high: int = 63, turn_cost: float = 0.0) -> list:
+        """The RL loop's warm start (``recipes.common.agent_warm_start``): 40 games of each train
+        secret by the noisy binary-search player (half its guesses uniform among the numbers still
+        possible), lost games kept."""
+        from .experts import guess_transcripts
+
+        if (low, high) != (1, 63):
+            raise ValueError(f"the game's warm-start transcripts are played in 1..63, not {low}..{high}")
+        return guess_transcripts(samples, tokenizer, max_context, games_per_sample=40, noise=0.5, seed=seed,
+                                 max_turns=max_turns)
+
+    @classmethod
     def episode_request(cls, sample, session: str, tokenizer, low: int = 1, high: int = 63,
                         turn_cost: float = 0.0) -> "EpisodeRequest":
         """The RL loop's episode of ``sample`` (``agent.workflow.episode_request``): ``request``."""

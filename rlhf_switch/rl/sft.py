@@ -367,14 +367,18 @@ def _digest(fp: dict) -> str:
     return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()
 
 
-def cached_checkpoint(cfg: Any, out_dir: str | os.PathLike) -> Path | None:
-    """``out_dir`` when it holds a finished warm start for ``cfg``, else None."""
+def cached_checkpoint(cfg: Any, out_dir: str | os.PathLike, sft_on: str | None = None) -> Path | None:
+    """``out_dir`` when it holds a finished warm start for ``cfg`` (``sft_on``: trained on what
+    ``warm_start``'s ``train`` names), else None."""
     out = Path(out_dir)
     try:
         saved = json.loads((out / FINGERPRINT_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if saved.get("digest") != _digest(fingerprint(cfg)):
+    fp = fingerprint(cfg)
+    if sft_on is not None:
+        fp["sft_on"] = sft_on
+    if saved.get("digest") != _digest(fp):
         return None
     if not (out / "config.json").is_file() or not list(out.glob("*.safetensors")):
         return None
@@ -382,13 +386,18 @@ def cached_checkpoint(cfg: Any, out_dir: str | os.PathLike) -> Path | None:
 
 
 def warm_start(cfg: Any, out_dir: str | os.PathLike, progress: bool = True,
-               log: Callable[[str], None] | None = print) -> Path:
+               log: Callable[[str], None] | None = print,
+               train: tuple[str, Callable[[torch.nn.Module], dict]] | None = None) -> Path:
     """The run's initial checkpoint: ``initial_model(cfg)`` (``model.path``'s weights, or the
     seeded model), SFT when ``cfg.sft`` is set with ``steps > 0`` (on the task, or on a ``data:``
     run's rendered train pairs with its tokenizer), saved in ``out_dir`` with
     ``save_hf_checkpoint``. Reused, not retrained, when ``out_dir`` already holds one with the same
     ``fingerprint`` (``warm_start.json``, written last, records it and the SFT stats). Returns
-    ``out_dir`` — or ``model.path`` itself when it holds weights and there is no SFT."""
+    ``out_dir`` — or ``model.path`` itself when it holds weights and there is no SFT.
+
+    ``train``: ``(name, fn)`` — another SFT than the task's prompt → answer pairs (an agent run's
+    multi-turn transcripts): ``fn(model)`` trains the model in place and returns its stats;
+    ``name`` says what it trains on and goes into the fingerprint."""
     out = Path(out_dir)
     train_sft = cfg.sft is not None and cfg.sft.steps > 0
     if not train_sft and _has_weights(cfg.model.path):
@@ -396,15 +405,19 @@ def warm_start(cfg: Any, out_dir: str | os.PathLike, progress: bool = True,
         if log:
             log(f"[warm_start] no SFT: starting from {cfg.model.path}")
         return Path(cfg.model.path)
-    if cached_checkpoint(cfg, out) is not None:
+    if cached_checkpoint(cfg, out, None if train is None else train[0]) is not None:
         if log:
             log(f"[warm_start] reusing {out}")
         return out
     fp = fingerprint(cfg)
+    if train is not None:
+        fp["sft_on"] = train[0]
     model = initial_model(cfg)
     stats: dict = {"steps": 0}
     if train_sft:
-        if cfg.data is not None:
+        if train is not None:
+            stats = train[1](model)
+        elif cfg.data is not None:
             tokenizer, train = data_sft_samples(cfg)
             stats = sft(model, None, cfg.sft, cfg.seed, progress=progress,
                         max_new_tokens=cfg.algorithm.max_new_tokens, samples=train, tokenizer=tokenizer)
