@@ -49,6 +49,7 @@ bench: venv
 	$(PY) -m bench.train_switch
 	$(PY) -m bench.switch --quick --cases a,b,c,d $(BENCH_ARGS)
 	$(PY) -m bench.elastic
+	$(PY) -m bench.agent_pool
 
 bench-full: venv
 	$(PY) -m bench.plan_scale
