@@ -1128,6 +1128,7 @@ def test_vllm_parameter_shapes_and_names():
         assert shapes["model.layers.1.self_attn.qkv_proj.weight"] == ((4 // tp + 2 * max(1, 2 // tp)) * 4, 8)
         assert shapes["model.embed_tokens.weight"] == (64 // tp, 8)
         assert shapes["model.layers.1.mlp.gate.weight"] == (4, 8)
+        assert all(type(n) is int for shape in shapes.values() for n in shape)  # torch's view() takes ints
 
 
 # =================================================================================================
@@ -1431,3 +1432,185 @@ def test_vllm_lora_ranks_and_names():
         "lora/model.layers.0.self_attn.qkv_proj.lora_b_stacked.2"
     with pytest.raises(LayoutError, match=r"^model 'llama' has no LoRA adapters$"):
         vllm_lora_layout(llama_spec(tiny_cfg()), 2)
+    # by default one engine, its adapter in slot 0
+    from rlhf_switch.vps.spec import LoraSpec
+
+    spec = llama_spec(tiny_cfg()).with_adapters(LoraSpec(4, 8.0, ("q_proj",)))
+    lay = vllm_lora_layout(spec, 2)
+    assert lay.world_size == 2 and lay == vllm_lora_layout(spec, 2, 1, slot=0)
+    assert {f.offset for f in lay.fragments(0) if ".lora_" in f.key.tensor} == {0}
+
+
+def test_buckets_cut_boxes_off_row_0_and_at_every_budget_edge():
+    """Cuts of boxes that do not start at row 0 (rank 1 holds rows 1:3 of w), a budget of exactly
+    one row, of one element, and a 3-D tensor's dense strides, all written out by hand."""
+    from rlhf_switch.vps.layouts.buckets import worker_buckets
+
+    dst = _hand_dst()
+    w, u = StateKey("w"), StateKey("u")
+    # rank 1's w rows 1:3 (float16, 6 B a row): 8 B fits one row, and two do not share a bucket
+    frags, bufs = worker_buckets(dst, 1, 8)
+    assert frags == (Fragment(w, Box((1, 0), (2, 3)), "bucket/1/0", 0, (3, 1)),
+                     Fragment(w, Box((2, 0), (3, 3)), "bucket/1/1", 0, (3, 1)))
+    assert bufs == {"bucket/1/0": BufferSpec(3, "float16"), "bucket/1/1": BufferSpec(3, "float16")}
+    # 4 B: a row does not fit, each row cut in 2 + 1 elements, a bucket each
+    frags, _ = worker_buckets(dst, 1, 4)
+    assert frags == (Fragment(w, Box((1, 0), (2, 2)), "bucket/1/0", 0, (2, 1)),
+                     Fragment(w, Box((1, 2), (2, 3)), "bucket/1/1", 0, (1, 1)),
+                     Fragment(w, Box((2, 0), (3, 2)), "bucket/1/2", 0, (2, 1)),
+                     Fragment(w, Box((2, 2), (3, 3)), "bucket/1/3", 0, (1, 1)))
+    # rank 0's w (float32, 12 B a row) at 12 B: one row a bucket, all four rows
+    frags, _ = worker_buckets(dst, 0, 12)
+    assert [f.box for f in frags if f.key == w] == [Box((i, 0), (i + 1, 3)) for i in range(4)]
+    # 4 B is one float32 element: u in two pieces of one element, no bucket over 4 B
+    frags, bufs = worker_buckets(dst, 0, 4)
+    assert [(f.box, f.offset) for f in frags if f.key == u] == [(Box((0,), (1,)), 0), (Box((1,), (2,)), 0)]
+    assert all(b.numel * (4 if b.dtype == "float32" else 2) <= 4 for b in bufs.values())
+    # a 3-D tensor keeps dense row-major strides; a 1-byte dtype fits a budget of 1 B, an element a bucket
+    spec = synthetic_spec([("c", (2, 3, 4), "float32", "replicate"), ("b", (3,), "uint8", "replicate")])
+    c, b = StateKey("c"), StateKey("b")
+    lay = Layout(spec, [[Fragment(c, Box((0, 0, 0), (2, 3, 4)), "param/c", 0, (12, 4, 1)),
+                         Fragment(b, Box((0,), (3,)), "param/b", 0, (1,))]],
+                 [{"param/c": BufferSpec(24, "float32"), "param/b": BufferSpec(3, "uint8")}], "3d")
+    frags, _ = worker_buckets(lay, 0, 1 << 10)
+    assert frags[0] == Fragment(c, Box((0, 0, 0), (2, 3, 4)), "bucket/0/0", 0, (12, 4, 1))
+    # 16 B: a [3, 4] slab (48 B) does not fit, nor a row of 4 (16 B fits exactly: one row a piece)
+    frags, _ = worker_buckets(lay, 0, 16)
+    assert [f.box for f in frags if f.key == c] == [Box((i, j, 0), (i + 1, j + 1, 4)) for i in range(2) for j in range(3)]
+    assert all(f.strides == (4, 4, 1) for f in frags if f.key == c)
+    only_b = Layout(spec, [lay.fragments(0)[1:]], [{"param/b": BufferSpec(3, "uint8")}], "b")
+    frags, bufs = worker_buckets(only_b, 0, 1)
+    assert [(f.box, f.buffer) for f in frags] == [(Box((i,), (i + 1,)), f"bucket/0/{i}") for i in range(3)]
+    assert bufs == {f"bucket/0/{i}": BufferSpec(1, "uint8") for i in range(3)}
+
+
+def test_host_and_buddy_copies_of_a_shared_buffer_and_of_distinct_ranks():
+    """Two fragments of one buffer are packed one after the other; with every rank holding
+    something else, each rank keeps exactly its predecessor's share (shift 1)."""
+    from rlhf_switch.vps.layouts.buddy import buddy_layout, lost_owners
+    from rlhf_switch.vps.layouts.host import host_layout
+
+    dst = _hand_dst()
+    w, v, u = StateKey("w"), StateKey("v"), StateKey("u")
+    flat = Layout(dst.spec, [[Fragment(w, Box((0, 0), (4, 3)), "param/flat", 2, (3, 1)),
+                              Fragment(u, Box((0,), (2,)), "param/flat", 14, (1,))],
+                             [Fragment(v, Box((0,), (5,)), "param/v", 0, (1,))]],
+                  [{"param/flat": BufferSpec(16, "float32")}, {"param/v": BufferSpec(5, "bfloat16")}], "flat")
+    host = host_layout(flat).validate()
+    assert host.spec is flat.spec
+    assert host.fragments(0) == (Fragment(w, Box((0, 0), (4, 3)), "host/param/flat", 0, (3, 1)),
+                                 Fragment(u, Box((0,), (2,)), "host/param/flat", 12, (1,)))
+    assert dict(host.buffers(0)) == {"host/param/flat": BufferSpec(14, "float32")}
+    b = buddy_layout(flat).validate()
+    assert b.spec is flat.spec
+    assert b.fragments(1) == (Fragment(v, Box((0,), (5,)), "host/param/v", 0, (1,)),
+                              Fragment(w, Box((0, 0), (4, 3)), "buddy/param/flat", 0, (3, 1)),
+                              Fragment(u, Box((0,), (2,)), "buddy/param/flat", 12, (1,)))
+    assert dict(b.buffers(1)) == {"host/param/v": BufferSpec(5, "bfloat16"),
+                                  "buddy/param/flat": BufferSpec(14, "float32")}
+    assert b.fragments(0)[2:] == (Fragment(v, Box((0,), (5,)), "buddy/param/v", 0, (1,)),)
+    with pytest.raises(LayoutError, match=r"^buddy shift 2 in a world of 2: expected 1\.\.1$"):
+        buddy_layout(flat, shift=2)
+    # three ranks holding w, v and u: rank h keeps rank h - 1's (not h + 1's)
+    own = [dst.fragments(0)[i:i + 1] for i in range(3)]
+    three = Layout(dst.spec, own, [dst.buffers(0)] * 3, "distinct")
+    b = buddy_layout(three).validate()
+    assert [[(f.key.tensor, f.buffer) for f in b.fragments(h)] for h in range(3)] == [
+        [("w", "host/param/w"), ("u", "buddy/param/u")], [("v", "host/param/v"), ("w", "buddy/param/w")],
+        [("u", "host/param/u"), ("v", "buddy/param/v")]]
+    # who is lost: an owner whose copy's holder is lost too
+    assert lost_owners(2, {0}) == [] and lost_owners(2, {0, 1}) == [0, 1]
+    assert lost_owners(4, {0, 2}, shift=2) == [0, 2] and lost_owners(4, {0, 1}, shift=2) == []
+    assert lost_owners(4, {0, 1}) == [0]
+
+
+def test_pipeline_stage_tensors_of_one_stage_and_of_all():
+    """``stage_tensors`` (one stage) and ``all_stage_tensors`` (every stage in one pass) against the
+    reference's stage split, tied embeddings, custom splits and a model without layers included."""
+    from rlhf_switch.vps import ModelSpec, TensorSpec
+    from rlhf_switch.vps.layouts.pipeline import all_stage_tensors, stage_bounds, stage_tensors
+
+    cases = [(tiny(num_hidden_layers=3), 2, None), (tiny(num_hidden_layers=3), 3, None),
+             (tiny(num_hidden_layers=7), 3, None), (tiny(num_hidden_layers=4), 3, (2, 0, 2)),
+             (tiny(num_hidden_layers=3, tie_word_embeddings=True), 2, None),
+             (tiny(num_hidden_layers=3, tie_word_embeddings=True), 1, None)]
+    for model, pp, layers in cases:
+        every = all_stage_tensors(model.spec, pp, layers)
+        assert len(every) == pp
+        for s in range(pp):
+            want = ref_stage(model, pp, s, layers)
+            assert [(t.name, buf) for t, buf in stage_tensors(model.spec, pp, s, layers)] == want, (pp, layers, s)
+            assert [(t.name, buf) for t, buf in every[s]] == want, (pp, layers, s)
+    assert stage_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)] and stage_bounds(4, 3, (2, 0, 2)) == [(0, 2), (2, 2), (2, 4)]
+    flat = ModelSpec("flat", (TensorSpec("a", (4,), anchor="first"), TensorSpec("b", (2,), anchor="last")), 0)
+    for pp in (1, 2):
+        for s in range(pp):
+            names = [t.name for t, _ in stage_tensors(flat, pp, s)]
+            assert names == [t.name for t, _ in all_stage_tensors(flat, pp)[s]]
+            assert names == (["a", "b"] if pp == 1 else [["a"], ["b"]][s])
+
+
+def local_from_parts(model: Model, lt) -> torch.Tensor:
+    """A local tensor built from its parts alone: each part's box of the global tensor, written
+    at its first local row; rows no part fills are 0 (vocabulary padding)."""
+    x = torch.zeros(lt.shape, dtype=torch_dtype(lt.dtype))
+    for p in lt.parts:
+        piece = model.tensor(p.tensor)[tuple(slice(lo, hi) for lo, hi in zip(p.box.lo, p.box.hi))]
+        x[p.row:p.row + p.box.shape[0]] = piece.reshape((p.box.shape[0],) + tuple(lt.shape[1:]))
+    return x
+
+
+@pytest.mark.parametrize("model,tp", [
+    (tiny(), 1), (tiny(attention_bias=True, mlp_bias=True), 2), (tiny(), 4),
+    (tiny(num_key_value_heads=4, attention_bias=True), 4), (tiny(tie_word_embeddings=True), 2),
+    (tiny(num_key_value_heads=1, vocab_size=100), 4), (moe(hidden_size=8, moe_intermediate_size=4, num_experts=4), 2),
+    (moe(hidden_size=8, moe_intermediate_size=4, num_experts=4), 4)], ids=lambda x: str(x) if isinstance(x, int) else "")
+def test_vllm_worker_tensors_are_vllms_parameters(model, tp):
+    """``worker_tensors`` (the local tensors the rollout engines view vLLM's parameters as) hold,
+    built from their parts alone, what vLLM's rules put in each parameter (``ref_vllm``), with the
+    model's dtype."""
+    from rlhf_switch.vps.layouts.vllm import worker_tensors
+
+    for t in range(tp):
+        local = worker_tensors(model.spec, tp, t)
+        got = {f"param/{lt.buffer}": local_from_parts(model, lt).reshape(-1) for lt in local}
+        want = ref_vllm(model, tp, t)
+        assert sorted(got) == sorted(want)
+        for name, x in want.items():
+            assert got[name].dtype == x.dtype and torch.equal(bits(got[name]), bits(x)), (tp, t, name)
+        assert all(type(n) is int for lt in local for n in lt.shape)
+
+
+def test_mesh_named_layouts_pass_fields_and_dtypes_on():
+    """``replicated`` and ``fsdp`` build the fields they are given, in the dtypes asked for."""
+    spec = llama_spec(tiny_cfg())
+    for lay in (replicated(spec, 2, ("param", "exp_avg"), param_dtype="bfloat16"),
+                fsdp(spec, 2, ("param", "exp_avg"), param_dtype="bfloat16")):
+        assert set(lay.fields()) == {"param", "exp_avg"}
+        assert {n.split("/")[0]: b.dtype for n, b in lay.buffers(1).items()} == {"param": "bfloat16",
+                                                                                 "exp_avg": "float32"}
+
+
+@pytest.mark.parametrize("kv,tp", [(2, 4), (2, 2), (1, 4)])
+def test_vllm_holders_of_any_box_are_those_an_index_finds(kv, tp):
+    """``Workers`` answers which workers hold a box of a tensor without building them (the planner
+    asks it for every box it moves): for every box of rows and columns of a KV head split
+    (TP > KV: heads shared), a row split and a column split, the same holders as a scan of every
+    rank's fragments."""
+    from rlhf_switch.vps.layout import _overlap
+
+    spec = tiny(num_key_value_heads=kv, attention_bias=True).spec
+    eager = vllm_layout(spec, tp)
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.bias",
+                 "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight", EMBED):
+        key, shape = StateKey(name), spec[name].shape
+        cuts = [sorted({0, 1, n // 2, n // 2 + 1, n - 1, n} | set(range(0, n + 1, 4))) for n in shape]
+        spans = [[(a, b) for a in c for b in c if a < b] for c in cuts]
+        probes = [Box((r[0],), (r[1],)) for r in spans[0]] if len(shape) == 1 else \
+            [Box((r[0], c[0]), (r[1], c[1])) for r in spans[0] for c in spans[1]]
+        for box in probes:
+            lazy = vllm_layout(spec, tp)  # asked before any index is built: Workers answers
+            got = sorted((b, r) for b, held in lazy._meeting(key, box) for h in held for r in h.ranks)
+            want = sorted((f.box, r) for r in range(tp) for f in eager.fragments(r)
+                          if f.key == key and _overlap(f.box, box))
+            assert got == want, (name, box)
