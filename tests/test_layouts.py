@@ -1564,7 +1564,8 @@ def local_from_parts(model: Model, lt) -> torch.Tensor:
     (tiny(), 1), (tiny(attention_bias=True, mlp_bias=True), 2), (tiny(), 4),
     (tiny(num_key_value_heads=4, attention_bias=True), 4), (tiny(tie_word_embeddings=True), 2),
     (tiny(num_key_value_heads=1, vocab_size=100), 4), (moe(hidden_size=8, moe_intermediate_size=4, num_experts=4), 2),
-    (moe(hidden_size=8, moe_intermediate_size=4, num_experts=4), 4)], ids=lambda x: str(x) if isinstance(x, int) else "")
+    (moe(hidden_size=8, moe_intermediate_size=4, num_experts=4), 4),
+    (tiny(vocab_size=32), 4)], ids=lambda x: str(x) if isinstance(x, int) else "")  # 32 -> 64 rows: worker 2 starts at 32
 def test_vllm_worker_tensors_are_vllms_parameters(model, tp):
     """``worker_tensors`` (the local tensors the rollout engines view vLLM's parameters as) hold,
     built from their parts alone, what vLLM's rules put in each parameter (``ref_vllm``), with the
@@ -1579,16 +1580,23 @@ def test_vllm_worker_tensors_are_vllms_parameters(model, tp):
         for name, x in want.items():
             assert got[name].dtype == x.dtype and torch.equal(bits(got[name]), bits(x)), (tp, t, name)
         assert all(type(n) is int for lt in local for n in lt.shape)
+        assert all(p.box.numel > 0 for lt in local for p in lt.parts)  # padding rows are no part
 
 
 def test_mesh_named_layouts_pass_fields_and_dtypes_on():
-    """``replicated`` and ``fsdp`` build the fields they are given, in the dtypes asked for."""
+    """``replicated``, ``fsdp`` and ``zero`` build the fields they are given, in the dtypes asked
+    for; ZeRO-1/2's ``param`` alone is DDP's replicated layout (the same digest: one plan)."""
     spec = llama_spec(tiny_cfg())
     for lay in (replicated(spec, 2, ("param", "exp_avg"), param_dtype="bfloat16"),
-                fsdp(spec, 2, ("param", "exp_avg"), param_dtype="bfloat16")):
+                fsdp(spec, 2, ("param", "exp_avg"), param_dtype="bfloat16"),
+                zero(spec, 2, 3, ("param", "exp_avg"), param_dtype="bfloat16", state_dtype="float64"),
+                zero(spec, 2, 1, ("param", "exp_avg"), param_dtype="bfloat16", state_dtype="float64")):
         assert set(lay.fields()) == {"param", "exp_avg"}
+        state = "float64" if lay.name.startswith("ZeRO") else "float32"
         assert {n.split("/")[0]: b.dtype for n, b in lay.buffers(1).items()} == {"param": "bfloat16",
-                                                                                 "exp_avg": "float32"}
+                                                                                 "exp_avg": state}
+    assert zero(spec, 2, 2, ("exp_avg",), state_dtype="float64").buffers(0)["exp_avg/zero.flat"].dtype == "float64"
+    assert zero(spec, 2, 1, ("param",)) == replicated(spec, 2) and zero(spec, 2, 1, ("param",)).name == "ZeRO1·DP2"
 
 
 @pytest.mark.parametrize("kv,tp", [(2, 4), (2, 2), (1, 4)])
@@ -1614,3 +1622,6 @@ def test_vllm_holders_of_any_box_are_those_an_index_finds(kv, tp):
             want = sorted((f.box, r) for r in range(tp) for f in eager.fragments(r)
                           if f.key == key and _overlap(f.box, box))
             assert got == want, (name, box)
+        # a geometry names only keys the engine holds: no optimizer state
+        lazy = vllm_layout(spec, tp)
+        assert lazy._geometry(key) is not None and lazy._geometry(StateKey(name, "exp_avg")) is None
