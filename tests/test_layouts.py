@@ -1625,3 +1625,20 @@ def test_vllm_holders_of_any_box_are_those_an_index_finds(kv, tp):
         # a geometry names only keys the engine holds: no optimizer state
         lazy = vllm_layout(spec, tp)
         assert lazy._geometry(key) is not None and lazy._geometry(StateKey(name, "exp_avg")) is None
+
+
+def test_mesh_geometries_group_like_tensors_of_one_ep_rank():
+    """Under DP replicate, tensors of one shape, TP role, dtype, stage and EP rank are held alike
+    and share a geometry (the planner works each geometry out once): the experts of one EP rank
+    do, those of two EP ranks do not, and without EP an expert shares it with a dense tensor of
+    its shape and role."""
+    model = moe(hidden_size=8, num_attention_heads=4, head_dim=4, moe_intermediate_size=16, num_experts=4)
+    gate = "model.layers.0.mlp.experts.{}.gate_proj.weight"
+    q = "model.layers.0.self_attn.q_proj.weight"  # [16, 8], column: an expert's gate_proj's shape and role
+    ep2 = build_layout(model.spec, ParallelConfig(dp=4, ep=2))
+    g = [ep2._geometry(StateKey(gate.format(e))) for e in range(4)]
+    assert g[0] is not None and g[0] == g[1] and g[2] == g[3] and g[0] != g[2]
+    assert ep2._geometry(StateKey(q)) not in (None, g[0], g[2])
+    one = build_layout(model.spec, ParallelConfig(dp=2))
+    assert len({one._geometry(StateKey(name)) for name in [q] + [gate.format(e) for e in range(4)]}) == 1
+    assert one._geometry(StateKey(q, "exp_avg")) is None  # a field the layout does not hold
