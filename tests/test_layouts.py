@@ -1642,3 +1642,22 @@ def test_mesh_geometries_group_like_tensors_of_one_ep_rank():
     one = build_layout(model.spec, ParallelConfig(dp=2))
     assert len({one._geometry(StateKey(name)) for name in [q] + [gate.format(e) for e in range(4)]}) == 1
     assert one._geometry(StateKey(q, "exp_avg")) is None  # a field the layout does not hold
+
+
+def test_zero_pads_to_twice_dp_by_default_and_fused_rows_must_stack():
+    """``data_parallel.zero``'s default alignment is DeepSpeed's 2 (a flat range padded to a
+    multiple of 2·DP); a fused group whose members' local rows differ cannot be one buffer."""
+    from rlhf_switch.vps import ModelSpec, TensorSpec
+    from rlhf_switch.vps.layouts import data_parallel
+    from rlhf_switch.vps.layouts.local import whole
+    from rlhf_switch.vps.spec import FusedGroup
+
+    five = [whole("a", (5,), "float32")]
+    assert [data_parallel.zero(five, 2, r)[1] for r in range(2)] == [{"zero.flat": 4}] * 2  # 5 -> 8
+    assert data_parallel.zero(five, 2, 1)[0] == [("a", Box((4,), (5,)), "zero.flat", 0, (1,))]
+    assert data_parallel.zero(five, 2, 1, alignment=3)[1] == {"zero.flat": 3}  # 5 -> 6
+    spec = ModelSpec("odd", (TensorSpec("g", (4, 2), tp="column", layer=0), TensorSpec("u", (4, 3), tp="column", layer=0)),
+                     1, fused=(FusedGroup("gu", ("g", "u")),))
+    with pytest.raises(LayoutError, match=re.escape("fused buffer gu: member u has local shape (2, 3), the first "
+                                                    "member's rows are (2,); they cannot stack on dim 0")):
+        build_layout(spec, ParallelConfig(tp=2, fuse_gate_up=True))
