@@ -1625,6 +1625,7 @@ def test_vllm_holders_of_any_box_are_those_an_index_finds(kv, tp):
         # a geometry names only keys the engine holds: no optimizer state
         lazy = vllm_layout(spec, tp)
         assert lazy._geometry(key) is not None and lazy._geometry(StateKey(name, "exp_avg")) is None
+        assert lazy._meeting(StateKey(name, "exp_avg"), Box.full(shape)) == []
 
 
 def test_mesh_geometries_group_like_tensors_of_one_ep_rank():
@@ -1661,3 +1662,22 @@ def test_zero_pads_to_twice_dp_by_default_and_fused_rows_must_stack():
     with pytest.raises(LayoutError, match=re.escape("fused buffer gu: member u has local shape (2, 3), the first "
                                                     "member's rows are (2,); they cannot stack on dim 0")):
         build_layout(spec, ParallelConfig(tp=2, fuse_gate_up=True))
+
+
+def test_blocked_experts_refusals_by_hand():
+    """``BlockedExperts.problems`` names each way a created ``[E, N, K]`` buffer does not fit the
+    live one, and ``fragments`` refuses a fragment that is not a row-major slab of it."""
+    from rlhf_switch.vps.layouts.vllm import BlockedExperts
+
+    assert BlockedExperts((2, 6, 4), (2, 8, 4), 2, 4).problems() == []
+    assert BlockedExperts((2, 6, 4), (3, 8, 4), 2, 4).problems() == ["[2, 6, 4] does not fit [3, 8, 4]"]
+    assert BlockedExperts((2, 6, 4), (2, 4, 4), 2, 2).problems() == ["[2, 6, 4] does not fit [2, 4, 4]"]
+    assert BlockedExperts((2, 6, 4), (2, 8, 2), 2, 2).problems() == ["[2, 6, 4] does not fit [2, 8, 2]"]
+    assert BlockedExperts((2, 6, 4), (2, 8, 4), 2, 8).problems() == ["2 row ranges of 6 -> 8 rows are not whole blocks of 8"]
+    assert BlockedExperts((2, 5, 4), (2, 8, 4), 2, 4).problems() == ["2 row ranges of 5 -> 8 rows are not whole blocks of 4"]
+    assert BlockedExperts((2, 6, 4), (2, 9, 4), 1, 3).problems() == []
+    form = BlockedExperts((2, 6, 4), (2, 8, 4), 2, 4)
+    w = StateKey("w")
+    with pytest.raises(LayoutError, match=re.escape("w: a fragment of strides (1, 6) in a [2, 6, 4] expert buffer is not "
+                                                    "a row-major slab of it; 4-row blocks of [2, 8, 4] cannot place it")):
+        form.fragments(Fragment(w, Box((0, 0), (2, 4)), "b", 0, (1, 6)))
