@@ -1681,3 +1681,13 @@ def test_blocked_experts_refusals_by_hand():
     with pytest.raises(LayoutError, match=re.escape("w: a fragment of strides (1, 6) in a [2, 6, 4] expert buffer is not "
                                                     "a row-major slab of it; 4-row blocks of [2, 8, 4] cannot place it")):
         form.fragments(Fragment(w, Box((0, 0), (2, 4)), "b", 0, (1, 6)))
+    # a [2, 6, 4] buffer (gate rows 0:3, up rows 3:6 of each expert): a fragment must lie inside one
+    # expert's one row range; its offset says where it starts (e·N·K + n·K + k)
+    assert form.fragments(Fragment(w, Box((1, 0), (2, 4)), "b", 4, (4, 1))) == [Fragment(w, Box((1, 0), (2, 4)), "b", 1, (1, 4))]
+    for offset, box, rows, cols, e in ((48, Box((0, 0), (1, 4)), "[0, 1)", "[0, 4)", 2),  # no expert 2
+                                       (2, Box((0, 0), (1, 4)), "[0, 1)", "[2, 6)", 0),  # past column 4
+                                       (8, Box((0, 0), (2, 4)), "[2, 4)", "[0, 4)", 0),  # gate row 2, up row 3
+                                       (44, Box((0, 0), (2, 4)), "[5, 7)", "[0, 4)", 1)):  # past row 6
+        with pytest.raises(LayoutError, match=re.escape(f"w: its rows {rows} x columns {cols} of expert {e} do not fit "
+                                                        f"one row range of a [2, 6, 4] buffer")):
+            form.fragments(Fragment(w, box, "b", offset, (4, 1)))
