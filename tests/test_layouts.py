@@ -1128,6 +1128,7 @@ def test_vllm_parameter_shapes_and_names():
         assert shapes["model.layers.1.self_attn.qkv_proj.weight"] == ((4 // tp + 2 * max(1, 2 // tp)) * 4, 8)
         assert shapes["model.embed_tokens.weight"] == (64 // tp, 8)
         assert shapes["model.layers.1.mlp.gate.weight"] == (4, 8)
+        assert all(type(n) is int for shape in shapes.values() for n in shape)  # torch's view() takes ints
 
 
 # =================================================================================================
@@ -1431,3 +1432,262 @@ def test_vllm_lora_ranks_and_names():
         "lora/model.layers.0.self_attn.qkv_proj.lora_b_stacked.2"
     with pytest.raises(LayoutError, match=r"^model 'llama' has no LoRA adapters$"):
         vllm_lora_layout(llama_spec(tiny_cfg()), 2)
+    # by default one engine, its adapter in slot 0
+    from rlhf_switch.vps.spec import LoraSpec
+
+    spec = llama_spec(tiny_cfg()).with_adapters(LoraSpec(4, 8.0, ("q_proj",)))
+    lay = vllm_lora_layout(spec, 2)
+    assert lay.world_size == 2 and lay == vllm_lora_layout(spec, 2, 1, slot=0)
+    assert {f.offset for f in lay.fragments(0) if ".lora_" in f.key.tensor} == {0}
+
+
+def test_buckets_cut_boxes_off_row_0_and_at_every_budget_edge():
+    """Cuts of boxes that do not start at row 0 (rank 1 holds rows 1:3 of w), a budget of exactly
+    one row, of one element, and a 3-D tensor's dense strides, all written out by hand."""
+    from rlhf_switch.vps.layouts.buckets import worker_buckets
+
+    dst = _hand_dst()
+    w, u = StateKey("w"), StateKey("u")
+    # rank 1's w rows 1:3 (float16, 6 B a row): 8 B fits one row, and two do not share a bucket
+    frags, bufs = worker_buckets(dst, 1, 8)
+    assert frags == (Fragment(w, Box((1, 0), (2, 3)), "bucket/1/0", 0, (3, 1)),
+                     Fragment(w, Box((2, 0), (3, 3)), "bucket/1/1", 0, (3, 1)))
+    assert bufs == {"bucket/1/0": BufferSpec(3, "float16"), "bucket/1/1": BufferSpec(3, "float16")}
+    # 4 B: a row does not fit, each row cut in 2 + 1 elements, a bucket each
+    frags, _ = worker_buckets(dst, 1, 4)
+    assert frags == (Fragment(w, Box((1, 0), (2, 2)), "bucket/1/0", 0, (2, 1)),
+                     Fragment(w, Box((1, 2), (2, 3)), "bucket/1/1", 0, (1, 1)),
+                     Fragment(w, Box((2, 0), (3, 2)), "bucket/1/2", 0, (2, 1)),
+                     Fragment(w, Box((2, 2), (3, 3)), "bucket/1/3", 0, (1, 1)))
+    # rank 0's w (float32, 12 B a row) at 12 B: one row a bucket, all four rows
+    frags, _ = worker_buckets(dst, 0, 12)
+    assert [f.box for f in frags if f.key == w] == [Box((i, 0), (i + 1, 3)) for i in range(4)]
+    # 4 B is one float32 element: u in two pieces of one element, no bucket over 4 B
+    frags, bufs = worker_buckets(dst, 0, 4)
+    assert [(f.box, f.offset) for f in frags if f.key == u] == [(Box((0,), (1,)), 0), (Box((1,), (2,)), 0)]
+    assert all(b.numel * (4 if b.dtype == "float32" else 2) <= 4 for b in bufs.values())
+    # a 3-D tensor keeps dense row-major strides; a 1-byte dtype fits a budget of 1 B, an element a bucket
+    spec = synthetic_spec([("c", (2, 3, 4), "float32", "replicate"), ("b", (3,), "uint8", "replicate")])
+    c, b = StateKey("c"), StateKey("b")
+    lay = Layout(spec, [[Fragment(c, Box((0, 0, 0), (2, 3, 4)), "param/c", 0, (12, 4, 1)),
+                         Fragment(b, Box((0,), (3,)), "param/b", 0, (1,))]],
+                 [{"param/c": BufferSpec(24, "float32"), "param/b": BufferSpec(3, "uint8")}], "3d")
+    frags, _ = worker_buckets(lay, 0, 1 << 10)
+    assert frags[0] == Fragment(c, Box((0, 0, 0), (2, 3, 4)), "bucket/0/0", 0, (12, 4, 1))
+    # 16 B: a [3, 4] slab (48 B) does not fit, nor a row of 4 (16 B fits exactly: one row a piece)
+    frags, _ = worker_buckets(lay, 0, 16)
+    assert [f.box for f in frags if f.key == c] == [Box((i, j, 0), (i + 1, j + 1, 4)) for i in range(2) for j in range(3)]
+    assert all(f.strides == (4, 4, 1) for f in frags if f.key == c)
+    only_b = Layout(spec, [lay.fragments(0)[1:]], [{"param/b": BufferSpec(3, "uint8")}], "b")
+    frags, bufs = worker_buckets(only_b, 0, 1)
+    assert [(f.box, f.buffer) for f in frags] == [(Box((i,), (i + 1,)), f"bucket/0/{i}") for i in range(3)]
+    assert bufs == {f"bucket/0/{i}": BufferSpec(1, "uint8") for i in range(3)}
+
+
+def test_host_and_buddy_copies_of_a_shared_buffer_and_of_distinct_ranks():
+    """Two fragments of one buffer are packed one after the other; with every rank holding
+    something else, each rank keeps exactly its predecessor's share (shift 1)."""
+    from rlhf_switch.vps.layouts.buddy import buddy_layout, lost_owners
+    from rlhf_switch.vps.layouts.host import host_layout
+
+    dst = _hand_dst()
+    w, v, u = StateKey("w"), StateKey("v"), StateKey("u")
+    flat = Layout(dst.spec, [[Fragment(w, Box((0, 0), (4, 3)), "param/flat", 2, (3, 1)),
+                              Fragment(u, Box((0,), (2,)), "param/flat", 14, (1,))],
+                             [Fragment(v, Box((0,), (5,)), "param/v", 0, (1,))]],
+                  [{"param/flat": BufferSpec(16, "float32")}, {"param/v": BufferSpec(5, "bfloat16")}], "flat")
+    host = host_layout(flat).validate()
+    assert host.spec is flat.spec
+    assert host.fragments(0) == (Fragment(w, Box((0, 0), (4, 3)), "host/param/flat", 0, (3, 1)),
+                                 Fragment(u, Box((0,), (2,)), "host/param/flat", 12, (1,)))
+    assert dict(host.buffers(0)) == {"host/param/flat": BufferSpec(14, "float32")}
+    b = buddy_layout(flat).validate()
+    assert b.spec is flat.spec
+    assert b.fragments(1) == (Fragment(v, Box((0,), (5,)), "host/param/v", 0, (1,)),
+                              Fragment(w, Box((0, 0), (4, 3)), "buddy/param/flat", 0, (3, 1)),
+                              Fragment(u, Box((0,), (2,)), "buddy/param/flat", 12, (1,)))
+    assert dict(b.buffers(1)) == {"host/param/v": BufferSpec(5, "bfloat16"),
+                                  "buddy/param/flat": BufferSpec(14, "float32")}
+    assert b.fragments(0)[2:] == (Fragment(v, Box((0,), (5,)), "buddy/param/v", 0, (1,)),)
+    with pytest.raises(LayoutError, match=r"^buddy shift 2 in a world of 2: expected 1\.\.1$"):
+        buddy_layout(flat, shift=2)
+    # three ranks holding w, v and u: rank h keeps rank h - 1's (not h + 1's)
+    own = [dst.fragments(0)[i:i + 1] for i in range(3)]
+    three = Layout(dst.spec, own, [dst.buffers(0)] * 3, "distinct")
+    b = buddy_layout(three).validate()
+    assert [[(f.key.tensor, f.buffer) for f in b.fragments(h)] for h in range(3)] == [
+        [("w", "host/param/w"), ("u", "buddy/param/u")], [("v", "host/param/v"), ("w", "buddy/param/w")],
+        [("u", "host/param/u"), ("v", "buddy/param/v")]]
+    # who is lost: an owner whose copy's holder is lost too
+    assert lost_owners(2, {0}) == [] and lost_owners(2, {0, 1}) == [0, 1]
+    assert lost_owners(4, {0, 2}, shift=2) == [0, 2] and lost_owners(4, {0, 1}, shift=2) == []
+    assert lost_owners(4, {0, 1}) == [0]
+
+
+def test_pipeline_stage_tensors_of_one_stage_and_of_all():
+    """``stage_tensors`` (one stage) and ``all_stage_tensors`` (every stage in one pass) against the
+    reference's stage split, tied embeddings, custom splits and a model without layers included."""
+    from rlhf_switch.vps import ModelSpec, TensorSpec
+    from rlhf_switch.vps.layouts.pipeline import all_stage_tensors, stage_bounds, stage_tensors
+
+    cases = [(tiny(num_hidden_layers=3), 2, None), (tiny(num_hidden_layers=3), 3, None),
+             (tiny(num_hidden_layers=7), 3, None), (tiny(num_hidden_layers=4), 3, (2, 0, 2)),
+             (tiny(num_hidden_layers=3, tie_word_embeddings=True), 2, None),
+             (tiny(num_hidden_layers=3, tie_word_embeddings=True), 1, None)]
+    for model, pp, layers in cases:
+        every = all_stage_tensors(model.spec, pp, layers)
+        assert len(every) == pp
+        for s in range(pp):
+            want = ref_stage(model, pp, s, layers)
+            assert [(t.name, buf) for t, buf in stage_tensors(model.spec, pp, s, layers)] == want, (pp, layers, s)
+            assert [(t.name, buf) for t, buf in every[s]] == want, (pp, layers, s)
+    assert stage_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)] and stage_bounds(4, 3, (2, 0, 2)) == [(0, 2), (2, 2), (2, 4)]
+    flat = ModelSpec("flat", (TensorSpec("a", (4,), anchor="first"), TensorSpec("b", (2,), anchor="last")), 0)
+    for pp in (1, 2):
+        for s in range(pp):
+            names = [t.name for t, _ in stage_tensors(flat, pp, s)]
+            assert names == [t.name for t, _ in all_stage_tensors(flat, pp)[s]]
+            assert names == (["a", "b"] if pp == 1 else [["a"], ["b"]][s])
+
+
+def local_from_parts(model: Model, lt) -> torch.Tensor:
+    """A local tensor built from its parts alone: each part's box of the global tensor, written
+    at its first local row; rows no part fills are 0 (vocabulary padding)."""
+    x = torch.zeros(lt.shape, dtype=torch_dtype(lt.dtype))
+    for p in lt.parts:
+        piece = model.tensor(p.tensor)[tuple(slice(lo, hi) for lo, hi in zip(p.box.lo, p.box.hi))]
+        x[p.row:p.row + p.box.shape[0]] = piece.reshape((p.box.shape[0],) + tuple(lt.shape[1:]))
+    return x
+
+
+@pytest.mark.parametrize("model,tp", [
+    (tiny(), 1), (tiny(attention_bias=True, mlp_bias=True), 2), (tiny(), 4),
+    (tiny(num_key_value_heads=4, attention_bias=True), 4), (tiny(tie_word_embeddings=True), 2),
+    (tiny(num_key_value_heads=1, vocab_size=100), 4), (moe(hidden_size=8, moe_intermediate_size=4, num_experts=4), 2),
+    (moe(hidden_size=8, moe_intermediate_size=4, num_experts=4), 4),
+    (tiny(vocab_size=32), 4)], ids=lambda x: str(x) if isinstance(x, int) else "")  # 32 -> 64 rows: worker 2 starts at 32
+def test_vllm_worker_tensors_are_vllms_parameters(model, tp):
+    """``worker_tensors`` (the local tensors the rollout engines view vLLM's parameters as) hold,
+    built from their parts alone, what vLLM's rules put in each parameter (``ref_vllm``), with the
+    model's dtype."""
+    from rlhf_switch.vps.layouts.vllm import worker_tensors
+
+    for t in range(tp):
+        local = worker_tensors(model.spec, tp, t)
+        got = {f"param/{lt.buffer}": local_from_parts(model, lt).reshape(-1) for lt in local}
+        want = ref_vllm(model, tp, t)
+        assert sorted(got) == sorted(want)
+        for name, x in want.items():
+            assert got[name].dtype == x.dtype and torch.equal(bits(got[name]), bits(x)), (tp, t, name)
+        assert all(type(n) is int for lt in local for n in lt.shape)
+        assert all(p.box.numel > 0 for lt in local for p in lt.parts)  # padding rows are no part
+
+
+def test_mesh_named_layouts_pass_fields_and_dtypes_on():
+    """``replicated``, ``fsdp`` and ``zero`` build the fields they are given, in the dtypes asked
+    for; ZeRO-1/2's ``param`` alone is DDP's replicated layout (the same digest: one plan)."""
+    spec = llama_spec(tiny_cfg())
+    for lay in (replicated(spec, 2, ("param", "exp_avg"), param_dtype="bfloat16"),
+                fsdp(spec, 2, ("param", "exp_avg"), param_dtype="bfloat16"),
+                zero(spec, 2, 3, ("param", "exp_avg"), param_dtype="bfloat16", state_dtype="float64"),
+                zero(spec, 2, 1, ("param", "exp_avg"), param_dtype="bfloat16", state_dtype="float64")):
+        assert set(lay.fields()) == {"param", "exp_avg"}
+        state = "float64" if lay.name.startswith("ZeRO") else "float32"
+        assert {n.split("/")[0]: b.dtype for n, b in lay.buffers(1).items()} == {"param": "bfloat16",
+                                                                                 "exp_avg": state}
+    assert zero(spec, 2, 2, ("exp_avg",), state_dtype="float64").buffers(0)["exp_avg/zero.flat"].dtype == "float64"
+    assert zero(spec, 2, 1, ("param",)) == replicated(spec, 2) and zero(spec, 2, 1, ("param",)).name == "ZeRO1·DP2"
+
+
+@pytest.mark.parametrize("kv,tp", [(2, 4), (2, 2), (1, 4)])
+def test_vllm_holders_of_any_box_are_those_an_index_finds(kv, tp):
+    """``Workers`` answers which workers hold a box of a tensor without building them (the planner
+    asks it for every box it moves): for every box of rows and columns of a KV head split
+    (TP > KV: heads shared), a row split and a column split, the same holders as a scan of every
+    rank's fragments."""
+    from rlhf_switch.vps.layout import _overlap
+
+    spec = tiny(num_key_value_heads=kv, attention_bias=True).spec
+    eager = vllm_layout(spec, tp)
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.bias",
+                 "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight", EMBED):
+        key, shape = StateKey(name), spec[name].shape
+        cuts = [sorted({0, 1, n // 2, n // 2 + 1, n - 1, n} | set(range(0, n + 1, 4))) for n in shape]
+        spans = [[(a, b) for a in c for b in c if a < b] for c in cuts]
+        probes = [Box((r[0],), (r[1],)) for r in spans[0]] if len(shape) == 1 else \
+            [Box((r[0], c[0]), (r[1], c[1])) for r in spans[0] for c in spans[1]]
+        for box in probes:
+            lazy = vllm_layout(spec, tp)  # asked before any index is built: Workers answers
+            got = sorted((b, r) for b, held in lazy._meeting(key, box) for h in held for r in h.ranks)
+            want = sorted((f.box, r) for r in range(tp) for f in eager.fragments(r)
+                          if f.key == key and _overlap(f.box, box))
+            assert got == want, (name, box)
+        # a geometry names only keys the engine holds: no optimizer state
+        lazy = vllm_layout(spec, tp)
+        assert lazy._geometry(key) is not None and lazy._geometry(StateKey(name, "exp_avg")) is None
+        assert lazy._meeting(StateKey(name, "exp_avg"), Box.full(shape)) == []
+
+
+def test_mesh_geometries_group_like_tensors_of_one_ep_rank():
+    """Under DP replicate, tensors of one shape, TP role, dtype, stage and EP rank are held alike
+    and share a geometry (the planner works each geometry out once): the experts of one EP rank
+    do, those of two EP ranks do not, and without EP an expert shares it with a dense tensor of
+    its shape and role."""
+    model = moe(hidden_size=8, num_attention_heads=4, head_dim=4, moe_intermediate_size=16, num_experts=4)
+    gate = "model.layers.0.mlp.experts.{}.gate_proj.weight"
+    q = "model.layers.0.self_attn.q_proj.weight"  # [16, 8], column: an expert's gate_proj's shape and role
+    ep2 = build_layout(model.spec, ParallelConfig(dp=4, ep=2))
+    g = [ep2._geometry(StateKey(gate.format(e))) for e in range(4)]
+    assert g[0] is not None and g[0] == g[1] and g[2] == g[3] and g[0] != g[2]
+    assert ep2._geometry(StateKey(q)) not in (None, g[0], g[2])
+    one = build_layout(model.spec, ParallelConfig(dp=2))
+    assert len({one._geometry(StateKey(name)) for name in [q] + [gate.format(e) for e in range(4)]}) == 1
+    assert one._geometry(StateKey(q, "exp_avg")) is None  # a field the layout does not hold
+
+
+def test_zero_pads_to_twice_dp_by_default_and_fused_rows_must_stack():
+    """``data_parallel.zero``'s default alignment is DeepSpeed's 2 (a flat range padded to a
+    multiple of 2·DP); a fused group whose members' local rows differ cannot be one buffer."""
+    from rlhf_switch.vps import ModelSpec, TensorSpec
+    from rlhf_switch.vps.layouts import data_parallel
+    from rlhf_switch.vps.layouts.local import whole
+    from rlhf_switch.vps.spec import FusedGroup
+
+    five = [whole("a", (5,), "float32")]
+    assert [data_parallel.zero(five, 2, r)[1] for r in range(2)] == [{"zero.flat": 4}] * 2  # 5 -> 8
+    assert data_parallel.zero(five, 2, 1)[0] == [("a", Box((4,), (5,)), "zero.flat", 0, (1,))]
+    assert data_parallel.zero(five, 2, 1, alignment=3)[1] == {"zero.flat": 3}  # 5 -> 6
+    spec = ModelSpec("odd", (TensorSpec("g", (4, 2), tp="column", layer=0), TensorSpec("u", (4, 3), tp="column", layer=0)),
+                     1, fused=(FusedGroup("gu", ("g", "u")),))
+    with pytest.raises(LayoutError, match=re.escape("fused buffer gu: member u has local shape (2, 3), the first "
+                                                    "member's rows are (2,); they cannot stack on dim 0")):
+        build_layout(spec, ParallelConfig(tp=2, fuse_gate_up=True))
+
+
+def test_blocked_experts_refusals_by_hand():
+    """``BlockedExperts.problems`` names each way a created ``[E, N, K]`` buffer does not fit the
+    live one, and ``fragments`` refuses a fragment that is not a row-major slab of it."""
+    from rlhf_switch.vps.layouts.vllm import BlockedExperts
+
+    assert BlockedExperts((2, 6, 4), (2, 8, 4), 2, 4).problems() == []
+    assert BlockedExperts((2, 6, 4), (3, 8, 4), 2, 4).problems() == ["[2, 6, 4] does not fit [3, 8, 4]"]
+    assert BlockedExperts((2, 6, 4), (2, 4, 4), 2, 2).problems() == ["[2, 6, 4] does not fit [2, 4, 4]"]
+    assert BlockedExperts((2, 6, 4), (2, 8, 2), 2, 2).problems() == ["[2, 6, 4] does not fit [2, 8, 2]"]
+    assert BlockedExperts((2, 6, 4), (2, 8, 4), 2, 8).problems() == ["2 row ranges of 6 -> 8 rows are not whole blocks of 8"]
+    assert BlockedExperts((2, 5, 4), (2, 8, 4), 2, 4).problems() == ["2 row ranges of 5 -> 8 rows are not whole blocks of 4"]
+    assert BlockedExperts((2, 6, 4), (2, 9, 4), 1, 3).problems() == []
+    form = BlockedExperts((2, 6, 4), (2, 8, 4), 2, 4)
+    w = StateKey("w")
+    with pytest.raises(LayoutError, match=re.escape("w: a fragment of strides (1, 6) in a [2, 6, 4] expert buffer is not "
+                                                    "a row-major slab of it; 4-row blocks of [2, 8, 4] cannot place it")):
+        form.fragments(Fragment(w, Box((0, 0), (2, 4)), "b", 0, (1, 6)))
+    # a [2, 6, 4] buffer (gate rows 0:3, up rows 3:6 of each expert): a fragment must lie inside one
+    # expert's one row range; its offset says where it starts (e·N·K + n·K + k)
+    assert form.fragments(Fragment(w, Box((1, 0), (2, 4)), "b", 4, (4, 1))) == [Fragment(w, Box((1, 0), (2, 4)), "b", 1, (1, 4))]
+    for offset, box, rows, cols, e in ((48, Box((0, 0), (1, 4)), "[0, 1)", "[0, 4)", 2),  # no expert 2
+                                       (2, Box((0, 0), (1, 4)), "[0, 1)", "[2, 6)", 0),  # past column 4
+                                       (8, Box((0, 0), (2, 4)), "[2, 4)", "[0, 4)", 0),  # gate row 2, up row 3
+                                       (44, Box((0, 0), (2, 4)), "[5, 7)", "[0, 4)", 1)):  # past row 6
+        with pytest.raises(LayoutError, match=re.escape(f"w: its rows {rows} x columns {cols} of expert {e} do not fit "
+                                                        f"one row range of a [2, 6, 4] buffer")):
+            form.fragments(Fragment(w, box, "b", offset, (4, 1)))

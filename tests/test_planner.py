@@ -494,3 +494,76 @@ def test_pair_digests_see_both_directions():
             sends, recvs = (changed, plan.recvs) if attr == "sends" else (plan.sends, changed)
             peer = 1 - plan.rank
             assert _pair_digests(plan.rank, sends, recvs)[peer] != plan.pair_digests[peer], (plan.rank, attr)
+
+
+# --- how much work a plan takes: counted, not timed ---------------------------------------------------
+
+class _Counted:
+    """Counts the calls of ``cls.name`` inside a ``with`` (the method itself still runs)."""
+
+    def __init__(self, monkeypatch, cls, name):
+        self.calls, orig = 0, getattr(cls, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return orig(*args, **kwargs)
+        monkeypatch.setattr(cls, name, counted)
+
+
+def test_planning_work_is_one_intersection_per_piece_and_one_view_per_fragment(monkeypatch):
+    """The planner's complexity contract, by hand counts on a key of many boxes: each destination
+    box is intersected only with the source regions that can meet it (the skip-ahead over the
+    regions sorted by their lower corner), and a piece sent to many replicas computes each
+    fragment's view of it once (replicas share their fragment). Work, not wall time: a slower
+    plan is the same plan."""
+    from rlhf_switch.vps import ParallelConfig, synthetic_spec
+    from rlhf_switch.vps.layout import Fragment
+    from rlhf_switch.vps.planner import _plan_key
+    from rlhf_switch.vps.space import Box
+
+    spec = synthetic_spec([("w", (16, 4), "float32", "column")])
+    key = StateKey("w")
+    def rows():
+        return build_layout(spec, ParallelConfig(dp=16, dp_shard="fsdp"))  # 16 boxes of one row each
+    halves = build_layout(spec, ParallelConfig(tp=2, dp=8))  # 2 boxes of 8 rows, 8 replicas each
+    every = build_layout(spec, ParallelConfig(dp=16))  # the whole tensor on all 16 ranks
+    cases = [(rows(), rows(), 16, 16, 32), (halves, every, 32, 2, 4), (every, halves, 16, 2, 4)]
+    for src, dst, n, intersections, views in cases:
+        plan_transition.cache_clear()
+        want = sorted(plan_transition(src, dst).transfers)  # also fills the layouts' own caches
+        assert len(want) == n
+        # plan_transition also intersects each rank's one destination box with its one source box
+        # (the minimum it could receive): 16 more
+        for plan, extra in ((lambda: sorted(_plan_key(key, src, dst, None, None)), 0),
+                            (lambda: sorted(plan_transition(src, dst).transfers), 16)):
+            plan_transition.cache_clear()
+            meets, viewed = _Counted(monkeypatch, Box, "intersect"), _Counted(monkeypatch, Fragment, "view")
+            assert plan() == want
+            monkeypatch.undo()
+            # one intersection per (destination box, source region) pair that meets; one view per
+            # fragment per piece: every fragment of a replicated box is one shared object
+            assert (meets.calls, viewed.calls) == (intersections + extra, views), (str(src), str(dst), extra)
+
+
+def test_planning_a_rank_costs_the_same_for_any_number_of_like_layers(monkeypatch):
+    """A rank works out how a box of one geometry (shape, split, holders) is received and sent
+    once, and reuses it for every key of that geometry (a model's layers, a MoE layer's experts):
+    six layers cost it no more fragment views than two."""
+    from rlhf_switch.vps import ParallelConfig, vllm_layout
+    from rlhf_switch.vps.layout import Fragment
+    from rlhf_switch.vps.planner import plan_rank
+
+    counts = {}
+    for layers in (2, 6):
+        spec = llama_spec(dict(SMALL, num_hidden_layers=layers, num_key_value_heads=2), name="small")
+        pairs = [(build_layout(spec, ParallelConfig(tp=2, dp=2)), vllm_layout(spec, 4)),
+                 (vllm_layout(spec, 2, 2), build_layout(spec, ParallelConfig(tp=2, dp=2, fuse_qkv=True,
+                                                                             fuse_gate_up=True)))]
+        for i, (src, dst) in enumerate(pairs):
+            plans = [plan_rank(src, dst, r) for r in range(4)]  # the layouts' own caches filled
+            plan_rank.cache_clear()
+            viewed = _Counted(monkeypatch, Fragment, "view")
+            assert [plan_rank(src, dst, r) for r in range(4)] == plans
+            monkeypatch.undo()
+            counts.setdefault(i, []).append(viewed.calls)
+    assert all(two == six > 0 for two, six in counts.values()), counts
