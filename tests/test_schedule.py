@@ -625,3 +625,144 @@ def test_a_read_messages_runs_on_both_sides_worked_out_by_hand():
     assert runs.local.tolist() == [[0, 0, 40]]
     assert runs.copies == (Copy("a", 10, (5, 1), "b", 0, (3, 1), (2, 3), "float32"),
                            Copy("c", 2, (1,), "b", 6, (1,), (4,), "float32"))
+
+
+# ------------------------------------- a compiled program replayed message by message, by hand
+
+def _replay(scheds, src_bufs, dst_bufs):
+    """Run the four ranks' compiled programs in this process, one message at a time, the way the
+    executor's transports do but written from the ``Op`` contract alone: a sender packs its
+    staged copies into its pool, a direct message is its buffer's byte range, a read message's
+    receiver takes the runs its ``ReadRuns`` names — base 0 the sender's block at the sender op's
+    pool offset, base ``k`` the sender's buffer the offer's ``k``-th address is of — and lays
+    them out in its own runs. Returns every rank's ops, per (peer, send), in posting order."""
+    import torch
+
+    from rlhf_switch.vps.materialize import torch_dtype
+
+    world = len(scheds)
+    pools = [torch.zeros(max(s.program.pool_bytes, 8), dtype=torch.uint8) for s in scheds]
+
+    def strided(base, dtype, offset, strides, shape):
+        return torch.as_strided(base.view(torch_dtype(dtype)), shape, strides, offset)
+
+    def run_copies(copies, rank_src, rank_dst, pool_rank):
+        for c in copies:
+            a = strided(pools[pool_rank] if c.src_buffer is None else src_bufs[rank_src][c.src_buffer],
+                        c.dtype, c.src_offset, c.src_strides, c.shape)
+            b = strided(pools[pool_rank] if c.dst_buffer is None else dst_bufs[rank_dst][c.dst_buffer],
+                        c.dtype, c.dst_offset, c.dst_strides, c.shape)
+            b.copy_(a)
+
+    def u8(t):
+        return t.view(torch.uint8)
+
+    queues: dict[tuple[int, int, bool], list] = {}
+    for r, s in enumerate(scheds):
+        run_copies(s.local_runs, r, r, r)
+        for pb in s.program.batches:
+            for op in pb.ops:
+                queues.setdefault((r, op.peer, op.send), []).append(op)
+    ops = {k: list(v) for k, v in queues.items()}
+    for a in range(world):
+        for b in range(world):
+            for send in queues.get((a, b, True), []):
+                recv = queues[(b, a, False)].pop(0)
+                assert (send.nbytes, send.chunk.read) == (recv.nbytes, recv.chunk.read)
+                if send.chunk.read:
+                    offer, runs = send.read, recv.read
+                    # the receiver names the sender's buffers in the order the offer gives addresses
+                    assert (offer.in_place, offer.sources) == (runs.src_names, runs.sources)
+                    run_copies(send.copies, a, a, a)  # the sender packs what is not read in place
+                    wire = []
+                    for base, off, n in runs.remote.tolist():
+                        mem = pools[a][send.offset:] if base == 0 else u8(src_bufs[a][offer.in_place[base - 1]])
+                        assert off + n <= mem.numel()
+                        wire.append(mem[off:off + n])
+                    wire = torch.cat(wire)
+                    assert wire.numel() == runs.nbytes == send.nbytes
+                    at = 0
+                    for base, off, n in runs.local.tolist():
+                        u8(dst_bufs[b][runs.dst_names[base]])[off:off + n] = wire[at:at + n]
+                        at += n
+                    assert at == runs.nbytes
+                    continue
+                if send.buffer is None:
+                    run_copies(send.copies, a, a, a)
+                    wire = pools[a][send.offset:send.offset + send.nbytes].clone()
+                else:
+                    buf = src_bufs[a][send.buffer]
+                    assert send.numel * buf.element_size() == send.nbytes
+                    wire = u8(buf)[send.offset * buf.element_size():][:send.nbytes].clone()
+                assert wire.numel() == send.nbytes
+                if recv.buffer is None:
+                    pools[b][recv.offset:recv.offset + recv.nbytes] = wire
+                    run_copies(recv.copies, b, b, b)
+                else:
+                    buf = dst_bufs[b][recv.buffer]
+                    assert recv.numel * buf.element_size() == recv.nbytes
+                    u8(buf)[recv.offset * buf.element_size():][:recv.nbytes] = wire
+    assert all(not q for (_, _, send), q in queues.items() if not send), "a receive no sender posts"
+    return ops
+
+
+@pytest.mark.parametrize("pair, budget, reads, merge", [
+    (("fsdp", "tp2xpp2"), 1000, False, None),  # messages of 250 B at most: the staging ring wraps
+    (("zero3", "tp4"), 1 << 20, False, 0),  # every contiguous piece sent / received in place
+    (("zero1-flat", "tp2xdp2"), 4096, "all", None),  # read messages, some pieces packed, some read in place
+    (("fsdp", "tp4"), 256, "all", None),
+    (("tp2xdp2", "pp2"), 1 << 20, "all", None),
+    # only lower -> higher rank reads: a step packs a read message beside a staged receive
+    (("fsdp", "tp2xpp2"), 1000, "up", None),
+])
+def test_a_compiled_program_replayed_by_hand_delivers_every_byte(layouts4, pair, budget, reads, merge, monkeypatch):
+    """Every rank's compiled program, replayed message by message in one process (``_replay``):
+    every destination element ends up as a direct construction of the destination has it, no
+    padding byte is written, no source byte changes; every staged op stays inside its step's
+    block of the pool and every batch starts the pool blocks of the staged steps its ops use,
+    each step once, in the staging program's order."""
+    import rank_jobs
+    import torch
+
+    from rlhf_switch.routing import schedule
+    from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize
+
+    monkeypatch.setattr(schedule, "READ_RUN_BYTES", 200)  # both kinds of read pieces in the tiny model
+    if merge is not None:
+        monkeypatch.setattr(schedule, "MERGE_BYTES", merge)
+    src, dst = layouts4[pair[0]], layouts4[pair[1]]
+    directions = frozenset((a, b) for a in range(4) for b in range(4) if a != b and (reads == "all" or a < b)
+                           ) if reads else frozenset()
+    scheds = [build_schedule(plan_rank(src, dst, r), budget, None, directions) for r in range(4)]
+    tensor_of = rank_jobs.tensor_source(src, 3)
+    src_bufs = [materialize(src, r, tensor_of) for r in range(4)]
+    before_src = [{n: t.clone() for n, t in bufs.items()} for bufs in src_bufs]
+    dst_bufs = [rank_jobs.garbage_like(allocate(dst, r, fill=None), 1000 + r) for r in range(4)]
+    before_dst = [{n: t.clone() for n, t in bufs.items()} for bufs in dst_bufs]
+    ops = _replay(scheds, src_bufs, dst_bufs)
+    kinds, beside = set(), 0
+    for r, sched in enumerate(scheds):
+        expected, masks = materialize(dst, r, tensor_of), coverage_masks(dst, r)
+        for n, t in dst_bufs[r].items():
+            m = masks[n]
+            assert torch.equal(bits(t)[m], bits(expected[n])[m]), (pair, r, n)
+            assert torch.equal(bits(t)[~m], bits(before_dst[r][n])[~m]), f"{n}: padding written"
+        for n, t in src_bufs[r].items():
+            assert torch.equal(bits(t), bits(before_src[r][n])), f"source {n} changed"
+        prog, started = sched.program, []
+        for pb in prog.batches:
+            started += pb.new_steps
+            for op in pb.ops:
+                kinds.add((op.send, op.chunk.read, op.buffer is None))
+                if op.step >= 0:
+                    assert op.step in pb.new_steps
+                    offset, size = prog.steps[op.step]
+                    packed = op.chunk.packed if op.chunk.read else op.nbytes
+                    assert offset <= op.offset and op.offset + packed <= offset + size <= prog.pool_bytes
+                    beside += op.chunk.read and op.offset > offset  # after the step's staged receive
+        assert started == list(range(len(sched.staged[0])))
+        assert sum(len(v) for k, v in ops.items() if k[0] == r) == sched.messages
+    # (send, read, staged): the kinds of op each case is there for
+    assert {(True, True, True), (False, True, True)} <= kinds if reads else \
+        {(True, False, merge is None), (False, False, merge is None)} <= kinds
+    assert beside or reads != "up"
