@@ -749,7 +749,7 @@ def test_a_compiled_program_replayed_by_hand_delivers_every_byte(layouts4, pair,
             assert torch.equal(bits(t)[~m], bits(before_dst[r][n])[~m]), f"{n}: padding written"
         for n, t in src_bufs[r].items():
             assert torch.equal(bits(t), bits(before_src[r][n])), f"source {n} changed"
-        prog, started = sched.program, []
+        prog, started, blocks = sched.program, [], {}
         for pb in prog.batches:
             started += pb.new_steps
             for op in pb.ops:
@@ -760,9 +760,57 @@ def test_a_compiled_program_replayed_by_hand_delivers_every_byte(layouts4, pair,
                     packed = op.chunk.packed if op.chunk.read else op.nbytes
                     assert offset <= op.offset and op.offset + packed <= offset + size <= prog.pool_bytes
                     beside += op.chunk.read and op.offset > offset  # after the step's staged receive
+                    blocks.setdefault(op.step, []).append((op.offset, op.offset + packed))
         assert started == list(range(len(sched.staged[0])))
+        for (a0, a1), (b0, b1) in (sorted(v) for v in blocks.values() if len(v) == 2):
+            assert a1 <= b0, "a step's receive and send overlap in the pool"
         assert sum(len(v) for k, v in ops.items() if k[0] == r) == sched.messages
     # (send, read, staged): the kinds of op each case is there for
     assert {(True, True, True), (False, True, True)} <= kinds if reads else \
         {(True, False, merge is None), (False, False, merge is None)} <= kinds
     assert beside or reads != "up"
+
+
+def test_read_runs_of_three_dim_views_two_in_place_buffers_and_merges_per_buffer_by_hand():
+    """Four pieces of one read message: a 2x3x2 box of ``a`` (strides 20, 4, 1: no two dims one
+    run, so runs of 2 elements = 8 B at bytes 0, 16, 32, 80, 96, 112) read in place, 4 elements of
+    ``c`` at element 2 read in place (the offer's second address: base 2), and two pieces packed at
+    0 (8 B) and 8 (12 B) of the sender's block (base 0, one run of 20 B). Locally the box fills
+    ``b`` 0-11 (one run of 48 B) and the other three ``d`` 0-3, 4-5, 6-8 (16 + 8 + 12 B merge into
+    one run of 36 B)."""
+    from rlhf_switch.routing.schedule import Chunk, Piece, read_runs_of
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    def t(name, box, src, src_offset, src_strides, dst_offset, dst, dst_strides):
+        return Transfer(0, 1, StateKey(name), box, src, src_offset, src_strides, dst, dst_offset, dst_strides,
+                        "float32")
+
+    ta = t("x", Box((0, 0, 0), (2, 3, 2)), "a", 0, (20, 4, 1), 0, "b", (6, 2, 1))
+    tc = t("y", Box((0,), (4,)), "c", 2, (1,), 0, "d", (1,))
+    te = t("z", Box((0,), (2,)), "e", 0, (1,), 4, "d", (1,))
+    tf = t("w", Box((0,), (3,)), "f", 5, (1,), 6, "d", (1,))
+    chunk = Chunk(tuple(Piece(x, x.box) for x in (ta, tc, te, tf)), (-1, -1, 0, 8), 84, True, False, True, 20)
+    runs = read_runs_of(chunk)
+    assert (runs.src_names, runs.dst_names, runs.sources, runs.nbytes) == (("a", "c"), ("b", "d"), ("a", "c", "e", "f"), 84)
+    assert runs.remote.tolist() == [[1, 0, 8], [1, 16, 8], [1, 32, 8], [1, 80, 8], [1, 96, 8], [1, 112, 8],
+                                    [2, 8, 16], [0, 0, 20]]
+    assert runs.local.tolist() == [[0, 0, 48], [1, 0, 36]]
+
+
+def test_run_bytes_and_the_read_in_place_threshold_by_hand():
+    """A view's runs: the coalesced last dimension when its stride is 1, else one element; a
+    source run of exactly ``READ_RUN_BYTES`` is read in place, one element less is packed; a
+    message whose packing is a single byte still stages it."""
+    from rlhf_switch.routing.schedule import READ_RUN_BYTES, _read_chunks, run_bytes
+
+    assert run_bytes((2, 3, 2), (20, 4, 1), 4) == 8
+    assert run_bytes((2, 3), (3, 1), 4) == 24  # one run: the dims coalesce
+    assert run_bytes((4, 3), (1, 4), 4) == 4  # a transposed view: runs of one element
+    assert READ_RUN_BYTES == 4096
+    at = _read_chunks([_t(1024, 0, 0)], 1 << 20)
+    assert [(c.offsets, c.stage_send, c.packed) for c in at] == [((-1,), False, 0)]
+    below = _read_chunks([_t(1023, 0, 0)], 1 << 20)
+    assert [(c.offsets, c.stage_send, c.packed) for c in below] == [((0,), True, 4092)]
+    byte = _read_chunks([_t(1, 0, 0, dtype="uint8")], 100)
+    assert [(c.offsets, c.nbytes, c.stage_send, c.packed) for c in byte] == [((0,), 1, True, 1)]
