@@ -494,6 +494,8 @@ def test_the_pair_digest_names_every_part_of_every_message():
     assert digests(read)[1] != digests([base[0]._replace(read=True, offsets=(0, 40)), base[1]])[1]
     # the direction: the same messages seen from the higher rank are the other way round
     assert digests(base, rank=3)[1] != ref[1]
+    # 64 sizes, 64 digests: no two alike (a digest keeps its hash's bits, not a few of them)
+    assert len({digests([base[0]._replace(nbytes=8 * k), base[1]])[1] for k in range(64)}) == 64
 
 
 @pytest.mark.parametrize("world, table", [
@@ -691,17 +693,14 @@ def _replay(scheds, src_bufs, dst_bufs):
                     run_copies(send.copies, a, a, a)
                     wire = pools[a][send.offset:send.offset + send.nbytes].clone()
                 else:
-                    buf = src_bufs[a][send.buffer]
-                    assert send.numel * buf.element_size() == send.nbytes
-                    wire = u8(buf)[send.offset * buf.element_size():][:send.nbytes].clone()
+                    buf = src_bufs[a][send.buffer]  # as the executor views it: numel elements at offset
+                    wire = u8(torch.as_strided(buf, (send.numel,), (1,), send.offset)).clone()
                 assert wire.numel() == send.nbytes
                 if recv.buffer is None:
                     pools[b][recv.offset:recv.offset + recv.nbytes] = wire
                     run_copies(recv.copies, b, b, b)
                 else:
-                    buf = dst_bufs[b][recv.buffer]
-                    assert recv.numel * buf.element_size() == recv.nbytes
-                    u8(buf)[recv.offset * buf.element_size():][:recv.nbytes] = wire
+                    u8(torch.as_strided(dst_bufs[b][recv.buffer], (recv.numel,), (1,), recv.offset))[:] = wire
     assert all(not q for (_, _, send), q in queues.items() if not send), "a receive no sender posts"
     return ops
 
@@ -726,6 +725,7 @@ def test_a_compiled_program_replayed_by_hand_delivers_every_byte(layouts4, pair,
 
     from rlhf_switch.routing import schedule
     from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize
+    from rlhf_switch.vps.spec import itemsize
 
     monkeypatch.setattr(schedule, "READ_RUN_BYTES", 200)  # both kinds of read pieces in the tiny model
     if merge is not None:
@@ -762,6 +762,17 @@ def test_a_compiled_program_replayed_by_hand_delivers_every_byte(layouts4, pair,
                     beside += op.chunk.read and op.offset > offset  # after the step's staged receive
                     blocks.setdefault(op.step, []).append((op.offset, op.offset + packed))
         assert started == list(range(len(sched.staged[0])))
+        plan = sched.plan
+        assert (prog.bytes_sent, prog.bytes_received, prog.bytes_local) == tuple(
+            sum(t.box.numel * itemsize(t.dtype) for t in ts) for ts in (plan.sends, plan.recvs, plan.local))
+        # the pool lives where the first staged step's staged side has its buffers
+        if not sched.staged[0]:
+            assert prog.pool_on is None
+        else:
+            first = sched.staged[0][0]
+            send_chunk, recv_chunk = sched.exchanges[first.exchange].steps[first.step]
+            assert prog.pool_on in ({("dst", p.transfer.dst_buffer) for p in recv_chunk.pieces} if first.recv_bytes
+                                    else {("src", p.transfer.src_buffer) for p in send_chunk.pieces})
         for (a0, a1), (b0, b1) in (sorted(v) for v in blocks.values() if len(v) == 2):
             assert a1 <= b0, "a step's receive and send overlap in the pool"
         assert sum(len(v) for k, v in ops.items() if k[0] == r) == sched.messages
