@@ -825,3 +825,19 @@ def test_run_bytes_and_the_read_in_place_threshold_by_hand():
     assert [(c.offsets, c.stage_send, c.packed) for c in below] == [((0,), True, 4092)]
     byte = _read_chunks([_t(1, 0, 0, dtype="uint8")], 100)
     assert [(c.offsets, c.nbytes, c.stage_send, c.packed) for c in byte] == [((0,), 1, True, 1)]
+
+
+def test_a_direction_is_read_only_when_every_destination_run_is_long_enough():
+    """``can_read``: every destination run at least ``READ_LOCAL_RUN_BYTES`` (256 B) long —
+    exactly 256 B is enough, 2 or 4 bytes less in any one transfer is not; runs count bytes of
+    the transfer's dtype; a transposed destination (runs of one element) never is."""
+    from rlhf_switch.routing.schedule import READ_LOCAL_RUN_BYTES, can_read
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    assert READ_LOCAL_RUN_BYTES == 256
+    assert can_read([_t(64, 0, 0), _t(1000, 64, 64)])
+    assert not can_read([_t(1000, 0, 0), _t(63, 1000, 1000)])
+    assert can_read([_t(128, 0, 0, dtype="bfloat16")]) and not can_read([_t(127, 0, 0, dtype="bfloat16")])
+    transposed = Transfer(0, 1, StateKey("w"), Box((0, 0), (64, 64)), "a", 0, (64, 1), "b", 0, (1, 64), "float32")
+    assert not can_read([transposed]) and can_read([])
