@@ -841,3 +841,30 @@ def test_a_direction_is_read_only_when_every_destination_run_is_long_enough():
     assert can_read([_t(128, 0, 0, dtype="bfloat16")]) and not can_read([_t(127, 0, 0, dtype="bfloat16")])
     transposed = Transfer(0, 1, StateKey("w"), Box((0, 0), (64, 64)), "a", 0, (64, 1), "b", 0, (1, 64), "float32")
     assert not can_read([transposed]) and can_read([])
+
+
+def test_a_run_counts_every_piece_it_takes_against_the_cap():
+    """cap 1000 B, three contiguous 400 B pieces: the first two make one 800 B message, the
+    third would pass the cap: a message of its own."""
+    assert _cut([_t(100, 0, 0, key="x"), _t(100, 100, 100, key="y"), _t(100, 200, 200, key="z")], cap=1000) == [
+        (("x", "y"), (0, 400), 800, False, False), (("z",), (0,), 400, False, False)]
+
+
+def test_a_piece_that_breaks_the_source_run_stages_the_source_side():
+    """The mirror of the destination case: the second piece continues the destination run, not
+    the source's: one message, packed from the source, received straight into the destination."""
+    assert _cut([_t(100, 0, 0, key="x"), _t(100, 500, 100, key="y")]) == [(("x", "y"), (0, 400), 800, True, False)]
+
+
+@pytest.mark.parametrize("y_dst", [3, 50])  # y continues both runs, or only the source's
+def test_a_message_staged_on_both_sides_counts_its_padding_against_the_cap(y_dst, monkeypatch):
+    """cap 56 B, 12 B pieces (3 floats). x and y form a direct run (24 B, unpadded); z breaks it
+    on both sides, so the message is staged on both: laid out padded, x at 0, y at 16, z at 32
+    (44 B). w would start at 48 and end at 60 > 56: a message of its own — counting the run
+    unpadded (24 + 12 = 36, w at 40, 52 B) would put it in and pass the cap. (The leftover small
+    messages are not merged here: ``_small_together`` is switched off to see the cut itself.)"""
+    from rlhf_switch.routing import schedule
+
+    monkeypatch.setattr(schedule, "_small_together", lambda chunks, cap, dtypes: chunks)
+    pieces = [_t(3, 0, 0, key="x"), _t(3, 3, y_dst, key="y"), _t(3, 100, 100, key="z"), _t(3, 200, 200, key="w")]
+    assert _cut(pieces, cap=56) == [(("x", "y", "z"), (0, 16, 32), 44, True, True), (("w",), (0,), 12, False, False)]
