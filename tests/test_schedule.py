@@ -868,3 +868,50 @@ def test_a_message_staged_on_both_sides_counts_its_padding_against_the_cap(y_dst
     monkeypatch.setattr(schedule, "_small_together", lambda chunks, cap, dtypes: chunks)
     pieces = [_t(3, 0, 0, key="x"), _t(3, 3, y_dst, key="y"), _t(3, 100, 100, key="z"), _t(3, 200, 200, key="w")]
     assert _cut(pieces, cap=56) == [(("x", "y", "z"), (0, 16, 32), 44, True, True), (("w",), (0,), 12, False, False)]
+    # and at cap 44 the padded message fills the cap exactly: z still joins (an over-count would refuse it)
+    assert _cut(pieces, cap=44) == [(("x", "y", "z"), (0, 16, 32), 44, True, True), (("w",), (0,), 12, False, False)]
+
+
+def test_contiguity_ignores_only_dimensions_of_size_one():
+    """One row of a wider matrix is one run (a size-1 dimension's stride does not matter): sent
+    straight; two rows of it are not: packed."""
+    assert _cut([_t(4, 0, 0, src_strides=(8, 1), key="row", shape=(1, 4))]) == [(("row",), (0,), 16, False, False)]
+    assert _cut([_t(8, 0, 0, src_strides=(8, 1), key="rows", shape=(2, 4))]) == [(("rows",), (0,), 32, True, False)]
+
+
+def test_big_pieces_that_continue_both_runs_join_whatever_their_size():
+    """Two 256 KiB pieces continuing both runs: one direct message (no staging to price)."""
+    assert _cut([_t(65536, 0, 0, key="x"), _t(65536, 65536, 65536, key="y")]) == [
+        (("x", "y"), (0, 262144), 524288, False, False)]
+
+
+def test_every_sub_box_of_a_cut_transfer_travels_after_one_joins():
+    """cap 800 B: x (20 floats) then y, 5 rows of 60 floats cut in boxes of 3 rows (720 B) and 2:
+    the first box joins x (exactly 800 B), the second is a message of its own."""
+    from rlhf_switch.routing.schedule import _chunks
+
+    x, y = _t(20, 0, 0, key="x"), _t(300, 20, 20, key="y", shape=(5, 60))
+    got = [(tuple((p.transfer.key.tensor, p.box) for p in c.pieces), c.nbytes) for c in _chunks([x, y], 800, None)]
+    assert got == [((("x", Box((0,), (20,))), ("y", Box((0, 0), (3, 60)))), 800), ((("y", Box((3, 0), (5, 60))),), 480)]
+
+
+def test_a_sender_that_casts_stages_every_message_merged_small_ones_too():
+    """Source buffer ``a`` holds bf16 where the transfers are fp32: every message the sender
+    sends is packed (cast) — the two big ones that join nothing and the small ones merged at the
+    end, which would otherwise go straight from the source (b continues a's source run)."""
+    from rlhf_switch.routing.schedule import _chunks
+
+    small_a, big, small_b = _t(3, 0, 0, key="a"), _t(51200, 1000, 1000, key="big"), _t(3, 3, 60000, key="b")
+    big2 = _t(51200, 60000, 200000, key="big2")
+    for dtypes, staged in ((None, False), ({"a": "float32"}, False), ({"a": "bfloat16"}, True)):
+        got = [(tuple(p.transfer.key.tensor for p in c.pieces), c.stage_send)
+               for c in _chunks([small_a, big, small_b, big2], 1 << 20, dtypes)]
+        assert got == [(("big",), staged), (("big2",), staged), (("a", "b"), staged)], dtypes
+
+
+def test_messages_of_exactly_half_merge_bytes_count_as_small():
+    """Two 64 KiB messages (``MERGE_BYTES // 2``) that joined no neighbour travel together at the
+    end: b continues a's source run, so one 128 KiB message, sent straight, received into staging."""
+    small_a, big, small_b = _t(16384, 0, 0, key="a"), _t(51200, 50000, 50000, key="big"), _t(16384, 16384, 200000, key="b")
+    assert _cut([small_a, big, small_b]) == [
+        (("big",), (0,), 204800, False, False), (("a", "b"), (0, 65536), 131072, False, True)]
