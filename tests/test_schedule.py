@@ -915,3 +915,14 @@ def test_messages_of_exactly_half_merge_bytes_count_as_small():
     small_a, big, small_b = _t(16384, 0, 0, key="a"), _t(51200, 50000, 50000, key="big"), _t(16384, 16384, 200000, key="b")
     assert _cut([small_a, big, small_b]) == [
         (("big",), (0,), 204800, False, False), (("a", "b"), (0, 65536), 131072, False, True)]
+
+
+def test_small_messages_merge_up_to_the_cap_counting_a_direct_run_unpadded(monkeypatch):
+    """``MERGE_BYTES`` 40 (small: at most 20 B), cap 24 B: a and b (12 B each) are apart, big
+    (24 B) between them. b continues a's source run, so together they are one 24 B message sent
+    straight from the source — exactly the cap (counted padded, 16 + 12, it would not fit)."""
+    from rlhf_switch.routing import schedule
+
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
+    a, big, b = _t(3, 0, 0, key="a"), _t(6, 100, 100, key="big"), _t(3, 3, 500, key="b")
+    assert _cut([a, big, b], cap=24) == [(("big",), (0,), 24, False, False), (("a", "b"), (0, 12), 24, False, True)]
