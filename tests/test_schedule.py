@@ -926,3 +926,22 @@ def test_small_messages_merge_up_to_the_cap_counting_a_direct_run_unpadded(monke
     monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
     a, big, b = _t(3, 0, 0, key="a"), _t(6, 100, 100, key="big"), _t(3, 3, 500, key="b")
     assert _cut([a, big, b], cap=24) == [(("big",), (0,), 24, False, False), (("a", "b"), (0, 12), 24, False, True)]
+
+
+def test_small_messages_merge_into_as_few_as_fit_each_closed_like_any_other(monkeypatch):
+    """``MERGE_BYTES`` 40, cap 24 B. b continues a's destination run: one message received
+    straight into it, packed from the source. Three small ones a, b, c: a and b fill the cap, c is
+    a second merged message (direct: it is alone). A sender that casts packs every one of them."""
+    from rlhf_switch.routing import schedule
+    from rlhf_switch.routing.schedule import _chunks
+
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
+    a, big, b = _t(3, 0, 0, key="a"), _t(6, 100, 100, key="big"), _t(3, 500, 3, key="b")
+    assert _cut([a, big, b], cap=24) == [(("big",), (0,), 24, False, False), (("a", "b"), (0, 12), 24, True, False)]
+    b, big2, c = _t(3, 3, 500, key="b"), _t(6, 200, 200, key="big2"), _t(3, 300, 300, key="c")
+    assert _cut([a, big, b, big2, c], cap=24) == [
+        (("big",), (0,), 24, False, False), (("big2",), (0,), 24, False, False),
+        (("a", "b"), (0, 12), 24, False, True), (("c",), (0,), 12, False, False)]
+    cast = _chunks([a, big, b, big2, c], 24, {"a": "bfloat16"})
+    assert [(tuple(p.transfer.key.tensor for p in m.pieces), m.stage_send) for m in cast] == [
+        (("big",), True), (("big2",), True), (("a", "b"), True), (("c",), True)]
