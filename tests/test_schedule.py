@@ -945,3 +945,19 @@ def test_small_messages_merge_into_as_few_as_fit_each_closed_like_any_other(monk
     cast = _chunks([a, big, b, big2, c], 24, {"a": "bfloat16"})
     assert [(tuple(p.transfer.key.tensor for p in m.pieces), m.stage_send) for m in cast] == [
         (("big",), True), (("big2",), True), (("a", "b"), True), (("c",), True)]
+
+
+def test_small_messages_stay_in_place_unless_merging_saves_one(monkeypatch):
+    """``MERGE_BYTES`` 40, cap 24 B. Two 12 B messages continuing neither run do not fit together
+    padded (16 + 12 > 24): nothing merges, and every message stays where it was. A message of
+    exactly ``MERGE_BYTES // 2`` (20 B) is small and merges once, with a 4 B one continuing its
+    source run (exactly the cap)."""
+    from rlhf_switch.routing import schedule
+
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
+    a, big, b = _t(3, 0, 0, key="a"), _t(6, 100, 100, key="big"), _t(3, 50, 50, key="b")
+    assert _cut([a, big, b], cap=24) == [
+        (("a",), (0,), 12, False, False), (("big",), (0,), 24, False, False), (("b",), (0,), 12, False, False)]
+    half, one = _t(5, 0, 0, key="half"), _t(1, 5, 500, key="one")
+    assert _cut([half, big, one], cap=24) == [
+        (("big",), (0,), 24, False, False), (("half", "one"), (0, 20), 24, False, True)]
