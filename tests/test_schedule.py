@@ -870,6 +870,10 @@ def test_a_message_staged_on_both_sides_counts_its_padding_against_the_cap(y_dst
     assert _cut(pieces, cap=56) == [(("x", "y", "z"), (0, 16, 32), 44, True, True), (("w",), (0,), 12, False, False)]
     # and at cap 44 the padded message fills the cap exactly: z still joins (an over-count would refuse it)
     assert _cut(pieces, cap=44) == [(("x", "y", "z"), (0, 16, 32), 44, True, True), (("w",), (0,), 12, False, False)]
+    # at cap 40 z does not fit (44 B padded; counted unpadded, 24 + 12 = 36, it would pass the cap): z and w
+    # make a second message, staged on both sides
+    assert _cut(pieces, cap=40) == [(("x", "y"), (0, 12), 24, False, y_dst == 50),
+                                    (("z", "w"), (0, 16), 28, True, True)]
 
 
 def test_contiguity_ignores_only_dimensions_of_size_one():
