@@ -856,8 +856,8 @@ def test_a_piece_that_breaks_the_source_run_stages_the_source_side():
     assert _cut([_t(100, 0, 0, key="x"), _t(100, 500, 100, key="y")]) == [(("x", "y"), (0, 400), 800, True, False)]
 
 
-@pytest.mark.parametrize("y_dst", [3, 50])  # y continues both runs, or only the source's
-def test_a_message_staged_on_both_sides_counts_its_padding_against_the_cap(y_dst, monkeypatch):
+@pytest.mark.parametrize("y_src, y_dst", [(3, 3), (3, 50), (50, 3)])  # y continues both runs, or only one
+def test_a_message_staged_on_both_sides_counts_its_padding_against_the_cap(y_src, y_dst, monkeypatch):
     """cap 56 B, 12 B pieces (3 floats). x and y form a direct run (24 B, unpadded); z breaks it
     on both sides, so the message is staged on both: laid out padded, x at 0, y at 16, z at 32
     (44 B). w would start at 48 and end at 60 > 56: a message of its own — counting the run
@@ -866,13 +866,13 @@ def test_a_message_staged_on_both_sides_counts_its_padding_against_the_cap(y_dst
     from rlhf_switch.routing import schedule
 
     monkeypatch.setattr(schedule, "_small_together", lambda chunks, cap, dtypes: chunks)
-    pieces = [_t(3, 0, 0, key="x"), _t(3, 3, y_dst, key="y"), _t(3, 100, 100, key="z"), _t(3, 200, 200, key="w")]
+    pieces = [_t(3, 0, 0, key="x"), _t(3, y_src, y_dst, key="y"), _t(3, 100, 100, key="z"), _t(3, 200, 200, key="w")]
     assert _cut(pieces, cap=56) == [(("x", "y", "z"), (0, 16, 32), 44, True, True), (("w",), (0,), 12, False, False)]
     # and at cap 44 the padded message fills the cap exactly: z still joins (an over-count would refuse it)
     assert _cut(pieces, cap=44) == [(("x", "y", "z"), (0, 16, 32), 44, True, True), (("w",), (0,), 12, False, False)]
     # at cap 40 z does not fit (44 B padded; counted unpadded, 24 + 12 = 36, it would pass the cap): z and w
     # make a second message, staged on both sides
-    assert _cut(pieces, cap=40) == [(("x", "y"), (0, 12), 24, False, y_dst == 50),
+    assert _cut(pieces, cap=40) == [(("x", "y"), (0, 12), 24, y_src == 50, y_dst == 50),
                                     (("z", "w"), (0, 16), 28, True, True)]
 
 
