@@ -200,6 +200,8 @@ def test_read_columns_refuses_each_bad_file_naming_it(tmp_path):
     _jsonl(tmp_path / "nulls.jsonl", [{"a": "x", "b": "y"}, {"a": "x", "b": None}])
     _jsonl(tmp_path / "NAMES.JSONL", [{"a": "x", "b": "y"}])
     pq.write_table(pa.table({"a": ["p", "q"], "b": ["r", "s"]}), tmp_path / "t.parquet")
+    # pyarrow's 64-bit-offset strings (what a parquet writer may choose for long texts) are strings too
+    pq.write_table(pa.table({"a": pa.array(["p"], pa.large_string())}), tmp_path / "large.parquet")
     d = tmp_path
     assert refused("a.csv") == f"{d / 'a.csv'}: unsupported extension '.csv' (use .jsonl, .json, .parquet)"
     assert refused("noext") == f"{d / 'noext'}: unsupported extension '(none)' (use .jsonl, .json, .parquet)"
@@ -213,6 +215,71 @@ def test_read_columns_refuses_each_bad_file_naming_it(tmp_path):
     assert refused("nulls.jsonl", ("a", "c", "b")) == f"{d / 'nulls.jsonl'}: no key 'c' (keys: a, b)"
     assert read_columns(d / "NAMES.JSONL", ("b", "a")) == (("y", "x"),)
     assert read_columns(d / "t.parquet", ("a", "b")) == (("p", "r"), ("q", "s"))
+    assert read_columns(d / "large.parquet", ("a",)) == (("p",),)
+
+
+def test_a_loader_failure_is_reported_by_its_cause_first_line_only(tmp_path, monkeypatch):
+    """What ``datasets`` raises is reported by its cause (the exception it wraps), its type and
+    the first line of its message cut at 200 characters; a cause without a message still gives one
+    line. The loader is replaced by one raising what ``datasets`` may raise: a real file does not
+    choose its error message."""
+    from rlhf_switch.rl import data
+
+    monkeypatch.setattr(data, "_READ", {})
+    path = _jsonl(tmp_path / "rows.jsonl", [{"a": "x"}])
+
+    def refused(error: Exception) -> str:
+        def load(path, builder):
+            raise error
+        monkeypatch.setattr(data, "_load", load)
+        with pytest.raises(data.DataError) as e:
+            data.read_columns(path, ("a",))
+        return str(e.value)
+
+    def wrapped(cause: Exception) -> Exception:
+        try:
+            raise RuntimeError("datasets' wrapper") from cause
+        except RuntimeError as e:
+            return e
+
+    long = "x" * 250
+    assert refused(wrapped(OSError(long + "\nsecond line"))) == f"{path}: not readable as json (OSError: {'x' * 200})"
+    assert refused(wrapped(OSError(""))) == f"{path}: not readable as json (OSError: )"
+    assert refused(ValueError("no cause\nmore")) == f"{path}: not readable as json (ValueError: no cause)"
+
+
+def test_a_loader_handing_back_no_records_is_refused_naming_the_file(tmp_path, monkeypatch):
+    """``datasets`` 5.2 itself refuses every file without records (``[]``, ``{}`` lines, a
+    zero-row parquet: "not readable", above); a loader that hands back an empty table instead is
+    still one ``DataError`` naming the file, never an empty split."""
+    import datasets
+
+    from rlhf_switch.rl import data
+
+    monkeypatch.setattr(data, "_READ", {})
+    empty = datasets.Dataset.from_dict({"a": []}, features=datasets.Features({"a": datasets.Value("string")}))
+    monkeypatch.setattr(data, "_load", lambda path, builder: (empty.features, empty.num_rows, empty))
+    path = _jsonl(tmp_path / "rows.jsonl", [{"a": "x"}])
+    with pytest.raises(data.DataError) as e:
+        data.read_columns(path, ("a",))
+    assert str(e.value) == f"{path}: no records"
+
+
+def test_reading_a_file_stays_offline_and_keeps_the_rows_in_memory(tmp_path, monkeypatch):
+    """A local file never costs a network call: reading one sets ``HF_DATASETS_OFFLINE=1`` for
+    ``datasets`` unless the user set it; the rows ``_load`` hands back live in memory, not in the
+    temporary cache directory it removes before returning."""
+    from rlhf_switch.rl import data
+
+    monkeypatch.setattr(data, "_READ", {})
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    path = _jsonl(tmp_path / "rows.jsonl", [{"a": "x"}, {"a": "y"}])
+    assert data.read_columns(path, ("a",)) == (("x",), ("y",))
+    assert os.environ["HF_DATASETS_OFFLINE"] == "1"
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")  # the user's own setting is kept
+    features, rows, ds = data._load(path, "json")
+    assert os.environ["HF_DATASETS_OFFLINE"] == "0"
+    assert rows == 2 and ds.cache_files == [] and ds["a"] == ["x", "y"]
 
 
 class WordTokenizer:
@@ -290,15 +357,26 @@ def test_load_splits_of_a_task_and_of_files(tmp_path):
     from rlhf_switch.rl.data import load_splits
     from rlhf_switch.rl.tasks import build_task, make_splits
 
-    task = SimpleNamespace(name="addition", min_len=1, max_len=2, length_skew=0.0, num_train=6, num_heldout=3, seed=4)
+    task = SimpleNamespace(name="addition", min_len=1, max_len=3, length_skew=0.8, num_train=6, num_heldout=3, seed=4)
     splits, line = load_splits(SimpleNamespace(task=task), WordTokenizer())
-    assert splits == make_splits(build_task("addition", 1, 2, 0.0), 6, 3, 4)
+    assert splits == make_splits(build_task("addition", 1, 3, 0.8), 6, 3, 4)
+    assert splits != make_splits(build_task("addition", 1, 3, 0.0), 6, 3, 4)  # the skew is the task's
     assert line == "task addition: 6 train prompts, 3 held-out"
     files = SimpleNamespace(task=None, data=_data_cfg(tmp_path), algorithm=SimpleNamespace(max_new_tokens=6),
                             model=SimpleNamespace(hf_dict=lambda: {"max_position_embeddings": 10}))
     splits, line = load_splits(files, WordTokenizer())
     assert [s.prompt for s in splits.train] == ["w", "w w", "w w w"]  # 10 - 6 = 4 tokens, <bos> counted
     assert line == "data: 5 train prompts read, 2 dropped; 3 held-out read, 1 dropped (longer than 4 tokens)"
+    # without a tokenizer: the run's own, here the BPE tokenizer at model.tokenizer
+    from rlhf_switch.rl.tokenizer import HFTokenizer
+    from rlhf_switch.testing.bpe_tokenizer import build_bpe_tokenizer
+
+    build_bpe_tokenizer(tmp_path / "tok")
+    files.model = SimpleNamespace(tokenizer=str(tmp_path / "tok"), path=None,
+                                  hf_dict=lambda: {"max_position_embeddings": 40})
+    splits, line = load_splits(files)
+    assert (splits, line) == load_splits(files, HFTokenizer.from_pretrained(tmp_path / "tok"))
+    assert splits.train[0].prompt == "w" and line.startswith("data: 5 train prompts read, 0 dropped")
 
 
 

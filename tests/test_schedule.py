@@ -494,6 +494,8 @@ def test_the_pair_digest_names_every_part_of_every_message():
     assert digests(read)[1] != digests([base[0]._replace(read=True, offsets=(0, 40)), base[1]])[1]
     # the direction: the same messages seen from the higher rank are the other way round
     assert digests(base, rank=3)[1] != ref[1]
+    # 64 sizes, 64 digests: no two alike (a digest keeps its hash's bits, not a few of them)
+    assert len({digests([base[0]._replace(nbytes=8 * k), base[1]])[1] for k in range(64)}) == 64
 
 
 @pytest.mark.parametrize("world, table", [
@@ -625,3 +627,341 @@ def test_a_read_messages_runs_on_both_sides_worked_out_by_hand():
     assert runs.local.tolist() == [[0, 0, 40]]
     assert runs.copies == (Copy("a", 10, (5, 1), "b", 0, (3, 1), (2, 3), "float32"),
                            Copy("c", 2, (1,), "b", 6, (1,), (4,), "float32"))
+
+
+# ------------------------------------- a compiled program replayed message by message, by hand
+
+def _replay(scheds, src_bufs, dst_bufs):
+    """Run the four ranks' compiled programs in this process, one message at a time, the way the
+    executor's transports do but written from the ``Op`` contract alone: a sender packs its
+    staged copies into its pool, a direct message is its buffer's byte range, a read message's
+    receiver takes the runs its ``ReadRuns`` names — base 0 the sender's block at the sender op's
+    pool offset, base ``k`` the sender's buffer the offer's ``k``-th address is of — and lays
+    them out in its own runs. Returns every rank's ops, per (peer, send), in posting order."""
+    import torch
+
+    from rlhf_switch.vps.materialize import torch_dtype
+
+    world = len(scheds)
+    pools = [torch.zeros(max(s.program.pool_bytes, 8), dtype=torch.uint8) for s in scheds]
+
+    def strided(base, dtype, offset, strides, shape):
+        return torch.as_strided(base.view(torch_dtype(dtype)), shape, strides, offset)
+
+    def run_copies(copies, rank_src, rank_dst, pool_rank):
+        for c in copies:
+            a = strided(pools[pool_rank] if c.src_buffer is None else src_bufs[rank_src][c.src_buffer],
+                        c.dtype, c.src_offset, c.src_strides, c.shape)
+            b = strided(pools[pool_rank] if c.dst_buffer is None else dst_bufs[rank_dst][c.dst_buffer],
+                        c.dtype, c.dst_offset, c.dst_strides, c.shape)
+            b.copy_(a)
+
+    def u8(t):
+        return t.view(torch.uint8)
+
+    queues: dict[tuple[int, int, bool], list] = {}
+    for r, s in enumerate(scheds):
+        run_copies(s.local_runs, r, r, r)
+        for pb in s.program.batches:
+            for op in pb.ops:
+                queues.setdefault((r, op.peer, op.send), []).append(op)
+    ops = {k: list(v) for k, v in queues.items()}
+    for a in range(world):
+        for b in range(world):
+            for send in queues.get((a, b, True), []):
+                recv = queues[(b, a, False)].pop(0)
+                assert (send.nbytes, send.chunk.read) == (recv.nbytes, recv.chunk.read)
+                if send.chunk.read:
+                    offer, runs = send.read, recv.read
+                    # the receiver names the sender's buffers in the order the offer gives addresses
+                    assert (offer.in_place, offer.sources) == (runs.src_names, runs.sources)
+                    run_copies(send.copies, a, a, a)  # the sender packs what is not read in place
+                    wire = []
+                    for base, off, n in runs.remote.tolist():
+                        mem = pools[a][send.offset:] if base == 0 else u8(src_bufs[a][offer.in_place[base - 1]])
+                        assert off + n <= mem.numel()
+                        wire.append(mem[off:off + n])
+                    wire = torch.cat(wire)
+                    assert wire.numel() == runs.nbytes == send.nbytes
+                    at = 0
+                    for base, off, n in runs.local.tolist():
+                        u8(dst_bufs[b][runs.dst_names[base]])[off:off + n] = wire[at:at + n]
+                        at += n
+                    assert at == runs.nbytes
+                    continue
+                if send.buffer is None:
+                    run_copies(send.copies, a, a, a)
+                    wire = pools[a][send.offset:send.offset + send.nbytes].clone()
+                else:
+                    buf = src_bufs[a][send.buffer]  # as the executor views it: numel elements at offset
+                    wire = u8(torch.as_strided(buf, (send.numel,), (1,), send.offset)).clone()
+                assert wire.numel() == send.nbytes
+                if recv.buffer is None:
+                    pools[b][recv.offset:recv.offset + recv.nbytes] = wire
+                    run_copies(recv.copies, b, b, b)
+                else:
+                    u8(torch.as_strided(dst_bufs[b][recv.buffer], (recv.numel,), (1,), recv.offset))[:] = wire
+    assert all(not q for (_, _, send), q in queues.items() if not send), "a receive no sender posts"
+    return ops
+
+
+@pytest.mark.parametrize("pair, budget, reads, merge", [
+    (("fsdp", "tp2xpp2"), 1000, False, None),  # messages of 250 B at most: the staging ring wraps
+    (("zero3", "tp4"), 1 << 20, False, 0),  # every contiguous piece sent / received in place
+    (("zero1-flat", "tp2xdp2"), 4096, "all", None),  # read messages, some pieces packed, some read in place
+    (("fsdp", "tp4"), 256, "all", None),
+    (("tp2xdp2", "pp2"), 1 << 20, "all", None),
+    # only lower -> higher rank reads: a step packs a read message beside a staged receive
+    (("fsdp", "tp2xpp2"), 1000, "up", None),
+])
+def test_a_compiled_program_replayed_by_hand_delivers_every_byte(layouts4, pair, budget, reads, merge, monkeypatch):
+    """Every rank's compiled program, replayed message by message in one process (``_replay``):
+    every destination element ends up as a direct construction of the destination has it, no
+    padding byte is written, no source byte changes; every staged op stays inside its step's
+    block of the pool and every batch starts the pool blocks of the staged steps its ops use,
+    each step once, in the staging program's order."""
+    import rank_jobs
+    import torch
+
+    from rlhf_switch.routing import schedule
+    from rlhf_switch.vps.materialize import allocate, bits, coverage_masks, materialize
+    from rlhf_switch.vps.spec import itemsize
+
+    monkeypatch.setattr(schedule, "READ_RUN_BYTES", 200)  # both kinds of read pieces in the tiny model
+    if merge is not None:
+        monkeypatch.setattr(schedule, "MERGE_BYTES", merge)
+    src, dst = layouts4[pair[0]], layouts4[pair[1]]
+    directions = frozenset((a, b) for a in range(4) for b in range(4) if a != b and (reads == "all" or a < b)
+                           ) if reads else frozenset()
+    scheds = [build_schedule(plan_rank(src, dst, r), budget, None, directions) for r in range(4)]
+    tensor_of = rank_jobs.tensor_source(src, 3)
+    src_bufs = [materialize(src, r, tensor_of) for r in range(4)]
+    before_src = [{n: t.clone() for n, t in bufs.items()} for bufs in src_bufs]
+    dst_bufs = [rank_jobs.garbage_like(allocate(dst, r, fill=None), 1000 + r) for r in range(4)]
+    before_dst = [{n: t.clone() for n, t in bufs.items()} for bufs in dst_bufs]
+    ops = _replay(scheds, src_bufs, dst_bufs)
+    kinds, beside = set(), 0
+    for r, sched in enumerate(scheds):
+        expected, masks = materialize(dst, r, tensor_of), coverage_masks(dst, r)
+        for n, t in dst_bufs[r].items():
+            m = masks[n]
+            assert torch.equal(bits(t)[m], bits(expected[n])[m]), (pair, r, n)
+            assert torch.equal(bits(t)[~m], bits(before_dst[r][n])[~m]), f"{n}: padding written"
+        for n, t in src_bufs[r].items():
+            assert torch.equal(bits(t), bits(before_src[r][n])), f"source {n} changed"
+        prog, started, blocks = sched.program, [], {}
+        for pb in prog.batches:
+            started += pb.new_steps
+            for op in pb.ops:
+                kinds.add((op.send, op.chunk.read, op.buffer is None))
+                if op.step >= 0:
+                    assert op.step in pb.new_steps
+                    offset, size = prog.steps[op.step]
+                    packed = op.chunk.packed if op.chunk.read else op.nbytes
+                    assert offset <= op.offset and op.offset + packed <= offset + size <= prog.pool_bytes
+                    beside += op.chunk.read and op.offset > offset  # after the step's staged receive
+                    blocks.setdefault(op.step, []).append((op.offset, op.offset + packed))
+        assert started == list(range(len(sched.staged[0])))
+        plan = sched.plan
+        assert (prog.bytes_sent, prog.bytes_received, prog.bytes_local) == tuple(
+            sum(t.box.numel * itemsize(t.dtype) for t in ts) for ts in (plan.sends, plan.recvs, plan.local))
+        # the pool lives where the first staged step's staged side has its buffers
+        if not sched.staged[0]:
+            assert prog.pool_on is None
+        else:
+            first = sched.staged[0][0]
+            send_chunk, recv_chunk = sched.exchanges[first.exchange].steps[first.step]
+            assert prog.pool_on in ({("dst", p.transfer.dst_buffer) for p in recv_chunk.pieces} if first.recv_bytes
+                                    else {("src", p.transfer.src_buffer) for p in send_chunk.pieces})
+        for (a0, a1), (b0, b1) in (sorted(v) for v in blocks.values() if len(v) == 2):
+            assert a1 <= b0, "a step's receive and send overlap in the pool"
+        assert sum(len(v) for k, v in ops.items() if k[0] == r) == sched.messages
+    # (send, read, staged): the kinds of op each case is there for
+    assert {(True, True, True), (False, True, True)} <= kinds if reads else \
+        {(True, False, merge is None), (False, False, merge is None)} <= kinds
+    assert beside or reads != "up"
+
+
+def test_read_runs_of_three_dim_views_two_in_place_buffers_and_merges_per_buffer_by_hand():
+    """Four pieces of one read message: a 2x3x2 box of ``a`` (strides 20, 4, 1: no two dims one
+    run, so runs of 2 elements = 8 B at bytes 0, 16, 32, 80, 96, 112) read in place, 4 elements of
+    ``c`` at element 2 read in place (the offer's second address: base 2), and two pieces packed at
+    0 (8 B) and 8 (12 B) of the sender's block (base 0, one run of 20 B). Locally the box fills
+    ``b`` 0-11 (one run of 48 B) and the other three ``d`` 0-3, 4-5, 6-8 (16 + 8 + 12 B merge into
+    one run of 36 B)."""
+    from rlhf_switch.routing.schedule import Chunk, Piece, read_runs_of
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    def t(name, box, src, src_offset, src_strides, dst_offset, dst, dst_strides):
+        return Transfer(0, 1, StateKey(name), box, src, src_offset, src_strides, dst, dst_offset, dst_strides,
+                        "float32")
+
+    ta = t("x", Box((0, 0, 0), (2, 3, 2)), "a", 0, (20, 4, 1), 0, "b", (6, 2, 1))
+    tc = t("y", Box((0,), (4,)), "c", 2, (1,), 0, "d", (1,))
+    te = t("z", Box((0,), (2,)), "e", 0, (1,), 4, "d", (1,))
+    tf = t("w", Box((0,), (3,)), "f", 5, (1,), 6, "d", (1,))
+    chunk = Chunk(tuple(Piece(x, x.box) for x in (ta, tc, te, tf)), (-1, -1, 0, 8), 84, True, False, True, 20)
+    runs = read_runs_of(chunk)
+    assert (runs.src_names, runs.dst_names, runs.sources, runs.nbytes) == (("a", "c"), ("b", "d"), ("a", "c", "e", "f"), 84)
+    assert runs.remote.tolist() == [[1, 0, 8], [1, 16, 8], [1, 32, 8], [1, 80, 8], [1, 96, 8], [1, 112, 8],
+                                    [2, 8, 16], [0, 0, 20]]
+    assert runs.local.tolist() == [[0, 0, 48], [1, 0, 36]]
+
+
+def test_run_bytes_and_the_read_in_place_threshold_by_hand():
+    """A view's runs: the coalesced last dimension when its stride is 1, else one element; a
+    source run of exactly ``READ_RUN_BYTES`` is read in place, one element less is packed; a
+    message whose packing is a single byte still stages it."""
+    from rlhf_switch.routing.schedule import READ_RUN_BYTES, _read_chunks, run_bytes
+
+    assert run_bytes((2, 3, 2), (20, 4, 1), 4) == 8
+    assert run_bytes((2, 3), (3, 1), 4) == 24  # one run: the dims coalesce
+    assert run_bytes((4, 3), (1, 4), 4) == 4  # a transposed view: runs of one element
+    assert READ_RUN_BYTES == 4096
+    at = _read_chunks([_t(1024, 0, 0)], 1 << 20)
+    assert [(c.offsets, c.stage_send, c.packed) for c in at] == [((-1,), False, 0)]
+    below = _read_chunks([_t(1023, 0, 0)], 1 << 20)
+    assert [(c.offsets, c.stage_send, c.packed) for c in below] == [((0,), True, 4092)]
+    byte = _read_chunks([_t(1, 0, 0, dtype="uint8")], 100)
+    assert [(c.offsets, c.nbytes, c.stage_send, c.packed) for c in byte] == [((0,), 1, True, 1)]
+
+
+def test_a_direction_is_read_only_when_every_destination_run_is_long_enough():
+    """``can_read``: every destination run at least ``READ_LOCAL_RUN_BYTES`` (256 B) long —
+    exactly 256 B is enough, 2 or 4 bytes less in any one transfer is not; runs count bytes of
+    the transfer's dtype; a transposed destination (runs of one element) never is."""
+    from rlhf_switch.routing.schedule import READ_LOCAL_RUN_BYTES, can_read
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    assert READ_LOCAL_RUN_BYTES == 256
+    assert can_read([_t(64, 0, 0), _t(1000, 64, 64)])
+    assert not can_read([_t(1000, 0, 0), _t(63, 1000, 1000)])
+    assert can_read([_t(128, 0, 0, dtype="bfloat16")]) and not can_read([_t(127, 0, 0, dtype="bfloat16")])
+    transposed = Transfer(0, 1, StateKey("w"), Box((0, 0), (64, 64)), "a", 0, (64, 1), "b", 0, (1, 64), "float32")
+    assert not can_read([transposed]) and can_read([])
+
+
+def test_a_run_counts_every_piece_it_takes_against_the_cap():
+    """cap 1000 B, three contiguous 400 B pieces: the first two make one 800 B message, the
+    third would pass the cap: a message of its own."""
+    assert _cut([_t(100, 0, 0, key="x"), _t(100, 100, 100, key="y"), _t(100, 200, 200, key="z")], cap=1000) == [
+        (("x", "y"), (0, 400), 800, False, False), (("z",), (0,), 400, False, False)]
+
+
+def test_a_piece_that_breaks_the_source_run_stages_the_source_side():
+    """The mirror of the destination case: the second piece continues the destination run, not
+    the source's: one message, packed from the source, received straight into the destination."""
+    assert _cut([_t(100, 0, 0, key="x"), _t(100, 500, 100, key="y")]) == [(("x", "y"), (0, 400), 800, True, False)]
+
+
+@pytest.mark.parametrize("y_src, y_dst", [(3, 3), (3, 50), (50, 3)])  # y continues both runs, or only one
+def test_a_message_staged_on_both_sides_counts_its_padding_against_the_cap(y_src, y_dst, monkeypatch):
+    """cap 56 B, 12 B pieces (3 floats). x and y form a direct run (24 B, unpadded); z breaks it
+    on both sides, so the message is staged on both: laid out padded, x at 0, y at 16, z at 32
+    (44 B). w would start at 48 and end at 60 > 56: a message of its own — counting the run
+    unpadded (24 + 12 = 36, w at 40, 52 B) would put it in and pass the cap. (The leftover small
+    messages are not merged here: ``_small_together`` is switched off to see the cut itself.)"""
+    from rlhf_switch.routing import schedule
+
+    monkeypatch.setattr(schedule, "_small_together", lambda chunks, cap, dtypes: chunks)
+    pieces = [_t(3, 0, 0, key="x"), _t(3, y_src, y_dst, key="y"), _t(3, 100, 100, key="z"), _t(3, 200, 200, key="w")]
+    assert _cut(pieces, cap=56) == [(("x", "y", "z"), (0, 16, 32), 44, True, True), (("w",), (0,), 12, False, False)]
+    # and at cap 44 the padded message fills the cap exactly: z still joins (an over-count would refuse it)
+    assert _cut(pieces, cap=44) == [(("x", "y", "z"), (0, 16, 32), 44, True, True), (("w",), (0,), 12, False, False)]
+    # at cap 40 z does not fit (44 B padded; counted unpadded, 24 + 12 = 36, it would pass the cap): z and w
+    # make a second message, staged on both sides
+    assert _cut(pieces, cap=40) == [(("x", "y"), (0, 12), 24, y_src == 50, y_dst == 50),
+                                    (("z", "w"), (0, 16), 28, True, True)]
+
+
+def test_contiguity_ignores_only_dimensions_of_size_one():
+    """One row of a wider matrix is one run (a size-1 dimension's stride does not matter): sent
+    straight; two rows of it are not: packed."""
+    assert _cut([_t(4, 0, 0, src_strides=(8, 1), key="row", shape=(1, 4))]) == [(("row",), (0,), 16, False, False)]
+    assert _cut([_t(8, 0, 0, src_strides=(8, 1), key="rows", shape=(2, 4))]) == [(("rows",), (0,), 32, True, False)]
+
+
+def test_big_pieces_that_continue_both_runs_join_whatever_their_size():
+    """Two 256 KiB pieces continuing both runs: one direct message (no staging to price)."""
+    assert _cut([_t(65536, 0, 0, key="x"), _t(65536, 65536, 65536, key="y")]) == [
+        (("x", "y"), (0, 262144), 524288, False, False)]
+
+
+def test_every_sub_box_of_a_cut_transfer_travels_after_one_joins():
+    """cap 800 B: x (20 floats) then y, 5 rows of 60 floats cut in boxes of 3 rows (720 B) and 2:
+    the first box joins x (exactly 800 B), the second is a message of its own."""
+    from rlhf_switch.routing.schedule import _chunks
+
+    x, y = _t(20, 0, 0, key="x"), _t(300, 20, 20, key="y", shape=(5, 60))
+    got = [(tuple((p.transfer.key.tensor, p.box) for p in c.pieces), c.nbytes) for c in _chunks([x, y], 800, None)]
+    assert got == [((("x", Box((0,), (20,))), ("y", Box((0, 0), (3, 60)))), 800), ((("y", Box((3, 0), (5, 60))),), 480)]
+
+
+def test_a_sender_that_casts_stages_every_message_merged_small_ones_too():
+    """Source buffer ``a`` holds bf16 where the transfers are fp32: every message the sender
+    sends is packed (cast) — the two big ones that join nothing and the small ones merged at the
+    end, which would otherwise go straight from the source (b continues a's source run)."""
+    from rlhf_switch.routing.schedule import _chunks
+
+    small_a, big, small_b = _t(3, 0, 0, key="a"), _t(51200, 1000, 1000, key="big"), _t(3, 3, 60000, key="b")
+    big2 = _t(51200, 60000, 200000, key="big2")
+    for dtypes, staged in ((None, False), ({"a": "float32"}, False), ({"a": "bfloat16"}, True)):
+        got = [(tuple(p.transfer.key.tensor for p in c.pieces), c.stage_send)
+               for c in _chunks([small_a, big, small_b, big2], 1 << 20, dtypes)]
+        assert got == [(("big",), staged), (("big2",), staged), (("a", "b"), staged)], dtypes
+
+
+def test_messages_of_exactly_half_merge_bytes_count_as_small():
+    """Two 64 KiB messages (``MERGE_BYTES // 2``) that joined no neighbour travel together at the
+    end: b continues a's source run, so one 128 KiB message, sent straight, received into staging."""
+    small_a, big, small_b = _t(16384, 0, 0, key="a"), _t(51200, 50000, 50000, key="big"), _t(16384, 16384, 200000, key="b")
+    assert _cut([small_a, big, small_b]) == [
+        (("big",), (0,), 204800, False, False), (("a", "b"), (0, 65536), 131072, False, True)]
+
+
+def test_small_messages_merge_up_to_the_cap_counting_a_direct_run_unpadded(monkeypatch):
+    """``MERGE_BYTES`` 40 (small: at most 20 B), cap 24 B: a and b (12 B each) are apart, big
+    (24 B) between them. b continues a's source run, so together they are one 24 B message sent
+    straight from the source — exactly the cap (counted padded, 16 + 12, it would not fit)."""
+    from rlhf_switch.routing import schedule
+
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
+    a, big, b = _t(3, 0, 0, key="a"), _t(6, 100, 100, key="big"), _t(3, 3, 500, key="b")
+    assert _cut([a, big, b], cap=24) == [(("big",), (0,), 24, False, False), (("a", "b"), (0, 12), 24, False, True)]
+
+
+def test_small_messages_merge_into_as_few_as_fit_each_closed_like_any_other(monkeypatch):
+    """``MERGE_BYTES`` 40, cap 24 B. b continues a's destination run: one message received
+    straight into it, packed from the source. Three small ones a, b, c: a and b fill the cap, c is
+    a second merged message (direct: it is alone). A sender that casts packs every one of them."""
+    from rlhf_switch.routing import schedule
+    from rlhf_switch.routing.schedule import _chunks
+
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
+    a, big, b = _t(3, 0, 0, key="a"), _t(6, 100, 100, key="big"), _t(3, 500, 3, key="b")
+    assert _cut([a, big, b], cap=24) == [(("big",), (0,), 24, False, False), (("a", "b"), (0, 12), 24, True, False)]
+    b, big2, c = _t(3, 3, 500, key="b"), _t(6, 200, 200, key="big2"), _t(3, 300, 300, key="c")
+    assert _cut([a, big, b, big2, c], cap=24) == [
+        (("big",), (0,), 24, False, False), (("big2",), (0,), 24, False, False),
+        (("a", "b"), (0, 12), 24, False, True), (("c",), (0,), 12, False, False)]
+    cast = _chunks([a, big, b, big2, c], 24, {"a": "bfloat16"})
+    assert [(tuple(p.transfer.key.tensor for p in m.pieces), m.stage_send) for m in cast] == [
+        (("big",), True), (("big2",), True), (("a", "b"), True), (("c",), True)]
+
+
+def test_small_messages_stay_in_place_unless_merging_saves_one(monkeypatch):
+    """``MERGE_BYTES`` 40, cap 24 B. Two 12 B messages continuing neither run do not fit together
+    padded (16 + 12 > 24): nothing merges, and every message stays where it was. A message of
+    exactly ``MERGE_BYTES // 2`` (20 B) is small and merges once, with a 4 B one continuing its
+    source run (exactly the cap)."""
+    from rlhf_switch.routing import schedule
+
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
+    a, big, b = _t(3, 0, 0, key="a"), _t(6, 100, 100, key="big"), _t(3, 50, 50, key="b")
+    assert _cut([a, big, b], cap=24) == [
+        (("a",), (0,), 12, False, False), (("big",), (0,), 24, False, False), (("b",), (0,), 12, False, False)]
+    half, one = _t(5, 0, 0, key="half"), _t(1, 5, 500, key="one")
+    assert _cut([half, big, one], cap=24) == [
+        (("big",), (0,), 24, False, False), (("half", "one"), (0, 20), 24, False, True)]
