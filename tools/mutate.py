@@ -96,14 +96,18 @@ def _check_files(files: list[str]) -> list[str]:
     return out
 
 
-def _configure(files: list[str], tests: list[str]):
-    """mutmut's config of this run: pyproject's [tool.mutmut], with the modules and the tests."""
+def _configure(files: list[str], tests: list[str], time_limit: tuple[float, float] | None = None):
+    """mutmut's config of this run: pyproject's [tool.mutmut], with the modules and the tests;
+    ``time_limit``: (constant, multiplier) of mutmut's CPU-time limit per mutant,
+    ``(tests' time + constant) · multiplier · 2`` (mutmut's defaults otherwise)."""
     from mutmut import configuration
 
     configuration.reset_config()
     cfg = configuration.config()
     cfg.only_mutate = list(files)
     cfg.pytest_add_cli_args_test_selection = list(tests)
+    if time_limit is not None:
+        cfg.timeout_constant, cfg.timeout_multiplier = time_limit
     return cfg
 
 
@@ -260,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="mutate only these functions of the modules: Class.method, Class.*, function (see the docstring)")
     ap.add_argument("--unreached", choices=("none", "all"), default="none",
                     help="functions no test reaches in the pytest process: no tests (none), or every selected test (all)")
+    ap.add_argument("--time-limit", nargs=2, type=float, metavar=("CONSTANT", "MULTIPLIER"), default=None,
+                    help="a mutant's CPU-time limit is (its tests' time + CONSTANT) x MULTIPLIER x 2 (mutmut's "
+                         "defaults otherwise); lower it for modules whose mutants loop forever (routing/schedule.py: 10 2)")
     args = ap.parse_args(argv)
 
     os.chdir(REPO)  # mutmut works relative to the current directory (pyproject.toml, mutants/)
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"mutate: no test file for {files}; name some with --tests")
     print(f"mutating {' '.join(files)}\nwith the fast tests of {' '.join(tests)}", flush=True)
 
-    _configure(files, tests)
+    _configure(files, tests, tuple(args.time_limit) if args.time_limit else None)
     import mutmut.__main__ as mm
 
     patterns = mutant_patterns(files, args.functions) if args.functions else None
