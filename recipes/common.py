@@ -68,8 +68,8 @@ def warm_start(cfg, out_dir: Path, quiet: bool = False) -> Path:
 
 def agent_warm_start(cfg):
     """An agent run's SFT (``warm_start``'s ``train``): on the transcripts its environment class
-    writes for the task's train samples (``warm_start_transcripts(samples, tokenizer, max_context,
-    seed, max_turns, **env_kwargs)``: ``calc`` and ``guess`` play scripted experts through the
+    writes for the task's train samples (``warm_start_transcripts``, a function or its
+    ``module:function``: ``(samples, tokenizer, max_context, seed, max_turns, **env_kwargs)``: ``calc`` and ``guess`` play scripted experts through the
     episode driver), the loss on the player's tokens only. None — the task's prompt → answer SFT —
     for a run without an agent block or an environment without transcripts."""
     if cfg.agent is None or cfg.sft is None or not cfg.sft.steps:
@@ -79,6 +79,10 @@ def agent_warm_start(cfg):
     write = getattr(environment_class(cfg.agent.env), "warm_start_transcripts", None)
     if write is None:
         return None
+    if isinstance(write, str):  # "module:function": the environment's module need not import its experts
+        from rlhf_switch.rl.imports import import_named
+
+        write = import_named(write, "warm_start_transcripts")
 
     def train(model):
         from rlhf_switch.agent.sft import sft_transcripts

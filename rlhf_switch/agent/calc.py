@@ -56,15 +56,8 @@ class CalcEnvironment(ToolEnvironment):
     def __init__(self, tools: bool = True):
         super().__init__([Calculator()] if tools else [], CompactCallFormat(), "rlhf_switch.rl.rewards:exact_match")
 
-    @classmethod
-    def warm_start_transcripts(cls, samples, tokenizer: CharTokenizer, max_context: int, seed: int, max_turns: int,
-                               tools: bool = True) -> list:
-        """The RL loop's warm start (``recipes.common.agent_warm_start``): each sample once by the
-        scripted expert — a quarter answered at once, the rest through the tool (all at once
-        without it)."""
-        from .experts import calc_transcripts
-
-        return calc_transcripts(samples, tokenizer, max_context, direct_fraction=0.25 if tools else 1.0, seed=seed)
+    # the RL loop's warm start (recipes.common.agent_warm_start): the scripted expert's transcripts
+    warm_start_transcripts = "rlhf_switch.agent.experts:calc_warm_start"
 
     @classmethod
     def episode_request(cls, sample: Sample, session: str, tokenizer: CharTokenizer, tools: bool = True) -> EpisodeRequest:

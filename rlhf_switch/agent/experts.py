@@ -80,3 +80,22 @@ def guess_transcripts(samples: Sequence[Sample], tokenizer: CharTokenizer, max_c
     reqs = [guess.request(s, f"g{i}:{k}", tokenizer) for i, s in enumerate(samples) for k in range(games_per_sample)]
     policies = [guess.expert_policy(noise, random.Random(rng.random())) for _ in reqs]
     return transcripts(reqs, policies, tokenizer, [guess.limits(max_context, max_turns)] * len(reqs))
+
+
+def calc_warm_start(samples: Sequence[Sample], tokenizer: CharTokenizer, max_context: int, seed: int, max_turns: int,
+                    tools: bool = True) -> list[Transcript]:
+    """The calculator's transcripts for the RL loop's warm start (``CalcEnvironment``'s
+    ``warm_start_transcripts``): each sample once, a quarter answered at once, the rest through
+    the tool (all at once without it)."""
+    return calc_transcripts(samples, tokenizer, max_context, direct_fraction=0.25 if tools else 1.0, seed=seed)
+
+
+def guess_warm_start(samples: Sequence[Sample], tokenizer: CharTokenizer, max_context: int, seed: int, max_turns: int,
+                     low: int = 1, high: int = 63, turn_cost: float = 0.0) -> list[Transcript]:
+    """The game's transcripts for the RL loop's warm start (``GuessEnvironment``'s
+    ``warm_start_transcripts``): 40 games of each train secret by the noisy binary-search player
+    (half its guesses uniform among the numbers still possible), lost games kept."""
+    if (low, high) != (1, 63):
+        raise ValueError(f"the game's warm-start transcripts are played in 1..63, not {low}..{high}")
+    return guess_transcripts(samples, tokenizer, max_context, games_per_sample=40, noise=0.5, seed=seed,
+                             max_turns=max_turns)

@@ -46,18 +46,8 @@ class GuessEnvironment(Environment):
         self.low, self.high, self.turn_cost = low, high, turn_cost
         self.secret, self.guesses = None, 0
 
-    @classmethod
-    def warm_start_transcripts(cls, samples, tokenizer, max_context: int, seed: int, max_turns: int, low: int = 1,
-                               high: int = 63, turn_cost: float = 0.0) -> list:
-        """The RL loop's warm start (``recipes.common.agent_warm_start``): 40 games of each train
-        secret by the noisy binary-search player (half its guesses uniform among the numbers still
-        possible), lost games kept."""
-        from .experts import guess_transcripts
-
-        if (low, high) != (1, 63):
-            raise ValueError(f"the game's warm-start transcripts are played in 1..63, not {low}..{high}")
-        return guess_transcripts(samples, tokenizer, max_context, games_per_sample=40, noise=0.5, seed=seed,
-                                 max_turns=max_turns)
+    # the RL loop's warm start (recipes.common.agent_warm_start): the noisy expert's games
+    warm_start_transcripts = "rlhf_switch.agent.experts:guess_warm_start"
 
     @classmethod
     def episode_request(cls, sample, session: str, tokenizer, low: int = 1, high: int = 63,
