@@ -551,6 +551,15 @@ def _agent(cfg: RunConfig, facts: Facts) -> list[str]:
     if cfg.algorithm.max_staleness:
         problems.append(f"agent: multi-turn rollouts run synchronously (algorithm.off_policy.max_staleness: 0); "
                         f"this config has {cfg.algorithm.max_staleness}")
+    if cfg.data is not None and cfg.data.chat_template:
+        from .agent.chat import ChatCodec, ChatTemplateError
+
+        try:  # observations are written as the template's messages (agent.chat)
+            ChatCodec(load_tokenizer(cfg), observation_role=a.observation_role)
+        except TokenizerError:
+            pass  # the prompts check names it
+        except ChatTemplateError as e:
+            problems.append(f"agent: data.chat_template: {e}")
     return problems
 
 

@@ -104,3 +104,53 @@ def _with_env(request):
     import dataclasses
 
     return dataclasses.replace(request, env="agent_envs:GuessFailsOnOdd")
+
+
+class ChatCalc(Environment):
+    """The calculator as a chat model's tool: Hermes/Qwen JSON calls, the tool declared to the
+    chat template (``chat_tools``), exact match of the final answer (tests/test_agent_chat.py)."""
+
+    def __init__(self):
+        from rlhf_switch.agent.calc import Calculator
+        from rlhf_switch.agent.tools import ToolEnvironment
+
+        self.inner = ToolEnvironment([Calculator()], "json")
+
+    @classmethod
+    def chat_tools(cls):
+        from rlhf_switch.agent.calc import Calculator
+
+        return [Calculator().schema()]
+
+    def reset(self, sample):
+        return self.inner.reset(sample)
+
+    def step(self, action):
+        return self.inner.step(action)
+
+
+class Greets(Environment):
+    """Speaks first: its reset returns an observation."""
+
+    def reset(self, sample):
+        return "hello"
+
+    def step(self, action):
+        return StepResult("", 1.0, True)
+
+
+class Numbers(Environment):
+    """Asks for a number ``turns`` times: reward 1/turns for each turn that is one (the chat loop's
+    test, tests/test_agent_loop.py); no warm-start transcripts, so a data run's SFT (prompt ->
+    answer) warms it up."""
+
+    def __init__(self, turns: int = 3):
+        self.turns, self.seen = turns, 0
+
+    def reset(self, sample):
+        return ""
+
+    def step(self, action):
+        self.seen += 1
+        reward = 1.0 / self.turns if action.strip().isdigit() else 0.0
+        return StepResult("again", reward, self.seen >= self.turns, {"number": action.strip().isdigit()})

@@ -65,3 +65,35 @@ def test_multi_turn_episodes_train_on_exactly_the_models_tokens(ray_session, tmp
     assert math.isfinite(recs[0]["policy_loss"])
     assert a["excluded"] == round(a["finish/env_error"] * a["n"]) > 0
     assert recs[0]["stale_check_tokens"] == a["model_tokens"]  # the excluded samples' tokens are not checked either
+
+
+def test_a_chat_models_episodes_in_the_loop(ray_session, tmp_path):
+    """A data run with ``chat_template: true`` (a tiny Qwen2 over the shipped BPE tokenizer and its
+    ChatML template): the prompt is the template's first turn, each observation the template's
+    user message appended as tokens (agent.chat), every turn ends at the model's eos. Warmed up by
+    the data run's own SFT (prompt -> a number), the model answers each of the environment's three
+    "again"s; the token check and the stale check pass on every sample."""
+    from recipes.common import warm_start
+    from recipes.train import run
+    from rlhf_switch.rl.config import load_config
+    from rlhf_switch.testing.tiny_models import build_model_dir
+
+    model = build_model_dir(tmp_path / "model")
+    for split, secrets in (("train", range(1, 64)), ("test", range(1, 64, 8))):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"question": "guess=", "answer": str(s)}) + "\n"
+                                                          for s in secrets))
+    cfg = config(tmp_path / "chat", env="agent_envs:Numbers", env_kwargs={}, max_turns=3, max_turn_tokens=6)
+    del cfg["task"]
+    cfg.update(model={"dtype": "float32", "path": str(model)}, sft={"steps": 150, "lr": 1.0e-3, "batch_size": 32},
+               data={"train_files": [str(tmp_path / "train.jsonl")], "heldout_files": [str(tmp_path / "test.jsonl")],
+                     "prompt_key": "question", "answer_key": "answer", "chat_template": True, "num_heldout": 8})
+    cfg["algorithm"].update(max_new_tokens=64)
+    warm_start(load_config(cfg), tmp_path / "chat" / "init", quiet=True)
+    recs = records(run(cfg, iterations=1, quiet=True))
+    a = recs[0]["agent"]
+    assert recs[0]["stale_check_passed"] and recs[0]["stale_check_tokens"] == a["model_tokens"] > 0
+    # three model turns each, batched together; every turn ended at the eos (no "length")
+    assert a["turns_mean"] == 3.0 and a["turn_batches"] == [16, 16, 16] and a["finish/stop"] == 1.0
+    rollouts = [json.loads(line) for line in (tmp_path / "chat" / "rollouts.jsonl").read_text().splitlines()]
+    # two observations before the last turn, each the template's user message
+    assert all(t.count("user\nagain") == 2 for t in rollouts[0]["response_texts"]), rollouts[0]["response_texts"][:2]

@@ -1121,3 +1121,32 @@ def test_an_agent_runs_prompt_is_its_episodes_and_must_fit_the_context():
                    "max_position_embeddings=64"]
     changes["algorithm.max_new_tokens"] = 43
     assert P.task_problems(cfg("agent_guess_tiny.yaml", **changes), P.model_dims(with_tool.model)) == []
+
+
+def test_an_agent_data_runs_chat_template_must_extend_a_conversation_as_tokens(bpe, tmp_path):
+    """With ``data.chat_template`` an agent run writes each observation as the template's message
+    (agent.chat): a template that does not end an assistant message with the eos is refused before
+    the run."""
+    def agent_data_cfg(tokenizer: Path, **agent):
+        c = raw(**{"algorithm.max_new_tokens": 24, "eval.num_prompts": 16, "sft": None})
+        del c["task"]
+        c["model"]["tokenizer"] = str(tokenizer)
+        c["data"] = {"train_files": [str(DATA / "train.jsonl")], "heldout_files": [str(DATA / "test.jsonl")],
+                     "chat_template": True}
+        c["agent"] = {"env": "guess", "max_turns": 3, **agent}
+        return load_config(c)
+
+    assert P._agent(agent_data_cfg(bpe), None) == []
+    assert P._agent(agent_data_cfg(bpe, observation_role="tool"), None) == []  # ChatML writes any role
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in bpe.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
+                                             "{% endfor %}")
+    got = P._agent(agent_data_cfg(bad), None)
+    assert got == [f"agent: data.chat_template: {bad}: the chat template does not end an assistant message with "
+                   "the eos '<|im_end|>', so a generated turn cannot be extended as tokens (it writes '\\nuser: "
+                   "rlhfswitchprobeobservation\\n' after one)"], got
+    # a task run's character tokenizer has no template: nothing to check
+    assert P._agent(cfg("agent_guess_tiny.yaml"), None) == []

@@ -215,7 +215,7 @@ class Loop:
         process or its workers, every call within ``reward_timeout_s``), shaped by the algorithm
         (DAPO's overlong punishment)."""
         for s in exp.samples:  # an episode's: the whole conversation, each turn and observation decoded alone
-            s.text = self.tok.decode(s.response) if s.episode is None else s.episode.text(self.tok)
+            s.text = self.tok.decode(s.response) if s.episode is None else s.episode.text(self.source.codec)
         env = exp.column("env_reward")
         if all(r is not None for r in env):  # multi-turn: the environments scored the samples
             raw = list(env)

@@ -165,10 +165,12 @@ class MultiTurn(Synchronous):
     def __init__(self, loop):
         super().__init__(loop)
         from recipes.loop.workflow import EpisodeEvaluator
-        from rlhf_switch.agent.config import build_pool, episode_limits
+        from rlhf_switch.agent.config import build_pool, chat_codec, episode_limits
 
         agent, alg = loop.cfg.agent, loop.cfg.algorithm
         self.limits = episode_limits(agent, loop.max_ctx, alg.max_new_tokens)
+        chat = loop.cfg.data is not None and loop.cfg.data.chat_template
+        self.codec = chat_codec(loop.tok, agent) if chat else loop.tok
         self.pool = build_pool(agent.pool)
         self.evaluator = EpisodeEvaluator(loop, self)
         self._started()
@@ -190,14 +192,16 @@ class MultiTurn(Synchronous):
         from rlhf_switch.agent.workflow import episode_request
 
         agent = self.loop.cfg.agent
-        return [episode_request(agent.env, agent.env_kwargs, s, f"{tag}-{i}", self.loop.tok) for i, s in enumerate(samples)]
+        # a data run's loader applied the chat template to the prompt already (data.chat_template)
+        return [episode_request(agent.env, agent.env_kwargs, s, f"{tag}-{i}", self.codec, rendered=True)
+                for i, s in enumerate(samples)]
 
     def play(self, it: int, samples, seeds, temperature: float, tag: str):
         """Every sample's episode (``agent.workflow.run_workflow``) over the run's replicas."""
         from recipes.loop.workflow import replica_batches
         from rlhf_switch.agent.workflow import run_workflow
 
-        return run_workflow(replica_batches(self.loop, it), self.pool, self.requests(samples, tag), self.loop.tok,
+        return run_workflow(replica_batches(self.loop, it), self.pool, self.requests(samples, tag), self.codec,
                             self.limits, seeds, temperature)
 
     def generate(self, it: int, drawn: list, draw: int = 0) -> Experience:

@@ -11,6 +11,7 @@ The block itself (``AgentConfig``, ``EnvPoolConfig``) is a part of the run confi
                                    # run's algorithm.max_new_tokens (the trainer's room)
       max_turn_tokens: null        # one model turn (null: only the total)
       failed_samples: zero         # env_error / timeout samples: zero (reward 0, trained on) | exclude
+      observation_role: user       # with data.chat_template: an observation's message role (user | tool)
       pool:
         num_workers: 2             # Ray actors running the environments
         num_cpus: 0.25             # each (fractions are fine)
@@ -19,8 +20,8 @@ The block itself (``AgentConfig``, ``EnvPoolConfig``) is a part of the run confi
         max_concurrency: 32        # threads per worker: calls of different sessions at once
         in_process: false          # true: no Ray (LocalEnvPool: no timeouts; tests, evaluation)
 
-``episode_limits(block, max_context)`` and ``build_pool(block.pool)`` give what the episode driver
-and the pool take.
+``episode_limits(block, max_context)``, ``build_pool(block.pool)`` and, for a chat model,
+``chat_codec(tokenizer, block)`` give what the episode driver and the pool take.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Any
 from ..rl.config import AgentConfig, EnvPoolConfig
 from .limits import Limits
 
-__all__ = ["AgentConfig", "EnvPoolConfig", "build_pool", "episode_limits"]
+__all__ = ["AgentConfig", "EnvPoolConfig", "build_pool", "chat_codec", "episode_limits"]
 
 
 def build_pool(pool: EnvPoolConfig) -> Any:
@@ -50,3 +51,11 @@ def episode_limits(agent: AgentConfig, max_context: int, max_total_tokens: int |
         raise ValueError("agent.max_total_tokens is not set")
     return Limits(max_turns=agent.max_turns, max_total_tokens=total, max_context=max_context,
                   max_turn_tokens=agent.max_turn_tokens)
+
+
+def chat_codec(tokenizer: Any, agent: AgentConfig) -> Any:
+    """The codec of a chat model's episodes (``agent.chat.ChatCodec``; ``ChatTemplateError`` when
+    the tokenizer's template cannot extend a conversation token by token)."""
+    from .chat import ChatCodec
+
+    return ChatCodec(tokenizer, observation_role=agent.observation_role)

@@ -8,7 +8,8 @@ returns the new token ids — ``<eos>`` or the stop id that ended the turn inclu
 (``rlhf_switch.agent.pool``), ``request`` an ``EpisodeRequest`` (session, environment, sample,
 prompt ids, stop ids), ``codec`` what turns a model turn's ids into the action text and an
 observation's text into ids (``CharTokenizer`` as it is; ``HFCodec`` around a Hugging Face
-tokenizer).
+tokenizer; ``agent.chat.ChatCodec`` for a chat model, whose ``observation_ids(text, turn)`` writes an
+observation as the chat template's message after the model's last turn).
 
 Token exactness: the episode's tokens are the prompt, then, in order, each model turn's ids
 exactly as ``generate`` returned them and each observation's ids from ``codec.encode`` of that
@@ -45,6 +46,13 @@ class Codec(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def observation_ids(codec: Codec, text: str, turn: Sequence[int] | None) -> list[int]:
+    """An observation's ids after model turn ``turn`` (None before the first): the codec's own
+    ``observation_ids`` when it has one (a chat template's message), else ``encode(text)``."""
+    own = getattr(codec, "observation_ids", None)
+    return own(text, turn) if own is not None else codec.encode(text)
 
 
 class HFCodec:
@@ -168,11 +176,12 @@ async def run_episode(generate: Generate, pool: Any, request: EpisodeRequest, co
     prompt_len = len(ep.prompt_ids)
     limits.check_prompt(prompt_len)
     stops = frozenset(request.stop_ids) | {codec.eos_id}
+    turn = None  # the last model turn, which an observation follows
 
     def observe(text: str) -> bool:
         """Append the observation; False when the episode ended over it."""
         try:
-            ids = codec.encode(text)
+            ids = observation_ids(codec, text, None if turn is None else turn.token_ids)
         except Exception as e:
             ep._finish("env_error", f"the observation cannot be tokenized: {type(e).__name__}: {e}")
             return False

@@ -44,11 +44,18 @@ class TokenMismatchError(RuntimeError):
     """A sample's trained tokens are not the tokens its turns were generated from and produced."""
 
 
-def episode_request(env: str, env_kwargs: dict, sample: Any, session: str, tokenizer: Any) -> EpisodeRequest:
-    """The episode of ``sample`` in environment ``env``: the environment class's own
+def episode_request(env: str, env_kwargs: dict, sample: Any, session: str, tokenizer: Any,
+                    rendered: bool = False) -> EpisodeRequest:
+    """The episode of ``sample`` in environment ``env``: for a chat model (``tokenizer`` an
+    ``agent.chat.ChatCodec``) ``chat.chat_request`` (``rendered``: the prompt is the template's
+    first turn already); else the environment class's own
     ``episode_request(sample, session, tokenizer, **env_kwargs)`` when it has one (its prompt
     text and the stop ids that end a model turn), else ``<bos>`` + the sample's prompt with no
     stop id but ``<eos>``."""
+    from .chat import ChatCodec, chat_request
+
+    if isinstance(tokenizer, ChatCodec):
+        return chat_request(tokenizer, env, env_kwargs, sample, session, rendered)
     cls = environment_class(env)
     own = getattr(cls, "episode_request", None)
     if own is not None:

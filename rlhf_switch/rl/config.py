@@ -631,6 +631,9 @@ class AgentConfig(Strict):
     max_total_tokens: int | None = Field(None, ge=1)  # null: the run's algorithm.max_new_tokens
     max_turn_tokens: int | None = Field(None, ge=1)
     failed_samples: Literal["zero", "exclude"] = "zero"
+    # with data.chat_template (a chat model, agent.chat): the role an observation's message has
+    # (user, or tool for templates that render tool results)
+    observation_role: str = Field("user", min_length=1)
     pool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
 
 
