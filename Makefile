@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 test: venv
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=30 $(PYTEST_ARGS)
 
 # a subset for the edit-test loop (minutes, not half an hour): every module a little — the pure
 # layouts, planner, schedule, RL math, config and bad inputs, and a few small multi-process moves

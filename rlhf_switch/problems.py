@@ -529,8 +529,9 @@ def episode_prompt_tokens(cfg: RunConfig) -> int:
 @check("agent")
 def _agent(cfg: RunConfig, facts: Facts) -> list[str]:
     """Multi-turn rollouts (``agent``): the environment must import; its episodes fit the trainer's
-    room (everything after the prompt is ``algorithm.max_new_tokens`` at most); the rollout is
-    synchronous (a batch in flight does not carry episodes yet)."""
+    room (everything after the prompt is ``algorithm.max_new_tokens`` at most); no partial rollout
+    (one step ahead is built; the off-policy check says where it runs); a chat model's template
+    can extend a conversation token by token."""
     a = cfg.agent
     if a is None:
         return []
@@ -548,9 +549,10 @@ def _agent(cfg: RunConfig, facts: Facts) -> list[str]:
     if a.max_turn_tokens is not None and a.max_turn_tokens > cfg.algorithm.max_new_tokens:
         problems.append(f"agent.max_turn_tokens: {a.max_turn_tokens} — more than algorithm.max_new_tokens="
                         f"{cfg.algorithm.max_new_tokens}, the whole episode's room")
-    if cfg.algorithm.max_staleness:
-        problems.append(f"agent: multi-turn rollouts run synchronously (algorithm.off_policy.max_staleness: 0); "
-                        f"this config has {cfg.algorithm.max_staleness}")
+    if cfg.algorithm.off_policy is not None and cfg.algorithm.off_policy.segment_tokens:
+        problems.append(f"agent: partial rollout (algorithm.off_policy.segment_tokens: "
+                        f"{cfg.algorithm.off_policy.segment_tokens}) does not carry episodes yet; one step ahead "
+                        f"(max_staleness: 1 without segment_tokens) does")
     if cfg.data is not None and cfg.data.chat_template:
         from .agent.chat import ChatCodec, ChatTemplateError
 

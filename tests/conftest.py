@@ -80,11 +80,12 @@ def test_runtime_env(**env_vars: str) -> dict:
 test_runtime_env.__test__ = False  # a helper, not a test
 
 
-def start_local_ray(**env_vars: str):
-    """A local Ray session (4 logical CPUs and GPUs) whose job carries ``test_runtime_env``."""
+def start_local_ray(num_cpus: int = 4, **env_vars: str):
+    """A local Ray session (4 logical GPUs, ``num_cpus`` logical CPUs) whose job carries
+    ``test_runtime_env``."""
     import ray
 
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env=test_runtime_env(**env_vars))
     return ray
 

@@ -23,6 +23,17 @@ from test_rl_pure import CONFIGS
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def ray_session():
+    """The module's Ray session: a CPU more than the other modules' (``start_local_ray``) for the
+    environment workers (2 × 0.25) beside four devices' actors (two vLLM replicas of their own)."""
+    from conftest import start_local_ray
+
+    ray = start_local_ray(num_cpus=5)
+    yield ray
+    ray.shutdown()
+
+
 def config(out, **agent) -> dict:
     cfg = yaml.safe_load((CONFIGS / "agent_guess_tiny.yaml").read_text())
     cfg.update(output_dir=str(out), eval={"every": 0, "num_prompts": 8}, sft={**cfg["sft"], "steps": 100})
@@ -97,3 +108,27 @@ def test_a_chat_models_episodes_in_the_loop(ray_session, tmp_path):
     rollouts = [json.loads(line) for line in (tmp_path / "chat" / "rollouts.jsonl").read_text().splitlines()]
     # two observations before the last turn, each the template's user message
     assert all(t.count("user\nagain") == 2 for t in rollouts[0]["response_texts"]), rollouts[0]["response_texts"][:2]
+
+
+@pytest.mark.vllm
+def test_episodes_one_step_ahead_on_disaggregated_vllm_replicas(ray_session, tmp_path):
+    """``max_staleness: 1`` with two vLLM replicas of their own devices: iteration i+1's episodes
+    are played (turn after turn on the replicas, the environments in the pool) while the trainer
+    trains on iteration i's. From iteration 1 every model token is one version old (the replica's
+    own count), the environment's carry none; the token check passes on every sample."""
+    from recipes.common import warm_start
+    from recipes.train import run
+    from rlhf_switch.rl.config import load_config
+
+    cfg = config(tmp_path / "ahead")
+    cfg["rollout"] = {"engine": "vllm", "tp": 1, "pp": 1, "dp": 2, "mode": "disaggregated"}
+    cfg["algorithm"]["off_policy"] = {"max_staleness": 1}
+    warm_start(load_config(cfg), tmp_path / "ahead" / "init", quiet=True)
+    recs = records(run(cfg, iterations=3, quiet=True))
+    assert [(r["weight_version_min"], r["staleness_max"]) for r in recs] == [(0, 0), (0, 1), (1, 1)]
+    for r in recs:
+        a = r["agent"]
+        assert r["stale_check_passed"] and math.isfinite(r["policy_loss"]), r
+        assert a["n"] == 16 and a["turns_mean"] > 1 and a["turn_batches"][0] == 16
+    rollouts = [json.loads(line) for line in (tmp_path / "ahead" / "rollouts.jsonl").read_text().splitlines()]
+    assert [set(r["weight_versions"]) for r in rollouts] == [{0}, {0}, {1}]

@@ -7,8 +7,9 @@
 ``Partial``         one step ahead, the batch in flight generated K tokens at a time
                     (``segment_tokens``): the update landing interrupts it, and its unfinished samples
                     continue with the new weights after the next sync (``recipes.loop.partial``)
-``MultiTurn``       synchronous, each sample an episode with an environment (``agent``;
-                    ``recipes.loop.workflow``)
+``MultiTurn``       each sample an episode with an environment (``agent``; ``recipes.loop.workflow``):
+                    synchronous, or one step ahead (``max_staleness: 1``: the next iteration's
+                    episodes played in a driver thread while this one trains)
 ==================  ===================================================================================
 
 A source owns the generation's submission and collection and the batch in flight. The loop asks it,
@@ -86,6 +87,17 @@ class Synchronous:
         return exp
 
 
+def check_staleness(it: int, exp: Experience, max_staleness: int) -> Experience:
+    """``exp`` as it is, or ``StaleWeightsError`` when a sample is more than ``max_staleness``
+    versions behind the trainer (a sync that did not reach the rollout replicas)."""
+    old = [v for v in (s.version for s in exp.samples) if it - v > max_staleness]
+    if old:
+        raise StaleWeightsError(f"iteration {it}: {len(old)} samples were generated with weights of version "
+                                f"{min(old)}, more than algorithm.off_policy.max_staleness={max_staleness} "
+                                f"behind the trainer's {it}: a weight sync did not reach the rollout replicas")
+    return exp
+
+
 class OneStepAhead(Synchronous):
     """The next iteration's batch generated while this one trains; a sample more than
     ``max_staleness`` versions behind the trainer stops the run (a sync that did not reach the
@@ -102,12 +114,7 @@ class OneStepAhead(Synchronous):
             return None
         exp = self._take(*self.in_flight[1])
         self.in_flight = None
-        old = [v for v in (s.version for s in exp.samples) if it - v > self.max_staleness]
-        if old:
-            raise StaleWeightsError(f"iteration {it}: {len(old)} samples were generated with weights of version "
-                                    f"{min(old)}, more than algorithm.off_policy.max_staleness={self.max_staleness} "
-                                    f"behind the trainer's {it}: a weight sync did not reach the rollout replicas")
-        return exp
+        return check_staleness(it, exp, self.max_staleness)
 
     def _take(self, exp, submitted, started) -> Experience:
         return self._collect(self.in_flight[0], exp, submitted, started)
@@ -159,11 +166,18 @@ class Partial(OneStepAhead):
 
 
 class MultiTurn(Synchronous):
-    """Each sample an episode with the run's environment (``agent``), generated after the sync
-    (``recipes.loop.workflow``)."""
+    """Each sample an episode with the run's environment (``agent``; ``recipes.loop.workflow``):
+    generated after the sync (``max_staleness: 0``), or, one step ahead (``max_staleness: 1``),
+    iteration i+1's episodes played in a thread of the driver while iteration i trains — their
+    turns go to the rollout replicas (of their own devices) round after round meanwhile, and
+    ``take`` waits for them before the next sync. The replicas post no receive while episodes are
+    in flight (a later round would wait behind it for a sync that waits for the episodes)."""
 
     def __init__(self, loop):
         super().__init__(loop)
+        self.max_staleness = loop.cfg.algorithm.max_staleness
+        self.in_flight = None  # (the iteration it is for, the Future of its Experience)
+        self._ahead = None  # the thread the episodes in flight are played in
         from recipes.loop.workflow import EpisodeEvaluator
         from rlhf_switch.agent.config import build_pool, chat_codec, episode_limits
 
@@ -222,8 +236,30 @@ class MultiTurn(Synchronous):
         exp.turn_batches = result.batches
         return exp
 
+    def take(self, it: int) -> Experience | None:
+        if self.in_flight is None or self.in_flight[0] != it:
+            return None
+        future, self.in_flight = self.in_flight[1], None
+        return check_staleness(it, future.result(), self.max_staleness)
+
+    def ahead(self, it: int) -> None:
+        """One step ahead: iteration ``it + 1``'s episodes start now, with the weights just synced."""
+        if not self.max_staleness or it >= self.loop.last:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="episodes-ahead")
+        drawn = draw_prompts(self.loop.cfg, self.loop.splits, it + 1)
+        self.in_flight = (it + 1, self._ahead.submit(self.generate, it + 1, drawn))
+
+    def stands_by(self) -> bool:
+        return self.in_flight is None
+
     def close(self) -> None:
-        self.pool.shutdown()
+        self.pool.shutdown()  # episodes still in flight (a run stopped by an error) fail and end
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True, cancel_futures=True)
 
 
 def rollout_source(loop):
