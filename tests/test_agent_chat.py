@@ -35,6 +35,7 @@ QWEN_STYLE = (
     "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif m['role'] not in ['system', 'user', 'assistant'] %}{{- raise_exception('unknown role ' + m['role']) }}"
     "{%- elif m['role'] != 'system' or not loop.first %}"
     "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
@@ -110,9 +111,11 @@ def test_the_first_turn_is_the_models_own_template_applied_once(hf):
     with_system = ChatCodec(hf, system="Be brief.")
     assert hf.decode(with_system.prompt_ids("guess=")) == rendered(
         hf, [{"role": "system", "content": "Be brief."}] + msgs, generation_prompt=True)
-    # a request for a chat model: the template's first turn, no stop id but the eos
-    r = episode_request("guess", {}, Sample("guess=", "5"), "s", codec)
+    # a request for a chat model: the template's first turn, no stop id but the eos, the
+    # environment's arguments passed on
+    r = episode_request("guess", {"low": 1, "high": 40}, Sample("guess=", "5"), "s", codec)
     assert list(r.prompt_ids) == codec.prompt_ids("guess=") and r.stop_ids == frozenset()
+    assert (r.env, r.env_kwargs, r.session) == ("guess", {"low": 1, "high": 40}, "s")
     # a data run's loader applied the template already: its prompt is encoded as it is
     pre = rendered(hf, msgs, generation_prompt=True)
     assert list(episode_request("guess", {}, Sample(pre, "5"), "s", codec, rendered=True).prompt_ids) == \
@@ -178,6 +181,27 @@ def test_a_tool_call_turn_declares_the_tools_and_answers_as_a_tool_message(hf):
     assert hf.decode(ep.ids) + "\n" == rendered(hf, msgs, tools)
 
 
+def test_the_codec_takes_the_projects_tokenizer_and_decodes_a_turn_as_its_text(hf, tmp_path):
+    from rlhf_switch.rl.tokenizer import HFTokenizer
+
+    hf.save_pretrained(str(tmp_path))
+    wrapped = HFTokenizer.from_pretrained(tmp_path)
+    codec = ChatCodec(wrapped)
+    assert codec.hf is wrapped.hf and codec.name == str(tmp_path)
+    assert codec.prompt_ids("guess=") == ChatCodec(hf).prompt_ids("guess=")
+    # a turn's text: up to its eos, special tokens skipped
+    im_start = hf.convert_tokens_to_ids("<|im_start|>")
+    twelve = hf.encode("12", add_special_tokens=False)
+    assert codec.decode(twelve + [im_start] + twelve + [hf.eos_token_id] + twelve) == "1212"
+    # text is encoded as it is: no special token added (a tokenizer that adds a bos)
+    from tokenizers.processors import TemplateProcessing
+
+    backend = wrapped.hf.backend_tokenizer
+    backend.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", im_start)])
+    assert wrapped.hf.encode("12")[0] == im_start  # what add_special_tokens would do
+    assert codec.encode("12") == twelve
+
+
 def test_an_observation_after_a_turn_without_its_eos_closes_the_assistant_message(hf):
     codec = ChatCodec(hf)
     eos = hf.eos_token_id
@@ -185,8 +209,10 @@ def test_an_observation_after_a_turn_without_its_eos_closes_the_assistant_messag
     after_stop = codec.observation_ids("higher", [70, 71])
     assert after_stop == [eos] + after_eos
     assert hf.decode(after_eos) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
-    with pytest.raises(ChatTemplateError, match="first message is its prompt"):
+    with pytest.raises(ChatTemplateError) as e:
         codec.observation_ids("hello", None)
+    assert str(e.value) == ("a chat episode's first message is its prompt: the environment's reset returned an "
+                            "observation (5 characters) it cannot be put in")
     # an environment that speaks first ends its sample (env_error), not the run
     req = chat_request(codec, "agent_envs:Greets", {}, Sample("hi", "x"), "g")
     result = run_workflow(ScriptedChat(hf, lambda t: "x"), LocalEnvPool(), [req], codec,
@@ -237,15 +263,32 @@ def torch_run(coro):
 
 
 def test_templates_that_cannot_extend_a_conversation_as_tokens_are_refused(hf, tmp_path):
-    template = hf.chat_template
+    template, name = hf.chat_template, hf.name_or_path
     try:
         hf.chat_template = None
-        with pytest.raises(ChatTemplateError, match="has no chat template"):
+        with pytest.raises(ChatTemplateError) as e:
             ChatCodec(hf)
+        assert str(e.value) == f"{name} has no chat template"
+        hf.name_or_path = ""  # a tokenizer built in memory
+        with pytest.raises(ChatTemplateError) as e:
+            ChatCodec(hf)
+        assert str(e.value) == "the tokenizer has no chat template"
+        hf.name_or_path = name
+        hf.chat_template = template
+        eos = hf.eos_token
+        hf.eos_token = None
+        with pytest.raises(ChatTemplateError) as e:
+            ChatCodec(hf)
+        assert str(e.value) == f"{name} has no eos token: a chat turn must end with one"
+        hf.eos_token = eos
         # assistant messages not ended by the eos: a generated turn cannot be closed as the template would
-        hf.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
-        with pytest.raises(ChatTemplateError, match="does not end an assistant message with the eos"):
+        hf.chat_template = ("{% for m in messages %}{{ '### ' + m['role'] + ' says:\\n' + m['content'] + '\\n' }}"
+                            "{% endfor %}")
+        with pytest.raises(ChatTemplateError) as e:
             ChatCodec(hf)
+        assert str(e.value) == (f"{name}: the chat template does not end an assistant message with the eos "
+                                "'<|im_end|>', so a generated turn cannot be extended as tokens (it writes "
+                                "'\\n### user says:\\nrlhfswitchprobeobservati' after one)")
         # earlier messages rewritten when one is added (the last assistant message shown differently)
         hf.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
                             "{{ '<|im_start|>assistant\\n(earlier)<|im_end|>\\n' }}{% else %}"
@@ -261,4 +304,4 @@ def test_templates_that_cannot_extend_a_conversation_as_tokens_are_refused(hf, t
             ChatCodec(hf, observation_role="tool")
         ChatCodec(hf, observation_role="user")
     finally:
-        hf.chat_template = template
+        hf.chat_template, hf.name_or_path = template, name

@@ -54,7 +54,7 @@ class ChatCodec:
 
     def __init__(self, tokenizer: Any, observation_role: str = "user", system: str | None = None):
         self.hf = getattr(tokenizer, "hf", tokenizer)  # rl.tokenizer.HFTokenizer wraps one
-        self.name = getattr(tokenizer, "path", None) or getattr(self.hf, "name_or_path", "the tokenizer")
+        self.name = getattr(self.hf, "name_or_path", None) or "the tokenizer"  # its directory, where it has one
         if not getattr(self.hf, "chat_template", None):
             raise ChatTemplateError(f"{self.name} has no chat template")
         self.eos_id = self.hf.eos_token_id
