@@ -61,6 +61,24 @@ class Sleeps(Environment):
         return StepResult("late")
 
 
+class Timed(Environment):
+    """Greets on reset, answers every step with ``reward`` (an argument of the environment); reset and
+    each step sleep 0.02 s; done after two steps."""
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    def reset(self, sample):
+        time.sleep(0.02)
+        self.steps = 0
+        return "hi "
+
+    def step(self, action):
+        time.sleep(0.02)
+        self.steps += 1
+        return StepResult("ok ", self.reward, self.steps >= 2)
+
+
 class Pid(Environment):
     """Answers with the process it runs in; done after the sample's answer turns."""
 

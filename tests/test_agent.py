@@ -275,6 +275,8 @@ def test_episode_appends_model_and_observation_ids_and_masks_the_observations():
     assert ep.actions == ["<calc 12345*67>", "827115"] and ep.observations == ["=827115 "]
     # the model saw exactly the list so far, each turn
     assert gen.seen == [list(req.prompt_ids), list(req.prompt_ids) + turns[0] + obs]
+    # as text: each segment decoded alone, a model turn up to its eos
+    assert ep.text(TOK) == "<calc 12345*67>=827115 827115"
 
 
 def test_episode_keeps_generated_ids_that_decoding_and_encoding_again_would_change():
@@ -307,6 +309,23 @@ def test_episode_with_a_bpe_tokenizer_keeps_the_split_the_model_generated(tmp_pa
     assert ep.response_ids == turn
 
 
+
+def test_hf_codec_encodes_without_special_tokens_and_decodes_up_to_the_eos(tmp_path):
+    from tokenizers.processors import TemplateProcessing
+
+    from rlhf_switch.testing.bpe_tokenizer import build_bpe_tokenizer
+
+    hf = build_bpe_tokenizer(tmp_path / "tok")
+    start = hf.convert_tokens_to_ids("<|im_start|>")
+    # a tokenizer that adds a start token to every text it encodes with its special tokens
+    hf._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", start)])
+    codec = HFCodec(hf)
+    assert hf.encode("ab")[0] == start and codec.encode("ab") == hf.encode("ab")[1:]
+    ab = codec.encode("ab")
+    assert codec.decode(ab) == "ab"  # no eos: the whole turn
+    assert codec.decode([start] + ab + [codec.eos_id] + codec.encode("cd")) == "ab"  # special tokens skipped, cut at eos
+
+
 def test_episode_log_probs_and_versions_line_up_with_the_mask():
     req = calc.request(Sample("1+2=", "3"), "s", TOK)
     t1, t2 = ids("<calc 1+2>"), ids("3") + [TOK.eos_id]
@@ -316,6 +335,31 @@ def test_episode_log_probs_and_versions_line_up_with_the_mask():
     assert ep.logprobs == [-0.5] * len(t1) + [0.0] * n_obs + [-0.25] * len(t2)
     assert ep.versions == [4] * len(t1) + [-1] * n_obs + [5] * len(t2)
     assert len(ep.logprobs) == len(ep.versions) == len(ep.loss_mask) == len(ep.response_ids)
+
+
+def test_an_episode_that_starts_with_an_observation_adds_its_steps_and_their_seconds():
+    """The reset's observation comes before the first model turn (log-prob 0.0, version -1 on it);
+    the environment's arguments reach it; rewards and environment seconds add up over reset and steps."""
+    req = EpisodeRequest("s", f"{HERE}:Timed", Sample("p", "-"), tuple(ids("p")), {"reward": 0.25}, frozenset(ids(",")))
+    t1, t2 = ids("a,"), ids("b,")
+    turns = [Generated(t1, [-0.5] * 2, [4] * 2), Generated(t2, [-0.25] * 2, [5] * 2)]
+    ep = run(run_episode(scripted(turns), LocalEnvPool(), req, TOK, Limits(5, 40, 64)))
+    assert (ep.finish_reason, ep.error, ep.turns) == ("stop", None, 2)
+    assert ep.observations == ["hi ", "ok "] and ep.response_ids == ids("hi ") + t1 + ids("ok ") + t2
+    assert ep.logprobs == [0.0] * 3 + [-0.5] * 2 + [0.0] * 3 + [-0.25] * 2
+    assert ep.versions == [-1] * 3 + [4] * 2 + [-1] * 3 + [5] * 2
+    assert ep.step_rewards == [0.25, 0.25] and ep.reward == 0.5
+    assert ep.env_seconds >= 3 * 0.02  # the reset's and both steps' (each sleeps 0.02 s)
+
+
+def test_a_turn_of_one_token_is_still_generated():
+    """The context leaves the third turn one token: the model gets it (and the turn, cut there,
+    ends the episode with length)."""
+    req = guess.request(Sample("guess=", "63"), "s", TOK)  # 7 prompt tokens
+    gen = scripted([ids("1,"), ids("33,")])
+    ep = run(run_episode(gen, LocalEnvPool(), req, TOK, Limits(6, 64, 11)))
+    assert (ep.finish_reason, ep.turns, ep.response_ids) == ("length", 2, ids("1,>3"))
+    assert ep.error == "a model turn used its 1 tokens without ending"
 
 
 def test_finish_reasons_of_the_limits():
@@ -329,6 +373,7 @@ def test_finish_reasons_of_the_limits():
     # length: a turn that uses its budget without a stop is not sent to the environment
     ep = run(run_episode(scripted([ids("123456")]), pool, req, TOK, Limits(6, 64, 64, max_turn_tokens=4)))
     assert (ep.finish_reason, ep.turns, ep.actions, ep.response_ids) == ("length", 1, [], ids("1234"))
+    assert ep.error == "a model turn used its 4 tokens without ending"
     # length: the context runs out (prompt 7 tokens + 9 of context left): the third answer would
     # leave the model no token, so it is not appended
     ep = run(run_episode(scripted([ids("1,"), ids("2,"), ids("3,"), ids("4,")]), pool, req, TOK, Limits(6, 64, 16)))
@@ -355,6 +400,16 @@ def test_a_generator_that_breaks_the_contract_is_refused():
         run(run_episode(scripted([ids("1,2,")]), LocalEnvPool(), req, TOK, guess.limits(64)))
     with pytest.raises(ValueError, match="0 tokens"):
         run(run_episode(scripted([[]]), LocalEnvPool(), req, TOK, guess.limits(64)))
+    with pytest.raises(ValueError, match="position 0 of 2"):  # a stop right before the last token
+        run(run_episode(scripted([ids(",2")]), LocalEnvPool(), req, TOK, guess.limits(64)))
+    t = ids("1,")
+    for turn, words in [(Generated(t, [-0.5]), "1 logprobs for 2 tokens"), (Generated(t, None, [3, 3, 3]), "3 versions for 2")]:
+        with pytest.raises(ValueError, match=words):
+            run(run_episode(scripted([turn]), LocalEnvPool(), req, TOK, guess.limits(64)))
+    # log-probs on one turn and not the next (versions on neither)
+    with pytest.raises(ValueError, match="^generate returned log-probs or versions for some turns of an episode, not all$"):
+        run(run_episode(scripted([Generated(t, [-0.5] * 2), Generated(ids("2,"))]), LocalEnvPool(), req, TOK,
+                        guess.limits(64)))
 
 
 def test_bad_environments_fail_their_sample_only_in_process():
@@ -371,7 +426,7 @@ def test_bad_environments_fail_their_sample_only_in_process():
     assert by["good"].finish_reason == "stop" and by["good"].reward == 1.0
     for name, words in [("raises", "RuntimeError: the environment broke"), ("nonstring", "of type list"),
                         ("badreset", "reset returned an observation of type int"),
-                        ("vocab", "cannot be tokenized"), ("missing", "cannot be imported")]:
+                        ("vocab", "cannot be tokenized: ValueError"), ("missing", "cannot be imported")]:
         assert by[name].finish_reason == "env_error" and words in by[name].error, (name, by[name].error)
     assert pool.host.envs == {} and pool._sessions.open == set()  # every session closed
 
@@ -395,6 +450,44 @@ def test_episode_metrics_count_calls_and_reasons():
     m = episode_metrics(run(go()))
     assert m["reward_mean"] == 0.5 and m["tool_calls_per_sample"] == 1.0 and m["tool_call_success"] == 0.5
     assert m["finish/stop"] == 1.0 and set(FINISH_REASONS) <= {k.split("/")[1] for k in m if k.startswith("finish/")}
+
+
+def test_episode_metrics_every_entry():
+    reqs = [guess.request(Sample("guess=", s), f"s{i}", TOK) for i, s in enumerate(["2", "9"])]
+    plans = {"s0": [ids("2,")], "s1": [ids("1,"), ids("5,"), ids("9,")]}
+
+    async def go():
+        pool = LocalEnvPool()
+        return await asyncio.gather(*(run_episode(scripted(plans[r.session]), pool, r, TOK, guess.limits(64))
+                                      for r in reqs))
+    eps = run(go())
+    eps[1].dropped_tokens = 3  # (as a sample whose last observation did not fit would have)
+    m = episode_metrics(eps)
+    assert math.isnan(m.pop("tool_call_success"))  # no tool call tried
+    assert m.pop("env_seconds_mean") == (eps[0].env_seconds + eps[1].env_seconds) / 2 > 0
+    assert m == {"n": 2, "reward_mean": 1.0, "turns_mean": 2.0, "tokens_mean": (2 + 3 * 2 + 2 * 1) / 2,
+                 "tool_calls_per_sample": 0.0, "dropped_tokens": 3,
+                 **{f"finish/{r}": float(r == "stop") for r in FINISH_REASONS}}
+    assert episode_metrics([]) == {"n": 0}
+
+
+def test_run_episodes_runs_at_most_concurrency_at_once_and_keeps_the_order():
+    reqs = [calc.request(Sample(p, a), f"s{i}", TOK) for i, (p, a) in enumerate([("1+2=", "3"), ("2+2=", "4")])]
+    answers = {"1+2": "3", "2+2": "4"}
+    order = []
+
+    async def generate(token_ids, max_new_tokens, stop_ids):
+        text = TOK.decode(token_ids)
+        expr = next(e for e in answers if e + "=" in text)
+        order.append(expr)
+        await asyncio.sleep(0)  # a turn takes time: the other episodes may run meanwhile
+        return ids(answers[expr]) + [TOK.eos_id] if f"<calc {expr}>" in text else ids(f"<calc {expr}>")
+
+    for concurrency, expect in [(1, ["1+2", "1+2", "2+2", "2+2"]), (None, ["1+2", "2+2", "1+2", "2+2"])]:
+        order.clear()
+        eps = run(run_episodes(generate, LocalEnvPool(), reqs, TOK, calc.limits(64), concurrency=concurrency))
+        assert [(e.session, e.reward, e.turns) for e in eps] == [("s0", 1.0, 2), ("s1", 1.0, 2)]
+        assert order == expect, concurrency
 
 
 # ---------------------------------------------------------------- experts, SFT, evaluation

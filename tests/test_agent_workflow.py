@@ -11,6 +11,7 @@ import json
 import pytest
 
 from rlhf_switch.agent import calc, guess
+from rlhf_switch.agent.limits import Limits
 from rlhf_switch.agent.pool import LocalEnvPool
 from rlhf_switch.agent.workflow import (TokenMismatchError, TurnCall, _digest, check_tokens, cut_at_stop,
                                         episode_request, run_workflow, turn_seed)
@@ -67,6 +68,12 @@ def test_every_game_is_played_turn_by_turn_in_batches_and_cut_at_the_stop():
     assert engine.batches[0][1] == [10, 11, 12, 13, 14]
     assert engine.batches[1][1] == [turn_seed(s, 1) for s, t in zip([10, 11, 12, 13, 14], turns) if t > 1]
     assert result.calls and len(result.calls) == sum(turns)
+    # every turn counted per episode: turn k of each game still playing is sent with turn k's seed
+    assert max(turns) >= 3
+    for k, batch in enumerate(engine.batches):
+        assert batch[1] == [turn_seed(s, k) for s, t in zip([10, 11, 12, 13, 14], turns) if t > k]
+    for i, t in enumerate(turns):
+        assert [c.turn for c in result.calls if c.episode == i] == list(range(t))
 
 
 def test_a_turn_budget_is_each_samples_own_and_the_context_is_the_whole_list_so_far():
@@ -101,6 +108,10 @@ def test_cut_at_stop_and_turn_seed():
     seeds = {turn_seed(s, t) for s in range(50) for t in range(1, 6)}
     assert len(seeds) == 250 and all(0 <= x < 2 ** 62 for x in seeds)
     assert turn_seed(123, 2) == turn_seed(123, 2) != turn_seed(124, 2)
+    # the seeds are part of what makes a run reproducible: the same ones in every version (the first
+    # 8 bytes of blake2b("seed:turn"), little-endian, shifted right by 2)
+    assert (turn_seed(123, 1), turn_seed(123, 2), turn_seed(7, 5)) == (
+        3599309027165979627, 1286273070284400737, 2572067823860015625)
 
 
 def _one_game():
@@ -152,21 +163,32 @@ def test_token_check_catches_a_loss_mask_on_the_environments_tokens_or_off_the_m
     off_model[0] = 0
     with pytest.raises(TokenMismatchError, match="which a model turn generated"):
         check_tokens([seq], [off_model], [p], calls)
-    with pytest.raises(TokenMismatchError, match="loss-mask entries"):
+    with pytest.raises(TokenMismatchError, match=f"{len(mask) - 1} loss-mask entries for {len(mask)} response tokens"):
         check_tokens([seq], [mask[:-1]], [p], calls)
+
+
+def test_token_check_names_the_missing_turn_of_a_sequence_cut_right_after_its_context():
+    """A sequence that ends where the last turn's context ends holds that context but not the
+    turn's tokens: the check says which tokens are missing, not that the context differs."""
+    seq, mask, p, calls = _one_game()
+    last = calls[-1]
+    with pytest.raises(TokenMismatchError, match=f"tokens {last.context_len}..{last.context_len + len(last.output)} "
+                                                 f"are not those turn {last.turn} generated"):
+        check_tokens([seq[:last.context_len]], [mask[:last.context_len - p]], [p], calls)
 
 
 def test_an_environment_without_its_own_request_gets_the_samples_prompt():
     req = episode_request("agent_envs:Raises", {}, Sample("7+8=", "15"), "r", TOK)
     assert req.prompt_ids == tuple(TOK.encode("7+8=", add_bos=True)) and req.stop_ids == frozenset()
+    kwargs = {"level": 2}
+    req = episode_request("agent_envs:Raises", kwargs, Sample("7+8=", "15"), "r", TOK)
+    assert req.env_kwargs == {"level": 2} and req.env_kwargs is not kwargs  # the environment's arguments, a copy
 
 
 def test_a_batch_waits_for_every_episode_still_running_however_long_its_environment_takes():
     """Environments answering after different times (threads of the pool): each round's turns still
     go to the engine as one batch — sending the first to arrive alone would make the batches, and
     so a run, depend on timing."""
-    from rlhf_switch.agent.limits import Limits
-
     requests = [episode_request("agent_envs:Sleeps", {}, Sample("go=", s), f"z{i}", TOK)
                 for i, s in enumerate(["0", "0.05", "0.1"])]
     engine = Scripted(lambda text, seed: "ok")
@@ -175,6 +197,20 @@ def test_a_batch_waits_for_every_episode_still_running_however_long_its_environm
                               seeds=[0, 1, 2], temperature=1.0)
     assert [e.finish_reason for e in result.episodes] == ["max_turns"] * 3
     assert result.batches == [3, 3, 3]
+
+
+def test_an_episode_that_ends_leaves_the_batches_and_the_others_still_wait_for_each_other():
+    """One game done after its first turn while the two others' environments take different
+    times: every later batch holds both of them (an episode that ends must count as one fewer
+    episode to wait for, no more)."""
+    requests = [episode_request("agent_envs:Pid", {}, Sample("go=", "1"), "d0", TOK)] + [
+        episode_request("agent_envs:Sleeps", {}, Sample("go=", s), f"d{i}", TOK) for i, s in enumerate(["0", "0.3"], 1)]
+    engine = Scripted(lambda text, seed: "ok")
+    with LocalEnvPool(timeout_s=5.0) as pool:
+        result = run_workflow(engine, pool, requests, TOK, Limits(max_turns=3, max_total_tokens=40, max_context=64),
+                              seeds=[0, 1, 2], temperature=1.0)
+    assert [e.finish_reason for e in result.episodes] == ["stop", "max_turns", "max_turns"]
+    assert result.batches == [3, 2, 2]
 
 
 def test_an_agent_runs_warm_start_trains_on_its_environments_transcripts(tmp_path):
