@@ -46,6 +46,10 @@ def records(recs):
     return [r for r in recs if "reward_mean" in r]
 
 
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_multi_turn_episodes_train_on_exactly_the_models_tokens(ray_session, tmp_path):
     from recipes.common import warm_start
     from recipes.train import run
@@ -121,11 +125,16 @@ def test_episodes_one_step_ahead_on_disaggregated_vllm_replicas(ray_session, tmp
     from rlhf_switch.rl.config import load_config
 
     cfg = config(tmp_path / "ahead")
+    # an evaluation after iteration 1: its sync and its greedy episodes run while iteration 2's
+    # episodes are in flight
+    cfg["eval"] = {"every": 2, "num_prompts": 8}
     cfg["rollout"] = {"engine": "vllm", "tp": 1, "pp": 1, "dp": 2, "mode": "disaggregated"}
     cfg["algorithm"]["off_policy"] = {"max_staleness": 1}
     warm_start(load_config(cfg), tmp_path / "ahead" / "init", quiet=True)
     recs = records(run(cfg, iterations=3, quiet=True))
     assert [(r["weight_version_min"], r["staleness_max"]) for r in recs] == [(0, 0), (0, 1), (1, 1)]
+    evals = [r for r in _metrics(tmp_path / "ahead") if "heldout_reward" in r]
+    assert [e["iteration"] for e in evals] == [0, 2, 3], evals
     for r in recs:
         a = r["agent"]
         assert r["stale_check_passed"] and math.isfinite(r["policy_loss"]), r
