@@ -554,10 +554,11 @@ def _agent(cfg: RunConfig, facts: Facts) -> list[str]:
                         f"{cfg.algorithm.off_policy.segment_tokens}) does not carry episodes yet; one step ahead "
                         f"(max_staleness: 1 without segment_tokens) does")
     if cfg.data is not None and cfg.data.chat_template:
-        from .agent.chat import ChatCodec, ChatTemplateError
+        from .agent.chat import ChatTemplateError
+        from .agent.config import chat_codec
 
-        try:  # observations are written as the template's messages (agent.chat)
-            ChatCodec(load_tokenizer(cfg), observation_role=a.observation_role)
+        try:  # observations are written as the template's messages (agent.chat), the codec built as the run builds it
+            chat_codec(load_tokenizer(cfg), a)
         except TokenizerError:
             pass  # the prompts check names it
         except ChatTemplateError as e:

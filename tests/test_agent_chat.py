@@ -187,7 +187,7 @@ def test_the_codec_takes_the_projects_tokenizer_and_decodes_a_turn_as_its_text(h
     hf.save_pretrained(str(tmp_path))
     wrapped = HFTokenizer.from_pretrained(tmp_path)
     codec = ChatCodec(wrapped)
-    assert codec.hf is wrapped.hf and codec.name == str(tmp_path)
+    assert codec.tokenizer is wrapped.hf and codec.name == str(tmp_path)
     assert codec.prompt_ids("guess=") == ChatCodec(hf).prompt_ids("guess=")
     # a turn's text: up to its eos, special tokens skipped
     im_start = hf.convert_tokens_to_ids("<|im_start|>")

@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .env import environment_class
-from .episode import EpisodeRequest
+from .episode import EpisodeRequest, HFCodec
 
 # content no template rewrites (no whitespace to strip, no tags to parse)
 PROBE_USER, PROBE_ANSWER = "rlhfswitchprobeuser", "rlhfswitchprobeanswer"
@@ -48,19 +48,19 @@ class ChatTemplateError(ValueError):
     """The tokenizer's chat template cannot extend a conversation token by token."""
 
 
-class ChatCodec:
+class ChatCodec(HFCodec):
     """A chat-template tokenizer as an episode's codec (module docstring): ``prompt_ids`` for the
-    first turn, ``observation_ids`` for each observation, ``decode`` for a model turn's text."""
+    first turn, ``observation_ids`` for each observation; ``encode`` and ``decode`` (a model turn's
+    text) are ``HFCodec``'s."""
 
     def __init__(self, tokenizer: Any, observation_role: str = "user", system: str | None = None):
-        self.hf = getattr(tokenizer, "hf", tokenizer)  # rl.tokenizer.HFTokenizer wraps one
-        self.name = getattr(self.hf, "name_or_path", None) or "the tokenizer"  # its directory, where it has one
-        if not getattr(self.hf, "chat_template", None):
+        super().__init__(getattr(tokenizer, "hf", tokenizer))  # rl.tokenizer.HFTokenizer wraps one
+        self.name = getattr(self.tokenizer, "name_or_path", None) or "the tokenizer"  # its directory, where it has one
+        if not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateError(f"{self.name} has no chat template")
-        self.eos_id = self.hf.eos_token_id
         if self.eos_id is None:
             raise ChatTemplateError(f"{self.name} has no eos token: a chat turn must end with one")
-        self.eos_text = self.hf.convert_ids_to_tokens(self.eos_id)
+        self.eos_text = self.tokenizer.convert_ids_to_tokens(self.eos_id)
         self.observation_role, self.system = observation_role, system
         self._tail = self._observation_template()
 
@@ -68,7 +68,7 @@ class ChatCodec:
         return [{"role": "system", "content": self.system}] if self.system is not None else []
 
     def _render(self, messages: list[dict], generation_prompt: bool, tools: list | None = None) -> str:
-        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                            add_generation_prompt=generation_prompt)
 
     def _observation_template(self) -> tuple[str, str]:
@@ -92,17 +92,6 @@ class ChatCodec:
                                     f"message's content once and as it is")
         before, after = tail.split(marker)
         return before, after
-
-    def encode(self, text: str) -> list[int]:
-        """``text``'s ids, special tokens written in it read as tokens, none added."""
-        return list(self.hf.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """A model turn's text: up to its eos, special tokens skipped."""
-        ids = [int(i) for i in ids]
-        if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
-        return self.hf.decode(ids, skip_special_tokens=True)
 
     def prompt_ids(self, text: str, tools: list | None = None) -> list[int]:
         """The first turn: ``text`` as the user's message (after the system message, if any), the
