@@ -580,18 +580,20 @@ class HybridWorker:
 
     # --- phases ------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                 seeds: Sequence[int]) -> dict:
+                 seeds: Sequence[int], stop_ids: Sequence[int] = ()) -> dict:
         """This rank's replica generates its contiguous share of ``prompts`` (all TP ranks of a
         replica return the same); only TP rank 0 of each replica returns its tokens. The shares
         differ by one prompt at most where the replicas do not divide the count (a multi-turn
         rollout's turns; a replica may get none). ``seeds``: one per prompt, so a sample does not
-        depend on the rollout layout."""
+        depend on the rollout layout. A response ends after the model's eos or any of
+        ``stop_ids`` (an agent turn's own)."""
         n, R = len(prompts), self.replicas
         cut = [r * (n // R) + min(r, n % R) for r in (self.replica, self.replica + 1)]
         lo, hi = cut
         t0 = time.perf_counter()
+        stops = sorted({int(t) for t in stop_ids} | ({int(self.eos_id)} if self.eos_id is not None else set()))
         tokens, logprobs = (self.rollout.generate(prompts[lo:hi], max_new_tokens, temperature, list(seeds[lo:hi]),
-                                                  self.eos_id) if hi > lo else ([], []))
+                                                  stops) if hi > lo else ([], []))
         return {"replica": self.replica, "lead": self.tp_rank == 0, "tokens": tokens, "logprobs": logprobs,
                 "seconds": time.perf_counter() - t0}
 

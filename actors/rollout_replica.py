@@ -73,9 +73,10 @@ class RolloutReplica:
                 "actor": {"open_fds": len(os.listdir("/proc/self/fd")), "os_threads": len(os.listdir("/proc/self/task"))}}
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float,
-                 seeds: Sequence[int], eos_token_id: int | None) -> dict:
+                 seeds: Sequence[int], stop_ids: Sequence[int]) -> dict:
+        """``stop_ids``: every id that ends a response (the model's eos among them)."""
         t0 = time.perf_counter()
-        tokens, logprobs = self.engine.generate(prompts, max_new_tokens, temperature, list(seeds), eos_token_id)
+        tokens, logprobs = self.engine.generate(prompts, max_new_tokens, temperature, list(seeds), list(stop_ids))
         return {"replica": self.replica, "lead": True, "tokens": tokens, "logprobs": logprobs,
                 "version": getattr(self, "version", None), "seconds": time.perf_counter() - t0}
 

@@ -54,13 +54,13 @@ class SlowGuess(GuessEnvironment):
 
 
 def greedy_batches(model):
-    """``agent.workflow``'s batch generator over a HF model, greedy (no stop ids: the workflow cuts)."""
+    """``agent.workflow``'s batch generator over a HF model, greedy, each row stopping at its stop ids."""
     from rlhf_switch.agent.evaluate import BatchedGreedy
 
     greedy = BatchedGreedy(model)
 
-    def generate_batch(prompts, seeds, budgets, temperature):
-        tokens = greedy.decode([list(p) for p in prompts], list(budgets), [frozenset()] * len(prompts))
+    def generate_batch(prompts, seeds, budgets, temperature, stops):
+        tokens = greedy.decode([list(p) for p in prompts], list(budgets), list(stops))
         return tokens, [[0.0] * len(t) for t in tokens], [0] * len(tokens)
     return generate_batch
 

@@ -16,8 +16,8 @@ class VLLMFailingMidRun(VLLMRolloutEngine):
         self.replica, self.calls = ctx.replica, 0
         return self
 
-    def generate(self, prompts, max_new_tokens, temperature, seeds, eos_token_id):
+    def generate(self, prompts, max_new_tokens, temperature, seeds, stop_ids):
         self.calls += 1
         if self.replica == 0 and self.calls == 2:
             raise RuntimeError(MESSAGE)
-        return super().generate(prompts, max_new_tokens, temperature, seeds, eos_token_id)
+        return super().generate(prompts, max_new_tokens, temperature, seeds, stop_ids)

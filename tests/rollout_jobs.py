@@ -154,7 +154,7 @@ def sampled(model_dir: str, trainer: Layout, tp: int, prompts, max_new_tokens: i
 
 @torch.no_grad()
 def reference_generate(engine: TorchRollout, prompts, max_new_tokens: int, temperature: float = 0.0,
-                       seed=0, eos_token_id=None):
+                       seed=0, eos_token_id=None, stop_ids=()):
     """The one-prompt-at-a-time ``TorchRollout.generate`` as it was before batched decoding (own
     KV cache per prompt, no padding): the reference the batched one must reproduce."""
     per_prompt = not isinstance(seed, int)
@@ -177,7 +177,7 @@ def reference_generate(engine: TorchRollout, prompts, max_new_tokens: int, tempe
                 tok = int(logits.argmax())
             toks.append(tok)
             lps.append(float(logp[tok]))
-            if tok == eos_token_id or step == max_new_tokens - 1:
+            if tok == eos_token_id or tok in stop_ids or step == max_new_tokens - 1:
                 break
             pos = len(prompt) + step
             ids = torch.tensor([[tok]], dtype=torch.long, device=device)
@@ -205,7 +205,12 @@ def batched_vs_reference(model_dir: str, trainer: Layout, tp: int, prompts, max_
         got = engine.generate(prompts, max_new_tokens, temperature=temp, seed=seeds, eos_token_id=eos)
         # a sample does not depend on its batch: the reversed batch gives each prompt the same sample
         rev = engine.generate(prompts[::-1], max_new_tokens, temperature=temp, seed=seeds[::-1], eos_token_id=eos)
-        out[mode] = {"eos": eos, "ref": ref, "got": got, "rev": (rev[0][::-1], rev[1][::-1]),
+        # an agent turn's own stop id beside the eos: the token row 1 drew at step 2
+        stop = free[0][1][2]
+        stops = {"ref": reference_generate(engine, prompts, max_new_tokens, temp, seeds, eos, stop_ids={stop})[0],
+                 "got": engine.generate(prompts, max_new_tokens, temperature=temp, seed=seeds, eos_token_id=eos,
+                                        stop_ids=[stop])[0]}
+        out[mode] = {"eos": eos, "ref": ref, "got": got, "rev": (rev[0][::-1], rev[1][::-1]), "stops": stops,
                      "lp_diff": max(_max_lp_diff(ref[1], got[1]), _max_lp_diff(ref[1], rev[1][::-1])),
                      "vs_forward": _logprob_diff(engine, prompts, *got)}
     return out

@@ -83,7 +83,7 @@ class ScriptedChat:
     def __init__(self, hf, policy):
         self.hf, self.policy, self.contexts = hf, policy, []
 
-    def __call__(self, prompts, seeds, budgets, temperature):
+    def __call__(self, prompts, seeds, budgets, temperature, stops):
         self.contexts += [list(p) for p in prompts]
         garbage = self.hf.encode("999", add_special_tokens=False)
         out = [(self.hf.encode(self.policy(self.hf.decode(p)), add_special_tokens=False) + [self.hf.eos_token_id]

@@ -62,6 +62,8 @@ def test_multi_turn_episodes_train_on_exactly_the_models_tokens(ray_session, tmp
         a = r["agent"]
         assert r["stale_check_passed"] and math.isfinite(r["policy_loss"]), r
         assert a["n"] == 16 and a["turns_mean"] > 1 and len(a["turn_batches"]) > 1 and a["turn_batches"][0] == 16
+        # the engine stopped every turn at its stop id (the guess's closing character): nothing to cut
+        assert a["tokens_past_stop"] == 0
         # the check compared the model's tokens, every one of them, and nothing else
         assert r["stale_check_tokens"] == a["model_tokens"] > 0
         assert a["tokens_mean"] * a["n"] > a["model_tokens"]  # observations are in the sequences
@@ -139,5 +141,6 @@ def test_episodes_one_step_ahead_on_disaggregated_vllm_replicas(ray_session, tmp
         a = r["agent"]
         assert r["stale_check_passed"] and math.isfinite(r["policy_loss"]), r
         assert a["n"] == 16 and a["turns_mean"] > 1 and a["turn_batches"][0] == 16
+        assert a["tokens_past_stop"] == 0  # vLLM stopped every turn at the guess's closing character
     rollouts = [json.loads(line) for line in (tmp_path / "ahead" / "rollouts.jsonl").read_text().splitlines()]
     assert [set(r["weight_versions"]) for r in rollouts] == [{0}, {0}, {1}]

@@ -28,8 +28,8 @@ class Scripted:
     def __init__(self, policy):
         self.policy, self.batches = policy, []
 
-    def __call__(self, prompts, seeds, budgets, temperature):
-        self.batches.append((list(map(list, prompts)), list(seeds), list(budgets), temperature))
+    def __call__(self, prompts, seeds, budgets, temperature, stops):
+        self.batches.append((list(map(list, prompts)), list(seeds), list(budgets), temperature, list(stops)))
         tokens = [(self.turn(self.policy(TOK.decode(p), s)) + GARBAGE)[:b] for p, s, b in zip(prompts, seeds, budgets)]
         return tokens, [[-0.5] * len(t) for t in tokens], [7] * len(tokens)
 
@@ -64,6 +64,7 @@ def test_every_game_is_played_turn_by_turn_in_batches_and_cut_at_the_stop():
         assert TOK.decode(model) == "".join(e.actions)
         assert e.logprobs == [-0.5 if m else 0.0 for m in e.loss_mask]
         assert e.versions == [7 if m else -1 for m in e.loss_mask]
+    assert result.tokens_past_stop == len(GARBAGE) * len(result.calls)  # counted, as the loop records it
     # turn 0 with each sample's own seed, later turns with seeds of their own
     assert engine.batches[0][1] == [10, 11, 12, 13, 14]
     assert engine.batches[1][1] == [turn_seed(s, 1) for s, t in zip([10, 11, 12, 13, 14], turns) if t > 1]
@@ -84,15 +85,18 @@ def test_a_turn_budget_is_each_samples_own_and_the_context_is_the_whole_list_so_
     result = run_workflow(engine, LocalEnvPool(), requests, TOK, calc.limits(64), seeds=[3, 4], temperature=0.0)
     a, b = result.episodes
     assert (a.reward, a.turns, b.reward, b.turns) == (1.0, 2, 1.0, 1)
-    prompts, _, budgets, temperature = engine.batches[0]
+    prompts, _, budgets, temperature, stops = engine.batches[0]
     assert prompts == [list(r.prompt_ids) for r in requests] and temperature == 0.0
     assert budgets == [64 - len(r.prompt_ids) for r in requests]
+    # each turn goes with its episode's own stop ids (the engines stop there): the tool call's
+    # closing text for the sample with tools, the eos alone without
+    assert stops == [frozenset(TOK.encode(calc.CompactCallFormat.stop)) | {TOK.eos_id}, frozenset({TOK.eos_id})]
     # the second turn's context: the prompt, the call and the calculator's answer, as one list
     assert engine.batches[1][0] == [a.ids[:len(a.prompt_ids) + a.segments[0][1] + a.segments[1][1]]]
 
 
 def test_a_failing_engine_fails_the_workflow_not_hangs_it():
-    def broken(prompts, seeds, budgets, temperature):
+    def broken(prompts, seeds, budgets, temperature, stops):
         raise RuntimeError("replica lost")
 
     requests = [episode_request("guess", {}, Sample("guess=", "5"), f"b{i}", TOK) for i in range(3)]

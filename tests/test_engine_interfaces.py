@@ -47,9 +47,9 @@ class CountingTrainer(FSDP2Engine):
 
 
 class CountingRollout(TorchRolloutEngine):
-    def generate(self, prompts, max_new_tokens, temperature, seeds, eos_token_id):
+    def generate(self, prompts, max_new_tokens, temperature, seeds, stop_ids):
         _count("generate")
-        return super().generate(prompts, max_new_tokens, temperature, seeds, eos_token_id)
+        return super().generate(prompts, max_new_tokens, temperature, seeds, stop_ids)
 
     def weights_updated(self):
         _count("weights_updated")

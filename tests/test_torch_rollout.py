@@ -99,7 +99,8 @@ SEEDS = [11, 5, 11, 1000003, 0, 42]  # a seed shared by two prompts: each row st
 def test_batched_decoding_equals_one_at_a_time(world4, models, model, trainer, tp):
     """All prompts of a call decoded together (left-padded, one KV cache, one all-reduce per layer
     per step) give each (prompt, seed) the tokens and logprobs of decoding it alone, greedy and
-    sampled, with rows of different lengths and some stopping at EOS mid-batch; and on every rank."""
+    sampled, with rows of different lengths and some stopping at EOS (or another stop id) mid-batch;
+    and on every rank."""
     path, _, trainers = models[model]
     results = world4.run(rollout_jobs.batched_vs_reference, path, trainers[trainer], tp, BATCH, NEW, SEEDS)
     for r, res in enumerate(results):
@@ -112,6 +113,8 @@ def test_batched_decoding_equals_one_at_a_time(world4, models, model, trainer, t
             assert m["rev"][0] == ref_tokens, f"rank {r} TP{tp} {mode}: a sample depends on its batch order"
             assert m["lp_diff"] < 1e-5, f"rank {r} TP{tp} {mode}: logprobs differ by {m['lp_diff']}"
             assert m["vs_forward"] < 1e-5, f"rank {r} TP{tp} {mode}: batched cache vs full forward {m['vs_forward']}"
+            # with a stop id beside the eos, row 1 ends at step 2 at the latest
+            assert m["stops"]["got"] == m["stops"]["ref"] and len(m["stops"]["ref"][1]) <= 3, (mode, m["stops"])
         assert res["greedy"]["got"] == results[0]["greedy"]["got"]
         assert res["sampled"]["got"][0] == results[0]["sampled"]["got"][0]  # same seeds: every rank, replica
 

@@ -324,6 +324,12 @@ def test_train_move_generate_follows_new_weights(rollout, world, hf_model, spec)
     assert_weights_equal(rollout, state2)
     tokens2, _ = assert_matches_hf(rollout, model)  # the same prompts: prefix cache must not serve old KV
     assert tokens2 != tokens1
+    # a response ends after its first token among the eos and the stop ids (an agent turn's own),
+    # returned with it: the free run's tokens, cut there
+    eos, stop = tokens2[0][2], tokens2[1][1]
+    got, _ = rollout.generate(PROMPTS, MAX_TOKENS, greedy=True, eos_token_id=eos, stop_ids=[stop])
+    ends = [next((k + 1 for k, t in enumerate(row) if t in (eos, stop)), len(row)) for row in tokens2]
+    assert got == [row[:k] for row, k in zip(tokens2, ends)] and ends[0] <= 3 and ends[1] <= 2
     assert losses2[-1] < losses2[0]
     # sleep/wake is a capability: vLLM refuses sleep mode on CPU, so the adapter skips it there
     assert report.slept == rollout.can_sleep

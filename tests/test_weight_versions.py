@@ -61,20 +61,20 @@ class Engine:
         self.received += 1
         return [{"worker": 0}]
 
-    def generate(self, prompts, max_new_tokens, temperature, seeds, eos):
+    def generate(self, prompts, max_new_tokens, temperature, seeds, stop_ids):
         return [[7] * max_new_tokens for _ in prompts], [[-0.5] * max_new_tokens for _ in prompts]
 
 
 def test_a_replica_records_the_version_of_its_last_receive_in_every_generation():
     replica = RolloutReplica()
     replica.engine, replica.replica, replica.tp = Engine(), 1, 1
-    first = replica.generate([[1, 2]], 2, 1.0, [5], None)
+    first = replica.generate([[1, 2]], 2, 1.0, [5], [])
     assert first["version"] is None  # no receive yet: the loop records its own iteration
     assert replica.channel_receive(3)["workers"] == [{"worker": 0}]
-    out = replica.generate([[1, 2], [3]], 2, 1.0, [5, 6], None)
+    out = replica.generate([[1, 2], [3]], 2, 1.0, [5, 6], [])
     assert (out["version"], out["tokens"], out["replica"], out["lead"]) == (3, [[7, 7], [7, 7]], 1, True)
     replica.channel_receive(stand_by_version(3, set(), False))
-    assert replica.generate([[1]], 1, 1.0, [5], None)["version"] == 4
+    assert replica.generate([[1]], 1, 1.0, [5], [])["version"] == 4
     assert replica.engine.received == 2
 
 
@@ -90,7 +90,7 @@ def test_the_next_iterations_samples_record_its_own_version(it):
     Cluster.stand_by(cluster, version=stand_by_version(it, set(), False))
     (_, version), = cluster._standing_by  # the receive the next sync completes
     replica.channel_receive(version)
-    assert replica.generate([[1]], 1, 1.0, [0], None)["version"] == it + 1
+    assert replica.generate([[1]], 1, 1.0, [0], [])["version"] == it + 1
 
 
 class StandByCluster:

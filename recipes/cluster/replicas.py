@@ -24,6 +24,7 @@ class Generation:
     refs: list
     max_new_tokens: int
     temperature: float
+    stop_ids: tuple = ()   # beyond the model's eos
 
 
 @dataclass
@@ -125,8 +126,8 @@ class ReplicasMixin:
         # engine's first generation is far slower than the next (vLLM's warm-up, ~45 s on the loaded
         # CPU box) — paid here in the background, not in the first iteration after the swap. Its
         # tokens are dropped; the fill's receive resets the prefix cache
-        eos = self.hf.get("eos_token_id")
-        starts += [a.generate.remote([[int(self.hf.get("bos_token_id") or 1)]], 2, 1.0, [0], eos) for a in actors]
+        starts += [a.generate.remote([[int(self.hf.get("bos_token_id") or 1)]], 2, 1.0, [0], self._stop_ids(()))
+                   for a in actors]
         self._incoming = IncomingReplicas(cfg, actors, starts, devices, time.perf_counter(), self)
         return self._incoming
 
@@ -224,28 +225,38 @@ class ReplicasMixin:
 
 
     def submit_generation(self, prompts: list[list[int]], seeds: Sequence[int], max_new_tokens: int,
-                          temperature: float):
+                          temperature: float, stop_ids: Sequence[int] = ()):
         """Start the generation of ``prompts`` and return at once (rollout replicas: a
         ``Generation``, each replica's contiguous share of the prompts in flight; the torch engine in
-        the trainer's actors runs it now and returns its results)."""
+        the trainer's actors runs it now and returns its results). A response ends after the
+        model's eos or any of ``stop_ids`` (an agent turn's own: the engines stop there rather than
+        generate tokens the episode would cut)."""
+        stop_ids = tuple(sorted({int(t) for t in stop_ids}))
         if self.in_world:
-            refs = self.submit("generate", prompts, max_new_tokens, temperature, list(seeds))
+            refs = self.submit("generate", prompts, max_new_tokens, temperature, list(seeds), list(stop_ids))
             return wait_all(self.ray, refs, "generate", self.quiet, failed=lambda rank, e: RolloutEngineFailed(
                 f"the rollout engine of {self._trainer_name(rank)} failed while generating: {engine_error(e)}"))
-        return self._share_out(list(prompts), list(seeds), max_new_tokens, temperature)
+        return self._share_out(list(prompts), list(seeds), max_new_tokens, temperature, stop_ids)
 
 
-    def _share_out(self, prompts: list, seeds: list, max_new_tokens: int, temperature: float) -> "Generation":
+    def _stop_ids(self, stop_ids: Sequence[int]) -> list[int]:
+        """The ids a replica's response ends at: the model's eos and ``stop_ids``."""
+        eos = self.hf.get("eos_token_id")
+        return sorted({int(t) for t in stop_ids} | ({int(eos)} if eos is not None else set()))
+
+
+    def _share_out(self, prompts: list, seeds: list, max_new_tokens: int, temperature: float,
+                   stop_ids: tuple = ()) -> "Generation":
         """``prompts`` split into contiguous shares over the replicas (sizes differ by one at most:
         a replica lost earlier leaves a count that need not divide), each share's call started."""
         if not self.replicas:
             raise RuntimeError("no rollout replica is left to generate with")
         replicas = self.generating()
-        eos, R, n = self.hf.get("eos_token_id"), len(replicas), len(prompts)
+        stops, R, n = self._stop_ids(stop_ids), len(replicas), len(prompts)
         cuts = [i * (n // R) + min(i, n % R) for i in range(R + 1)]
         shares = [(r, prompts[a:b], seeds[a:b]) for r, a, b in zip(replicas, cuts, cuts[1:]) if b > a]
-        refs = [r.generate.remote(p, max_new_tokens, temperature, s, eos) for r, p, s in shares]
-        return Generation(shares, refs, max_new_tokens, temperature)
+        refs = [r.generate.remote(p, max_new_tokens, temperature, s, stops) for r, p, s in shares]
+        return Generation(shares, refs, max_new_tokens, temperature, stop_ids)
 
 
     @property
@@ -305,7 +316,8 @@ class ReplicasMixin:
         parts = []
         for i in lost:
             _, prompts, seeds = gen.shares[i]
-            again = self._collect_shares(self._share_out(prompts, seeds, gen.max_new_tokens, gen.temperature),
+            again = self._collect_shares(self._share_out(prompts, seeds, gen.max_new_tokens, gen.temperature,
+                                                         gen.stop_ids),
                                          f"generate again: {len(prompts)} prompts of a lost replica")
             parts.append(tuple([x for p in again for x in p[k]] for k in range(3)))
         self.replica_events.append({"lost": names, "requeued_prompts": n, "replicas_left": len(self.replicas),

@@ -65,6 +65,8 @@ class IterationRecord:
             from rlhf_switch.agent.episode import episode_metrics
 
             rec["agent"] = {**episode_metrics(episodes), "turn_batches": exp.turn_batches,
+                            # tokens the engines generated past a turn's stop id, cut: 0 when they stop there
+                            "tokens_past_stop": exp.tokens_past_stop,
                             "model_tokens": sum(sum(s.loss_mask) for s in exp.samples),
                             # agent.failed_samples: exclude — samples the environment failed, no token trained
                             "excluded": sum(1 for s in exp.samples if s.episode is not None and s.episode.failed

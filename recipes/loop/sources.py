@@ -233,7 +233,7 @@ class MultiTurn(Synchronous):
                                  env_reward=0.0 if ep.failed else ep.reward, episode=ep)
             samples.append(s)
         exp = Experience(samples, time.perf_counter() - started)
-        exp.turn_batches = result.batches
+        exp.turn_batches, exp.tokens_past_stop = result.batches, result.tokens_past_stop
         return exp
 
     def take(self, it: int) -> Experience | None:

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 def replica_batches(loop, it: int):
     """The run's rollout replicas as ``agent.workflow``'s ``generate_batch``: one generation per
-    distinct budget (a prompt's ``max_new_tokens``), all submitted before any is collected; a
-    sample's version is its replica's (the driver's iteration where the engine keeps none)."""
-    def generate_batch(prompts, seeds, budgets, temperature):
+    distinct (budget, stop ids) — a prompt's ``max_new_tokens`` and the ids its turn ends at, which
+    the engines stop on — all submitted before any is collected; a sample's version is its
+    replica's (the driver's iteration where the engine keeps none)."""
+    def generate_batch(prompts, seeds, budgets, temperature, stops):
         cluster, order = loop.cluster, {}
-        for i, b in enumerate(budgets):
-            order.setdefault(b, []).append(i)
+        for i, (b, s) in enumerate(zip(budgets, stops)):
+            order.setdefault((b, tuple(sorted(s))), []).append(i)
         submitted = []
-        for b, idx in order.items():
+        for (b, s), idx in order.items():
             submitted.append((idx, cluster.submit_generation([prompts[i] for i in idx], [seeds[i] for i in idx], b,
-                                                             temperature)))
+                                                             temperature, s)))
             loop.faults.generate_hook_for(it, cluster)
         tokens, logprobs, versions = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)
         for idx, sub in submitted:

@@ -2,20 +2,21 @@
 
     result = run_workflow(generate_batch, pool, requests, codec, limits, seeds, temperature)
 
-``generate_batch(prompts, seeds, budgets, temperature)`` is the rollout engines, called with every
-turn that is ready at once (token ids in, token ids, their log-probs and the weight version out:
-``recipes.loop.workflow`` adapts the run's replicas to it). Each sample's episode runs as its own
+``generate_batch(prompts, seeds, budgets, temperature, stops)`` is the rollout engines, called with
+every turn that is ready at once (token ids in, token ids, their log-probs and the weight version
+out: ``recipes.loop.workflow`` adapts the run's replicas to it). Each sample's episode runs as its own
 coroutine (``episode.run_episode``); its ``generate`` call parks the turn in ``TurnBatcher``, and
 the batcher sends the parked turns as one batch when every episode still running is waiting for
 the model — the environments' calls of one round run concurrently in the pool meanwhile. The
 batches therefore depend only on the samples, their seeds and the environments' answers, never
 on timing: a run is reproducible turn for turn.
 
-A turn's budget differs per sample (what is left of the total); the engine stops at ``<eos>`` but
-not at an episode's own stop ids (a tool call's closing text), so the batcher cuts each answer
-after its first stop id. The tokens it keeps are exactly those an engine that stopped there would
-have produced: a token is sampled from the ones before it and the sample's own seed, never from
-the ones after. Turn 0 is generated with the sample's own seed (a one-turn workflow is the
+A turn's budget differs per sample (what is left of the total), and so may its stop ids (the
+episode's own, e.g. a tool call's closing token, besides ``<eos>``): both go to the engines, which
+stop there (the run's vLLM and torch engines do). The batcher still cuts each answer after its
+first stop id, so a generator that does not stop (a test's scripted one, a greedy evaluator) gives
+the same episode: the tokens kept are exactly those an engine that stopped there produces, since a
+token is sampled from the ones before it and the sample's own seed, never from the ones after. Turn 0 is generated with the sample's own seed (a one-turn workflow is the
 single-turn rollout, token for token); turn ``t`` with ``turn_seed(seed, t)``.
 
 Token exactness is checked, not assumed (``check_tokens``): the batcher records every call's
@@ -35,8 +36,8 @@ from .env import environment_class
 from .episode import Episode, EpisodeRequest, Generated, run_episode
 from .limits import Limits
 
-# (prompts, seeds, budgets, temperature) -> (tokens, logprobs, versions): one entry per prompt
-GenerateBatch = Callable[[list[list[int]], list[int], list[int], float],
+# (prompts, seeds, budgets, temperature, stops) -> (tokens, logprobs, versions): one entry per prompt
+GenerateBatch = Callable[[list[list[int]], list[int], list[int], float, list[frozenset]],
                          tuple[list[list[int]], list[list[float]], list[int]]]
 
 
@@ -107,6 +108,7 @@ class TurnBatcher:
     live: int = 0
     calls: list[TurnCall] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)  # the size of each batch sent
+    past_stop: int = 0  # tokens the engines returned after a turn's first stop id (cut)
     _parked: list[tuple] = field(default_factory=list)
     _turns: dict[int, int] = field(default_factory=dict)
     _flushing: bool = False
@@ -138,9 +140,11 @@ class TurnBatcher:
             seeds = [turn_seed(self.seeds[e], t) for (e, *_), t in zip(parked, turns)]
             # the engines block: in a thread, so the event loop keeps the pool's calls going
             tokens, logprobs, versions = await asyncio.to_thread(
-                self.generate_batch, [p[1] for p in parked], seeds, [p[2] for p in parked], self.temperature)
+                self.generate_batch, [p[1] for p in parked], seeds, [p[2] for p in parked], self.temperature,
+                [p[3] for p in parked])
             for (e, ids, budget, stops, fut), t, toks, lps, v in zip(parked, turns, tokens, logprobs, versions):
                 keep = cut_at_stop(toks[:budget], stops)
+                self.past_stop += len(toks) - keep
                 out = Generated([int(x) for x in toks[:keep]], [float(x) for x in lps[:keep]], [int(v)] * keep)
                 self.calls.append(TurnCall(e, t, len(ids), _digest(ids), out.token_ids))
                 fut.set_result(out)
@@ -160,6 +164,7 @@ class WorkflowResult:
     episodes: list[Episode]
     calls: list[TurnCall]
     batches: list[int]  # the size of each batch of turns sent to the engines
+    tokens_past_stop: int = 0  # generated after a turn's stop id or budget and cut: 0 when the engines stop there
 
 
 def run_workflow(generate_batch: GenerateBatch, pool: Any, requests: Sequence[EpisodeRequest], codec: Any,
@@ -180,7 +185,7 @@ def run_workflow(generate_batch: GenerateBatch, pool: Any, requests: Sequence[Ep
     episodes = asyncio.run(all_of_them())
     check_tokens([e.ids for e in episodes], [e.loss_mask for e in episodes], [len(e.prompt_ids) for e in episodes],
                  batcher.calls)
-    return WorkflowResult(episodes, batcher.calls, batcher.batches)
+    return WorkflowResult(episodes, batcher.calls, batcher.batches, batcher.past_stop)
 
 
 def check_tokens(sequences: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],

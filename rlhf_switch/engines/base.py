@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Collection, Mapping, Sequence
 
 import torch
 
@@ -358,9 +358,11 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float,
-                 seeds: Sequence[int], eos_token_id: int | None) -> tuple[list[list[int]], list[list[float]]]:
+                 seeds: Sequence[int], stop_ids: Collection[int]) -> tuple[list[list[int]], list[list[float]]]:
         """Tokens and their log-probs (raw model distribution) per prompt; ``seeds``: one per
-        prompt, so a sample does not depend on the replica or batch it ran in."""
+        prompt, so a sample does not depend on the replica or batch it ran in. A response ends
+        after its first token in ``stop_ids`` (returned with it: the model's eos, and an agent
+        turn's own stop ids such as a tool call's closing token), else after ``max_new_tokens``."""
 
     # placement "worker": the destination buffers are this process's tensors
     def buffers(self) -> dict[str, torch.Tensor]:

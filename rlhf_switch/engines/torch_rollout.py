@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -299,12 +299,12 @@ class TorchRollout:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                 seed: int | Sequence[int] = 0, eos_token_id: int | None = None
+                 seed: int | Sequence[int] = 0, eos_token_id: int | None = None, stop_ids: Collection[int] = ()
                  ) -> tuple[list[list[int]], list[list[float]]]:
         """Greedy (``temperature == 0``) or sampled decoding of all prompts together: prompts
         left-padded to the longest into one KV cache, one forward (so one all-reduce per
         row-parallel layer) per step for the whole batch. Returns the generated tokens per prompt
-        (stopping after ``eos_token_id``) and each token's log-probability under the model's raw
+        (stopping after ``eos_token_id`` or any id of ``stop_ids``) and each token's log-probability under the model's raw
         logits (vLLM's default ``raw_logprobs``). A finished row stays in the batch, ignored, and
         draws nothing more. Every TP rank computes the same logits and draws from the same seeded
         generators, so every rank returns the same tokens. ``seed``: one seed per prompt, each
@@ -333,6 +333,7 @@ class TorchRollout:
         tokens_out: list[list[int]] = [[] for _ in prompts]
         logprobs_out: list[list[float]] = [[] for _ in prompts]
         live = list(range(B))                                          # rows still generating
+        stops = {int(t) for t in stop_ids} | ({int(eos_token_id)} if eos_token_id is not None else set())
         for step in range(max_new_tokens):
             logits = logits.float()
             logp = logits.log_softmax(-1)                              # [B, vocab]
@@ -349,7 +350,7 @@ class TorchRollout:
             for b in live:
                 tokens_out[b].append(toks[b])
                 logprobs_out[b].append(lps[b])
-                if toks[b] != eos_token_id:
+                if toks[b] not in stops:
                     still.append(b)
             live = still
             if not live or step == max_new_tokens - 1:
@@ -391,6 +392,6 @@ class TorchRolloutEngine(RolloutEngine):
         if self.engine.spec.lora is not None:
             self.engine.set_apply_adapters(mode == "adapters")
 
-    def generate(self, prompts, max_new_tokens, temperature, seeds, eos_token_id):
+    def generate(self, prompts, max_new_tokens, temperature, seeds, stop_ids):
         return self.engine.generate([list(p) for p in prompts], max_new_tokens, temperature=temperature,
-                                    seed=list(seeds), eos_token_id=eos_token_id)
+                                    seed=list(seeds), stop_ids=stop_ids)

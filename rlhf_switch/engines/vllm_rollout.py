@@ -31,7 +31,7 @@ from __future__ import annotations
 import pickle
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from .. import compat
 from ..routing.executor import DEFAULT_BUDGET
@@ -494,12 +494,14 @@ class VLLMRollout:
     # --- generation ------------------------------------------------------------------------------------
     def generate(self, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int, greedy: bool = True,
                  seed: int | Sequence[int] | None = None, temperature: float = 1.0,
-                 eos_token_id: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+                 eos_token_id: int | None = None, stop_ids: Collection[int] = ()
+                 ) -> tuple[list[list[int]], list[list[float]]]:
         """Generate from token-id prompts: (tokens, log-probabilities of those tokens) per prompt.
         Log-probabilities are of the raw model distribution (vLLM's default ``raw_logprobs``).
         ``seed``: one for every prompt, or one per prompt (a sample then depends only on its own
-        seed, not on which replica or batch it ran in). ``eos_token_id``: stop after it (the
-        token is returned); None: always ``max_tokens`` tokens."""
+        seed, not on which replica or batch it ran in). ``eos_token_id`` and each of ``stop_ids``:
+        stop after it (the token is returned; vLLM's ``stop_token_ids``); none: always
+        ``max_tokens`` tokens."""
         from vllm import SamplingParams
 
         if self._asleep:
@@ -508,7 +510,7 @@ class VLLMRollout:
         seeds = list(seed) if isinstance(seed, Sequence) else [seed] * n
         if len(seeds) != n:
             raise ValueError(f"{len(seeds)} seeds for {n} prompts")
-        stop = [] if eos_token_id is None else [int(eos_token_id)]
+        stop = sorted({int(t) for t in stop_ids} | ({int(eos_token_id)} if eos_token_id is not None else set()))
         params = [SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else temperature,
                                  logprobs=0, seed=s, detokenize=False, ignore_eos=True, stop_token_ids=stop)
                   for s in seeds]
@@ -612,9 +614,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self.name = f"vLLM TP{ctx.tp}"
         return self
 
-    def generate(self, prompts, max_new_tokens, temperature, seeds, eos_token_id):
+    def generate(self, prompts, max_new_tokens, temperature, seeds, stop_ids):
         return self.rollout.generate(prompts, max_new_tokens, greedy=temperature == 0, seed=list(seeds),
-                                     temperature=temperature or 1.0, eos_token_id=eos_token_id)
+                                     temperature=temperature or 1.0, stop_ids=stop_ids)
 
     def channel_destination(self, layout: Layout) -> Layout:
         return self.rollout.destination(layout)

@@ -94,6 +94,7 @@ class Experience:
     segmented: bool = False
     dynamic_sampling: dict | None = None  # what dynamic sampling kept, drew and filled
     turn_batches: list[int] | None = None  # multi-turn: the size of each batch of turns sent to the engines
+    tokens_past_stop: int = 0  # multi-turn: tokens the engines generated after a turn's stop id (cut)
 
     def __len__(self) -> int:
         return len(self.samples)
