@@ -56,7 +56,7 @@ from .families import DEFAULT_CONTEXT, derive_spec, family_problems
 from .rl.config import (ConfigError, ElasticEntry, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig,
                         load_config, model_dims, scaled_along_dp, task_prompt_tokens)
 from .rl.algorithm_rules import algorithm_problems
-from .rl.data import DataError, load_data_splits, prompt_token_limit, read_columns, read_records
+from .rl.data import DataError, load_data_splits, prompt_renderer, prompt_token_limit, read_columns, read_records
 from .rl.tasks import CharTokenizer, build_task, longest_answer_tokens
 from .rl.tokenizer import TokenizerError, load_tokenizer
 
@@ -302,7 +302,11 @@ def data_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     if problems:
         return problems
     try:
-        splits, _ = load_data_splits(data, tokenizer, limit)
+        render = prompt_renderer(cfg, tokenizer)
+    except Exception:  # noqa: BLE001 - an agent run's first turn that does not render: the agent check names it
+        return problems
+    try:
+        splits, _ = load_data_splits(data, tokenizer, limit, render)
     except (DataError, TokenizerError) as e:
         return [str(e)]
     if cfg.eval.num_prompts > len(splits.heldout):
@@ -553,16 +557,20 @@ def _agent(cfg: RunConfig, facts: Facts) -> list[str]:
         problems.append(f"agent: partial rollout (algorithm.off_policy.segment_tokens: "
                         f"{cfg.algorithm.off_policy.segment_tokens}) does not carry episodes yet; one step ahead "
                         f"(max_staleness: 1 without segment_tokens) does")
-    if cfg.data is not None and cfg.data.chat_template:
+    if cfg.data is not None and cfg.data.chat_template and not problems:
         from .agent.chat import ChatTemplateError
-        from .agent.config import chat_codec
+        from .agent.config import chat_prompt
 
-        try:  # observations are written as the template's messages (agent.chat), the codec built as the run builds it
-            chat_codec(load_tokenizer(cfg), a)
+        try:  # observations are written as the template's messages (agent.chat), the codec built as the run
+            # builds it; the first turn written as the loader writes every prompt (system message, tools)
+            chat_prompt(load_tokenizer(cfg), a)("rlhfswitchprobeprompt")
         except TokenizerError:
             pass  # the prompts check names it
         except ChatTemplateError as e:
             problems.append(f"agent: data.chat_template: {e}")
+        except Exception as e:  # noqa: BLE001 - the environment's chat_tools or the template raised
+            problems.append(f"agent: data.chat_template: the first turn (agent.system, the tools {a.env} "
+                            f"declares) does not render: {type(e).__name__}: {e}")
     return problems
 
 

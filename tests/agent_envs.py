@@ -172,3 +172,11 @@ class Numbers(Environment):
         self.seen += 1
         reward = 1.0 / self.turns if action.strip().isdigit() else 0.0
         return StepResult("again", reward, self.seen >= self.turns, {"number": action.strip().isdigit()})
+
+
+class BadChatTools(ChatCalc):
+    """Its tool declaration raises (tests/test_problems.py: the pre-start check renders the first turn)."""
+
+    @classmethod
+    def chat_tools(cls):
+        raise RuntimeError("no schema today")

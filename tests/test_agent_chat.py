@@ -305,3 +305,50 @@ def test_templates_that_cannot_extend_a_conversation_as_tokens_are_refused(hf, t
         ChatCodec(hf, observation_role="user")
     finally:
         hf.chat_template, hf.name_or_path = template, name
+
+
+def test_a_chat_runs_prompts_carry_the_system_message_and_the_environments_tools(hf, tmp_path):
+    """A ``data:`` agent run with ``chat_template``: the loader writes each prompt as the episode's
+    first turn — ``agent.system`` and the tools the environment declares (``chat_tools``) in the
+    template — so the episode starts from exactly that and the length check counts all of it (a
+    prompt that fits as a lone user message but not with the tools is dropped)."""
+    from types import SimpleNamespace
+
+    from rlhf_switch.agent.calc import Calculator
+    from rlhf_switch.rl.config import AgentConfig, DataConfig
+    from rlhf_switch.rl.data import load_splits
+    from rlhf_switch.rl.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(hf, "bpe")
+    short, long_ = "12+34=", "what is " * 12 + "12+34="
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"q": q, "a": "46"}) + "\n" for q in (short, long_)))
+    data = DataConfig(train_files=[str(tmp_path / "train.jsonl")], heldout_files=[str(tmp_path / "test.jsonl")],
+                      prompt_key="q", answer_key="a", chat_template=True)
+    tools = [Calculator().schema()]
+    first = {q: rendered(hf, [{"role": "system", "content": "You add."}, {"role": "user", "content": q}], tools, True)
+             for q in (short, long_)}
+    alone = len(tok.encode(rendered(hf, [{"role": "user", "content": long_}], None, True), add_bos=True))
+    # room for the long prompt as a user message alone, and for the short one with the tool, not
+    # for the long one with the tool
+    room = len(tok.encode(first[long_], add_bos=True)) - 1
+    assert alone <= room and len(tok.encode(first[short], add_bos=True)) <= room
+    agent = AgentConfig(env="agent_envs:ChatCalc", max_turns=2, system="You add.")
+    cfg = SimpleNamespace(task=None, agent=agent, data=data, algorithm=SimpleNamespace(max_new_tokens=8),
+                          model=SimpleNamespace(hf_dict=lambda: {"max_position_embeddings": room + 8}))
+    splits, _ = load_splits(cfg, tok)
+    assert [s.prompt for s in splits.train] == [first[short]]  # the long one is one token too long with the tools
+    codec = ChatCodec(tok, system="You add.")
+    req = episode_request("agent_envs:ChatCalc", {}, splits.train[0], "s0", codec, rendered=True)
+    assert list(req.prompt_ids) == codec.prompt_ids(short, tools) == tok.encode(first[short])
+    assert "You add." in hf.decode(req.prompt_ids) and '"name": "calc"' in hf.decode(req.prompt_ids)
+    # without agent.system, the template's own default; without an agent, one user message
+    cfg.agent = AgentConfig(env="agent_envs:ChatCalc", max_turns=2)
+    cfg.model = SimpleNamespace(hf_dict=lambda: {"max_position_embeddings": 4096})
+    default = load_splits(cfg, tok)[0].train
+    assert [s.prompt for s in default] == [rendered(hf, [{"role": "user", "content": q}], tools, True)
+                                           for q in (short, long_)]
+    assert "You are a helpful assistant." in default[0].prompt
+    cfg.agent = None
+    assert [s.prompt for s in load_splits(cfg, tok)[0].train] == [rendered(hf, [{"role": "user", "content": q}],
+                                                                           None, True) for q in (short, long_)]

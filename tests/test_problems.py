@@ -1154,5 +1154,10 @@ def test_an_agent_data_runs_chat_template_must_extend_a_conversation_as_tokens(b
     assert got == [f"agent: data.chat_template: {bad}: the chat template does not end an assistant message with "
                    "the eos '<|im_end|>', so a generated turn cannot be extended as tokens (it writes '\\nuser: "
                    "rlhfswitchprobeobservation\\n' after one)"], got
+    # the first turn is written with the environment's tools: an environment whose chat_tools raises
+    got = P._agent(agent_data_cfg(bpe, env="agent_envs:BadChatTools"), None)
+    assert got == ["agent: data.chat_template: the first turn (agent.system, the tools agent_envs:BadChatTools "
+                   "declares) does not render: RuntimeError: no schema today"], got
+    assert P._agent(agent_data_cfg(bpe, env="agent_envs:ChatCalc", system="You add."), None) == []
     # a task run's character tokenizer has no template: nothing to check
     assert P._agent(cfg("agent_guess_tiny.yaml"), None) == []

@@ -93,11 +93,15 @@ class ChatCodec(HFCodec):
         before, after = tail.split(marker)
         return before, after
 
+    def prompt_text(self, text: str, tools: list | None = None) -> str:
+        """The first turn's text: ``text`` as the user's message (after the system message, if
+        any), the assistant's turn opened; ``tools`` (OpenAI-style function schemas) where the
+        template declares them."""
+        return self._render(self._head() + [{"role": "user", "content": text}], True, tools)
+
     def prompt_ids(self, text: str, tools: list | None = None) -> list[int]:
-        """The first turn: ``text`` as the user's message (after the system message, if any), the
-        assistant's turn opened; ``tools`` (OpenAI-style function schemas) where the template
-        declares them."""
-        return self.encode(self._render(self._head() + [{"role": "user", "content": text}], True, tools))
+        """``prompt_text``'s ids."""
+        return self.encode(self.prompt_text(text, tools))
 
     def observation_ids(self, text: str, turn: Sequence[int] | None) -> list[int]:
         """The ids of observation ``text`` appended after model turn ``turn`` (its ids): the
@@ -112,17 +116,22 @@ class ChatCodec(HFCodec):
         return self.encode(before + text + after)
 
 
+def env_tools(env: str, env_kwargs: dict) -> list | None:
+    """The tools environment ``env`` declares to a chat template: its class's
+    ``chat_tools(**env_kwargs)`` (a classmethod returning function schemas), None without one."""
+    declare = getattr(environment_class(env), "chat_tools", None)
+    return (declare(**env_kwargs) or None) if declare is not None else None
+
+
 def chat_request(codec: ChatCodec, env: str, env_kwargs: dict, sample: Any, session: str,
                  rendered: bool = False) -> EpisodeRequest:
     """The episode of ``sample`` for a chat model: its prompt the sample's prompt as the user's
-    message, with the tools the environment class declares (``chat_tools(**env_kwargs)``, a
-    classmethod returning function schemas, when it has one); no stop id but the eos.
-    ``rendered``: the sample's prompt is the template's first turn already (a ``data:`` run's
-    loader applied it, ``data.chat_template``), encoded as it is."""
+    message, after the codec's system message, with the tools the environment declares
+    (``env_tools``); no stop id but the eos. ``rendered``: the sample's prompt is that first
+    turn's text already (a ``data:`` run's loader wrote it: ``agent.config.chat_prompt``),
+    encoded as it is."""
     if rendered:
         ids = codec.encode(sample.prompt)
     else:
-        declare = getattr(environment_class(env), "chat_tools", None)
-        tools = declare(**env_kwargs) if declare is not None else None
-        ids = codec.prompt_ids(sample.prompt, tools or None)
+        ids = codec.prompt_ids(sample.prompt, env_tools(env, env_kwargs))
     return EpisodeRequest(session=session, env=env, sample=sample, env_kwargs=dict(env_kwargs), prompt_ids=tuple(ids))

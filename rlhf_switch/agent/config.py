@@ -12,6 +12,7 @@ The block itself (``AgentConfig``, ``EnvPoolConfig``) is a part of the run confi
       max_turn_tokens: null        # one model turn (null: only the total)
       failed_samples: zero         # env_error / timeout samples: zero (reward 0, trained on) | exclude
       observation_role: user       # with data.chat_template: an observation's message role (user | tool)
+      system: null                 # with data.chat_template: the system message (null: the template's default)
       pool:
         num_workers: 2             # Ray actors running the environments
         num_cpus: 0.25             # each (fractions are fine)
@@ -21,16 +22,18 @@ The block itself (``AgentConfig``, ``EnvPoolConfig``) is a part of the run confi
         in_process: false          # true: no Ray (LocalEnvPool: no timeouts; tests, evaluation)
 
 ``episode_limits(block, max_context)``, ``build_pool(block.pool)`` and, for a chat model,
-``chat_codec(tokenizer, block)`` give what the episode driver and the pool take.
+``chat_codec(tokenizer, block)`` give what the episode driver and the pool take; ``chat_prompt``
+is how a chat run's data loader writes each prompt (the system message and the environment's tools
+in the template's first turn).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ..rl.config import AgentConfig, EnvPoolConfig
 from .limits import Limits
 
-__all__ = ["AgentConfig", "EnvPoolConfig", "build_pool", "chat_codec", "episode_limits"]
+__all__ = ["AgentConfig", "EnvPoolConfig", "build_pool", "chat_codec", "chat_prompt", "episode_limits"]
 
 
 def build_pool(pool: EnvPoolConfig) -> Any:
@@ -58,4 +61,14 @@ def chat_codec(tokenizer: Any, agent: AgentConfig) -> Any:
     the tokenizer's template cannot extend a conversation token by token)."""
     from .chat import ChatCodec
 
-    return ChatCodec(tokenizer, observation_role=agent.observation_role)
+    return ChatCodec(tokenizer, observation_role=agent.observation_role, system=agent.system)
+
+
+def chat_prompt(tokenizer: Any, agent: AgentConfig) -> Callable[[str], str]:
+    """A chat run's prompt for a data file's prompt text: the template's first turn with
+    ``agent.system`` and the tools the environment declares (``chat.env_tools``) — what the
+    episodes start from, so the loader's length check counts all of it."""
+    from .chat import env_tools
+
+    codec, tools = chat_codec(tokenizer, agent), env_tools(agent.env, agent.env_kwargs)
+    return lambda text: codec.prompt_text(text, tools)

@@ -634,6 +634,9 @@ class AgentConfig(Strict):
     # with data.chat_template (a chat model, agent.chat): the role an observation's message has
     # (user, or tool for templates that render tool results)
     observation_role: str = Field("user", min_length=1)
+    # with data.chat_template: the system message before each prompt (null: the template's default);
+    # the environment's tools (its class's chat_tools) are declared in the same first turn
+    system: str | None = None
     pool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
 
 

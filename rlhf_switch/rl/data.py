@@ -16,7 +16,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .tasks import Sample, Splits
 
@@ -107,14 +107,15 @@ def read_columns(path: str | os.PathLike, keys: tuple[str, ...]) -> tuple[tuple[
     return _READ[key]
 
 
-def _samples(files, data_cfg: Any, tokenizer, max_tokens: int, limit: int | None) -> tuple[list[Sample], int, int]:
+def _samples(files, data_cfg: Any, render: Callable[[str], str], tokenizer, max_tokens: int,
+             limit: int | None) -> tuple[list[Sample], int, int]:
     read, kept, dropped = 0, [], 0
     for f in files:
         for prompt, answer in read_records(f, data_cfg.prompt_key, data_cfg.answer_key):
             if limit is not None and len(kept) >= limit:
                 break
             read += 1
-            rendered = tokenizer.render_prompt(prompt, data_cfg.chat_template)
+            rendered = render(prompt)
             if len(tokenizer.encode(rendered, add_bos=True)) > max_tokens:
                 dropped += 1
                 continue
@@ -129,11 +130,16 @@ def prompt_token_limit(data_cfg: Any, max_new_tokens: int, max_context: int) -> 
     return room if data_cfg.max_prompt_tokens is None else min(data_cfg.max_prompt_tokens, room)
 
 
-def load_data_splits(data_cfg: Any, tokenizer, max_tokens: int) -> tuple[Splits, DataSummary]:
+def load_data_splits(data_cfg: Any, tokenizer, max_tokens: int,
+                     render: Callable[[str], str] | None = None) -> tuple[Splits, DataSummary]:
     """Train and held-out samples (prompts rendered, too-long ones dropped; held-out capped at
-    ``num_heldout``). ``DataError`` when a file is bad or every prompt of a split is too long."""
-    train, tr_read, tr_drop = _samples(data_cfg.train_files, data_cfg, tokenizer, max_tokens, None)
-    heldout, ho_read, ho_drop = _samples(data_cfg.heldout_files, data_cfg, tokenizer, max_tokens,
+    ``num_heldout``). ``DataError`` when a file is bad or every prompt of a split is too long.
+    ``render``: a prompt's text as the model sees it (``prompt_renderer``; default: the chat
+    template's user message when ``data_cfg.chat_template``, else the text)."""
+    if render is None:
+        render = lambda text: tokenizer.render_prompt(text, data_cfg.chat_template)  # noqa: E731
+    train, tr_read, tr_drop = _samples(data_cfg.train_files, data_cfg, render, tokenizer, max_tokens, None)
+    heldout, ho_read, ho_drop = _samples(data_cfg.heldout_files, data_cfg, render, tokenizer, max_tokens,
                                          data_cfg.num_heldout)
     for split, kept, read in (("train_files", train, tr_read), ("heldout_files", heldout, ho_read)):
         if not kept:
@@ -142,6 +148,18 @@ def load_data_splits(data_cfg: Any, tokenizer, max_tokens: int) -> tuple[Splits,
                             f"algorithm.max_new_tokens)")
     return (Splits(train=tuple(train), heldout=tuple(heldout)),
             DataSummary(tr_read, tr_drop, ho_read, ho_drop, max_tokens))
+
+
+def prompt_renderer(cfg: Any, tokenizer) -> Callable[[str], str]:
+    """How a data run writes a prompt's text for the model: an agent run with a chat template
+    starts each episode from the template's first turn with its system message and the
+    environment's tools (``agent.config.chat_prompt``); any other run renders the text as one user
+    message (``data.chat_template``) or keeps it."""
+    if cfg.agent is not None and cfg.data.chat_template:
+        from ..agent.config import chat_prompt
+
+        return chat_prompt(tokenizer, cfg.agent)
+    return lambda text: tokenizer.render_prompt(text, cfg.data.chat_template)
 
 
 def load_splits(cfg: Any, tokenizer=None) -> tuple[Splits, str]:
@@ -159,5 +177,5 @@ def load_splits(cfg: Any, tokenizer=None) -> tuple[Splits, str]:
 
         tokenizer = load_tokenizer(cfg)
     limit = prompt_token_limit(cfg.data, cfg.algorithm.max_new_tokens, context_length(cfg.model.hf_dict()))
-    splits, summary = load_data_splits(cfg.data, tokenizer, limit)
+    splits, summary = load_data_splits(cfg.data, tokenizer, limit, prompt_renderer(cfg, tokenizer))
     return splits, summary.line()
