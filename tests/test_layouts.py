@@ -1216,6 +1216,10 @@ def test_pipeline_stage_refusals_and_edges():
     spec = llama_spec(tiny_cfg(num_hidden_layers=2))
     with pytest.raises(LayoutError, match=r"^PP=3 is larger than the model's 2 layers$"):
         build_layout(spec, ParallelConfig(pp=3))
+    # one layer cannot fill two stages: refused, not split (1, 0)
+    from rlhf_switch.vps.layouts.pipeline import stage_bounds
+    with pytest.raises(LayoutError, match=r"^PP=2 is larger than the model's 1 layers$"):
+        stage_bounds(1, 2)
     for bad in ((1, 0), (1, 0, 0), (3, 0, -1)):
         with pytest.raises(LayoutError, match=rf"^stage_layers={re.escape(str(bad))} must give 3 stages summing to 2 layers$"):
             build_layout(spec, ParallelConfig(pp=3, stage_layers=bad))
