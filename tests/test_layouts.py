@@ -1216,6 +1216,10 @@ def test_pipeline_stage_refusals_and_edges():
     spec = llama_spec(tiny_cfg(num_hidden_layers=2))
     with pytest.raises(LayoutError, match=r"^PP=3 is larger than the model's 2 layers$"):
         build_layout(spec, ParallelConfig(pp=3))
+    # one layer cannot fill two stages: refused, not split (1, 0)
+    from rlhf_switch.vps.layouts.pipeline import stage_bounds
+    with pytest.raises(LayoutError, match=r"^PP=2 is larger than the model's 1 layers$"):
+        stage_bounds(1, 2)
     for bad in ((1, 0), (1, 0, 0), (3, 0, -1)):
         with pytest.raises(LayoutError, match=rf"^stage_layers={re.escape(str(bad))} must give 3 stages summing to 2 layers$"):
             build_layout(spec, ParallelConfig(pp=3, stage_layers=bad))
@@ -1250,6 +1254,67 @@ def test_tp_refusal_lists_at_most_eight_factors():
     with pytest.raises(LayoutError) as e:
         build_layout(spec, ParallelConfig(tp=3, vocab_divisible_by=2))  # 5 -> 6 rows; c's 4 rows do not split 3 ways
     assert str(e.value) == "TP=3 does not divide c dim 0=4"
+
+
+def test_tp_refusal_edges_by_hand():
+    """``check_tp`` at its edges: TP 0; exactly 8 factors (all named) and 9 (8 and the count); the
+    heads named when ``vocab_divisible_by`` pads the vocabulary; and ``undivided_dims`` still checks
+    the tensors after one it skips (vLLM's replicated k/v at TP above the KV heads)."""
+    from rlhf_switch.vps.layouts.tensor_parallel import check_tp, undivided_dims
+
+    with pytest.raises(LayoutError, match=r"^TP must be >= 1, got 0$"):
+        check_tp(synthetic_spec([("c", (4, 2), "float32", "column")]), 0, None, False)
+    for n, tail in ((8, ""), (9, ", … (9 in all)")):
+        spec = synthetic_spec([(f"c{i}", (3, 2), "float32", "column") for i in range(n)])
+        with pytest.raises(LayoutError) as e:
+            build_layout(spec, ParallelConfig(tp=2))
+        assert str(e.value) == "TP=2 does not divide " + ", ".join(f"c{i} dim 0=3" for i in range(8)) + tail
+    # heads 6 and KV heads 3 over TP 4; every dim divides (vocab 102 padded to 104)
+    spec = llama_spec(tiny_cfg(hidden_size=48, num_attention_heads=6, num_key_value_heads=3,
+                               intermediate_size=32, vocab_size=102, num_hidden_layers=1))
+    with pytest.raises(LayoutError) as e:
+        build_layout(spec, ParallelConfig(tp=4, vocab_divisible_by=1))
+    assert str(e.value) == "TP=4 does not divide num_attention_heads=6, num_key_value_heads=3"
+    spec = synthetic_spec([("a", (3, 2), "float32", "column"), ("b", (2, 3), "float32", "row")])
+    assert undivided_dims(spec, 2, lambda v: v, "", skip={"a"}) == ["b dim 1=3"]
+
+
+def test_tp_fused_cover_check_by_hand():
+    """``check_tp_cover`` on fused rules that lose elements, by hand: a ``qkv`` group whose q has
+    more rows than its attention geometry gives (2 heads of head_dim 2: the rule takes 4 of q's 6
+    rows), and ``concat`` groups of vocab-role members (``_fused`` splits them unpadded, where
+    ``check_tp`` allowed them padded: 5 rows over TP 2 lose row 4). Only the groups the config
+    fuses are checked, each geometry once (``b`` repeats ``a``'s: not named), in the spec's order;
+    the message names the first 8 problems. ``local_tensors`` fuses nothing unless asked."""
+    from rlhf_switch.vps import ModelSpec, TensorSpec
+    from rlhf_switch.vps.layouts.tensor_parallel import check_tp_cover, local_tensors
+    from rlhf_switch.vps.spec import AttentionGeometry, FusedGroup
+
+    def vocab(name, rows):
+        return TensorSpec(name, (rows, 2), tp="vocab", layer=0)
+
+    tensors = (TensorSpec("q", (6, 4), tp="column", layer=0), TensorSpec("k", (4, 4), tp="column", layer=0),
+               TensorSpec("v", (4, 4), tp="column", layer=0), vocab("a0", 5), vocab("a1", 5), vocab("b0", 5),
+               vocab("b1", 5), vocab("c0", 7))
+    groups = (FusedGroup("qkv", ("q", "k", "v"), "qkv"), FusedGroup("a", ("a0", "a1")),
+              FusedGroup("b", ("b0", "b1")), FusedGroup("c", ("c0",)))
+    spec = ModelSpec("lossy", tensors, 1, AttentionGeometry(2, 2, 2), groups)
+    q = ["q in qkv: TP ranks hold 16 of its 24 elements"]
+    a = [f"a{i} in a: TP ranks hold 8 of its 10 elements" for i in range(2)]
+    c = ["c0 in c: TP ranks hold 12 of its 14 elements"]  # 7 rows: 3 a rank
+    for fuse_qkv, fuse_gate_up, want in ((True, False, q), (False, True, a + c), (True, True, q + a + c)):
+        with pytest.raises(LayoutError) as e:
+            check_tp_cover(spec, 2, fuse_qkv, fuse_gate_up)
+        assert str(e.value) == "TP=2 with fused buffers does not cover the model: " + "; ".join(want)
+    check_tp_cover(spec, 2, False, False)  # nothing fused: unfused tensors follow check_tp's split
+    assert [lt.buffer for lt in local_tensors(spec, [(t, t.name) for t in tensors], 2, 0)] == [t.name for t in tensors]
+
+    nine = ModelSpec("nine", tuple(vocab(f"m{i}", 5) for i in range(9)), 1, None,
+                     (FusedGroup("m", tuple(f"m{i}" for i in range(9))),))
+    with pytest.raises(LayoutError) as e:
+        check_tp_cover(nine, 2, False, True)
+    assert str(e.value) == ("TP=2 with fused buffers does not cover the model: "
+                            + "; ".join(f"m{i} in m: TP ranks hold 8 of its 10 elements" for i in range(8)))
 
 
 # =================================================================================================
