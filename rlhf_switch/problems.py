@@ -605,6 +605,15 @@ def engine_problems(cfg: RunConfig, facts: Facts | None = None) -> list[str]:
         problems.append(f"rollout.colocate: false needs a rollout engine of its own actors (placement "
                         f"'replica', e.g. vllm); engine {cfg.rollout.engine} runs inside the trainer's "
                         f"processes, on their devices")
+    pull = cfg.rollout.pull_prompts
+    if pull and placement is not None and placement != "replica":
+        problems.append(f"rollout.pull_prompts: {pull} — work stealing hands chunks of a generation to rollout "
+                        f"replicas (placement 'replica', e.g. vllm); engine {cfg.rollout.engine} generates in the "
+                        f"trainer's processes, each rank its share (use 0)")
+    if pull and cfg.algorithm.max_staleness and cfg.agent is None:
+        problems.append(f"rollout.pull_prompts: {pull} — a batch generated one step ahead is collected an "
+                        f"iteration later, and chunks are handed out only while a generation is collected: it "
+                        f"would keep fixed shares (use 0, or max_staleness: 0; an agent run's rounds are pulled)")
     return problems
 
 

@@ -119,8 +119,8 @@ def test_a_chat_models_episodes_in_the_loop(ray_session, tmp_path):
 @pytest.mark.vllm
 def test_episodes_one_step_ahead_on_disaggregated_vllm_replicas(ray_session, tmp_path):
     """``max_staleness: 1`` with two vLLM replicas of their own devices: iteration i+1's episodes
-    are played (turn after turn on the replicas, the environments in the pool) while the trainer
-    trains on iteration i's. From iteration 1 every model token is one version old (the replica's
+    are played (turn after turn on the replicas, each round's turns pulled in chunks, the
+    environments in the pool) while the trainer trains on iteration i's. From iteration 1 every model token is one version old (the replica's
     own count), the environment's carry none; the token check passes on every sample."""
     from recipes.common import warm_start
     from recipes.train import run
@@ -130,7 +130,8 @@ def test_episodes_one_step_ahead_on_disaggregated_vllm_replicas(ray_session, tmp
     # an evaluation after iteration 1: its sync and its greedy episodes run while iteration 2's
     # episodes are in flight
     cfg["eval"] = {"every": 2, "num_prompts": 8}
-    cfg["rollout"] = {"engine": "vllm", "tp": 1, "pp": 1, "dp": 2, "mode": "disaggregated"}
+    # each round's turns pulled by the replicas in chunks of 3 (work stealing), in the episodes' thread
+    cfg["rollout"] = {"engine": "vllm", "tp": 1, "pp": 1, "dp": 2, "mode": "disaggregated", "pull_prompts": 3}
     cfg["algorithm"]["off_policy"] = {"max_staleness": 1}
     warm_start(load_config(cfg), tmp_path / "ahead" / "init", quiet=True)
     recs = records(run(cfg, iterations=3, quiet=True))
@@ -142,5 +143,6 @@ def test_episodes_one_step_ahead_on_disaggregated_vllm_replicas(ray_session, tmp
         assert r["stale_check_passed"] and math.isfinite(r["policy_loss"]), r
         assert a["n"] == 16 and a["turns_mean"] > 1 and a["turn_batches"][0] == 16
         assert a["tokens_past_stop"] == 0  # vLLM stopped every turn at the guess's closing character
+        assert set(r["replica_idle_share"]) == {"0", "1"} and 0 <= r["replica_idle_share_max"] <= 1
     rollouts = [json.loads(line) for line in (tmp_path / "ahead" / "rollouts.jsonl").read_text().splitlines()]
     assert [set(r["weight_versions"]) for r in rollouts] == [{0}, {0}, {1}]

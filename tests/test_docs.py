@@ -181,5 +181,5 @@ def test_the_iteration_records_keys_are_the_documented_ones():
     assert written <= documented, sorted(written - documented)
     sometimes = {"rule_reward_mean", "model_reward_mean", "vf_loss", "vf_clipfrac", "value_mean", "return_mean",
                  "is_weight_mean", "is_masked_tokens", "samples_interrupted", "dynamic_sampling", "rebalance", "lend",
-                 "rollout_replicas_lost"}
+                 "rollout_replicas_lost", "replica_idle_share", "replica_idle_share_max"}
     assert documented - written == sometimes, sorted(documented - written)

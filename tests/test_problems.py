@@ -468,6 +468,19 @@ def test_what_the_engines_cannot_do():
     assert P.engine_problems(cfg(**{"rollout.mode": "disaggregated"})) == [
         "rollout.colocate: false needs a rollout engine of its own actors (placement 'replica', e.g. vllm); engine "
         "torch runs inside the trainer's processes, on their devices"]
+    # work stealing: rollout replicas only, and a batch collected as soon as it is submitted
+    assert P.engine_problems(cfg(**{"rollout.pull_prompts": 4})) == [
+        "rollout.pull_prompts: 4 — work stealing hands chunks of a generation to rollout replicas (placement "
+        "'replica', e.g. vllm); engine torch generates in the trainer's processes, each rank its share (use 0)"]
+    assert P.engine_problems(cfg(ASYNC, **{"rollout.pull_prompts": 4})) == [
+        "rollout.pull_prompts: 4 — a batch generated one step ahead is collected an iteration later, and chunks "
+        "are handed out only while a generation is collected: it would keep fixed shares (use 0, or "
+        "max_staleness: 0; an agent run's rounds are pulled)"]
+    assert P.engine_problems(cfg(ASYNC, **{"rollout.pull_prompts": 4, "algorithm.off_policy.max_staleness": 0})) == []
+    agent = raw("agent_guess_tiny.yaml", **{"rollout.pull_prompts": 4})
+    agent.update(rollout={**agent["rollout"], "engine": "vllm", "mode": "disaggregated"},
+                 algorithm={**agent["algorithm"], "off_policy": {"max_staleness": 1}})
+    assert P.engine_problems(load_config(agent)) == []
     unknown = P.engine_problems(cfg(**{"rollout.engine": "no_such_module:Engine", "rollout.handoff": "ipc",
                                        "train.engine": "no_such_module:Trainer", "train.offload": "all"}))
     assert len(unknown) == 2 and all("no_such_module" in p for p in unknown), unknown  # named once each

@@ -19,7 +19,7 @@ from typing import Sequence
 from recipes.cluster.calls import RolloutEngineFailed, engine_error, wait_all
 from recipes.cluster.channel import ChannelMixin
 from recipes.cluster.placement import STRATEGIES, PlacementError, rank_bundles, resources_for
-from recipes.cluster.replicas import ReplicasMixin
+from recipes.cluster.replicas import ReplicasMixin, RolloutTime
 from rlhf_switch.timeouts import CONTROL_S, PHASE_S, SHUTDOWN_S, START_S
 
 
@@ -106,6 +106,7 @@ class Cluster(ReplicasMixin, ChannelMixin):
         self.handoff = "p2p"  # the weight channel's, once opened (rollout.handoff resolved)
         self._standing_by = None  # the replicas' receives posted ahead of the next sync
         self.replica_events: list[dict] = []  # replicas lost mid-generation, their prompts re-queued
+        self.rollout_time = RolloutTime()     # the replicas' generating seconds against the generations' wall time
 
     def all(self, method: str, *args, desc: str | None = None, **kwargs) -> list:
         return self.collect(self.submit(method, *args, **kwargs), desc or method)

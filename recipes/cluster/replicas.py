@@ -1,7 +1,21 @@
 """The rollout replicas of a run (a rollout engine of placement ``replica``: vLLM): their contexts,
 a new layout started in the background and swapped in (elastic), a generation shared out over them
 and collected, and a replica that died dropped, its prompts generated again by the others.
-``ReplicasMixin`` is the part of ``Cluster`` that does it (``recipes.cluster.cluster``)."""
+``ReplicasMixin`` is the part of ``Cluster`` that does it (``recipes.cluster.cluster``).
+
+A generation is shared out in one of two ways (``rollout.pull_prompts``):
+
+- **fixed shares** (0, the default): each replica one contiguous share of the prompts, all sent at
+  once (``Generation``) — a replica whose share has the long responses holds the others idle;
+- **pulled** (N > 0, work stealing): the prompts cut in chunks of N, each replica sent one, and
+  the next chunk as soon as it returns one (``PulledGeneration``). The driver hands the chunks out
+  while it collects, so a pulled generation makes progress only while it is being collected: a
+  run that collects a batch later (one step ahead, partial rollout) keeps fixed shares, except an
+  agent run's, whose rounds are collected in the episodes' own thread.
+
+Either way a sample's tokens are the same (its own seed; the engines' results do not depend on
+the batch), and ``rollout_time`` adds up each replica's generating seconds against the
+generations' wall time: what the loop records as the replicas' idle share."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +39,47 @@ class Generation:
     max_new_tokens: int
     temperature: float
     stop_ids: tuple = ()   # beyond the model's eos
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+@dataclass
+class PulledGeneration:
+    """A generation in flight by work stealing (module docstring): chunk ``c`` is
+    ``prompts[chunks[c][0]:chunks[c][1]]``; ``queue``: the chunks not sent yet; ``running``: each
+    call in flight's (replica actor, chunk)."""
+
+    prompts: list
+    seeds: list
+    chunks: list
+    queue: list
+    running: dict
+    max_new_tokens: int
+    temperature: float
+    stop_ids: tuple
+    t0: float
+
+
+@dataclass
+class RolloutTime:
+    """The replicas' generating seconds (``busy_s``, per replica number) and the wall seconds of
+    the generations they ran in (``wall_s``), added up until ``take`` returns and clears them."""
+
+    wall_s: float = 0.0
+    busy_s: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, wall_s: float, results) -> None:
+        self.wall_s += wall_s
+        for g in results:
+            if g is not None:
+                self.busy_s[g["replica"]] = self.busy_s.get(g["replica"], 0.0) + g["seconds"]
+
+    def take(self) -> dict:
+        """``{"wall_s", "busy_s": {replica: s}, "idle_share": {replica: 1 - busy/wall}}``, then cleared."""
+        out = {"wall_s": self.wall_s, "busy_s": dict(self.busy_s),
+               "idle_share": {r: max(0.0, 1.0 - b / self.wall_s) if self.wall_s > 0 else 0.0
+                              for r, b in self.busy_s.items()}}
+        self.wall_s, self.busy_s = 0.0, {}
+        return out
 
 
 @dataclass
@@ -225,18 +280,93 @@ class ReplicasMixin:
 
 
     def submit_generation(self, prompts: list[list[int]], seeds: Sequence[int], max_new_tokens: int,
-                          temperature: float, stop_ids: Sequence[int] = ()):
+                          temperature: float, stop_ids: Sequence[int] = (), pull: bool = True):
         """Start the generation of ``prompts`` and return at once (rollout replicas: a
         ``Generation``, each replica's contiguous share of the prompts in flight; the torch engine in
         the trainer's actors runs it now and returns its results). A response ends after the
         model's eos or any of ``stop_ids`` (an agent turn's own: the engines stop there rather than
-        generate tokens the episode would cut)."""
+        generate tokens the episode would cut). ``pull``: False for a generation collected later
+        than it is submitted (one step ahead), which keeps fixed shares (module docstring)."""
         stop_ids = tuple(sorted({int(t) for t in stop_ids}))
         if self.in_world:
             refs = self.submit("generate", prompts, max_new_tokens, temperature, list(seeds), list(stop_ids))
             return wait_all(self.ray, refs, "generate", self.quiet, failed=lambda rank, e: RolloutEngineFailed(
                 f"the rollout engine of {self._trainer_name(rank)} failed while generating: {engine_error(e)}"))
+        n = self.cfg.rollout.pull_prompts
+        if pull and n and self.replicas:
+            return self._pull_out(list(prompts), list(seeds), max_new_tokens, temperature, stop_ids, n)
         return self._share_out(list(prompts), list(seeds), max_new_tokens, temperature, stop_ids)
+
+
+    def _pull_out(self, prompts: list, seeds: list, max_new_tokens: int, temperature: float, stop_ids: tuple,
+                  n: int) -> PulledGeneration:
+        """``prompts`` cut in chunks of ``n``, the first ones sent, one to each replica."""
+        chunks = [(a, min(a + n, len(prompts))) for a in range(0, len(prompts), n)]
+        gen = PulledGeneration(prompts, seeds, chunks, list(range(len(chunks))), {}, max_new_tokens, temperature,
+                               stop_ids, time.perf_counter())
+        for r in self.generating():
+            self._send_chunk(gen, r)
+        return gen
+
+
+    def _send_chunk(self, gen: PulledGeneration, replica) -> None:
+        """The next chunk of ``gen`` to ``replica`` (nothing when none is left)."""
+        if gen.queue:
+            c = gen.queue.pop(0)
+            a, b = gen.chunks[c]
+            ref = replica.generate.remote(gen.prompts[a:b], gen.max_new_tokens, gen.temperature, gen.seeds[a:b],
+                                          self._stop_ids(gen.stop_ids))
+            gen.running[ref] = (replica, c)
+
+
+    def _collect_pulled(self, gen: PulledGeneration, desc: str) -> list[tuple]:
+        """Each chunk's (tokens, log-probs, per-sample versions), in chunk order, handing a replica
+        the next chunk as soon as it returns one. A replica that died: its chunk goes back to the
+        front of the queue for the others, and it leaves the run (``drop_replicas``) once nothing
+        is in flight."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        from recipes.cluster.calls import phase
+        from rlhf_switch.timeouts import PHASE_S
+
+        results, got, dead, requeued = [None] * len(gen.chunks), [], [], 0
+        deadline = time.monotonic() + PHASE_S
+        with phase(desc, len(gen.chunks), self.quiet) as bar:
+            while gen.running:
+                done, _ = self.ray.wait(list(gen.running), num_returns=1,
+                                        timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    raise TimeoutError(f"{desc}: {len(gen.running)} chunks unfinished after {PHASE_S} s")
+                replica, c = gen.running.pop(done[0])
+                try:
+                    g = self.ray.get(done[0])
+                except RayActorError:
+                    dead.append(replica)
+                    gen.queue.insert(0, c)
+                    requeued += gen.chunks[c][1] - gen.chunks[c][0]
+                    idle = [r for r in self.generating() if not any(r is d for d in dead)
+                            and not any(r is x for x, _ in gen.running.values())]
+                    if not idle and not gen.running:
+                        raise RolloutEngineFailed(f"{self._replica_name(self._index(replica))} died while generating "
+                                                  f"(its actor lost) and no rollout replica is left to generate its "
+                                                  f"share") from None
+                    for r in idle:
+                        self._send_chunk(gen, r)
+                    continue
+                except RayTaskError as e:
+                    raise RolloutEngineFailed(f"{self._replica_name(self._index(replica))} failed while generating: "
+                                              f"{engine_error(e)}") from e
+                results[c] = (g["tokens"], g["logprobs"], [g.get("version")] * len(g["tokens"]))
+                got.append(g)
+                bar.update(1)
+                self._send_chunk(gen, replica)
+        self.rollout_time.add(time.perf_counter() - gen.t0, got)
+        if dead:
+            t0 = time.perf_counter()
+            names = self.drop_replicas(dead)
+            self.replica_events.append({"lost": names, "requeued_prompts": requeued, "replicas_left": len(self.replicas),
+                                        "seconds": time.perf_counter() - t0})
+        return results
 
 
     def _stop_ids(self, stop_ids: Sequence[int]) -> list[int]:
@@ -282,7 +412,8 @@ class ReplicasMixin:
             return ([t for g in leads for t in g["tokens"]], [lp for g in leads for lp in g["logprobs"]],
                     [g.get("version") for g in leads for _ in g["tokens"]])
         out = ([], [], [])
-        for tokens, logprobs, versions in self._collect_shares(submitted, f"generate ({self.cfg.rollout.engine})"):
+        collect = self._collect_pulled if isinstance(submitted, PulledGeneration) else self._collect_shares
+        for tokens, logprobs, versions in collect(submitted, f"generate ({self.cfg.rollout.engine})"):
             out[0].extend(tokens), out[1].extend(logprobs), out[2].extend(versions)
         return out
 
@@ -296,6 +427,7 @@ class ReplicasMixin:
                                                                f"failed while generating: {engine_error(e)}"))
         results = [None if g is None else (g["tokens"], g["logprobs"], [g.get("version")] * len(g["tokens"]))
                    for g in got]
+        self.rollout_time.add(time.perf_counter() - gen.t0, got)
         if died:
             for i, part in zip(died, self._requeue(gen, died)):
                 results[i] = part

@@ -303,6 +303,7 @@ class Loop:
                             ("mid-generation", f"its {ev['requeued_prompts']} prompts generated again by"))
             self.say(f"it {it}: lost {', '.join(ev['lost'])} {where}; {again} the {ev['replicas_left']} "
                      f"replica(s) left ({ev['seconds']:.1f} s)")
+        rec.rollout_time = self.cluster.rollout_time.take()
         out = rec.metrics(exp)
         self.state.emit(out, it)
         versions = [s.version for s in exp.samples]

@@ -47,7 +47,7 @@ class Segments:
         n_new = min(self.k, self.max_new - len(samples[self.todo[0]].response))  # every unfinished one: the same length
         prompts = [samples[i].prompt + samples[i].response for i in self.todo]
         seeds = [(samples[i].seed + SEED_STRIDE * self.rounds) % 2**31 for i in self.todo]
-        self.gen = self.cluster.submit_generation(prompts, seeds, n_new, self.temperature)
+        self.gen = self.cluster.submit_generation(prompts, seeds, n_new, self.temperature, pull=False)
         self.rounds += 1
         return True
 

@@ -26,6 +26,7 @@ class IterationRecord:
     rebalance: dict | None = None        # elastic.rebalance: the grown world and the moves
     lend: dict | None = None             # elastic.lend: whether the rollout took the trainer's devices
     replicas_lost: list[dict] = field(default_factory=list)  # rollout replicas lost, their work re-run
+    rollout_time: dict | None = None     # the replicas' generating seconds vs the generations' wall time
 
     @contextmanager
     def timed(self, phase: str):
@@ -78,6 +79,12 @@ class IterationRecord:
         rec.update(truncated=sum(exp.column("truncated")), phase_seconds=dict(self.timings), iteration_seconds=seconds,
                    example={"prompt": first.source.prompt, "response": first.text, "answer": first.source.answer},
                    stale_tol_source=self.stale_tol_source)
+        if self.rollout_time and self.rollout_time["busy_s"]:
+            # rollout replicas: how much of the generations' wall time each one spent not generating
+            # (rollout.pull_prompts: work stealing keeps it low when responses differ in length)
+            idle = self.rollout_time["idle_share"]
+            rec.update(replica_idle_share={str(r): v for r, v in sorted(idle.items())},
+                       replica_idle_share_max=max(idle.values()))
         for key, value in (("rebalance", self.rebalance), ("lend", self.lend),
                            ("rollout_replicas_lost", self.replicas_lost)):
             if value:

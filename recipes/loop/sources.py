@@ -30,6 +30,7 @@ class Synchronous:
     """Each iteration's batch generated after its sync, with the trainer's weights."""
 
     max_staleness = 0
+    collected_at_once = True  # a generation collected as soon as it is submitted: it may be pulled (rollout.pull_prompts)
 
     def __init__(self, loop):
         self.loop = loop
@@ -73,7 +74,7 @@ class Synchronous:
         exp, started = self._samples(it, drawn, draw), time.perf_counter()
         alg = self.loop.cfg.algorithm
         submitted = self.loop.cluster.submit_generation(exp.column("prompt"), exp.column("seed"), alg.max_new_tokens,
-                                                        alg.temperature)
+                                                        alg.temperature, pull=self.collected_at_once)
         self.loop.faults.generate_hook_for(it, self.loop.cluster)
         return exp, submitted, started
 
@@ -104,6 +105,7 @@ class OneStepAhead(Synchronous):
     rollout replicas)."""
 
     max_staleness = 1
+    collected_at_once = False  # the batch in flight is collected an iteration later: fixed shares
 
     def __init__(self, loop):
         super().__init__(loop)

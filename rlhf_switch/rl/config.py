@@ -118,6 +118,10 @@ class RolloutLayout(PhaseLayout):
     # device, both actors on it); false: its own devices (engines of placement "replica" only).
     # The config may say it as ``mode: colocated | disaggregated`` instead
     colocate: bool = True
+    # how a generation's prompts go to the replicas (engines of placement "replica"): 0 — one
+    # contiguous share each, sent at once; N > 0 — work stealing: chunks of N prompts, each replica
+    # given the next one as soon as it returns one (recipes/cluster/replicas.py)
+    pull_prompts: int = Field(0, ge=0)
     # vLLM's share of each device's memory (weights + KV cache); None: 0.5 colocated, 0.9 alone
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     # the engine's own options, handed to it as they are (the engine says which it takes: vllm's
