@@ -443,6 +443,10 @@ def _off_policy(cfg: RunConfig, facts: Facts) -> list[str]:
     if not cfg.algorithm.max_staleness:
         return []
     problems = []
+    if op.max_staleness > 1 and cfg.agent is None:
+        problems.append(f"algorithm.off_policy.max_staleness: {op.max_staleness} — a single-turn run carries one "
+                        f"batch in flight (0 or 1); K >= 2 batches in flight are built for agent runs, whose "
+                        f"episodes are played in threads of their own")
     if not _replicas_of_their_own(cfg):
         problems.append(f"algorithm.off_policy.max_staleness: {op.max_staleness} — generation overlaps training "
                         f"only on rollout replicas of their own devices: rollout.mode: disaggregated with a "

@@ -45,8 +45,11 @@ def test_tis_truncates_and_icepop_masks_the_ratio():
 def test_off_policy_config_refusals():
     from rlhf_switch.problems import run_problems
 
-    with pytest.raises(ConfigError, match="max_staleness: 2 — one batch in flight is built"):
-        load_config(tiny(**{"algorithm.off_policy": {"max_staleness": 2}}))
+    # K >= 2 batches in flight: agent runs only (tests/test_problems.py has the agent side)
+    two = load_config(tiny("grpo_tiny_async.yaml", **{"algorithm.off_policy": {"max_staleness": 2}}))
+    assert run_problems(two, skip=("reward",)) == [
+        "algorithm.off_policy.max_staleness: 2 — a single-turn run carries one batch in flight (0 or 1); K >= 2 "
+        "batches in flight are built for agent runs, whose episodes are played in threads of their own"]
     with pytest.raises(ConfigError, match="mode: colocated and colocate: False disagree"):
         load_config(tiny(**{"rollout.mode": "colocated", "rollout.colocate": False}))
     problems = run_problems(load_config(tiny(**{"algorithm.off_policy": {"max_staleness": 1}})), skip=("reward",))

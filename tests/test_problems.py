@@ -481,6 +481,8 @@ def test_what_the_engines_cannot_do():
     agent.update(rollout={**agent["rollout"], "engine": "vllm", "mode": "disaggregated"},
                  algorithm={**agent["algorithm"], "off_policy": {"max_staleness": 1}})
     assert P.engine_problems(load_config(agent)) == []
+    agent["algorithm"]["off_policy"] = {"max_staleness": 4}  # K >= 2 batches in flight: agent runs
+    assert P._off_policy(load_config(agent), None) == []
     unknown = P.engine_problems(cfg(**{"rollout.engine": "no_such_module:Engine", "rollout.handoff": "ipc",
                                        "train.engine": "no_such_module:Trainer", "train.offload": "all"}))
     assert len(unknown) == 2 and all("no_such_module" in p for p in unknown), unknown  # named once each

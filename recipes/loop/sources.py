@@ -8,8 +8,8 @@
                     (``segment_tokens``): the update landing interrupts it, and its unfinished samples
                     continue with the new weights after the next sync (``recipes.loop.partial``)
 ``MultiTurn``       each sample an episode with an environment (``agent``; ``recipes.loop.workflow``):
-                    synchronous, or one step ahead (``max_staleness: 1``: the next iteration's
-                    episodes played in a driver thread while this one trains)
+                    synchronous, or K steps ahead (``max_staleness: K``: the next K iterations'
+                    episodes played in driver threads while this one trains)
 ==================  ===================================================================================
 
 A source owns the generation's submission and collection and the batch in flight. The loop asks it,
@@ -169,17 +169,21 @@ class Partial(OneStepAhead):
 
 class MultiTurn(Synchronous):
     """Each sample an episode with the run's environment (``agent``; ``recipes.loop.workflow``):
-    generated after the sync (``max_staleness: 0``), or, one step ahead (``max_staleness: 1``),
-    iteration i+1's episodes played in a thread of the driver while iteration i trains — their
-    turns go to the rollout replicas (of their own devices) round after round meanwhile, and
-    ``take`` waits for them before the next sync. The replicas post no receive while episodes are
-    in flight (a later round would wait behind it for a sync that waits for the episodes)."""
+    generated after the sync (``max_staleness: 0``), or K steps ahead (``max_staleness: K``):
+    iterations i+1..i+K's episodes played, each in a thread of the driver, while iteration i
+    trains — their turns go to the rollout replicas (of their own devices) round after round
+    meanwhile, and ``take`` waits for iteration i+1's before its sync. A sync while episodes are
+    in flight reaches the replicas between two of their rounds, so a later turn records the newer
+    version (a sample's tokens may carry several); the oldest is at most K behind the iteration
+    that trains on it (the first turns of iteration i+K's episodes run with iteration i's weights).
+    The replicas post no receive ahead while episodes are in flight (a later round would wait
+    behind it for a sync that waits for the episodes)."""
 
     def __init__(self, loop):
         super().__init__(loop)
         self.max_staleness = loop.cfg.algorithm.max_staleness
-        self.in_flight = None  # (the iteration it is for, the Future of its Experience)
-        self._ahead = None  # the thread the episodes in flight are played in
+        self.in_flight: dict = {}  # the iteration each batch in flight is for -> the Future of its Experience
+        self._ahead = None  # the threads the episodes in flight are played in
         from recipes.loop.workflow import EpisodeEvaluator
         from rlhf_switch.agent.config import build_pool, chat_codec, episode_limits
 
@@ -239,24 +243,26 @@ class MultiTurn(Synchronous):
         return exp
 
     def take(self, it: int) -> Experience | None:
-        if self.in_flight is None or self.in_flight[0] != it:
-            return None
-        future, self.in_flight = self.in_flight[1], None
-        return check_staleness(it, future.result(), self.max_staleness)
+        future = self.in_flight.pop(it, None)
+        return None if future is None else check_staleness(it, future.result(), self.max_staleness)
 
     def ahead(self, it: int) -> None:
-        """One step ahead: iteration ``it + 1``'s episodes start now, with the weights just synced."""
-        if not self.max_staleness or it >= self.loop.last:
+        """K steps ahead: the episodes of iterations ``it + 1 .. it + K`` not started yet start
+        now (after a resume or the first iteration, all of them; then ``it + K`` alone), with the
+        weights just synced."""
+        if not self.max_staleness:
             return
         from concurrent.futures import ThreadPoolExecutor
 
         if self._ahead is None:
-            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="episodes-ahead")
-        drawn = draw_prompts(self.loop.cfg, self.loop.splits, it + 1)
-        self.in_flight = (it + 1, self._ahead.submit(self.generate, it + 1, drawn))
+            self._ahead = ThreadPoolExecutor(self.max_staleness, thread_name_prefix="episodes-ahead")
+        for nxt in range(it + 1, min(it + self.max_staleness, self.loop.last) + 1):
+            if nxt not in self.in_flight:
+                drawn = draw_prompts(self.loop.cfg, self.loop.splits, nxt)
+                self.in_flight[nxt] = self._ahead.submit(self.generate, nxt, drawn)
 
     def stands_by(self) -> bool:
-        return self.in_flight is None
+        return not self.in_flight
 
     def close(self) -> None:
         self.pool.shutdown()  # episodes still in flight (a run stopped by an error) fail and end

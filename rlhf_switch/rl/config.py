@@ -359,12 +359,6 @@ class OffPolicy(Strict):
             self.__dict__["correction"] = "tis" if self.max_staleness else "none"
         return self
 
-    @field_validator("max_staleness")
-    @classmethod
-    def _one_batch_in_flight(cls, k: int) -> int:
-        if k > 1:
-            raise ValueError(f"{k} — one batch in flight is built: 0 (synchronous) or 1 (one-step off-policy)")
-        return k
 
 
 class AlgorithmBase(Strict):
