@@ -74,11 +74,12 @@ def agent_warm_start(cfg):
     for a run without an agent block or an environment without transcripts."""
     if cfg.agent is None or cfg.sft is None or not cfg.sft.steps:
         return None
+    from rlhf_switch.agent.config import prompt_renderer
     from rlhf_switch.agent.env import environment_class
 
     write = getattr(environment_class(cfg.agent.env), "warm_start_transcripts", None)
     if write is None:
-        return None
+        return chat_prompts_sft(cfg)
     if isinstance(write, str):  # "module:function": the environment's module need not import its experts
         from rlhf_switch.rl.imports import import_named
 
@@ -90,13 +91,35 @@ def agent_warm_start(cfg):
         from rlhf_switch.rl.tokenizer import load_tokenizer
 
         tok = load_tokenizer(cfg)
-        splits, _ = load_splits(cfg, tok)
+        splits, _ = load_splits(cfg, tok, prompt_renderer(cfg, tok))
         transcripts = write(splits.train, tok, int(model.config.max_position_embeddings), cfg.seed,
                             cfg.agent.max_turns, **cfg.agent.env_kwargs)
         return sft_transcripts(model, transcripts, cfg.sft.steps, cfg.sft.lr, cfg.sft.batch_size, cfg.seed)
     name = json.dumps({"env": cfg.agent.env, "env_kwargs": cfg.agent.env_kwargs, "max_turns": cfg.agent.max_turns},
                       sort_keys=True)
     return f"agent transcripts {name}", train
+
+
+def chat_prompts_sft(cfg):
+    """A chat agent run's prompt → answer SFT (``warm_start``'s ``train``; an environment without
+    transcripts): on the prompts as its episodes start, the system message and the environment's
+    tools in the template's first turn (``agent.config.prompt_renderer``) — named by what writes
+    them, so the warm start's fingerprint changes with them. None for any other run."""
+    if cfg.data is None or not cfg.data.chat_template:
+        return None
+
+    def train(model):
+        from rlhf_switch.agent.config import prompt_renderer
+        from rlhf_switch.rl.sft import data_sft_samples, sft
+        from rlhf_switch.rl.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(cfg)
+        tok, samples = data_sft_samples(cfg, tok, prompt_renderer(cfg, tok))
+        return sft(model, None, cfg.sft, cfg.seed, progress=False, max_new_tokens=cfg.algorithm.max_new_tokens,
+                   samples=samples, tokenizer=tok)
+    name = json.dumps({"env": cfg.agent.env, "env_kwargs": cfg.agent.env_kwargs, "system": cfg.agent.system},
+                      sort_keys=True)
+    return f"chat prompts {name}", train
 
 
 class Evaluator:

@@ -119,7 +119,10 @@ def start(state: RunState, resuming: bool, t_start: float) -> dict:
     cfg = state.cfg
     state.out_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(cfg)
-    splits, read_line = load_splits(cfg, tok)  # prompts rendered (chat template), too-long dropped
+    from rlhf_switch.agent.config import prompt_renderer
+
+    # prompts rendered (chat template; an agent run's first turn), too-long dropped
+    splits, read_line = load_splits(cfg, tok, prompt_renderer(cfg, tok))
     state.say(read_line)
     for note in getattr(cfg.algorithm, "off_paper_notes", lambda: [])():  # algorithm.off_paper's choices
         state.say(f"note: {note}")

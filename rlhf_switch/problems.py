@@ -56,7 +56,7 @@ from .families import DEFAULT_CONTEXT, derive_spec, family_problems
 from .rl.config import (ConfigError, ElasticEntry, ModelConfig, ModelDims, PhaseLayout, RolloutLayout, RunConfig,
                         load_config, model_dims, scaled_along_dp, task_prompt_tokens)
 from .rl.algorithm_rules import algorithm_problems
-from .rl.data import DataError, load_data_splits, prompt_renderer, prompt_token_limit, read_columns, read_records
+from .rl.data import DataError, load_data_splits, prompt_token_limit, read_columns, read_records
 from .rl.tasks import CharTokenizer, build_task, longest_answer_tokens
 from .rl.tokenizer import TokenizerError, load_tokenizer
 
@@ -302,6 +302,8 @@ def data_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     if problems:
         return problems
     try:
+        from .agent.config import prompt_renderer
+
         render = prompt_renderer(cfg, tokenizer)
     except Exception:  # noqa: BLE001 - an agent run's first turn that does not render: the agent check names it
         return problems

@@ -315,6 +315,7 @@ def test_a_chat_runs_prompts_carry_the_system_message_and_the_environments_tools
     from types import SimpleNamespace
 
     from rlhf_switch.agent.calc import Calculator
+    from rlhf_switch.agent.config import prompt_renderer
     from rlhf_switch.rl.config import AgentConfig, DataConfig
     from rlhf_switch.rl.data import load_splits
     from rlhf_switch.rl.tokenizer import HFTokenizer
@@ -336,7 +337,7 @@ def test_a_chat_runs_prompts_carry_the_system_message_and_the_environments_tools
     agent = AgentConfig(env="agent_envs:ChatCalc", max_turns=2, system="You add.")
     cfg = SimpleNamespace(task=None, agent=agent, data=data, algorithm=SimpleNamespace(max_new_tokens=8),
                           model=SimpleNamespace(hf_dict=lambda: {"max_position_embeddings": room + 8}))
-    splits, _ = load_splits(cfg, tok)
+    splits, _ = load_splits(cfg, tok, prompt_renderer(cfg, tok))
     assert [s.prompt for s in splits.train] == [first[short]]  # the long one is one token too long with the tools
     codec = ChatCodec(tok, system="You add.")
     req = episode_request("agent_envs:ChatCalc", {}, splits.train[0], "s0", codec, rendered=True)
@@ -345,10 +346,11 @@ def test_a_chat_runs_prompts_carry_the_system_message_and_the_environments_tools
     # without agent.system, the template's own default; without an agent, one user message
     cfg.agent = AgentConfig(env="agent_envs:ChatCalc", max_turns=2)
     cfg.model = SimpleNamespace(hf_dict=lambda: {"max_position_embeddings": 4096})
-    default = load_splits(cfg, tok)[0].train
+    default = load_splits(cfg, tok, prompt_renderer(cfg, tok))[0].train
     assert [s.prompt for s in default] == [rendered(hf, [{"role": "user", "content": q}], tools, True)
                                            for q in (short, long_)]
     assert "You are a helpful assistant." in default[0].prompt
     cfg.agent = None
+    assert prompt_renderer(cfg, tok) is None
     assert [s.prompt for s in load_splits(cfg, tok)[0].train] == [rendered(hf, [{"role": "user", "content": q}],
                                                                            None, True) for q in (short, long_)]

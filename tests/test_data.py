@@ -362,7 +362,7 @@ def test_load_splits_of_a_task_and_of_files(tmp_path):
     assert splits == make_splits(build_task("addition", 1, 3, 0.8), 6, 3, 4)
     assert splits != make_splits(build_task("addition", 1, 3, 0.0), 6, 3, 4)  # the skew is the task's
     assert line == "task addition: 6 train prompts, 3 held-out"
-    files = SimpleNamespace(task=None, agent=None, data=_data_cfg(tmp_path), algorithm=SimpleNamespace(max_new_tokens=6),
+    files = SimpleNamespace(task=None, data=_data_cfg(tmp_path), algorithm=SimpleNamespace(max_new_tokens=6),
                             model=SimpleNamespace(hf_dict=lambda: {"max_position_embeddings": 10}))
     splits, line = load_splits(files, WordTokenizer())
     assert [s.prompt for s in splits.train] == ["w", "w w", "w w w"]  # 10 - 6 = 4 tokens, <bos> counted

@@ -22,9 +22,9 @@ The block itself (``AgentConfig``, ``EnvPoolConfig``) is a part of the run confi
         in_process: false          # true: no Ray (LocalEnvPool: no timeouts; tests, evaluation)
 
 ``episode_limits(block, max_context)``, ``build_pool(block.pool)`` and, for a chat model,
-``chat_codec(tokenizer, block)`` give what the episode driver and the pool take; ``chat_prompt``
-is how a chat run's data loader writes each prompt (the system message and the environment's tools
-in the template's first turn).
+``chat_codec(tokenizer, block)`` give what the episode driver and the pool take;
+``prompt_renderer(cfg, tokenizer)`` is how a chat run's data loader writes each prompt
+(``chat_prompt``: the system message and the environment's tools in the template's first turn).
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ from typing import Any, Callable
 from ..rl.config import AgentConfig, EnvPoolConfig
 from .limits import Limits
 
-__all__ = ["AgentConfig", "EnvPoolConfig", "build_pool", "chat_codec", "chat_prompt", "episode_limits"]
+__all__ = ["AgentConfig", "EnvPoolConfig", "build_pool", "chat_codec", "chat_prompt", "episode_limits",
+           "prompt_renderer"]
 
 
 def build_pool(pool: EnvPoolConfig) -> Any:
@@ -62,6 +63,16 @@ def chat_codec(tokenizer: Any, agent: AgentConfig) -> Any:
     from .chat import ChatCodec
 
     return ChatCodec(tokenizer, observation_role=agent.observation_role, system=agent.system)
+
+
+def prompt_renderer(cfg: Any, tokenizer: Any) -> Callable[[str], str] | None:
+    """How a run writes a data prompt's text for the model (``rl.data.load_splits``'s ``render``):
+    an agent run with a chat template starts each episode from the template's first turn with
+    its system message and the environment's tools (``chat_prompt``); None — the loader's own
+    rendering — for any other run."""
+    if cfg.agent is not None and cfg.data is not None and cfg.data.chat_template:
+        return chat_prompt(tokenizer, cfg.agent)
+    return None
 
 
 def chat_prompt(tokenizer: Any, agent: AgentConfig) -> Callable[[str], str]:

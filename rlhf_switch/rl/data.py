@@ -150,21 +150,11 @@ def load_data_splits(data_cfg: Any, tokenizer, max_tokens: int,
             DataSummary(tr_read, tr_drop, ho_read, ho_drop, max_tokens))
 
 
-def prompt_renderer(cfg: Any, tokenizer) -> Callable[[str], str]:
-    """How a data run writes a prompt's text for the model: an agent run with a chat template
-    starts each episode from the template's first turn with its system message and the
-    environment's tools (``agent.config.chat_prompt``); any other run renders the text as one user
-    message (``data.chat_template``) or keeps it."""
-    if cfg.agent is not None and cfg.data.chat_template:
-        from ..agent.config import chat_prompt
-
-        return chat_prompt(tokenizer, cfg.agent)
-    return lambda text: tokenizer.render_prompt(text, cfg.data.chat_template)
-
-
-def load_splits(cfg: Any, tokenizer=None) -> tuple[Splits, str]:
+def load_splits(cfg: Any, tokenizer=None, render: Callable[[str], str] | None = None) -> tuple[Splits, str]:
     """The run's samples, from ``cfg.task`` (generated) or ``cfg.data`` (files), and a one-line
-    summary for the start-up output. ``tokenizer``: the run's (``load_tokenizer(cfg)`` when None)."""
+    summary for the start-up output. ``tokenizer``: the run's (``load_tokenizer(cfg)`` when None);
+    ``render``: a data prompt's text as the model sees it (default ``load_data_splits``'s; an agent
+    run's chat prompts: ``agent.config.prompt_renderer``)."""
     from ..families import context_length
     from .tasks import build_task, make_splits
 
@@ -177,5 +167,5 @@ def load_splits(cfg: Any, tokenizer=None) -> tuple[Splits, str]:
 
         tokenizer = load_tokenizer(cfg)
     limit = prompt_token_limit(cfg.data, cfg.algorithm.max_new_tokens, context_length(cfg.model.hf_dict()))
-    splits, summary = load_data_splits(cfg.data, tokenizer, limit, prompt_renderer(cfg, tokenizer))
+    splits, summary = load_data_splits(cfg.data, tokenizer, limit, render)
     return splits, summary.line()

@@ -348,14 +348,16 @@ def initial_model(cfg: Any) -> torch.nn.Module:
     return build_initial_model(hf_config, cfg.seed)
 
 
-def data_sft_samples(cfg: Any) -> tuple[Any, list[Sample]]:
+def data_sft_samples(cfg: Any, tokenizer: Any = None,
+                     render: Callable[[str], str] | None = None) -> tuple[Any, list[Sample]]:
     """A ``data:`` run's tokenizer and the train samples SFT learns: those whose answer (with the
-    eos) fits ``max_new_tokens`` — the RL loop could never generate the others whole."""
+    eos) fits ``max_new_tokens`` — the RL loop could never generate the others whole. ``render``:
+    the prompts' rendering (``rl.data.load_splits``'s)."""
     from .data import load_splits
     from .tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg)
-    splits, _ = load_splits(cfg, tokenizer)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    splits, _ = load_splits(cfg, tokenizer, render)
     budget = cfg.algorithm.max_new_tokens
     train = [s for s in splits.train if len(tokenizer.encode(s.answer, add_eos=True)) <= budget]
     if not train:
