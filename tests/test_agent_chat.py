@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from rlhf_switch.agent.limits import Limits
 from rlhf_switch.agent.pool import LocalEnvPool
 from rlhf_switch.agent.workflow import episode_request, run_workflow
 from rlhf_switch.rl.tasks import Sample
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Qwen2.5's shape, written for these tests: a default system message, tools listed in it, tool
 # results as <tool_response> blocks of one user turn
@@ -354,3 +357,41 @@ def test_a_chat_runs_prompts_carry_the_system_message_and_the_environments_tools
     assert prompt_renderer(cfg, tok) is None
     assert [s.prompt for s in load_splits(cfg, tok)[0].train] == [rendered(hf, [{"role": "user", "content": q}],
                                                                            None, True) for q in (short, long_)]
+
+
+def test_a_chat_agent_runs_warm_start_learns_the_prompts_its_episodes_start_from(tmp_path):
+    """Without transcripts, a chat agent run's SFT is prompt → answer on the prompts as its
+    episodes start (the system message in the template's first turn), named by what writes them
+    so the warm start's fingerprint follows ``agent.system``: the same stats as SFT on exactly
+    those rendered samples, other stats than on the bare user message."""
+    import yaml
+
+    from recipes.common import agent_warm_start
+    from rlhf_switch.agent.config import chat_prompt
+    from rlhf_switch.rl.config import load_config
+    from rlhf_switch.rl.sft import data_sft_samples, initial_model, sft
+    from rlhf_switch.rl.tokenizer import load_tokenizer
+    from rlhf_switch.testing.tiny_models import build_model_dir
+
+    model_dir = build_model_dir(tmp_path / "model")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"q": f"{a}+1=", "a": str(a + 1)}) + "\n" for a in range(8)))
+    cfg = yaml.safe_load((REPO / "configs" / "agent_guess_tiny.yaml").read_text())
+    del cfg["task"]
+    cfg.update(model={"dtype": "float32", "path": str(model_dir)}, sft={"steps": 2, "lr": 1.0e-3, "batch_size": 4},
+               data={"train_files": [str(tmp_path / "d.jsonl")], "heldout_files": [str(tmp_path / "d.jsonl")],
+                     "prompt_key": "q", "answer_key": "a", "chat_template": True})
+    cfg["agent"].update(env="agent_envs:Numbers", env_kwargs={}, system="You add.")
+    cfg = load_config(cfg)
+    name, train = agent_warm_start(cfg)
+    assert name.startswith("chat prompts ") and '"system": "You add."' in name
+    got = train(initial_model(cfg))
+    tok = load_tokenizer(cfg)
+    _, rendered = data_sft_samples(cfg, tok, chat_prompt(tok, cfg.agent))
+    assert all(s.prompt.startswith("<|im_start|>system\nYou add.") for s in rendered)
+    want = sft(initial_model(cfg), None, cfg.sft, cfg.seed, progress=False, max_new_tokens=cfg.algorithm.max_new_tokens,
+               samples=rendered, tokenizer=tok)
+    _, bare = data_sft_samples(cfg, tok)
+    other = sft(initial_model(cfg), None, cfg.sft, cfg.seed, progress=False, max_new_tokens=cfg.algorithm.max_new_tokens,
+                samples=bare, tokenizer=tok)
+    assert (got["loss_first"], got["loss_final"]) == (want["loss_first"], want["loss_final"])
+    assert got["loss_first"] != other["loss_first"]
