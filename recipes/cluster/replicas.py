@@ -19,6 +19,7 @@ generations' wall time: what the loop records as the replicas' idle share."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,19 +67,23 @@ class RolloutTime:
 
     wall_s: float = 0.0
     busy_s: dict = dataclasses.field(default_factory=dict)
+    # an agent run K steps ahead collects generations in several threads at once
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def add(self, wall_s: float, results) -> None:
-        self.wall_s += wall_s
-        for g in results:
-            if g is not None:
-                self.busy_s[g["replica"]] = self.busy_s.get(g["replica"], 0.0) + g["seconds"]
+        with self._lock:
+            self.wall_s += wall_s
+            for g in results:
+                if g is not None:
+                    self.busy_s[g["replica"]] = self.busy_s.get(g["replica"], 0.0) + g["seconds"]
 
     def take(self) -> dict:
         """``{"wall_s", "busy_s": {replica: s}, "idle_share": {replica: 1 - busy/wall}}``, then cleared."""
-        out = {"wall_s": self.wall_s, "busy_s": dict(self.busy_s),
-               "idle_share": {r: max(0.0, 1.0 - b / self.wall_s) if self.wall_s > 0 else 0.0
-                              for r, b in self.busy_s.items()}}
-        self.wall_s, self.busy_s = 0.0, {}
+        with self._lock:
+            out = {"wall_s": self.wall_s, "busy_s": dict(self.busy_s),
+                   "idle_share": {r: max(0.0, 1.0 - b / self.wall_s) if self.wall_s > 0 else 0.0
+                                  for r, b in self.busy_s.items()}}
+            self.wall_s, self.busy_s = 0.0, {}
         return out
 
 
