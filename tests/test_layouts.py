@@ -1710,6 +1710,27 @@ def test_mesh_geometries_group_like_tensors_of_one_ep_rank():
     assert one._geometry(StateKey(q, "exp_avg")) is None  # a field the layout does not hold
 
 
+def test_mesh_holders_by_field_and_ep_rank():
+    """A mesh layout's holders, asked before any class is built: each field's boxes in that
+    field's dtype (``param_dtype`` for ``param``, ``state_dtype`` for the others, as the buffers
+    are), nothing for a field the layout does not hold, and for an expert only the classes of its
+    EP rank built (DP rank d is EP rank d % EP: expert 3 of 4 at EP 2 is on DP ranks 1 and 3)."""
+    spec = moe(num_experts=4).spec
+    expert = "model.layers.0.mlp.experts.3.down_proj.weight"
+    for cfg in (ParallelConfig(dp=2), ParallelConfig(dp=4, ep=2, dp_shard="zero3")):
+        for name in (NORM, expert):
+            lay = build_layout(spec, cfg, ("param", "exp_avg"), param_dtype="float16", state_dtype="float64")
+            for field, dtype in (("param", "float16"), ("exp_avg", "float64")):
+                held = [h for hs in lay._key_index(StateKey(name, field)).values() for h in hs]
+                assert held and all(h.dtype == dtype == lay.buffers(h.ranks[0])[h.fragment.buffer].dtype
+                                    for h in held), (cfg, name, field)
+            assert lay._key_index(StateKey(name, "exp_avg_sq")) == {}
+    lay = build_layout(spec, ParallelConfig(dp=4, ep=2, dp_shard="zero3"))
+    held = [h for hs in lay._key_index(StateKey(expert)).values() for h in hs]
+    assert sorted({r for h in held for r in h.ranks}) == [1, 3]
+    assert sorted(lay._rank_classes().built) == [1, 3]  # class c is DP rank c here
+
+
 def test_zero_pads_to_twice_dp_by_default_and_fused_rows_must_stack():
     """``data_parallel.zero``'s default alignment is DeepSpeed's 2 (a flat range padded to a
     multiple of 2·DP); a fused group whose members' local rows differ cannot be one buffer."""
