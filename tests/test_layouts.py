@@ -1777,3 +1777,16 @@ def test_blocked_experts_refusals_by_hand():
         with pytest.raises(LayoutError, match=re.escape(f"w: its rows {rows} x columns {cols} of expert {e} do not fit "
                                                         f"one row range of a [2, 6, 4] buffer")):
             form.fragments(Fragment(w, box, "b", offset, (4, 1)))
+
+
+def test_expert_forms_by_hand():
+    """``expert_forms``: a ``w13`` buffer is two row ranges (gate, up), each padded to whole blocks
+    (6 -> 8 rows: 4-row blocks only), a ``w2`` buffer one (8 rows: 8- and 4-row blocks, in
+    ``EXPERT_BLOCKS``' order); a buffer that is not 3-D before or after loading has no form."""
+    from rlhf_switch.vps.layouts.vllm import BlockedExperts, expert_forms
+
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    w2 = "model.layers.0.mlp.experts.routed_experts.w2_weight"
+    assert expert_forms(w13, (2, 6, 4), (2, 8, 4)) == [BlockedExperts((2, 6, 4), (2, 8, 4), 2, 4)]
+    assert expert_forms(w2, (2, 6, 4), (2, 8, 4)) == [BlockedExperts((2, 6, 4), (2, 8, 4), 1, b) for b in (8, 4)]
+    assert expert_forms(w13, (2, 6, 4), (16, 4)) == expert_forms(w13, (12, 4), (2, 8, 4)) == []
