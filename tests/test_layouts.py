@@ -1790,3 +1790,15 @@ def test_expert_forms_by_hand():
     assert expert_forms(w13, (2, 6, 4), (2, 8, 4)) == [BlockedExperts((2, 6, 4), (2, 8, 4), 2, 4)]
     assert expert_forms(w2, (2, 6, 4), (2, 8, 4)) == [BlockedExperts((2, 6, 4), (2, 8, 4), 1, b) for b in (8, 4)]
     assert expert_forms(w13, (2, 6, 4), (16, 4)) == expert_forms(w13, (12, 4), (2, 8, 4)) == []
+
+
+def test_processed_layout_refuses_a_form_that_does_not_fit():
+    """``processed_layout`` names each problem of each form before building anything; without
+    forms it is the base layout itself."""
+    from rlhf_switch.vps.layouts.vllm import BlockedExperts, processed_layout
+
+    base = vllm_layout(tiny().spec, 1)
+    assert processed_layout(base, {}) is base
+    with pytest.raises(LayoutError) as e:
+        processed_layout(base, {"param/w": BlockedExperts((2, 6, 4), (3, 8, 4), 2, 8)})
+    assert str(e.value) == "param/w: [2, 6, 4] does not fit [3, 8, 4]; 2 row ranges of 6 -> 8 rows are not whole blocks of 8"
