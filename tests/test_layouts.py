@@ -1802,3 +1802,23 @@ def test_processed_layout_refuses_a_form_that_does_not_fit():
     with pytest.raises(LayoutError) as e:
         processed_layout(base, {"param/w": BlockedExperts((2, 6, 4), (3, 8, 4), 2, 8)})
     assert str(e.value) == "param/w: [2, 6, 4] does not fit [3, 8, 4]; 2 row ranges of 6 -> 8 rows are not whole blocks of 8"
+
+
+def test_processed_layout_keeps_the_base_spec_and_its_holders():
+    """A processed layout is one of the base's model, named after it, and its holders (what the
+    planner asks) are those of its fragments, rank by rank: the same keys as the base, every
+    processed expert fragment with strides ``(1, block)``."""
+    from rlhf_switch.models import model_spec
+    from rlhf_switch.testing.tiny_models import tiny_config
+    from rlhf_switch.vps.layouts.vllm import expert_forms, processed_layout
+
+    spec = model_spec(tiny_config("qwen3_moe", moe_intermediate_size=48))
+    base = vllm_layout(spec, 2, replicas=2)
+    forms = {n: expert_forms(n, (4, 48, 64), (4, 64, 64))[0] for n in base.buffers(0) if n.endswith("w13_weight")}
+    lay = processed_layout(base, forms)
+    assert forms and lay.spec is spec and lay.name == "vLLM-TP2×2·processed"
+    assert sorted(lay.all_keys()) == sorted(base.all_keys())
+    for key in lay.all_keys():
+        held = [(r, f) for box, hs in lay._key_index(key).items() for h in hs for r in h.ranks for f in [h.fragment]]
+        assert sorted((r, f) for r, f in held) == sorted((r, f) for r in range(4) for f in lay.fragments(r) if f.key == key)
+        assert all(f.strides == (1, 16) for _, f in held if f.buffer in forms)
