@@ -1822,3 +1822,25 @@ def test_processed_layout_keeps_the_base_spec_and_its_holders():
         held = [(r, f) for box, hs in lay._key_index(key).items() for h in hs for r in h.ranks for f in [h.fragment]]
         assert sorted((r, f) for r, f in held) == sorted((r, f) for r in range(4) for f in lay.fragments(r) if f.key == key)
         assert all(f.strides == (1, 16) for _, f in held if f.buffer in forms)
+
+
+def test_blocked_experts_fragment_across_blocks_by_hand():
+    """A fragment whose rows cross a block boundary becomes one fragment per block, at the element
+    ``e·N'·K' + (n' // b)·b·K' + k·b + n' % b`` of its first row and column (here rows 2..5,
+    columns 1..2 of a [1, 8, 3] buffer in 4-row blocks: rows 2-3 in block 0, rows 4-5 in block 1)."""
+    from rlhf_switch.vps.layouts.vllm import BlockedExperts
+
+    form, w = BlockedExperts((1, 8, 3), (1, 8, 3), 1, 4), StateKey("w")
+    assert form.fragments(Fragment(w, Box((10, 1), (14, 3)), "b", 2 * 3 + 1, (3, 1))) == [
+        Fragment(w, Box((10, 1), (12, 3)), "b", 1 * 4 + 2, (1, 4)),
+        Fragment(w, Box((12, 1), (14, 3)), "b", 1 * 4 * 3 + 1 * 4, (1, 4))]
+
+
+def test_vllm_worker_of_only_vocabulary_padding_holds_no_embedding_rows():
+    """Vocabulary 96, padded to 128, over TP 4: worker 3's rows [96, 128) are all padding, so it
+    holds no fragment of the embedding (its buffer is still there) and is no holder of it."""
+    spec = tiny(vocab_size=96).spec
+    lay = vllm_layout(spec, 4)
+    assert [r for r in range(4) if any(f.key.tensor == EMBED for f in lay.fragments(r))] == [0, 1, 2]
+    assert f"param/{EMBED}" in lay.buffers(3)
+    assert sorted(r for hs in lay._key_index(StateKey(EMBED)).values() for h in hs for r in h.ranks) == [0, 1, 2]
