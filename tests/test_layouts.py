@@ -1844,3 +1844,15 @@ def test_vllm_worker_of_only_vocabulary_padding_holds_no_embedding_rows():
     assert [r for r in range(4) if any(f.key.tensor == EMBED for f in lay.fragments(r))] == [0, 1, 2]
     assert f"param/{EMBED}" in lay.buffers(3)
     assert sorted(r for hs in lay._key_index(StateKey(EMBED)).values() for h in hs for r in h.ranks) == [0, 1, 2]
+
+
+def test_vllm_row_split_of_a_3d_tensor_by_hand():
+    """A row-role tensor of three dims is split on dim 1 only: worker w holds ``[:, 2w:2w+2, :]``
+    of a ``[2, 4, 3]`` tensor at TP 2, every other dim whole."""
+    from rlhf_switch.vps import ModelSpec, TensorSpec
+    from rlhf_switch.vps.spec import AttentionGeometry
+
+    spec = ModelSpec("row3d", (TensorSpec("r", (2, 4, 3), tp="row", layer=0),), 1, AttentionGeometry(2, 2, 2))
+    lay = vllm_layout(spec, 2)
+    assert [[f.box for f in lay.fragments(w)] for w in range(2)] == [[Box((0, 0, 0), (2, 2, 3))],
+                                                                       [Box((0, 2, 0), (2, 4, 3))]]
