@@ -1710,6 +1710,27 @@ def test_mesh_geometries_group_like_tensors_of_one_ep_rank():
     assert one._geometry(StateKey(q, "exp_avg")) is None  # a field the layout does not hold
 
 
+def test_mesh_holders_by_field_and_ep_rank():
+    """A mesh layout's holders, asked before any class is built: each field's boxes in that
+    field's dtype (``param_dtype`` for ``param``, ``state_dtype`` for the others, as the buffers
+    are), nothing for a field the layout does not hold, and for an expert only the classes of its
+    EP rank built (DP rank d is EP rank d % EP: expert 3 of 4 at EP 2 is on DP ranks 1 and 3)."""
+    spec = moe(num_experts=4).spec
+    expert = "model.layers.0.mlp.experts.3.down_proj.weight"
+    for cfg in (ParallelConfig(dp=2), ParallelConfig(dp=4, ep=2, dp_shard="zero3")):
+        for name in (NORM, expert):
+            lay = build_layout(spec, cfg, ("param", "exp_avg"), param_dtype="float16", state_dtype="float64")
+            for field, dtype in (("param", "float16"), ("exp_avg", "float64")):
+                held = [h for hs in lay._key_index(StateKey(name, field)).values() for h in hs]
+                assert held and all(h.dtype == dtype == lay.buffers(h.ranks[0])[h.fragment.buffer].dtype
+                                    for h in held), (cfg, name, field)
+            assert lay._key_index(StateKey(name, "exp_avg_sq")) == {}
+    lay = build_layout(spec, ParallelConfig(dp=4, ep=2, dp_shard="zero3"))
+    held = [h for hs in lay._key_index(StateKey(expert)).values() for h in hs]
+    assert sorted({r for h in held for r in h.ranks}) == [1, 3]
+    assert sorted(lay._rank_classes().built) == [1, 3]  # class c is DP rank c here
+
+
 def test_zero_pads_to_twice_dp_by_default_and_fused_rows_must_stack():
     """``data_parallel.zero``'s default alignment is DeepSpeed's 2 (a flat range padded to a
     multiple of 2·DP); a fused group whose members' local rows differ cannot be one buffer."""
@@ -1756,3 +1777,82 @@ def test_blocked_experts_refusals_by_hand():
         with pytest.raises(LayoutError, match=re.escape(f"w: its rows {rows} x columns {cols} of expert {e} do not fit "
                                                         f"one row range of a [2, 6, 4] buffer")):
             form.fragments(Fragment(w, box, "b", offset, (4, 1)))
+
+
+def test_expert_forms_by_hand():
+    """``expert_forms``: a ``w13`` buffer is two row ranges (gate, up), each padded to whole blocks
+    (6 -> 8 rows: 4-row blocks only), a ``w2`` buffer one (8 rows: 8- and 4-row blocks, in
+    ``EXPERT_BLOCKS``' order); a buffer that is not 3-D before or after loading has no form."""
+    from rlhf_switch.vps.layouts.vllm import BlockedExperts, expert_forms
+
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    w2 = "model.layers.0.mlp.experts.routed_experts.w2_weight"
+    assert expert_forms(w13, (2, 6, 4), (2, 8, 4)) == [BlockedExperts((2, 6, 4), (2, 8, 4), 2, 4)]
+    assert expert_forms(w2, (2, 6, 4), (2, 8, 4)) == [BlockedExperts((2, 6, 4), (2, 8, 4), 1, b) for b in (8, 4)]
+    assert expert_forms(w13, (2, 6, 4), (16, 4)) == expert_forms(w13, (12, 4), (2, 8, 4)) == []
+
+
+def test_processed_layout_refuses_a_form_that_does_not_fit():
+    """``processed_layout`` names each problem of each form before building anything; without
+    forms it is the base layout itself."""
+    from rlhf_switch.vps.layouts.vllm import BlockedExperts, processed_layout
+
+    base = vllm_layout(tiny().spec, 1)
+    assert processed_layout(base, {}) is base
+    with pytest.raises(LayoutError) as e:
+        processed_layout(base, {"param/w": BlockedExperts((2, 6, 4), (3, 8, 4), 2, 8)})
+    assert str(e.value) == "param/w: [2, 6, 4] does not fit [3, 8, 4]; 2 row ranges of 6 -> 8 rows are not whole blocks of 8"
+
+
+def test_processed_layout_keeps_the_base_spec_and_its_holders():
+    """A processed layout is one of the base's model, named after it, and its holders (what the
+    planner asks) are those of its fragments, rank by rank: the same keys as the base, every
+    processed expert fragment with strides ``(1, block)``."""
+    from rlhf_switch.models import model_spec
+    from rlhf_switch.testing.tiny_models import tiny_config
+    from rlhf_switch.vps.layouts.vllm import expert_forms, processed_layout
+
+    spec = model_spec(tiny_config("qwen3_moe", moe_intermediate_size=48))
+    base = vllm_layout(spec, 2, replicas=2)
+    forms = {n: expert_forms(n, (4, 48, 64), (4, 64, 64))[0] for n in base.buffers(0) if n.endswith("w13_weight")}
+    lay = processed_layout(base, forms)
+    assert forms and lay.spec is spec and lay.name == "vLLM-TP2×2·processed"
+    assert sorted(lay.all_keys()) == sorted(base.all_keys())
+    for key in lay.all_keys():
+        held = [(r, f) for box, hs in lay._key_index(key).items() for h in hs for r in h.ranks for f in [h.fragment]]
+        assert sorted((r, f) for r, f in held) == sorted((r, f) for r in range(4) for f in lay.fragments(r) if f.key == key)
+        assert all(f.strides == (1, 16) for _, f in held if f.buffer in forms)
+
+
+def test_blocked_experts_fragment_across_blocks_by_hand():
+    """A fragment whose rows cross a block boundary becomes one fragment per block, at the element
+    ``e·N'·K' + (n' // b)·b·K' + k·b + n' % b`` of its first row and column (here rows 2..5,
+    columns 1..2 of a [1, 8, 3] buffer in 4-row blocks: rows 2-3 in block 0, rows 4-5 in block 1)."""
+    from rlhf_switch.vps.layouts.vllm import BlockedExperts
+
+    form, w = BlockedExperts((1, 8, 3), (1, 8, 3), 1, 4), StateKey("w")
+    assert form.fragments(Fragment(w, Box((10, 1), (14, 3)), "b", 2 * 3 + 1, (3, 1))) == [
+        Fragment(w, Box((10, 1), (12, 3)), "b", 1 * 4 + 2, (1, 4)),
+        Fragment(w, Box((12, 1), (14, 3)), "b", 1 * 4 * 3 + 1 * 4, (1, 4))]
+
+
+def test_vllm_worker_of_only_vocabulary_padding_holds_no_embedding_rows():
+    """Vocabulary 96, padded to 128, over TP 4: worker 3's rows [96, 128) are all padding, so it
+    holds no fragment of the embedding (its buffer is still there) and is no holder of it."""
+    spec = tiny(vocab_size=96).spec
+    lay = vllm_layout(spec, 4)
+    assert [r for r in range(4) if any(f.key.tensor == EMBED for f in lay.fragments(r))] == [0, 1, 2]
+    assert f"param/{EMBED}" in lay.buffers(3)
+    assert sorted(r for hs in lay._key_index(StateKey(EMBED)).values() for h in hs for r in h.ranks) == [0, 1, 2]
+
+
+def test_vllm_row_split_of_a_3d_tensor_by_hand():
+    """A row-role tensor of three dims is split on dim 1 only: worker w holds ``[:, 2w:2w+2, :]``
+    of a ``[2, 4, 3]`` tensor at TP 2, every other dim whole."""
+    from rlhf_switch.vps import ModelSpec, TensorSpec
+    from rlhf_switch.vps.spec import AttentionGeometry
+
+    spec = ModelSpec("row3d", (TensorSpec("r", (2, 4, 3), tp="row", layer=0),), 1, AttentionGeometry(2, 2, 2))
+    lay = vllm_layout(spec, 2)
+    assert [[f.box for f in lay.fragments(w)] for w in range(2)] == [[Box((0, 0, 0), (2, 2, 3))],
+                                                                       [Box((0, 2, 0), (2, 4, 3))]]
