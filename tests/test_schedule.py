@@ -965,3 +965,23 @@ def test_small_messages_stay_in_place_unless_merging_saves_one(monkeypatch):
     half, one = _t(5, 0, 0, key="half"), _t(1, 5, 500, key="one")
     assert _cut([half, big, one], cap=24) == [
         (("big",), (0,), 24, False, False), (("half", "one"), (0, 20), 24, False, True)]
+
+
+def test_a_dtype_change_prices_staging_every_direct_side_of_the_message(monkeypatch):
+    """``MERGE_BYTES`` 40. x (3 fp32, 12 B) is direct on the source only (its destination view is
+    strided); y (8 bf16, 16 B) starts where x's source run ends, but in another dtype: the unpadded
+    run cannot go on. Joining stages x's source side (12 B) and both of y's (16 + 16 B): 44 B > 40,
+    so two messages — pricing only y's destination side (16 B), as if y continued the run, would
+    join them. (``_small_together`` is switched off to see the cut itself.)"""
+    from rlhf_switch.routing import schedule
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
+    monkeypatch.setattr(schedule, "_small_together", lambda chunks, cap, dtypes: chunks)
+    x = Transfer(0, 1, StateKey("x"), Box((0,), (3,)), "a", 0, (1,), "b", 0, (2,), "float32")
+    y = _t(8, 3, 100, key="y", dtype="bfloat16")
+    assert _cut([x, y]) == [(("x",), (0,), 12, False, True), (("y",), (0,), 16, False, False)]
+    # a y of 6 bf16 (12 + 12 + 12 = 36 B) joins: staged on both sides from then on
+    y6 = _t(6, 3, 100, key="y", dtype="bfloat16")
+    assert _cut([x, y6]) == [(("x", "y"), (0, 16), 28, True, True)]
