@@ -985,3 +985,27 @@ def test_a_dtype_change_prices_staging_every_direct_side_of_the_message(monkeypa
     # a y of 6 bf16 (12 + 12 + 12 = 36 B) joins: staged on both sides from then on
     y6 = _t(6, 3, 100, key="y", dtype="bfloat16")
     assert _cut([x, y6]) == [(("x", "y"), (0, 16), 28, True, True)]
+
+
+def test_a_pieces_views_start_where_its_box_lies_inside_the_transfers_box():
+    """A 4x6 transfer box at rows 2.., columns 4.. of a tensor, read from ``a`` at element 100
+    with rows 20 apart and written to ``b`` at 0 row-major (rows 6 apart): its piece at rows 3..5,
+    columns 5..10 starts one row and one column in: at 100 + 20 + 1 = 121 in ``a``, 6 + 1 = 7 in ``b``."""
+    from rlhf_switch.routing.schedule import Piece
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    t = Transfer(0, 1, StateKey("w"), Box((2, 4), (6, 10)), "a", 100, (20, 1), "b", 0, (6, 1), "float32")
+    p = Piece(t, Box((3, 5), (5, 10)))
+    assert p.src_view() == (121, (20, 1)) and p.dst_view() == (7, (6, 1))
+    assert Piece(t, t.box).src_view() == (100, (20, 1)) and Piece(t, t.box).dst_view() == (0, (6, 1))
+
+
+def test_a_source_buffer_the_dtypes_do_not_name_is_sent_without_a_cast():
+    """``src_dtypes`` names the buffers whose dtype the sender knows; a transfer out of a buffer it
+    does not name is taken as holding the wire dtype already: sent straight, not packed."""
+    from rlhf_switch.routing.schedule import _chunks
+
+    x = _t(100, 0, 0, key="x")
+    assert [c.stage_send for c in _chunks([x], 1 << 20, {"other": "bfloat16"})] == [False]
+    assert [c.stage_send for c in _chunks([x], 1 << 20, {"a": "bfloat16"})] == [True]
