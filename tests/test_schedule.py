@@ -1009,3 +1009,85 @@ def test_a_source_buffer_the_dtypes_do_not_name_is_sent_without_a_cast():
     x = _t(100, 0, 0, key="x")
     assert [c.stage_send for c in _chunks([x], 1 << 20, {"other": "bfloat16"})] == [False]
     assert [c.stage_send for c in _chunks([x], 1 << 20, {"a": "bfloat16"})] == [True]
+
+
+def _line(key, n, src_offset, dst_offset, src_stride=1, dst_stride=1, dtype="float32"):
+    """A 1-d transfer of ``n`` elements from ``a`` to ``b``; a stride other than 1 makes that side a
+    strided view (never one run)."""
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    return Transfer(0, 1, StateKey(key), Box((0,), (n,)), "a", src_offset, (src_stride,), "b", dst_offset,
+                    (dst_stride,), dtype)
+
+
+# (x, y, the messages): MERGE_BYTES 40, x is 3 floats (12 B). y joins when the staging joining costs
+# (x on each side whose run y breaks, y on each side where it could travel straight) is at most 40 B.
+JOIN_CASES = [
+    # x direct on both sides; y continues the source run only: x's destination side and y's (12 + 28 = 40: joins; 12 + 32: not)
+    (_line("x", 3, 0, 0), _line("y", 7, 3, 100), [("x", "y")]),
+    (_line("x", 3, 0, 0), _line("y", 8, 3, 100), [("x",), ("y",)]),
+    # the mirror: y continues the destination run only
+    (_line("x", 3, 0, 0), _line("y", 7, 100, 3), [("x", "y")]),
+    (_line("x", 3, 0, 0), _line("y", 8, 100, 3), [("x",), ("y",)]),
+    # x staged on both sides (strided views): y's two sides (20 + 20 = 40: joins; 24 + 24: not)
+    (_line("x", 3, 0, 0, 2, 2), _line("y", 5, 100, 100), [("x", "y")]),
+    (_line("x", 3, 0, 0, 2, 2), _line("y", 6, 100, 100), [("x",), ("y",)]),
+    # x staged on the source side, y continues its destination run: y's source side staged (40 B
+    # joins, 44 not), unless y's source is strided anyway (44 B joins)
+    (_line("x", 3, 0, 0, src_stride=2), _line("y", 10, 100, 3), [("x", "y")]),
+    (_line("x", 3, 0, 0, src_stride=2), _line("y", 11, 100, 3), [("x",), ("y",)]),
+    (_line("x", 3, 0, 0, src_stride=2), _line("y", 11, 100, 3, src_stride=2), [("x", "y")]),
+    # the mirror on the destination side
+    (_line("x", 3, 0, 0, dst_stride=2), _line("y", 10, 3, 100), [("x", "y")]),
+    (_line("x", 3, 0, 0, dst_stride=2), _line("y", 11, 3, 100), [("x",), ("y",)]),
+    (_line("x", 3, 0, 0, dst_stride=2), _line("y", 11, 3, 100, dst_stride=2), [("x", "y")]),
+    # x direct on the destination only, y (bf16) starts where that run ends: the dtype change
+    # stages x's destination side and both of y's (12 + 16 + 16 > 40; 12 + 12 + 12 joins)
+    (_line("x", 3, 0, 0, src_stride=2), _line("y", 8, 100, 3, dtype="bfloat16"), [("x",), ("y",)]),
+    (_line("x", 3, 0, 0, src_stride=2), _line("y", 6, 100, 3, dtype="bfloat16"), [("x", "y")]),
+]
+
+
+@pytest.mark.parametrize("x, y, messages", JOIN_CASES)
+def test_a_piece_joins_when_the_staging_it_costs_is_at_most_merge_bytes_case_by_case(x, y, messages, monkeypatch):
+    """``_joins``' price, side by side (``_small_together`` switched off: it would merge small
+    leftovers again and hide the cut)."""
+    from rlhf_switch.routing import schedule
+
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
+    monkeypatch.setattr(schedule, "_small_together", lambda chunks, cap, dtypes: chunks)
+    assert [keys for keys, *_ in _cut([x, y])] == messages
+
+
+def test_the_cap_counts_a_run_that_goes_on_on_one_side_unpadded(monkeypatch):
+    """cap 24 B: y (12 B) continues x's source run only (or only its destination run): one 24 B
+    message, direct on that side — counted padded (16 + 12 = 28 B) it would pass the cap."""
+    from rlhf_switch.routing import schedule
+
+    monkeypatch.setattr(schedule, "_small_together", lambda chunks, cap, dtypes: chunks)
+    assert _cut([_t(3, 0, 0, key="x"), _t(3, 3, 50, key="y")], cap=24) == [(("x", "y"), (0, 12), 24, False, True)]
+    assert _cut([_t(3, 0, 0, key="x"), _t(3, 50, 3, key="y")], cap=24) == [(("x", "y"), (0, 12), 24, True, False)]
+
+
+def test_merge_copies_joins_only_a_copy_that_continues_the_last_on_both_sides():
+    """``a``: 2 rows of 4 floats read 10 apart from ``a`` at 0, written 4 apart into ``b`` at 0. ``c``
+    (3 more rows, from 20 and into 8) continues it on both sides: one copy of 5 rows; ``d`` (from 50,
+    into 20) continues that: one copy of 6. A copy that differs from ``c`` in one thing only (a
+    buffer, the dtype, the row shape, a side's strides or start) stays a copy of its own."""
+    from rlhf_switch.routing.schedule import Copy, merge_copies
+
+    a = Copy("a", 0, (10, 1), "b", 0, (4, 1), (2, 4), "float32")
+    c = Copy("a", 20, (10, 1), "b", 8, (4, 1), (3, 4), "float32")
+    d = Copy("a", 50, (10, 1), "b", 20, (4, 1), (1, 4), "float32")
+    assert merge_copies([a]) == [a] and merge_copies([]) == []
+    assert merge_copies([a, c]) == [a._replace(shape=(5, 4))]
+    assert merge_copies([a, c, d]) == [a._replace(shape=(6, 4))]
+    apart = [c._replace(src_buffer="x"), c._replace(dst_buffer="x"), c._replace(dtype="bfloat16"),
+             c._replace(shape=(3, 5)), c._replace(src_strides=(12, 1)), c._replace(dst_strides=(5, 1)),
+             c._replace(src_offset=21), c._replace(dst_offset=9)]
+    for other in apart:
+        assert merge_copies([a, other]) == [a, other], other
+    # only the last copy is continued: c follows a, not the copy between them
+    between = Copy("a", 100, (10, 1), "b", 100, (4, 1), (1, 4), "float32")
+    assert merge_copies([a, between, c]) == [a, between, c]
