@@ -1091,3 +1091,24 @@ def test_merge_copies_joins_only_a_copy_that_continues_the_last_on_both_sides():
     # only the last copy is continued: c follows a, not the copy between them
     between = Copy("a", 100, (10, 1), "b", 100, (4, 1), (1, 4), "float32")
     assert merge_copies([a, between, c]) == [a, between, c]
+
+
+def test_a_rank_that_only_copies_locally_has_a_schedule_without_messages():
+    """No sends, no receives: no element size to fit in the budget (it counts as 1 B), no
+    exchanges, the local copies straight from view to view, and staging aligned to 1."""
+    from rlhf_switch.routing.schedule import Copy
+    from rlhf_switch.vps.planner import RankPlan
+
+    plan = RankPlan(0, 2, "x -> y", "digest", (_line("x", 4, 0, 10),), (), (), 0)
+    schedule = build_schedule(plan, 2)
+    assert schedule.exchanges == () and schedule.align == 1
+    assert schedule.local_runs == (Copy("a", 0, (1,), "b", 10, (1,), (4,), "float32"),)
+
+
+def test_local_copies_come_in_source_then_destination_offset_order():
+    """Two local copies out of the same source element: the one written lower in the destination
+    first, whatever their strides."""
+    from rlhf_switch.routing.schedule import _local_runs
+
+    one, two = _line("x", 4, 0, 10), _line("y", 4, 0, 0, src_stride=2)
+    assert [c.dst_offset for c in _local_runs([one, two])] == [0, 10]
