@@ -1112,3 +1112,20 @@ def test_local_copies_come_in_source_then_destination_offset_order():
 
     one, two = _line("x", 4, 0, 10), _line("y", 4, 0, 0, src_stride=2)
     assert [c.dst_offset for c in _local_runs([one, two])] == [0, 10]
+
+
+def test_the_message_cap_is_a_quarter_of_the_budget_in_whole_elements_else_half():
+    """400 B to send. Budget 1000: cap 248 B (a quarter, 250, down to whole floats): 248 + 152.
+    Budget 16: a quarter holds exactly one float: 4 B messages. Budget 8: a quarter (2 B) holds
+    none, so half (4 B). Budget 7 cannot hold a float each way: refused, naming the 8 B it needs."""
+    from rlhf_switch.vps.planner import RankPlan
+
+    def sends(budget, n):
+        plan = RankPlan(0, 2, "x -> y", "digest", (), (_line("x", n, 0, 0),), (), 0)
+        return [send.nbytes for ex in build_schedule(plan, budget).exchanges for send, _ in ex.steps]
+
+    assert sends(1000, 100) == [248, 152]
+    assert sends(16, 3) == [4, 4, 4]
+    assert sends(8, 3) == [4, 4, 4]
+    with pytest.raises(LayoutError, match=r"budget of 7 B .* \(needs >= 8 B\)"):
+        sends(7, 3)
