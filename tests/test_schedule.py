@@ -1129,3 +1129,18 @@ def test_the_message_cap_is_a_quarter_of_the_budget_in_whole_elements_else_half(
     assert sends(8, 3) == [4, 4, 4]
     with pytest.raises(LayoutError, match=r"budget of 7 B .* \(needs >= 8 B\)"):
         sends(7, 3)
+
+
+def test_exchanges_come_in_round_order_and_a_casting_sender_packs():
+    """Rank 0 of 4 sends to 1, 2 and 3: rounds 2, 1 and 0 (3 is the fixed player), so the
+    exchanges go to 3, 2, 1. With its source buffer ``a`` in bf16 (the wire is fp32) every
+    message is packed."""
+    from rlhf_switch.vps.planner import RankPlan
+
+    sends = tuple(_line("x", 10, 0, 0)._replace(dst=peer) for peer in (1, 2, 3))
+    plan = RankPlan(0, 4, "x -> y", "digest", (), sends, (), 0)
+    schedule = build_schedule(plan, 1 << 20)
+    assert [(ex.round, ex.peer) for ex in schedule.exchanges] == [(0, 3), (1, 2), (2, 1)]
+    assert {s.stage_send for ex in schedule.exchanges for s, _ in ex.steps} == {False}
+    cast = build_schedule(plan, 1 << 20, src_dtypes={"a": "bfloat16"})
+    assert {s.stage_send for ex in cast.exchanges for s, _ in ex.steps} == {True}
