@@ -965,3 +965,182 @@ def test_small_messages_stay_in_place_unless_merging_saves_one(monkeypatch):
     half, one = _t(5, 0, 0, key="half"), _t(1, 5, 500, key="one")
     assert _cut([half, big, one], cap=24) == [
         (("big",), (0,), 24, False, False), (("half", "one"), (0, 20), 24, False, True)]
+
+
+def test_a_dtype_change_prices_staging_every_direct_side_of_the_message(monkeypatch):
+    """``MERGE_BYTES`` 40. x (3 fp32, 12 B) is direct on the source only (its destination view is
+    strided); y (8 bf16, 16 B) starts where x's source run ends, but in another dtype: the unpadded
+    run cannot go on. Joining stages x's source side (12 B) and both of y's (16 + 16 B): 44 B > 40,
+    so two messages — pricing only y's destination side (16 B), as if y continued the run, would
+    join them. (``_small_together`` is switched off to see the cut itself.)"""
+    from rlhf_switch.routing import schedule
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
+    monkeypatch.setattr(schedule, "_small_together", lambda chunks, cap, dtypes: chunks)
+    x = Transfer(0, 1, StateKey("x"), Box((0,), (3,)), "a", 0, (1,), "b", 0, (2,), "float32")
+    y = _t(8, 3, 100, key="y", dtype="bfloat16")
+    assert _cut([x, y]) == [(("x",), (0,), 12, False, True), (("y",), (0,), 16, False, False)]
+    # a y of 6 bf16 (12 + 12 + 12 = 36 B) joins: staged on both sides from then on
+    y6 = _t(6, 3, 100, key="y", dtype="bfloat16")
+    assert _cut([x, y6]) == [(("x", "y"), (0, 16), 28, True, True)]
+
+
+def test_a_pieces_views_start_where_its_box_lies_inside_the_transfers_box():
+    """A 4x6 transfer box at rows 2.., columns 4.. of a tensor, read from ``a`` at element 100
+    with rows 20 apart and written to ``b`` at 0 row-major (rows 6 apart): its piece at rows 3..5,
+    columns 5..10 starts one row and one column in: at 100 + 20 + 1 = 121 in ``a``, 6 + 1 = 7 in ``b``."""
+    from rlhf_switch.routing.schedule import Piece
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    t = Transfer(0, 1, StateKey("w"), Box((2, 4), (6, 10)), "a", 100, (20, 1), "b", 0, (6, 1), "float32")
+    p = Piece(t, Box((3, 5), (5, 10)))
+    assert p.src_view() == (121, (20, 1)) and p.dst_view() == (7, (6, 1))
+    assert Piece(t, t.box).src_view() == (100, (20, 1)) and Piece(t, t.box).dst_view() == (0, (6, 1))
+
+
+def test_a_source_buffer_the_dtypes_do_not_name_is_sent_without_a_cast():
+    """``src_dtypes`` names the buffers whose dtype the sender knows; a transfer out of a buffer it
+    does not name is taken as holding the wire dtype already: sent straight, not packed."""
+    from rlhf_switch.routing.schedule import _chunks
+
+    x = _t(100, 0, 0, key="x")
+    assert [c.stage_send for c in _chunks([x], 1 << 20, {"other": "bfloat16"})] == [False]
+    assert [c.stage_send for c in _chunks([x], 1 << 20, {"a": "bfloat16"})] == [True]
+
+
+def _line(key, n, src_offset, dst_offset, src_stride=1, dst_stride=1, dtype="float32"):
+    """A 1-d transfer of ``n`` elements from ``a`` to ``b``; a stride other than 1 makes that side a
+    strided view (never one run)."""
+    from rlhf_switch.vps import StateKey
+    from rlhf_switch.vps.planner import Transfer
+
+    return Transfer(0, 1, StateKey(key), Box((0,), (n,)), "a", src_offset, (src_stride,), "b", dst_offset,
+                    (dst_stride,), dtype)
+
+
+# (x, y, the messages): MERGE_BYTES 40, x is 3 floats (12 B). y joins when the staging joining costs
+# (x on each side whose run y breaks, y on each side where it could travel straight) is at most 40 B.
+JOIN_CASES = [
+    # x direct on both sides; y continues the source run only: x's destination side and y's (12 + 28 = 40: joins; 12 + 32: not)
+    (_line("x", 3, 0, 0), _line("y", 7, 3, 100), [("x", "y")]),
+    (_line("x", 3, 0, 0), _line("y", 8, 3, 100), [("x",), ("y",)]),
+    # the mirror: y continues the destination run only
+    (_line("x", 3, 0, 0), _line("y", 7, 100, 3), [("x", "y")]),
+    (_line("x", 3, 0, 0), _line("y", 8, 100, 3), [("x",), ("y",)]),
+    # x staged on both sides (strided views): y's two sides (20 + 20 = 40: joins; 24 + 24: not)
+    (_line("x", 3, 0, 0, 2, 2), _line("y", 5, 100, 100), [("x", "y")]),
+    (_line("x", 3, 0, 0, 2, 2), _line("y", 6, 100, 100), [("x",), ("y",)]),
+    # x staged on the source side, y continues its destination run: y's source side staged (40 B
+    # joins, 44 not), unless y's source is strided anyway (44 B joins)
+    (_line("x", 3, 0, 0, src_stride=2), _line("y", 10, 100, 3), [("x", "y")]),
+    (_line("x", 3, 0, 0, src_stride=2), _line("y", 11, 100, 3), [("x",), ("y",)]),
+    (_line("x", 3, 0, 0, src_stride=2), _line("y", 11, 100, 3, src_stride=2), [("x", "y")]),
+    # the mirror on the destination side
+    (_line("x", 3, 0, 0, dst_stride=2), _line("y", 10, 3, 100), [("x", "y")]),
+    (_line("x", 3, 0, 0, dst_stride=2), _line("y", 11, 3, 100), [("x",), ("y",)]),
+    (_line("x", 3, 0, 0, dst_stride=2), _line("y", 11, 3, 100, dst_stride=2), [("x", "y")]),
+    # x direct on the destination only, y (bf16) starts where that run ends: the dtype change
+    # stages x's destination side and both of y's (12 + 16 + 16 > 40; 12 + 12 + 12 joins)
+    (_line("x", 3, 0, 0, src_stride=2), _line("y", 8, 100, 3, dtype="bfloat16"), [("x",), ("y",)]),
+    (_line("x", 3, 0, 0, src_stride=2), _line("y", 6, 100, 3, dtype="bfloat16"), [("x", "y")]),
+]
+
+
+@pytest.mark.parametrize("x, y, messages", JOIN_CASES)
+def test_a_piece_joins_when_the_staging_it_costs_is_at_most_merge_bytes_case_by_case(x, y, messages, monkeypatch):
+    """``_joins``' price, side by side (``_small_together`` switched off: it would merge small
+    leftovers again and hide the cut)."""
+    from rlhf_switch.routing import schedule
+
+    monkeypatch.setattr(schedule, "MERGE_BYTES", 40)
+    monkeypatch.setattr(schedule, "_small_together", lambda chunks, cap, dtypes: chunks)
+    assert [keys for keys, *_ in _cut([x, y])] == messages
+
+
+def test_the_cap_counts_a_run_that_goes_on_on_one_side_unpadded(monkeypatch):
+    """cap 24 B: y (12 B) continues x's source run only (or only its destination run): one 24 B
+    message, direct on that side — counted padded (16 + 12 = 28 B) it would pass the cap."""
+    from rlhf_switch.routing import schedule
+
+    monkeypatch.setattr(schedule, "_small_together", lambda chunks, cap, dtypes: chunks)
+    assert _cut([_t(3, 0, 0, key="x"), _t(3, 3, 50, key="y")], cap=24) == [(("x", "y"), (0, 12), 24, False, True)]
+    assert _cut([_t(3, 0, 0, key="x"), _t(3, 50, 3, key="y")], cap=24) == [(("x", "y"), (0, 12), 24, True, False)]
+
+
+def test_merge_copies_joins_only_a_copy_that_continues_the_last_on_both_sides():
+    """``a``: 2 rows of 4 floats read 10 apart from ``a`` at 0, written 4 apart into ``b`` at 0. ``c``
+    (3 more rows, from 20 and into 8) continues it on both sides: one copy of 5 rows; ``d`` (from 50,
+    into 20) continues that: one copy of 6. A copy that differs from ``c`` in one thing only (a
+    buffer, the dtype, the row shape, a side's strides or start) stays a copy of its own."""
+    from rlhf_switch.routing.schedule import Copy, merge_copies
+
+    a = Copy("a", 0, (10, 1), "b", 0, (4, 1), (2, 4), "float32")
+    c = Copy("a", 20, (10, 1), "b", 8, (4, 1), (3, 4), "float32")
+    d = Copy("a", 50, (10, 1), "b", 20, (4, 1), (1, 4), "float32")
+    assert merge_copies([a]) == [a] and merge_copies([]) == []
+    assert merge_copies([a, c]) == [a._replace(shape=(5, 4))]
+    assert merge_copies([a, c, d]) == [a._replace(shape=(6, 4))]
+    apart = [c._replace(src_buffer="x"), c._replace(dst_buffer="x"), c._replace(dtype="bfloat16"),
+             c._replace(shape=(3, 5)), c._replace(src_strides=(12, 1)), c._replace(dst_strides=(5, 1)),
+             c._replace(src_offset=21), c._replace(dst_offset=9)]
+    for other in apart:
+        assert merge_copies([a, other]) == [a, other], other
+    # only the last copy is continued: c follows a, not the copy between them
+    between = Copy("a", 100, (10, 1), "b", 100, (4, 1), (1, 4), "float32")
+    assert merge_copies([a, between, c]) == [a, between, c]
+
+
+def test_a_rank_that_only_copies_locally_has_a_schedule_without_messages():
+    """No sends, no receives: no element size to fit in the budget (it counts as 1 B), no
+    exchanges, the local copies straight from view to view, and staging aligned to 1."""
+    from rlhf_switch.routing.schedule import Copy
+    from rlhf_switch.vps.planner import RankPlan
+
+    plan = RankPlan(0, 2, "x -> y", "digest", (_line("x", 4, 0, 10),), (), (), 0)
+    schedule = build_schedule(plan, 2)
+    assert schedule.exchanges == () and schedule.align == 1
+    assert schedule.local_runs == (Copy("a", 0, (1,), "b", 10, (1,), (4,), "float32"),)
+
+
+def test_local_copies_come_in_source_then_destination_offset_order():
+    """Two local copies out of the same source element: the one written lower in the destination
+    first, whatever their strides."""
+    from rlhf_switch.routing.schedule import _local_runs
+
+    one, two = _line("x", 4, 0, 10), _line("y", 4, 0, 0, src_stride=2)
+    assert [c.dst_offset for c in _local_runs([one, two])] == [0, 10]
+
+
+def test_the_message_cap_is_a_quarter_of_the_budget_in_whole_elements_else_half():
+    """400 B to send. Budget 1000: cap 248 B (a quarter, 250, down to whole floats): 248 + 152.
+    Budget 16: a quarter holds exactly one float: 4 B messages. Budget 8: a quarter (2 B) holds
+    none, so half (4 B). Budget 7 cannot hold a float each way: refused, naming the 8 B it needs."""
+    from rlhf_switch.vps.planner import RankPlan
+
+    def sends(budget, n):
+        plan = RankPlan(0, 2, "x -> y", "digest", (), (_line("x", n, 0, 0),), (), 0)
+        return [send.nbytes for ex in build_schedule(plan, budget).exchanges for send, _ in ex.steps]
+
+    assert sends(1000, 100) == [248, 152]
+    assert sends(16, 3) == [4, 4, 4]
+    assert sends(8, 3) == [4, 4, 4]
+    with pytest.raises(LayoutError, match=r"budget of 7 B .* \(needs >= 8 B\)"):
+        sends(7, 3)
+
+
+def test_exchanges_come_in_round_order_and_a_casting_sender_packs():
+    """Rank 0 of 4 sends to 1, 2 and 3: rounds 2, 1 and 0 (3 is the fixed player), so the
+    exchanges go to 3, 2, 1. With its source buffer ``a`` in bf16 (the wire is fp32) every
+    message is packed."""
+    from rlhf_switch.vps.planner import RankPlan
+
+    sends = tuple(_line("x", 10, 0, 0)._replace(dst=peer) for peer in (1, 2, 3))
+    plan = RankPlan(0, 4, "x -> y", "digest", (), sends, (), 0)
+    schedule = build_schedule(plan, 1 << 20)
+    assert [(ex.round, ex.peer) for ex in schedule.exchanges] == [(0, 3), (1, 2), (2, 1)]
+    assert {s.stage_send for ex in schedule.exchanges for s, _ in ex.steps} == {False}
+    cast = build_schedule(plan, 1 << 20, src_dtypes={"a": "bfloat16"})
+    assert {s.stage_send for ex in cast.exchanges for s, _ in ex.steps} == {True}
