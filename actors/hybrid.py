@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from rlhf_switch.device import CPU, DeviceSpec
 from rlhf_switch.engines.base import DEFAULT_TIMEOUT as TIMEOUT  # the world's deadline
+from rlhf_switch.engines.base import stop_set
 from rlhf_switch.families import context_length
 from rlhf_switch.rl.algorithm import Algorithm
 from rlhf_switch.rl.config import RunConfig, load_config, longest_sequence_tokens
@@ -591,9 +592,8 @@ class HybridWorker:
         cut = [r * (n // R) + min(r, n % R) for r in (self.replica, self.replica + 1)]
         lo, hi = cut
         t0 = time.perf_counter()
-        stops = sorted({int(t) for t in stop_ids} | ({int(self.eos_id)} if self.eos_id is not None else set()))
         tokens, logprobs = (self.rollout.generate(prompts[lo:hi], max_new_tokens, temperature, list(seeds[lo:hi]),
-                                                  stops) if hi > lo else ([], []))
+                                                  stop_set(self.eos_id, stop_ids)) if hi > lo else ([], []))
         return {"replica": self.replica, "lead": self.tp_rank == 0, "tokens": tokens, "logprobs": logprobs,
                 "seconds": time.perf_counter() - t0}
 

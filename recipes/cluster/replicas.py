@@ -376,8 +376,9 @@ class ReplicasMixin:
 
     def _stop_ids(self, stop_ids: Sequence[int]) -> list[int]:
         """The ids a replica's response ends at: the model's eos and ``stop_ids``."""
-        eos = self.hf.get("eos_token_id")
-        return sorted({int(t) for t in stop_ids} | ({int(eos)} if eos is not None else set()))
+        from rlhf_switch.engines.base import stop_set
+
+        return stop_set(self.hf.get("eos_token_id"), stop_ids)
 
 
     def _share_out(self, prompts: list, seeds: list, max_new_tokens: int, temperature: float,

@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Collection, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Collection, Iterable, Mapping, Sequence
 
 import torch
 
@@ -286,6 +286,12 @@ class RolloutContext:
     options: Mapping[str, Any] = field(default_factory=dict)
     device: DeviceSpec = CPU          # the run's device, backend and dtypes (rlhf_switch.device)
     memory_utilization: float = 0.5   # its share of each device's memory (vLLM's gpu_memory_utilization)
+
+
+def stop_set(eos_token_id: int | None, stop_ids: Iterable[int] = ()) -> list[int]:
+    """The ids a response ends at (``RolloutEngine.generate``'s ``stop_ids``): ``stop_ids`` and the
+    model's eos (None: no eos), each once, in order."""
+    return sorted({int(t) for t in stop_ids} | ({int(eos_token_id)} if eos_token_id is not None else set()))
 
 
 class RolloutEngine(ABC):

@@ -45,7 +45,7 @@ from ..vps.layouts.vllm import padded_vocab, vllm_layout, worker_tensors
 from ..vps.materialize import allocate
 from ..vps.spec import ModelSpec
 from ..families import engine_family_problems
-from .base import RolloutContext, RolloutEngine
+from .base import RolloutContext, RolloutEngine, stop_set
 
 # the families whose tensors are all ones forward reads: Llama's (with or without linear biases), per-
 # head q/k RMS norms applied before RoPE (qwen3)
@@ -333,7 +333,7 @@ class TorchRollout:
         tokens_out: list[list[int]] = [[] for _ in prompts]
         logprobs_out: list[list[float]] = [[] for _ in prompts]
         live = list(range(B))                                          # rows still generating
-        stops = {int(t) for t in stop_ids} | ({int(eos_token_id)} if eos_token_id is not None else set())
+        stops = set(stop_set(eos_token_id, stop_ids))
         for step in range(max_new_tokens):
             logits = logits.float()
             logp = logits.log_softmax(-1)                              # [B, vocab]

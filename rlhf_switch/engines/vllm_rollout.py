@@ -41,7 +41,7 @@ from ..vps.layouts.vllm import (BlockedExperts, expert_forms, param_shape, proce
                                 vllm_lora_layout, vllm_lora_rank, worker_tensors)
 from ..vps.placement import place
 from ..vps.spec import ModelSpec
-from .base import RolloutContext, RolloutEngine
+from .base import RolloutContext, RolloutEngine, stop_set
 from ..timeouts import MOVE_S
 
 WORKER_EXTENSION = "rlhf_switch.engines.vllm_worker.VpsWorkerExtension"
@@ -510,7 +510,7 @@ class VLLMRollout:
         seeds = list(seed) if isinstance(seed, Sequence) else [seed] * n
         if len(seeds) != n:
             raise ValueError(f"{len(seeds)} seeds for {n} prompts")
-        stop = sorted({int(t) for t in stop_ids} | ({int(eos_token_id)} if eos_token_id is not None else set()))
+        stop = stop_set(eos_token_id, stop_ids)
         params = [SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else temperature,
                                  logprobs=0, seed=s, detokenize=False, ignore_eos=True, stop_token_ids=stop)
                   for s in seeds]
