@@ -395,3 +395,15 @@ def test_a_chat_agent_runs_warm_start_learns_the_prompts_its_episodes_start_from
                 samples=bare, tokenizer=tok)
     assert (got["loss_first"], got["loss_final"]) == (want["loss_first"], want["loss_final"])
     assert got["loss_first"] != other["loss_first"]
+
+
+def test_the_agent_blocks_codec_writes_observations_in_its_role_after_its_system_message(hf):
+    """``agent.config.chat_codec`` builds the codec the run uses from the ``agent`` block: its
+    ``observation_role`` (a ``tool`` message is the Qwen-style template's ``<tool_response>``) and
+    its ``system`` message."""
+    from rlhf_switch.agent.config import chat_codec
+    from rlhf_switch.rl.config import AgentConfig
+
+    codec = chat_codec(hf, AgentConfig(env="guess", max_turns=2, observation_role="tool", system="S."))
+    assert "<tool_response>\n42\n</tool_response>" in hf.decode(codec.observation_ids("42", [hf.eos_token_id]))
+    assert codec.prompt_text("q").startswith("<|im_start|>system\nS.<|im_end|>")
