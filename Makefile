@@ -50,6 +50,7 @@ bench: venv
 	$(PY) -m bench.switch --quick --cases a,b,c,d $(BENCH_ARGS)
 	$(PY) -m bench.elastic
 	$(PY) -m bench.agent_pool
+	$(PY) -m bench.agent_pool --latency 0.02 --slow-p 0.1 --slow-s 0.5 --workers 8
 
 bench-full: venv
 	$(PY) -m bench.plan_scale

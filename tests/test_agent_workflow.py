@@ -217,6 +217,101 @@ def test_an_episode_that_ends_leaves_the_batches_and_the_others_still_wait_for_e
     assert result.batches == [3, 2, 2]
 
 
+class HeldBack:
+    """A pool (``LocalEnvPool`` underneath) whose every step of session ``held`` waits until all the
+    other sessions have closed — a tool that answers late — or ``wait_s`` passed (``timed_out``)."""
+
+    def __init__(self, held: str, others, wait_s: float = 10.0):
+        self.inner, self.held, self.others, self.wait_s = LocalEnvPool(), held, set(others), wait_s
+        self.timed_out, self._gate = False, None
+
+    async def reset(self, session, env, sample, env_kwargs=None):
+        return await self.inner.reset(session, env, sample, env_kwargs)
+
+    async def step(self, session, action):
+        if session == self.held and self.others:
+            import asyncio
+
+            self._gate = self._gate or asyncio.Event()
+            try:
+                await asyncio.wait_for(self._gate.wait(), self.wait_s)
+            except asyncio.TimeoutError:
+                self.timed_out = True
+        return await self.inner.step(session, action)
+
+    async def close(self, session):
+        await self.inner.close(session)
+        self.others.discard(session)
+        if not self.others and self._gate is not None:
+            self._gate.set()
+
+
+def noisy_search(text: str, seed: int) -> str:
+    """A player whose guesses depend on the turn's seed: a uniform pick of what is still possible."""
+    import random
+
+    lo, hi = guess.feasible(text)
+    return f"{random.Random(seed).randint(lo, hi)},"
+
+
+def test_continuous_batching_lets_the_others_play_on_while_one_environment_is_slow_same_tokens():
+    """``batching="continuous"``: game 0's environment answers only once every other game has ended.
+    The others play to the end meanwhile (in rounds they would wait for it: each round needs every
+    episode still running), and every game is the one the rounds play, token for token."""
+    secrets = ["1", "32", "63", "17", "40", "5"]
+    seeds = [10, 11, 12, 13, 14, 15]
+    requests = lambda tag: [episode_request("guess", {}, Sample("guess=", s), f"{tag}{i}", TOK)
+                            for i, s in enumerate(secrets)]
+    rounds_engine, cont_engine = Scripted(noisy_search), Scripted(noisy_search)
+    rounds = run_workflow(rounds_engine, LocalEnvPool(), requests("r"), TOK, guess.limits(64), seeds, 1.0)
+    held = HeldBack("c0", [f"c{i}" for i in range(1, len(secrets))])
+    cont = run_workflow(cont_engine, held, requests("c"), TOK, guess.limits(64), seeds, 1.0, batching="continuous")
+    assert not held.timed_out  # the others ended without game 0's environment answering
+    for a, b in zip(rounds.episodes, cont.episodes):
+        assert (a.ids, a.loss_mask, a.logprobs, a.versions, a.reward, a.turns, a.finish_reason) == \
+            (b.ids, b.loss_mask, b.logprobs, b.versions, b.reward, b.turns, b.finish_reason)
+    turns = [e.turns for e in cont.episodes]
+    assert turns[0] >= 2 and max(turns[1:]) >= 3  # game 0 had a second turn; the others more than one each
+    # every other game's last turn was sent before game 0's second
+    sent = [(c.episode, c.turn) for c in cont.calls]
+    assert all(sent.index((i, t - 1)) < sent.index((0, 1)) for i, t in enumerate(turns) if i)
+    assert sum(cont.batches) == sum(turns) == len(cont.calls)
+    assert rounds.batches == [sum(t > k for t in turns) for k in range(max(turns))]
+    # each turn still went with its own seed, whatever batch it was in
+    sent_seeds = [sd for _, sds, *_ in cont_engine.batches for sd in sds]
+    assert sent_seeds == [turn_seed(seeds[c.episode], c.turn) for c in cont.calls]
+
+
+def test_continuous_batching_sends_what_parked_while_a_batch_generated_as_one_batch():
+    """Environments answering after different times: each batch holds every turn that parked while
+    the one before was generating — never a turn alone while others wait — and no more than one
+    batch is generated at a time."""
+    requests = [episode_request("agent_envs:Sleeps", {}, Sample("go=", s), f"w{i}", TOK)
+                for i, s in enumerate(["0", "0", "0.2"])]
+    in_flight, most = [0], [0]
+
+    def engine(prompts, seeds, budgets, temperature, stops):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        try:
+            import time
+
+            time.sleep(0.1)
+            return Scripted(lambda text, seed: "ok")(prompts, seeds, budgets, temperature, stops)
+        finally:
+            in_flight[0] -= 1
+
+    with LocalEnvPool(timeout_s=5.0) as pool:
+        result = run_workflow(engine, pool, requests, TOK, Limits(max_turns=3, max_total_tokens=40, max_context=64),
+                              seeds=[0, 1, 2], temperature=1.0, batching="continuous")
+    assert [e.finish_reason for e in result.episodes] == ["max_turns"] * 3
+    assert most[0] == 1 and sum(result.batches) == 9
+    # the two quick games go on together, the slow one after them: never all three in one batch after the first
+    assert result.batches[0] == 3 and max(result.batches[1:]) == 2
+    with pytest.raises(ValueError, match="batching must be one of"):
+        run_workflow(engine, LocalEnvPool(), requests, TOK, guess.limits(64), [0, 1, 2], 1.0, batching="round")
+
+
 def test_an_agent_runs_warm_start_trains_on_its_environments_transcripts(tmp_path):
     """``recipes.common.agent_warm_start``: the game's SFT is on played games (the loss on the
     player's turns), its checkpoint's fingerprint says so, and a single-turn run's warm start of

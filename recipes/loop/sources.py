@@ -222,7 +222,7 @@ class MultiTurn(Synchronous):
         from rlhf_switch.agent.workflow import run_workflow
 
         return run_workflow(replica_batches(self.loop, it), self.pool, self.requests(samples, tag), self.codec,
-                            self.limits, seeds, temperature)
+                            self.limits, seeds, temperature, self.loop.cfg.agent.turn_batching)
 
     def generate(self, it: int, drawn: list, draw: int = 0) -> Experience:
         loop, alg = self.loop, self.loop.cfg.algorithm

@@ -5,11 +5,21 @@
 ``generate_batch(prompts, seeds, budgets, temperature, stops)`` is the rollout engines, called with
 every turn that is ready at once (token ids in, token ids, their log-probs and the weight version
 out: ``recipes.loop.workflow`` adapts the run's replicas to it). Each sample's episode runs as its own
-coroutine (``episode.run_episode``); its ``generate`` call parks the turn in ``TurnBatcher``, and
-the batcher sends the parked turns as one batch when every episode still running is waiting for
-the model — the environments' calls of one round run concurrently in the pool meanwhile. The
-batches therefore depend only on the samples, their seeds and the environments' answers, never
-on timing: a run is reproducible turn for turn.
+coroutine (``episode.run_episode``); its ``generate`` call parks the turn in ``TurnBatcher``, which
+sends parked turns as one batch in one of two ways (``batching``, the config's
+``agent.turn_batching``):
+
+- ``rounds`` (the default): when every episode still running is waiting for the model — the
+  environments' calls of one round run concurrently in the pool meanwhile. The batches depend
+  only on the samples, their seeds and the environments' answers, never on timing; but a round
+  waits for its slowest environment call (a tool that answers late holds every episode).
+- ``continuous``: whenever no batch is being generated — the turns that parked meanwhile go out
+  together as soon as the engines return the batch before. No episode waits for another's
+  environment call, only for the batch in flight; which turns share a batch depends on timing.
+
+Either way a sample's tokens are the same: each turn is sampled from its own context and seed
+(below), and the run's engines give a prompt the same tokens in any batch (tested: the torch
+engine against one prompt at a time, and the two ways here against each other).
 
 A turn's budget differs per sample (what is left of the total), and so may its stop ids (the
 episode's own, e.g. a tool call's closing token, besides ``<eos>``): both go to the engines, which
@@ -99,13 +109,15 @@ def _digest(ids: Sequence[int]) -> str:
 
 @dataclass
 class TurnBatcher:
-    """Parks each episode's turn until every episode still running waits for the model, then
-    sends them as one batch (module docstring)."""
+    """Parks each episode's turn and sends the parked turns as one batch: when every episode still
+    running waits for the model (rounds), or whenever no batch is generating (``continuous``;
+    module docstring)."""
 
     generate_batch: GenerateBatch
     seeds: list[int]
     temperature: float
     live: int = 0
+    continuous: bool = False  # batching "continuous": send whenever no batch is generating (module docstring)
     calls: list[TurnCall] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)  # the size of each batch sent
     past_stop: int = 0  # tokens the engines returned after a turn's first stop id (cut)
@@ -127,7 +139,9 @@ class TurnBatcher:
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:
-        if self._parked and len(self._parked) == self.live and not self._flushing:
+        # rounds: only once no episode still running is busy with its environment
+        ready = self.continuous or len(self._parked) == self.live
+        if self._parked and ready and not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().create_task(self._flush())
 
@@ -167,11 +181,17 @@ class WorkflowResult:
     tokens_past_stop: int = 0  # generated after a turn's stop id or budget and cut: 0 when the engines stop there
 
 
+BATCHING = ("rounds", "continuous")
+
+
 def run_workflow(generate_batch: GenerateBatch, pool: Any, requests: Sequence[EpisodeRequest], codec: Any,
-                 limits: Limits, seeds: Sequence[int], temperature: float) -> WorkflowResult:
-    """Every request's episode, the turns of all of them batched (module docstring), checked for
-    token exactness (``check_tokens``)."""
-    batcher = TurnBatcher(generate_batch, list(seeds), temperature, live=len(requests))
+                 limits: Limits, seeds: Sequence[int], temperature: float, batching: str = "rounds") -> WorkflowResult:
+    """Every request's episode, the turns of all of them batched ``batching``'s way (module
+    docstring), checked for token exactness (``check_tokens``)."""
+    if batching not in BATCHING:
+        raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+    batcher = TurnBatcher(generate_batch, list(seeds), temperature, live=len(requests),
+                          continuous=batching == "continuous")
 
     async def one(i: int, r: EpisodeRequest) -> Episode:
         try:

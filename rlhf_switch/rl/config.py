@@ -629,6 +629,10 @@ class AgentConfig(Strict):
     max_total_tokens: int | None = Field(None, ge=1)  # null: the run's algorithm.max_new_tokens
     max_turn_tokens: int | None = Field(None, ge=1)
     failed_samples: Literal["zero", "exclude"] = "zero"
+    # how the episodes' turns are batched for the engines (agent.workflow): rounds (every episode
+    # still running waiting for the model; batches independent of timing) or continuous (whenever
+    # no batch is generating: no episode waits for another's environment call)
+    turn_batching: Literal["rounds", "continuous"] = "rounds"
     # with data.chat_template (a chat model, agent.chat): the role an observation's message has
     # (user, or tool for templates that render tool results)
     observation_role: str = Field("user", min_length=1)
