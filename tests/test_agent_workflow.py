@@ -95,13 +95,15 @@ def test_a_turn_budget_is_each_samples_own_and_the_context_is_the_whole_list_so_
     assert engine.batches[1][0] == [a.ids[:len(a.prompt_ids) + a.segments[0][1] + a.segments[1][1]]]
 
 
-def test_a_failing_engine_fails_the_workflow_not_hangs_it():
+@pytest.mark.parametrize("batching", ["rounds", "continuous"])
+def test_a_failing_engine_fails_the_workflow_not_hangs_it(batching):
     def broken(prompts, seeds, budgets, temperature, stops):
         raise RuntimeError("replica lost")
 
     requests = [episode_request("guess", {}, Sample("guess=", "5"), f"b{i}", TOK) for i in range(3)]
     with pytest.raises(RuntimeError, match="replica lost"):
-        run_workflow(broken, LocalEnvPool(), requests, TOK, guess.limits(64), seeds=[0, 1, 2], temperature=1.0)
+        run_workflow(broken, LocalEnvPool(), requests, TOK, guess.limits(64), seeds=[0, 1, 2], temperature=1.0,
+                     batching=batching)
 
 
 def test_cut_at_stop_and_turn_seed():
