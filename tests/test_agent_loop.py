@@ -119,8 +119,8 @@ def test_a_chat_models_episodes_in_the_loop(ray_session, tmp_path):
 @pytest.mark.vllm
 def test_episodes_two_steps_ahead_on_disaggregated_vllm_replicas(ray_session, tmp_path):
     """``max_staleness: 2`` with two vLLM replicas of their own devices: iterations i+1 and i+2's
-    episodes are played (turn after turn on the replicas, each round's turns pulled in chunks, the
-    environments in the pool; turns batched continuously) while the trainer trains on iteration i's. A sync while episodes
+    episodes are played (turn after turn on the replicas, which pull the turns from one queue in
+    chunks, the environments in the pool) while the trainer trains on iteration i's. A sync while episodes
     are in flight reaches the replicas between two rounds: a sample's later turns may carry the
     newer version; the oldest token of iteration i is at most 2 versions behind (the replica's own
     count), the environment's tokens carry none; the token check passes on every sample."""
@@ -128,13 +128,13 @@ def test_episodes_two_steps_ahead_on_disaggregated_vllm_replicas(ray_session, tm
     from recipes.train import run
     from rlhf_switch.rl.config import load_config
 
-    # turns batched continuously (agent.workflow): a batch goes out whenever none is generating,
-    # in each iteration's thread, while the other iteration's batches and syncs come between
+    # turns batched continuously: every episode's turn goes into one queue per iteration the
+    # replicas pull chunks of 3 from (recipes/cluster/turn_queue.py), the other iteration's chunks
+    # and the syncs between them
     cfg = config(tmp_path / "ahead", turn_batching="continuous")
     # an evaluation after iteration 1: its sync and its greedy episodes run while iterations 2 and
     # 3's episodes are in flight
     cfg["eval"] = {"every": 2, "num_prompts": 8}
-    # each round's turns pulled by the replicas in chunks of 3 (work stealing), in the episodes' threads
     cfg["rollout"] = {"engine": "vllm", "tp": 1, "pp": 1, "dp": 2, "mode": "disaggregated", "pull_prompts": 3}
     cfg["algorithm"]["off_policy"] = {"max_staleness": 2}
     warm_start(load_config(cfg), tmp_path / "ahead" / "init", quiet=True)

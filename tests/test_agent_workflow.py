@@ -284,6 +284,72 @@ def test_continuous_batching_lets_the_others_play_on_while_one_environment_is_sl
     assert sent_seeds == [turn_seed(seeds[c.episode], c.turn) for c in cont.calls]
 
 
+class HeldStream:
+    """A ``TurnStream`` over ``Scripted``'s answers, each turn answered in a thread of its own —
+    but game ``held``'s turns (recognised by their seeds) only once ``release`` is set, or after
+    ``wait_s`` (``timed_out``): a replica stuck on one long turn."""
+
+    def __init__(self, policy, held_seeds, release, wait_s: float = 10.0):
+        import concurrent.futures
+
+        self.engine, self.held, self.release, self.wait_s = Scripted(policy), set(held_seeds), release, wait_s
+        self.threads = concurrent.futures.ThreadPoolExecutor(8)
+        self.timed_out, self.submits = False, []
+
+    def submit(self, prompts, seeds, budgets, temperature, stops):
+        self.submits.append(len(prompts))
+
+        def one(p, s, b, st):
+            if s in self.held and not self.release.wait(self.wait_s):
+                self.timed_out = True
+            tokens, logprobs, versions = self.engine([p], [s], [b], temperature, [st])
+            return tokens[0], logprobs[0], versions[0]
+        return [self.threads.submit(one, *a) for a in zip(prompts, seeds, budgets, stops)]
+
+
+class ClosesRelease(LocalEnvPool):
+    """``LocalEnvPool`` that sets ``release`` once every session but ``held`` has closed."""
+
+    def __init__(self, held: str, others, release):
+        super().__init__()
+        self.held, self.others, self.release = held, set(others), release
+
+    async def close(self, session):
+        await super().close(session)
+        self.others.discard(session)
+        if not self.others:
+            self.release.set()
+
+
+def test_a_turn_stream_answers_each_episode_as_soon_as_its_own_turn_is_back():
+    """Engines that answer turn by turn (``TurnStream``: the replicas pulling from one queue): game
+    0's first turn is answered only after the other games have ended — they play on meanwhile,
+    though all six first turns went in together, and every game is the one the rounds play."""
+    import threading
+
+    secrets, seeds = ["1", "32", "63", "17", "40", "5"], [10, 11, 12, 13, 14, 15]
+    requests = lambda tag: [episode_request("guess", {}, Sample("guess=", s), f"{tag}{i}", TOK)
+                            for i, s in enumerate(secrets)]
+    rounds = run_workflow(Scripted(noisy_search), LocalEnvPool(), requests("r"), TOK, guess.limits(64), seeds, 1.0)
+    for batching in ("continuous", "rounds"):
+        release = threading.Event()
+        stream = HeldStream(noisy_search, [turn_seed(10, t) for t in range(8)], release,
+                            wait_s=10.0 if batching == "continuous" else 0.5)
+        pool = ClosesRelease("s0", [f"s{i}" for i in range(1, 6)], release)
+        got = run_workflow(stream, pool, requests("s"), TOK, guess.limits(64), seeds, 1.0, batching=batching)
+        for a, b in zip(rounds.episodes, got.episodes):
+            assert (a.ids, a.loss_mask, a.logprobs, a.versions, a.reward) == (b.ids, b.loss_mask, b.logprobs,
+                                                                             b.versions, b.reward)
+        if batching == "continuous":
+            assert not stream.timed_out and stream.submits[0] == 6
+            turns = [e.turns for e in got.episodes]
+            answered = [(c.episode, c.turn) for c in got.calls]
+            assert all(answered.index((i, t - 1)) < answered.index((0, 0)) for i, t in enumerate(turns) if i)
+            assert sum(stream.submits) == sum(turns) == sum(got.batches)
+        else:  # rounds still wait for every episode: game 0's turn held them until it timed out
+            assert stream.timed_out and got.batches == rounds.batches
+
+
 def test_continuous_batching_sends_what_parked_while_a_batch_generated_as_one_batch():
     """Environments answering after different times: each batch holds every turn that parked while
     the one before was generating — never a turn alone while others wait — and no more than one

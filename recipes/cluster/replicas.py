@@ -11,7 +11,8 @@ A generation is shared out in one of two ways (``rollout.pull_prompts``):
   the next chunk as soon as it returns one (``PulledGeneration``). The driver hands the chunks out
   while it collects, so a pulled generation makes progress only while it is being collected: a
   run that collects a batch later (one step ahead, partial rollout) keeps fixed shares, except an
-  agent run's, whose rounds are collected in the episodes' own thread.
+  agent run's, whose rounds are collected in the episodes' own thread. (An agent run's turns
+  batched continuously go into one queue the replicas pull from: ``recipes.cluster.turn_queue``.)
 
 Either way a sample's tokens are the same (its own seed; the engines' results do not depend on
 the batch), and ``rollout_time`` adds up each replica's generating seconds against the

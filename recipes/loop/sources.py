@@ -218,11 +218,12 @@ class MultiTurn(Synchronous):
 
     def play(self, it: int, samples, seeds, temperature: float, tag: str):
         """Every sample's episode (``agent.workflow.run_workflow``) over the run's replicas."""
-        from recipes.loop.workflow import replica_batches
+        from recipes.loop.workflow import turn_engines
         from rlhf_switch.agent.workflow import run_workflow
 
-        return run_workflow(replica_batches(self.loop, it), self.pool, self.requests(samples, tag), self.codec,
-                            self.limits, seeds, temperature, self.loop.cfg.agent.turn_batching)
+        with turn_engines(self.loop, it) as engines:
+            return run_workflow(engines, self.pool, self.requests(samples, tag), self.codec, self.limits, seeds,
+                                temperature, self.loop.cfg.agent.turn_batching)
 
     def generate(self, it: int, drawn: list, draw: int = 0) -> Experience:
         loop, alg = self.loop, self.loop.cfg.algorithm

@@ -38,6 +38,58 @@ def replica_batches(loop, it: int):
     return generate_batch
 
 
+class ReplicaTurns:
+    """The run's rollout replicas as ``agent.workflow``'s ``TurnStream``: one queue of turns they
+    pull chunks of ``rollout.pull_prompts`` from (``recipes.cluster.turn_queue``; ``agent.turn_batching:
+    continuous``), each turn answered as soon as its chunk is back; a sample's version is its
+    replica's (the driver's iteration where the engine keeps none). Closed on leaving the ``with``."""
+
+    def __init__(self, loop, it: int):
+        from recipes.cluster.turn_queue import TurnQueue
+
+        self.loop, self.it = loop, it
+        self.queue = TurnQueue(loop.cluster, loop.cfg.rollout.pull_prompts)
+
+    def submit(self, prompts, seeds, budgets, temperature, stops) -> list:
+        futures = self.queue.submit(prompts, seeds, budgets, temperature, stops)
+        self.loop.faults.generate_hook_for(self.it, self.loop.cluster)
+        return [_version_or(f, self.it) for f in futures]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.queue.close()
+
+
+def _version_or(future, it: int):
+    """``future``'s (tokens, logprobs, version), the version ``it`` where the engine keeps none."""
+    from concurrent.futures import Future
+
+    out = Future()
+
+    def done(f):
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            tokens, logprobs, version = f.result()
+            out.set_result((tokens, logprobs, it if version is None else version))
+    future.add_done_callback(done)
+    return out
+
+
+def turn_engines(loop, it: int):
+    """What an iteration's episodes send their turns to, as a context manager: the replicas' turn
+    queue (``ReplicaTurns``) with ``agent.turn_batching: continuous`` and ``rollout.pull_prompts``
+    on rollout replicas; else ``replica_batches``."""
+    from contextlib import nullcontext
+
+    cfg, cluster = loop.cfg, loop.cluster
+    if cfg.agent.turn_batching == "continuous" and cfg.rollout.pull_prompts and not cluster.in_world:
+        return ReplicaTurns(loop, it)
+    return nullcontext(replica_batches(loop, it))
+
+
 class EpisodeEvaluator:
     """The held-out greedy reward of an agent run: the first ``eval.num_prompts`` held-out samples
     played as episodes at temperature 0, each scored by its environment (a failed one 0); the

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from .env import environment_class
 from .episode import Episode, EpisodeRequest, Generated, run_episode
@@ -49,6 +49,15 @@ from .limits import Limits
 # (prompts, seeds, budgets, temperature, stops) -> (tokens, logprobs, versions): one entry per prompt
 GenerateBatch = Callable[[list[list[int]], list[int], list[int], float, list[frozenset]],
                          tuple[list[list[int]], list[list[float]], list[int]]]
+
+
+class TurnStream(Protocol):
+    """Engines that take turns at any time and answer each as soon as it is generated (the run's
+    replicas pulling from one queue: ``recipes.cluster.turn_queue``). ``submit`` returns at once,
+    one ``concurrent.futures.Future`` per prompt, each resolving to (tokens, logprobs, version)."""
+
+    def submit(self, prompts: list[list[int]], seeds: list[int], budgets: list[int], temperature: float,
+               stops: list[frozenset]) -> list: ...
 
 
 class TokenMismatchError(RuntimeError):
@@ -145,23 +154,34 @@ class TurnBatcher:
             self._flushing = True
             asyncio.get_running_loop().create_task(self._flush())
 
+    def _numbered(self, parked: list) -> tuple[list[int], list[int]]:
+        """Each parked turn's number in its episode and its seed (the numbers counted on)."""
+        turns = [self._turns.get(e, 0) for e, *_ in parked]
+        for e, *_ in parked:
+            self._turns[e] = self._turns.get(e, 0) + 1
+        return turns, [turn_seed(self.seeds[e], t) for (e, *_), t in zip(parked, turns)]
+
+    def _answer(self, parked: tuple, turn: int, toks, lps, version) -> None:
+        """The parked turn's episode gets its answer, cut after its first stop id."""
+        e, ids, budget, stops, fut = parked
+        keep = cut_at_stop(toks[:budget], stops)
+        self.past_stop += len(toks) - keep
+        out = Generated([int(x) for x in toks[:keep]], [float(x) for x in lps[:keep]], [int(version)] * keep)
+        self.calls.append(TurnCall(e, turn, len(ids), _digest(ids), out.token_ids))
+        fut.set_result(out)
+
     async def _flush(self) -> None:
+        if hasattr(self.generate_batch, "submit"):
+            return await self._flush_to_stream()
         parked, self._parked = self._parked, []
         try:
-            turns = [self._turns.get(e, 0) for e, *_ in parked]
-            for e, *_ in parked:
-                self._turns[e] = self._turns.get(e, 0) + 1
-            seeds = [turn_seed(self.seeds[e], t) for (e, *_), t in zip(parked, turns)]
+            turns, seeds = self._numbered(parked)
             # the engines block: in a thread, so the event loop keeps the pool's calls going
             tokens, logprobs, versions = await asyncio.to_thread(
                 self.generate_batch, [p[1] for p in parked], seeds, [p[2] for p in parked], self.temperature,
                 [p[3] for p in parked])
-            for (e, ids, budget, stops, fut), t, toks, lps, v in zip(parked, turns, tokens, logprobs, versions):
-                keep = cut_at_stop(toks[:budget], stops)
-                self.past_stop += len(toks) - keep
-                out = Generated([int(x) for x in toks[:keep]], [float(x) for x in lps[:keep]], [int(v)] * keep)
-                self.calls.append(TurnCall(e, t, len(ids), _digest(ids), out.token_ids))
-                fut.set_result(out)
+            for p, t, toks, lps, v in zip(parked, turns, tokens, logprobs, versions):
+                self._answer(p, t, toks, lps, v)
             self.batches.append(len(parked))
         except BaseException as exc:  # every parked episode learns the batch failed
             for *_, fut in parked:
@@ -171,6 +191,30 @@ class TurnBatcher:
         finally:
             self._flushing = False
         self._maybe_flush()
+
+    async def _flush_to_stream(self) -> None:
+        """The parked turns into a ``TurnStream``; each episode gets its answer as soon as its own
+        turn is back, and turns that park meanwhile go in at once (no batch to wait for)."""
+        parked, self._parked = self._parked, []
+        self._flushing = False
+        try:
+            turns, seeds = self._numbered(parked)
+            futures = self.generate_batch.submit([p[1] for p in parked], seeds, [p[2] for p in parked],
+                                                 self.temperature, [p[3] for p in parked])
+            self.batches.append(len(parked))
+        except BaseException as exc:
+            for *_, fut in parked:
+                fut.set_exception(exc)
+            return
+
+        async def one(p: tuple, t: int, f) -> None:
+            try:
+                self._answer(p, t, *await asyncio.wrap_future(f))
+            except BaseException as exc:
+                if not p[-1].done():
+                    p[-1].set_exception(exc)
+
+        await asyncio.gather(*(one(p, t, f) for p, t, f in zip(parked, turns, futures)))
 
 
 @dataclass
