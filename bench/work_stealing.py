@@ -1,12 +1,14 @@
 """Work stealing vs fixed shares over rollout replicas (``rollout.pull_prompts``), side by side in
-one run: the same agent config on vLLM replicas of their own devices, once with fixed shares
-(``pull_prompts: 0``) and once pulled in chunks of N, each run's replicas' idle share of the
-generations' wall time (``replica_idle_share``) and its rollout seconds per iteration.
+one run: the same agent config on vLLM replicas of their own devices, with fixed shares
+(``pull_prompts: 0``), each round's turns pulled in chunks of N, and every turn pulled from one
+queue in chunks of N (``agent.turn_batching: continuous``), each run's replicas' idle share of
+the generations' wall time (``replica_idle_share``; for the queue, of the time it held or ran
+turns) and its rollout seconds per iteration.
 
     python -m bench.work_stealing [--config configs/agent_guess_tiny.yaml] [--pull 4]
         [--iterations 10] [--replicas 2] [--out runs/bench/work_stealing]
 
-Both runs use the same seed, so they play the same samples: the rewards and turns per sample
+Every run uses the same seed, so they play the same samples: the rewards and turns per sample
 must come out equal (the answers do not depend on which replica generated them), which the
 bench checks. Prints one line per run and writes ``summary.json``.
 """
@@ -46,9 +48,12 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {}
-    for name, pull in (("fixed", 0), (f"pull{args.pull}", args.pull)):
+    ways = (("fixed", 0, "rounds"), (f"pull{args.pull}", args.pull, "rounds"),
+            (f"queue{args.pull}", args.pull, "continuous"))
+    for name, pull, batching in ways:
         cfg = yaml.safe_load(Path(args.config).read_text())
         cfg["output_dir"] = str(out / name)
+        cfg["agent"]["turn_batching"] = batching
         cfg["rollout"] = {"engine": "vllm", "tp": 1, "pp": 1, "dp": args.replicas, "mode": "disaggregated",
                           "pull_prompts": pull}
         cfg["algorithm"]["iterations"] = args.iterations
@@ -60,9 +65,10 @@ def main(argv=None) -> dict:
         idle = ", ".join(f"replica {k} {v:.3f}" for k, v in sorted(s["idle_share"].items()))
         print(f"{name}: idle share {idle} (the larger, mean over iterations {s['idle_share_max']:.3f}); "
               f"rollout {s['rollout_s']:.2f} s/iteration")
-    a, b = result.values()
-    result["same_samples"] = a["reward_mean"] == b["reward_mean"] and a["turns_mean"] == b["turns_mean"]
-    print(f"the same rewards and turns both ways: {result['same_samples']}")
+    runs = list(result.values())
+    result["same_samples"] = all(r["reward_mean"] == runs[0]["reward_mean"] and r["turns_mean"] == runs[0]["turns_mean"]
+                                 for r in runs)
+    print(f"the same rewards and turns every way: {result['same_samples']}")
     (out / "summary.json").write_text(json.dumps(result, indent=1))
     return result
 

@@ -221,3 +221,15 @@ def test_an_agent_runs_turns_go_to_the_queue_only_when_continuous_and_pulled(ray
     with turn_engines(loop_of("continuous", 2, version=None), 6) as engines:
         got = answers(engines.submit(PROMPTS[:3], SEEDS[:3], [3] * 3, 1.0, [frozenset()] * 3))
     assert [a[2] for a in got] == [6] * 3 and hooked == [5, 6]
+
+
+def test_a_turn_queue_whose_replica_does_not_answer_fails_every_turn_not_hangs(ray, monkeypatch):
+    from recipes.cluster import turn_queue
+
+    monkeypatch.setattr(turn_queue, "PHASE_S", 0.5)
+    cluster = Replicas(ray, actors(ray, {"delay": 3.0}), pull=2)
+    with turn_queue.TurnQueue(cluster, 2) as q:
+        futures = q.submit(PROMPTS[:4], SEEDS[:4], [3] * 4, 1.0, [frozenset()] * 4)
+        for f in futures:
+            with pytest.raises(TimeoutError, match="has not answered a chunk of turns in 0.5 s"):
+                f.result(timeout=60)

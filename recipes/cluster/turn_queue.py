@@ -13,7 +13,8 @@ never gets tokens it would cut). A replica that returns a chunk gets the next on
 submitted while every replica was busy included — so a replica stuck on a long turn holds only its
 own chunk, and an episode never waits for turns other than its own. A replica that dies: its
 chunk goes back to the queue's front for the others; it leaves the run (``drop_replicas``) at
-``close``. None left: every turn not answered fails with ``RolloutEngineFailed``.
+``close``. None left: every turn not answered fails with ``RolloutEngineFailed``; a chunk out
+longer than ``timeouts.PHASE_S``: every one fails with ``TimeoutError``.
 
 A sample's tokens are those of any other batching (its own seed; the engines' results do not
 depend on the batch). ``rollout_time`` gets each call's generating seconds against the seconds
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from recipes.cluster.calls import RolloutEngineFailed, engine_error
+from rlhf_switch.timeouts import PHASE_S
 
 POLL_S = 0.02  # how often the pump looks for a returned chunk while new turns may be waiting
 
@@ -62,6 +64,7 @@ class TurnQueue:
         self.calls: list[int] = []  # each engine call's number of turns, in the order sent
         self._pending: deque[_Turn] = deque()
         self._running: dict = {}  # ref -> (replica, its chunk)
+        self._sent: dict = {}  # ref -> when it was sent (a chunk out longer than PHASE_S fails the queue)
         self._dead: list = []
         self._requeued = 0
         self._got: list[dict] = []
@@ -134,6 +137,7 @@ class TurnQueue:
             ref = r.generate.remote([t.prompt for t in chunk], budget, temperature, [t.seed for t in chunk],
                                     self.cluster._stop_ids(stops))
             self._running[ref] = (r, chunk)
+            self._sent[ref] = time.monotonic()
             self.calls.append(len(chunk))
 
     def _clock(self, now: float) -> None:
@@ -158,6 +162,9 @@ class TurnQueue:
                 done, _ = self.cluster.ray.wait(refs, num_returns=1, timeout=POLL_S)
                 for ref in done:
                     self._returned(ref)
+                oldest = min((self._sent[r] for r in refs if r not in done), default=None)
+                if oldest is not None and time.monotonic() - oldest > PHASE_S:
+                    raise TimeoutError(f"a rollout replica has not answered a chunk of turns in {PHASE_S} s")
         except BaseException as exc:  # nothing may hang on a pump that stopped
             self._fail_all(exc)
 
@@ -166,6 +173,7 @@ class TurnQueue:
 
         with self._cond:
             replica, chunk = self._running.pop(ref)
+            self._sent.pop(ref, None)
         try:
             g = self.cluster.ray.get(ref)
         except RayActorError:
@@ -198,6 +206,7 @@ class TurnQueue:
             waiting = list(self._pending) + [t for _, chunk in self._running.values() for t in chunk]
             self._pending.clear()
             self._running.clear()
+            self._sent.clear()
             self._closed = True
             self._cond.notify_all()
         for t in waiting:
