@@ -298,6 +298,7 @@ class HeldStream:
 
     def submit(self, prompts, seeds, budgets, temperature, stops):
         self.submits.append(len(prompts))
+        self.sent = getattr(self, "sent", []) + [(temperature, list(stops))]
 
         def one(p, s, b, st):
             if s in self.held and not self.release.wait(self.wait_s):
@@ -331,6 +332,7 @@ def test_a_turn_stream_answers_each_episode_as_soon_as_its_own_turn_is_back():
     requests = lambda tag: [episode_request("guess", {}, Sample("guess=", s), f"{tag}{i}", TOK)
                             for i, s in enumerate(secrets)]
     rounds = run_workflow(Scripted(noisy_search), LocalEnvPool(), requests("r"), TOK, guess.limits(64), seeds, 1.0)
+    guess_stops = frozenset(TOK.encode(",")) | {TOK.eos_id}
     for batching in ("continuous", "rounds"):
         release = threading.Event()
         stream = HeldStream(noisy_search, [turn_seed(10, t) for t in range(8)], release,
@@ -340,6 +342,9 @@ def test_a_turn_stream_answers_each_episode_as_soon_as_its_own_turn_is_back():
         for a, b in zip(rounds.episodes, got.episodes):
             assert (a.ids, a.loss_mask, a.logprobs, a.versions, a.reward) == (b.ids, b.loss_mask, b.logprobs,
                                                                              b.versions, b.reward)
+        # each turn went with the run's temperature and its episode's stop ids (the game's "," and <eos>)
+        assert {t for t, _ in stream.sent} == {1.0}
+        assert all(st == guess_stops for _, sts in stream.sent for st in sts)
         if batching == "continuous":
             assert not stream.timed_out and stream.submits[0] == 6
             turns = [e.turns for e in got.episodes]
@@ -348,6 +353,32 @@ def test_a_turn_stream_answers_each_episode_as_soon_as_its_own_turn_is_back():
             assert sum(stream.submits) == sum(turns) == sum(got.batches)
         else:  # rounds still wait for every episode: game 0's turn held them until it timed out
             assert stream.timed_out and got.batches == rounds.batches
+
+
+class FailingStream:
+    """A ``TurnStream`` that fails: at ``submit`` itself, or each turn's future with ``exc``."""
+
+    def __init__(self, at_submit: bool):
+        self.at_submit = at_submit
+
+    def submit(self, prompts, seeds, budgets, temperature, stops):
+        import concurrent.futures
+
+        if self.at_submit:
+            raise RuntimeError("queue closed")
+        futures = [concurrent.futures.Future() for _ in prompts]
+        for f in futures:
+            f.set_exception(RuntimeError("replica lost"))
+        return futures
+
+
+@pytest.mark.parametrize("batching", ["rounds", "continuous"])
+@pytest.mark.parametrize("at_submit", [True, False])
+def test_a_failing_turn_stream_fails_the_workflow_with_its_error_not_hangs_it(batching, at_submit):
+    requests = [episode_request("guess", {}, Sample("guess=", "5"), f"f{i}", TOK) for i in range(3)]
+    with pytest.raises(RuntimeError, match="queue closed" if at_submit else "replica lost"):
+        run_workflow(FailingStream(at_submit), LocalEnvPool(), requests, TOK, guess.limits(64), [0, 1, 2], 1.0,
+                     batching=batching)
 
 
 def test_continuous_batching_sends_what_parked_while_a_batch_generated_as_one_batch():
