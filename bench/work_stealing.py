@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
         cfg["rollout"] = {"engine": "vllm", "tp": 1, "pp": 1, "dp": args.replicas, "mode": "disaggregated",
                           "pull_prompts": pull}
         cfg["algorithm"]["iterations"] = args.iterations
-        cfg["eval"] = {"every": 0, "num_prompts": cfg.get("eval", {}).get("num_prompts", 8)}
+        cfg["eval"] = {"num_prompts": 8, **cfg.get("eval", {}), "every": 0}
         path = out / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         subprocess.run([sys.executable, "-m", "recipes.train", str(path)], check=True)

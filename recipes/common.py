@@ -130,7 +130,7 @@ class Evaluator:
     def __init__(self, cfg, splits, tokenizer, reward, max_ctx: int):
         from rlhf_switch.rl.tasks import encode_prompt
 
-        self.samples = list(splits.heldout[: cfg.eval.num_prompts])
+        self.samples = cfg.eval.samples(splits)
         self.prompts = [encode_prompt(tokenizer, s.prompt, cfg.algorithm.max_new_tokens, max_ctx) for s in self.samples]
         # reward(prompts, responses, answers) -> scores: the run's RewardRunner
         self.cfg, self.tok, self.reward = cfg, tokenizer, reward

@@ -224,9 +224,14 @@ def batch_problems(cfg: RunConfig) -> list[str]:
     if cfg.critic is not None and cfg.critic.dp != cfg.train.dp:
         problems.append(f"critic: dp={cfg.critic.dp} must equal train.dp={cfg.train.dp} (the critic and the "
                         f"actor take the same share of each batch)")
-    if cfg.eval.num_prompts % cfg.rollout.dp:
+    # an agent run's evaluation plays episodes, whose turns go to the replicas in batches of any size
+    if cfg.agent is None and cfg.eval.num_prompts % cfg.rollout.dp:
         problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is not divisible by rollout.dp={cfg.rollout.dp}")
-    if cfg.task is not None and cfg.eval.num_prompts > cfg.task.num_heldout:
+    if cfg.task is not None and cfg.eval.split == "all":
+        if cfg.eval.num_prompts > cfg.task.num_heldout + cfg.task.num_train:
+            problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than task.num_heldout + num_train = "
+                            f"{cfg.task.num_heldout + cfg.task.num_train} (eval.split: all)")
+    elif cfg.task is not None and cfg.eval.num_prompts > cfg.task.num_heldout:
         problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than task.num_heldout={cfg.task.num_heldout}")
     if cfg.sft is not None and cfg.sft.batch_size % cfg.train.dp:
         problems.append(f"sft: batch_size={cfg.sft.batch_size} is not divisible by train.dp={cfg.train.dp}")
@@ -311,9 +316,11 @@ def data_problems(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
         splits, _ = load_data_splits(data, tokenizer, limit, render)
     except (DataError, TokenizerError) as e:
         return [str(e)]
-    if cfg.eval.num_prompts > len(splits.heldout):
-        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than the {len(splits.heldout)} "
-                        f"held-out prompts data.heldout_files give")
+    evaluated = len(cfg.eval.samples(splits))
+    if cfg.eval.num_prompts > evaluated:
+        given = ("held-out and train prompts data.heldout_files and train_files give" if cfg.eval.split == "all"
+                 else "held-out prompts data.heldout_files give")
+        problems.append(f"eval.num_prompts={cfg.eval.num_prompts} is more than the {evaluated} {given}")
     return problems
 
 

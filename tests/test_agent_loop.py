@@ -36,8 +36,9 @@ def ray_session():
 
 def config(out, **agent) -> dict:
     cfg = yaml.safe_load((CONFIGS / "agent_guess_tiny.yaml").read_text())
-    cfg.update(output_dir=str(out), eval={"every": 0, "num_prompts": 8}, sft={**cfg["sft"], "steps": 100})
-    cfg["algorithm"].update(prompts_per_iteration=4)
+    cfg.update(output_dir=str(out), sft={**cfg["sft"], "steps": 100})
+    cfg["eval"].update(every=0, num_prompts=8)  # the held-out secret and 7 train ones (the config's eval.split: all)
+    cfg["algorithm"].update(prompts_per_iteration=4, group_size=4, mini_batch_size=16)  # 16 games an iteration
     cfg["agent"].update(agent)
     return cfg
 
@@ -134,7 +135,7 @@ def test_episodes_two_steps_ahead_on_disaggregated_vllm_replicas(ray_session, tm
     cfg = config(tmp_path / "ahead", turn_batching="continuous")
     # an evaluation after iteration 1: its sync and its greedy episodes run while iterations 2 and
     # 3's episodes are in flight
-    cfg["eval"] = {"every": 2, "num_prompts": 8}
+    cfg["eval"].update(every=2)
     cfg["rollout"] = {"engine": "vllm", "tp": 1, "pp": 1, "dp": 2, "mode": "disaggregated", "pull_prompts": 3}
     cfg["algorithm"]["off_policy"] = {"max_staleness": 2}
     warm_start(load_config(cfg), tmp_path / "ahead" / "init", quiet=True)

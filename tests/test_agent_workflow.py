@@ -430,7 +430,7 @@ def test_an_agent_runs_warm_start_trains_on_its_environments_transcripts(tmp_pat
     out = warm_start(cfg, tmp_path / "init", quiet=True)
     saved = json.loads((out / "warm_start.json").read_text())
     assert saved["fingerprint"]["sft_on"] == name
-    assert saved["sft_stats"]["num_transcripts"] == 47 * 40 and saved["sft_stats"]["steps"] == 3
+    assert saved["sft_stats"]["num_transcripts"] == 62 * 40 and saved["sft_stats"]["steps"] == 3
     assert cached_checkpoint(cfg, out, name) == out and cached_checkpoint(cfg, out) is None
     single = load_config({**data, "agent": None})
     assert agent_warm_start(single) is None

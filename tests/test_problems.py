@@ -14,6 +14,7 @@ import pytest
 
 from rlhf_switch import problems as P
 from rlhf_switch.rl.config import ConfigError, ModelDims, RolloutLayout, TrainLayout, load_config
+from rlhf_switch.rl.data import load_splits
 
 from test_loop_inputs import config  # noqa: E402
 
@@ -160,6 +161,23 @@ def test_each_batch_rule_at_its_boundary():
         "eval.num_prompts=202 is more than task.num_heldout=200"]
     assert P.batch_problems(cfg(**{"sft.batch_size": 31})) == ["sft: batch_size=31 is not divisible by train.dp=2"]
     assert P.batch_problems(cfg(**{"sft.batch_size": 2, "eval.num_prompts": 200})) == []
+
+
+def test_eval_split_all_counts_the_train_prompts_too():
+    # grpo_tiny_fsdp: 200 held-out and 2000 train prompts
+    assert P.batch_problems(cfg(**{"eval.split": "all", "eval.num_prompts": 2200})) == []
+    assert P.batch_problems(cfg(**{"eval.split": "all", "eval.num_prompts": 2202})) == [
+        "eval.num_prompts=2202 is more than task.num_heldout + num_train = 2200 (eval.split: all)"]
+    c = cfg(**{"eval.split": "all", "eval.num_prompts": 5, "task.num_train": 4, "task.num_heldout": 2})
+    splits = load_splits(c)[0]
+    assert c.eval.samples(splits) == [*splits.heldout, *splits.train[:3]]
+    assert cfg(**{"eval.num_prompts": 2, "task.num_heldout": 3}).eval.samples(splits) == list(splits.heldout)
+
+
+def test_an_agent_runs_evaluation_is_any_number_of_episodes():
+    # episodes' turns go to the replicas in batches of any size: no divisibility by rollout.dp
+    assert P.batch_problems(cfg("agent_guess_tiny.yaml", **{"eval.num_prompts": 15})) == []
+    assert P.batch_problems(cfg("agent_guess_tiny.yaml", **{"eval.num_prompts": 63, "eval.split": "all"})) == []
 
 
 def test_the_critic_takes_the_actors_share():
@@ -688,6 +706,9 @@ def test_every_data_file_reads_and_some_prompts_fit(bpe, tmp_path):
     assert P.data_problems(data_cfg(bpe, num_heldout=16), bpe_dims()) == []
     assert P.data_problems(data_cfg(bpe, num_heldout=15), bpe_dims()) == [
         "eval.num_prompts=16 is more than the 15 held-out prompts data.heldout_files give"]
+    with_train = data_cfg(bpe, num_heldout=15)
+    with_train.eval.split = "all"
+    assert P.data_problems(with_train, bpe_dims()) == []
 
 
 # ------------------------------------------------------------------ rlhf-switch rm's own config

@@ -92,13 +92,13 @@ def turn_engines(loop, it: int):
 
 class EpisodeEvaluator:
     """The held-out greedy reward of an agent run: the first ``eval.num_prompts`` held-out samples
-    played as episodes at temperature 0, each scored by its environment (a failed one 0); the
+    (``eval.split: all``: then the train ones) played as episodes at temperature 0, each scored by its environment (a failed one 0); the
     last call's prompts and responses stay in ``prompts`` and ``responses`` (a reward model
     scores them too)."""
 
     def __init__(self, loop, source):
         self.loop, self.source = loop, source
-        self.samples = list(loop.splits.heldout[: loop.cfg.eval.num_prompts])
+        self.samples = loop.cfg.eval.samples(loop.splits)
         self.prompts, self.responses, self.calls = [], [], 0
 
     def __call__(self, cluster) -> float:

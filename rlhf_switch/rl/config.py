@@ -563,10 +563,18 @@ class CheckpointConfig(Strict):
 class EvalConfig(Strict):
     """Greedy decoding of the first ``num_prompts`` held-out prompts with the rollout engine,
     scored by the task's reward, before iteration 0, every ``every`` iterations and at the end
-    (``every: 0``: before and at the end only)."""
+    (``every: 0``: before and at the end only). ``split: all``: the first ``num_prompts`` of the
+    held-out prompts followed by the train ones (a task whose prompts are all alike, such as the
+    guessing game's, where held-out only means not trained on)."""
 
     every: int = Field(0, ge=0)
     num_prompts: int = Field(64, ge=1)
+    split: Literal["heldout", "all"] = "heldout"
+
+    def samples(self, splits) -> list:
+        """The samples evaluated, of ``splits`` (``rl.tasks.Splits``)."""
+        pool = list(splits.heldout) + (list(splits.train) if self.split == "all" else [])
+        return pool[: self.num_prompts]
 
 
 class ElasticEntry(Strict):
