@@ -566,10 +566,6 @@ def _agent(cfg: RunConfig, facts: Facts) -> list[str]:
     if a.max_turn_tokens is not None and a.max_turn_tokens > cfg.algorithm.max_new_tokens:
         problems.append(f"agent.max_turn_tokens: {a.max_turn_tokens} — more than algorithm.max_new_tokens="
                         f"{cfg.algorithm.max_new_tokens}, the whole episode's room")
-    if cfg.algorithm.off_policy is not None and cfg.algorithm.off_policy.segment_tokens:
-        problems.append(f"agent: partial rollout (algorithm.off_policy.segment_tokens: "
-                        f"{cfg.algorithm.off_policy.segment_tokens}) does not carry episodes yet; one step ahead "
-                        f"(max_staleness: 1 without segment_tokens) does")
     if cfg.data is not None and cfg.data.chat_template and not problems:
         from .agent.chat import ChatTemplateError
         from .agent.config import chat_prompt

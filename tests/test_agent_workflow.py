@@ -381,6 +381,60 @@ def test_a_failing_turn_stream_fails_the_workflow_with_its_error_not_hangs_it(ba
                      batching=batching)
 
 
+class Continuing:
+    """A batch engine that can continue a turn: a context ending in part of a guess gets the rest
+    of ``binary_search``'s guess (a prompt or an answer character ends the text it plays from).
+    Each call's tokens carry the call's number as their version."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, prompts, seeds, budgets, temperature, stops):
+        self.calls += 1
+        tokens = []
+        for p, b in zip(prompts, budgets):
+            text = TOK.decode(p)
+            cut = max(text.rfind(c) for c in "=<>x") + 1
+            tokens.append(TOK.encode(binary_search(text[:cut], 0)[len(text) - cut:])[:b])
+        return tokens, [[-0.5] * len(t) for t in tokens], [self.calls] * len(tokens)
+
+
+@pytest.mark.parametrize("batching", ["rounds", "continuous"])
+def test_partial_rollout_generates_a_turn_k_tokens_a_call_and_each_token_keeps_its_version(batching):
+    """``segment_tokens: 1``: every guess ("32," is three tokens) takes a call a token, each call's
+    context the turn so far; the games are the ones played a turn a call, and a turn's tokens
+    carry the versions of the calls that made them (a weight update between two is possible)."""
+    secrets = ["1", "32", "63", "17"]
+    requests = lambda tag: [episode_request("guess", {}, Sample("guess=", s), f"{tag}{i}", TOK)
+                            for i, s in enumerate(secrets)]
+    whole = run_workflow(Continuing(), LocalEnvPool(), requests("w"), TOK, guess.limits(64), [0, 1, 2, 3], 1.0)
+    engine = Continuing()
+    part = run_workflow(engine, LocalEnvPool(), requests("p"), TOK, guess.limits(64), [0, 1, 2, 3], 1.0,
+                        batching=batching, segment_tokens=1)
+    for a, b in zip(whole.episodes, part.episodes):
+        assert (a.ids, a.loss_mask, a.reward, a.turns, a.actions) == (b.ids, b.loss_mask, b.reward, b.turns, b.actions)
+        assert b.reward == 1.0
+    assert all(len(c.output) == 1 for c in part.calls)
+    assert len(part.calls) == sum(sum(b.loss_mask) for b in part.episodes) > len(whole.calls)
+    # a guess of three tokens came from three calls: three versions in one turn
+    e = part.episodes[2]
+    first_turn = [v for v, m in zip(e.versions, e.loss_mask) if m][:3]
+    assert len(TOK.decode([t for t, m in zip(e.response_ids, e.loss_mask) if m][:3])) == 3 and len(set(first_turn)) == 3
+    # each call numbered in its episode: call t of a game with turn_seed(seed, t)
+    for i in range(len(secrets)):
+        assert [c.turn for c in part.calls if c.episode == i] == list(range(sum(part.episodes[i].loss_mask)))
+    # a turn that reaches its budget without a stop id ends there, segmented or not
+    short = Limits(max_turns=3, max_total_tokens=40, max_context=64, max_turn_tokens=2)
+    w = run_workflow(Continuing(), LocalEnvPool(), requests("a"), TOK, short, [0, 1, 2, 3], 1.0)
+    p = run_workflow(Continuing(), LocalEnvPool(), requests("b"), TOK, short, [0, 1, 2, 3], 1.0, batching=batching,
+                     segment_tokens=1)
+    assert [e.ids for e in p.episodes] == [e.ids for e in w.episodes]
+    assert [e.finish_reason for e in p.episodes] == ["length"] * 4  # "32" of "32,"
+    assert [TOK.decode(e.response_ids) for e in p.episodes] == ["32"] * 4 and len(p.calls) == 8
+    with pytest.raises(ValueError, match="segment_tokens must be >= 0"):
+        run_workflow(engine, LocalEnvPool(), requests("n"), TOK, guess.limits(64), [0, 1, 2, 3], 1.0, segment_tokens=-1)
+
+
 def test_continuous_batching_sends_what_parked_while_a_batch_generated_as_one_batch():
     """Environments answering after different times: each batch holds every turn that parked while
     the one before was generating — never a turn alone while others wait — and no more than one

@@ -1133,16 +1133,16 @@ def test_agent_problems_each_with_its_words():
                     None) == []
 
 
-def test_agent_runs_one_step_ahead_but_not_partial_rollout():
+def test_agent_runs_one_step_ahead_and_with_partial_rollout():
     c = cfg("agent_guess_tiny.yaml", **{"algorithm.off_policy": {"max_staleness": 1}})
     assert P._agent(c, None) == []
     # where one step ahead runs is the off-policy check's: replicas of their own devices
     assert P._off_policy(c, None) == [
         "algorithm.off_policy.max_staleness: 1 — generation overlaps training only on rollout replicas of their own "
         "devices: rollout.mode: disaggregated with a replica engine (vllm); this run's rollout is torch, colocated"]
+    # partial rollout: each turn generated 4 tokens a call (agent.workflow)
     c = cfg("agent_guess_tiny.yaml", **{"algorithm.off_policy": {"max_staleness": 1, "segment_tokens": 4}})
-    assert P._agent(c, None) == ["agent: partial rollout (algorithm.off_policy.segment_tokens: 4) does not carry "
-                                 "episodes yet; one step ahead (max_staleness: 1 without segment_tokens) does"]
+    assert P._agent(c, None) == []
 
 
 def test_an_agent_runs_prompt_is_its_episodes_and_must_fit_the_context():

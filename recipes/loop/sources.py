@@ -221,9 +221,11 @@ class MultiTurn(Synchronous):
         from recipes.loop.workflow import turn_engines
         from rlhf_switch.agent.workflow import run_workflow
 
+        off = self.loop.cfg.algorithm.off_policy
         with turn_engines(self.loop, it) as engines:
             return run_workflow(engines, self.pool, self.requests(samples, tag), self.codec, self.limits, seeds,
-                                temperature, self.loop.cfg.agent.turn_batching)
+                                temperature, self.loop.cfg.agent.turn_batching,
+                                segment_tokens=off.segment_tokens if off is not None else 0)
 
     def generate(self, it: int, drawn: list, draw: int = 0) -> Experience:
         loop, alg = self.loop, self.loop.cfg.algorithm

@@ -27,7 +27,14 @@ stop there (the run's vLLM and torch engines do). The batcher still cuts each an
 first stop id, so a generator that does not stop (a test's scripted one, a greedy evaluator) gives
 the same episode: the tokens kept are exactly those an engine that stopped there produces, since a
 token is sampled from the ones before it and the sample's own seed, never from the ones after. Turn 0 is generated with the sample's own seed (a one-turn workflow is the
-single-turn rollout, token for token); turn ``t`` with ``turn_seed(seed, t)``.
+single-turn rollout, token for token); its call ``t`` (a turn, or with ``segment_tokens`` a segment
+of one) with ``turn_seed(seed, t)``.
+
+**Partial rollout** (``segment_tokens`` K > 0): a turn is generated K tokens a call; a call that
+ends neither at a stop id nor at the turn's budget is followed by one whose context is the
+turn's tokens so far, appended (its seed the next call number's). A weight update can land
+between two calls (an agent run K steps ahead syncs between calls), so one turn's tokens may
+carry several versions, each token its own.
 
 Token exactness is checked, not assumed (``check_tokens``): the batcher records every call's
 context (its length and a digest of its ids) and the ids it returned; every episode's final
@@ -127,6 +134,7 @@ class TurnBatcher:
     temperature: float
     live: int = 0
     continuous: bool = False  # batching "continuous": send whenever no batch is generating (module docstring)
+    segment_tokens: int = 0  # > 0: a turn generated this many tokens a call (partial rollout)
     calls: list[TurnCall] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)  # the size of each batch sent
     past_stop: int = 0  # tokens the engines returned after a turn's first stop id (cut)
@@ -135,12 +143,25 @@ class TurnBatcher:
     _flushing: bool = False
 
     def generate_for(self, episode: int):
-        """The ``generate`` function of episode ``episode`` (its seeds are ``seeds[episode]``'s)."""
-        async def generate(ids: list[int], budget: int, stops: frozenset) -> Generated:
+        """The ``generate`` function of episode ``episode`` (its seeds are ``seeds[episode]``'s);
+        with ``segment_tokens`` K, a turn is generated K tokens a call (module docstring)."""
+        async def call(ids: list[int], budget: int, stops: frozenset) -> Generated:
             fut = asyncio.get_running_loop().create_future()
             self._parked.append((episode, list(ids), budget, stops, fut))
             self._maybe_flush()
             return await fut
+
+        async def generate(ids: list[int], budget: int, stops: frozenset) -> Generated:
+            if not self.segment_tokens:
+                return await call(ids, budget, stops)
+            tokens, logprobs, versions = [], [], []
+            while True:  # the turn so far is the next segment's context: appended, never re-tokenized
+                g = await call(list(ids) + tokens, min(self.segment_tokens, budget - len(tokens)), stops)
+                tokens += g.token_ids
+                logprobs += g.logprobs
+                versions += g.versions
+                if tokens[-1] in stops or len(tokens) >= budget:
+                    return Generated(tokens, logprobs, versions)
         return generate
 
     def episode_done(self) -> None:
@@ -229,13 +250,17 @@ BATCHING = ("rounds", "continuous")
 
 
 def run_workflow(generate_batch: GenerateBatch, pool: Any, requests: Sequence[EpisodeRequest], codec: Any,
-                 limits: Limits, seeds: Sequence[int], temperature: float, batching: str = "rounds") -> WorkflowResult:
+                 limits: Limits, seeds: Sequence[int], temperature: float, batching: str = "rounds",
+                 segment_tokens: int = 0) -> WorkflowResult:
     """Every request's episode, the turns of all of them batched ``batching``'s way (module
-    docstring), checked for token exactness (``check_tokens``)."""
+    docstring), each turn ``segment_tokens`` tokens a call when > 0 (partial rollout), checked for
+    token exactness (``check_tokens``)."""
     if batching not in BATCHING:
         raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+    if segment_tokens < 0:
+        raise ValueError(f"segment_tokens must be >= 0, got {segment_tokens}")
     batcher = TurnBatcher(generate_batch, list(seeds), temperature, live=len(requests),
-                          continuous=batching == "continuous")
+                          continuous=batching == "continuous", segment_tokens=segment_tokens)
 
     async def one(i: int, r: EpisodeRequest) -> Episode:
         try:

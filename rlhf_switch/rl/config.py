@@ -327,7 +327,8 @@ class OffPolicy(Strict):
     ``segment_tokens`` K > 0: partial rollout — the batch in flight is generated K tokens at a
     time while the trainer trains; the update landing interrupts it, and its unfinished samples
     continue with the new weights after the next sync (each token records the version it was
-    generated with). 0: each sample in one request."""
+    generated with); in an agent run each model turn is generated K tokens a call (a sync may land
+    between two: ``agent.workflow``). 0: each sample in one request."""
 
     max_staleness: int = Field(1, ge=0)
     correction: Literal["tis", "icepop", "seq_tis", "seq_mask", "none"] | None = None
