@@ -74,10 +74,15 @@ def test_multi_turn_episodes_train_on_exactly_the_models_tokens(ray_session, tmp
     rollouts = [json.loads(line) for line in (tmp_path / "game" / "rollouts.jsonl").read_text().splitlines()]
     assert any(">" in t or "<" in t or "x" in t for t in rollouts[0]["response_texts"])  # the environment's answers
 
-    # half the samples' environment raises: they end with env_error and train on nothing
+    # half the samples' environment raises: they end with env_error and train on nothing. With
+    # LoRA (the torch engine applies the adapters the channel moves): the engines' tokens and
+    # log-probs are the adapted model's, which the stale-weights check compares
     shutil.copytree(init, tmp_path / "odd" / "init")
     bad = config(tmp_path / "odd", env="agent_envs:GuessFailsOnOdd", failed_samples="exclude")
-    recs = records(run(bad, iterations=1, quiet=True))
+    bad["model"]["lora"] = {"r": 8, "alpha": 16, "sync": "adapters"}
+    recs = records(run(bad, iterations=2, quiet=True))
+    assert all(r["weights_synced"] == "adapters" for r in recs)
+    assert recs[1]["stale_check_passed"] and recs[1]["stale_check_tokens"] > 0  # after an update of the adapters
     a = recs[0]["agent"]
     assert 0.0 < a["finish/env_error"] < 1.0 and recs[0]["stale_check_passed"]
     assert math.isfinite(recs[0]["policy_loss"])
