@@ -6,8 +6,11 @@ Ray workers. Two short runs from one warm start:
   token-exactness check of every sample passes (the run would stop otherwise), the stale-weights
   check compares exactly the model's tokens (the environment's carry no loss and are not
   checked), the record says what the episodes did;
-- an environment that raises on half the samples, with ``failed_samples: exclude``: those
-  samples end with ``env_error`` and carry no token into the loss, the run finishes.
+- an environment that raises on half the samples, with ``failed_samples: exclude`` (and LoRA):
+  those samples end with ``env_error`` and carry no token into the loss, the run finishes.
+
+Then a chat model's episodes, the game two steps ahead on vLLM replicas, and the game on a replica
+lent the trainer's device.
 """
 from __future__ import annotations
 
@@ -166,3 +169,28 @@ def test_episodes_two_steps_ahead_on_disaggregated_vllm_replicas(ray_session, tm
     rollouts = [json.loads(line) for line in (tmp_path / "ahead" / "rollouts.jsonl").read_text().splitlines()]
     versions = [set(r["weight_versions"]) for r in rollouts]
     assert versions[:2] == [{0}, {0}] and 0 in versions[2] <= {0, 1, 2} and 1 in versions[3] <= {1, 2}, versions
+
+
+@pytest.mark.vllm
+def test_episodes_on_a_replica_lent_the_trainers_device(ray_session, tmp_path):
+    """``elastic.lend: rollout`` in an agent run (one trainer rank, one vLLM replica of its own and
+    one on the trainer's device, lent every iteration): every episode's turns go into the turn
+    queue both replicas pull from, the lent one synced like the other (the stale-weights check
+    passes on the model's tokens after an update)."""
+    from recipes.common import warm_start
+    from recipes.train import run
+    from rlhf_switch.rl.config import load_config
+
+    cfg = config(tmp_path / "lend", turn_batching="continuous")
+    cfg.update(world_size=1, elastic={"lend": "rollout"})
+    for block in ("train", "reference"):
+        cfg[block]["dp"] = 1
+    cfg["rollout"] = {"engine": "vllm", "tp": 1, "pp": 1, "dp": 1, "mode": "disaggregated", "pull_prompts": 2}
+    warm_start(load_config(cfg), tmp_path / "lend" / "init", quiet=True)
+    recs = records(run(cfg, iterations=2, quiet=True))
+    for r in recs:
+        assert r["lend"]["lent"] and r["lend"]["replicas"] == 2, r["lend"]
+        assert r["stale_check_passed"] and r["stale_check_tokens"] == r["agent"]["model_tokens"] > 0
+        assert r["agent"]["tokens_past_stop"] == 0
+        # both replicas generated: the lent one's seconds are counted too
+        assert set(r["replica_idle_share"]) == {"0", "1"}, r["replica_idle_share"]
