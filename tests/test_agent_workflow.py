@@ -431,6 +431,13 @@ def test_partial_rollout_generates_a_turn_k_tokens_a_call_and_each_token_keeps_i
     assert [e.ids for e in p.episodes] == [e.ids for e in w.episodes]
     assert [e.finish_reason for e in p.episodes] == ["length"] * 4  # "32" of "32,"
     assert [TOK.decode(e.response_ids) for e in p.episodes] == ["32"] * 4 and len(p.calls) == 8
+    # segments of 2 in a turn of 3 that never stops: 2 tokens, then the 1 left (never more)
+    three = Limits(max_turns=1, max_total_tokens=40, max_context=64, max_turn_tokens=3)
+    nines = Scripted(lambda text, seed: "9999")
+    p = run_workflow(nines, LocalEnvPool(), requests("c")[:1], TOK, three, [0], 1.0, batching=batching,
+                     segment_tokens=2)
+    assert TOK.decode(p.episodes[0].response_ids) == "999" and p.episodes[0].finish_reason == "length"
+    assert [b[2] for b in nines.batches] == [[2], [1]]
     with pytest.raises(ValueError, match="segment_tokens must be >= 0"):
         run_workflow(engine, LocalEnvPool(), requests("n"), TOK, guess.limits(64), [0, 1, 2, 3], 1.0, segment_tokens=-1)
 
