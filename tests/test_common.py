@@ -245,7 +245,9 @@ def test_the_evaluator_decodes_greedy_responses_of_the_first_heldout_prompts_and
 
     tok = CharTokenizer()
     heldout = (Sample("1+1=", "2"), Sample("2+2=", "4"), Sample("3+3=", "6"))
-    cfg = SimpleNamespace(eval=SimpleNamespace(num_prompts=2), algorithm=SimpleNamespace(max_new_tokens=3))
+    from rlhf_switch.rl.config import EvalConfig
+
+    cfg = SimpleNamespace(eval=EvalConfig(num_prompts=2), algorithm=SimpleNamespace(max_new_tokens=3))
     seen = []
 
     def reward(prompts, responses, answers):
@@ -264,6 +266,11 @@ def test_the_evaluator_decodes_greedy_responses_of_the_first_heldout_prompts_and
     assert ev.responses == [tok.encode("2", add_eos=True), tok.encode("5", add_eos=True)]
     with pytest.raises(ValueError, match="with max_new_tokens=3"):  # a prompt the context cannot take
         Evaluator(cfg, SimpleNamespace(heldout=heldout), tok, reward, max_ctx=7)
+    # eval.split: all — the held-out prompts, then the train ones
+    train = (Sample("4+4=", "8"), Sample("5+5=", "10"))
+    splits = SimpleNamespace(heldout=heldout, train=train)
+    assert EvalConfig(num_prompts=4, split="all").samples(splits) == list(heldout) + [train[0]]
+    assert EvalConfig(num_prompts=4).samples(splits) == list(heldout)
 
 
 def test_the_run_config_is_written_as_the_run_follows_it(tmp_path):
