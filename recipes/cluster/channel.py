@@ -87,10 +87,7 @@ class ChannelMixin:
             if dead and len(dead) < len(self.replicas) and all(n.startswith("rollout replica") for n in failure.lost):
                 # only rollout replicas died: the run goes on with the others, and this sync again
                 # fills them whole (the failed move may have written a part of their weights)
-                t1 = time.perf_counter()
-                names = self.drop_replicas(dead)
-                self.replica_events.append({"lost": names, "requeued_prompts": 0, "replicas_left": len(self.replicas),
-                                            "seconds": time.perf_counter() - t1, "during": "sync"})
+                self.drop_lost(dead, 0, during="sync")
                 return self.sync(version)
             raise failure from e
         seconds = time.perf_counter() - t0

@@ -368,10 +368,7 @@ class ReplicasMixin:
                 self._send_chunk(gen, replica)
         self.rollout_time.add(time.perf_counter() - gen.t0, got)
         if dead:
-            t0 = time.perf_counter()
-            names = self.drop_replicas(dead)
-            self.replica_events.append({"lost": names, "requeued_prompts": requeued, "replicas_left": len(self.replicas),
-                                        "seconds": time.perf_counter() - t0})
+            self.drop_lost(dead, requeued)
         return results
 
 
@@ -480,6 +477,15 @@ class ReplicasMixin:
             except (ActorDiedError, RayActorError):
                 dead.append(a)
         return dead
+
+
+    def drop_lost(self, dead: Sequence, requeued: int, **event) -> None:
+        """``drop_replicas(dead)``, recorded in ``replica_events`` (how many prompts the others
+        generate again, the replicas left, the seconds the drop took; ``event``: more fields)."""
+        t0 = time.perf_counter()
+        names = self.drop_replicas(dead)
+        self.replica_events.append({"lost": names, "requeued_prompts": requeued, "replicas_left": len(self.replicas),
+                                    "seconds": time.perf_counter() - t0, **event})
 
 
     def drop_replicas(self, dead: Sequence) -> list[str]:

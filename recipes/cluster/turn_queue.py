@@ -1,7 +1,7 @@
 """One queue of turns the rollout replicas pull from: an agent run's turns with
 ``agent.turn_batching: continuous`` and ``rollout.pull_prompts: N`` (``agent.workflow.TurnStream``).
 
-    queue = TurnQueue(cluster, n)
+    queue = TurnQueue(cluster, n, version)   # version: what a turn records where the engine keeps none
     futures = queue.submit(prompts, seeds, budgets, temperature, stops)  # at any time, from any thread
     ...                  # each future: (tokens, logprobs, version) as soon as its chunk is back
     queue.close()        # replicas that died leave the run; their generating seconds are recorded
@@ -54,10 +54,11 @@ class TurnQueue:
     """Turns pulled by ``cluster``'s generating replicas in chunks of up to ``chunk`` (module
     docstring)."""
 
-    def __init__(self, cluster, chunk: int):
+    def __init__(self, cluster, chunk: int, version: int | None = None):
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.cluster, self.chunk = cluster, chunk
+        self.version = version  # a turn's version where the engine keeps none (the driver's iteration)
         self.replicas = list(cluster.generating())
         if not self.replicas:
             raise RuntimeError("no rollout replica is left to generate with")
@@ -99,14 +100,9 @@ class TurnQueue:
                 self._pending.popleft().future.set_exception(RuntimeError("the turn queue was closed first"))
             self._cond.notify()
         self._thread.join()
-        cluster = self.cluster
-        cluster.rollout_time.add(self._wall_s, self._got)
+        self.cluster.rollout_time.add(self._wall_s, self._got)
         if self._dead:
-            t0 = time.perf_counter()
-            names = cluster.drop_replicas(self._dead)
-            cluster.replica_events.append({"lost": names, "requeued_prompts": self._requeued,
-                                           "replicas_left": len(cluster.replicas),
-                                           "seconds": time.perf_counter() - t0})
+            self.cluster.drop_lost(self._dead, self._requeued)
 
     def __enter__(self):
         return self
@@ -195,7 +191,7 @@ class TurnQueue:
             return
         with self._cond:
             self._got.append(g)
-        version = g.get("version")
+        version = self.version if g.get("version") is None else g["version"]
         for t, toks, lps in zip(chunk, g["tokens"], g["logprobs"]):
             t.future.set_result((toks, lps, version))
 

@@ -48,34 +48,18 @@ class ReplicaTurns:
         from recipes.cluster.turn_queue import TurnQueue
 
         self.loop, self.it = loop, it
-        self.queue = TurnQueue(loop.cluster, loop.cfg.rollout.pull_prompts)
+        self.queue = TurnQueue(loop.cluster, loop.cfg.rollout.pull_prompts, version=it)
 
     def submit(self, prompts, seeds, budgets, temperature, stops) -> list:
         futures = self.queue.submit(prompts, seeds, budgets, temperature, stops)
         self.loop.faults.generate_hook_for(self.it, self.loop.cluster)
-        return [_version_or(f, self.it) for f in futures]
+        return futures
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.queue.close()
-
-
-def _version_or(future, it: int):
-    """``future``'s (tokens, logprobs, version), the version ``it`` where the engine keeps none."""
-    from concurrent.futures import Future
-
-    out = Future()
-
-    def done(f):
-        if f.exception() is not None:
-            out.set_exception(f.exception())
-        else:
-            tokens, logprobs, version = f.result()
-            out.set_result((tokens, logprobs, it if version is None else version))
-    future.add_done_callback(done)
-    return out
 
 
 def turn_engines(loop, it: int):
