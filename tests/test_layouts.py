@@ -1856,3 +1856,23 @@ def test_vllm_row_split_of_a_3d_tensor_by_hand():
     lay = vllm_layout(spec, 2)
     assert [[f.box for f in lay.fragments(w)] for w in range(2)] == [[Box((0, 0, 0), (2, 2, 3))],
                                                                        [Box((0, 2, 0), (2, 4, 3))]]
+
+
+def test_vllm_tp_check_messages_and_kv_heads_shared_above_their_count():
+    """``check_vllm_tp`` by hand. At TP 4 over one KV head of 6 rows, k and v are not split (each
+    worker holds the head whole), so rows that TP does not divide are accepted; at TP 2 over three
+    KV heads of 5 rows they are split and named with the head count; a padded vocabulary TP does not
+    divide is named at its padded size; every factor in one message, comma-separated."""
+    lay = vllm_layout(tiny(num_attention_heads=4, num_key_value_heads=1, hidden_size=24, num_hidden_layers=1).spec, 4)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert [[f.box for f in lay.fragments(w) if f.key.tensor == k] for w in range(4)] == [[Box((0, 0), (6, 24))]] * 4
+    with pytest.raises(LayoutError) as e:
+        vllm_layout(tiny(num_attention_heads=6, num_key_value_heads=3, hidden_size=30, num_hidden_layers=1).spec, 2)
+    assert str(e.value) == ("vLLM cannot run 'llama' at TP=2: it does not divide num_key_value_heads=3, "
+                            "model.layers.0.self_attn.k_proj.weight dim 0=15, "
+                            "model.layers.0.self_attn.v_proj.weight dim 0=15")
+    with pytest.raises(LayoutError) as e:
+        vllm_layout(tiny(num_attention_heads=6, num_key_value_heads=3, hidden_size=24, intermediate_size=18,
+                         num_hidden_layers=1).spec, 3)
+    assert str(e.value) == ("vLLM cannot run 'llama' at TP=3: it does not divide "
+                            "model.embed_tokens.weight padded vocab=64, lm_head.weight padded vocab=64")

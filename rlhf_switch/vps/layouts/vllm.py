@@ -221,7 +221,7 @@ class Workers:
                 put(t, f"{PARAM}/{t.name}", 0, (0, per, t.shape[0]), per, dtype or t.dtype)
                 self.buffers[f"{PARAM}/{t.name}"] = BufferSpec(per * prod(t.shape[1:]), dtype or t.dtype)
             else:
-                split = ("whole",) if t.tp == "replicate" or tp == 1 else _tp_split(t, tp)
+                split = _tp_split(t, tp)
                 put(t, f"{PARAM}/{t.name}", 0, split, _local_shape(t, split)[0], dtype or t.dtype)
                 self.buffers[f"{PARAM}/{t.name}"] = BufferSpec(prod(_local_shape(t, split)), dtype or t.dtype)
 
@@ -315,11 +315,10 @@ def _tp_split(t: TensorSpec, tp: int) -> tuple:
 
 
 def _local_shape(t: TensorSpec, split: tuple) -> tuple[int, ...]:
-    """The shape of the worker's share of ``t`` under ``split`` (``(dim, size, rows)`` or whole)."""
+    """The shape of the worker's share of ``t`` under ``split`` (``(dim, size, rows)`` or whole; a
+    shared KV head's split never comes here: its rows are the head's, set where it is placed)."""
     if split[0] == "whole":
         return t.shape
-    if split[0] == "head":
-        return (split[1],) + t.shape[1:]
     dim, size = split[0], split[1]
     return t.shape[:dim] + (size,) + t.shape[dim + 1:]
 
