@@ -671,7 +671,14 @@ def test_a_data_runs_tokenizer_fits_the_model(bpe, tmp_path):
     assert P.data_problems(data_cfg(bpe), None) == []  # the model's config does not read: only the data
     found = P.data_problems(data_cfg(tmp_path), bpe_dims())
     assert len(found) == 1 and found[0].startswith("model.tokenizer: "), found
-    plain = tmp_path / "plain"
+    plain = without_chat_template(bpe, tmp_path / "plain")
+    assert P.data_problems(data_cfg(plain), bpe_dims()) == [
+        f"data.chat_template: the tokenizer at {plain} has no chat template"]
+    assert P.data_problems(data_cfg(plain, chat_template=False), bpe_dims()) == []
+
+
+def without_chat_template(bpe: Path, plain: Path) -> Path:
+    """A copy of the BPE tokenizer at ``plain`` without its chat template."""
     plain.mkdir()
     for f in bpe.iterdir():
         if f.name != "chat_template.jinja":
@@ -679,9 +686,37 @@ def test_a_data_runs_tokenizer_fits_the_model(bpe, tmp_path):
     cfg_json = json.loads((plain / "tokenizer_config.json").read_text())
     cfg_json.pop("chat_template", None)
     (plain / "tokenizer_config.json").write_text(json.dumps(cfg_json))
-    assert P.data_problems(data_cfg(plain), bpe_dims()) == [
-        f"data.chat_template: the tokenizer at {plain} has no chat template"]
-    assert P.data_problems(data_cfg(plain, chat_template=False), bpe_dims()) == []
+    return plain
+
+
+def test_a_data_run_without_model_tokenizer_names_model_path_for_its_tokenizer(tmp_path):
+    c = raw(**{"algorithm.max_new_tokens": 24, "eval.num_prompts": 16, "sft": None})
+    del c["task"]
+    c["model"].pop("hf_config")
+    c["model"].pop("tokenizer", None)
+    c["model"]["path"] = str(tmp_path)
+    c["data"] = {"train_files": [str(DATA / "train.jsonl")], "heldout_files": [str(DATA / "test.jsonl")]}
+    assert P.data_problems(load_config(c), bpe_dims()) == [
+        f"model.path: no tokenizer in {tmp_path} (no tokenizer.json / tokenizer_config.json)"]
+
+
+def test_an_agent_data_runs_prompts_are_measured_as_its_first_turn_renders_them(bpe):
+    """An agent run with a chat template starts each episode from the template's first turn with
+    ``agent.system`` and the tools: the length check counts all of it. A long system message leaves
+    no prompt within 36 tokens; without it they fit."""
+    def agent_data_cfg(**agent):
+        c = raw(**{"algorithm.max_new_tokens": 512 - 36, "eval.num_prompts": 16, "sft": None})
+        del c["task"]
+        c["model"]["tokenizer"] = str(bpe)
+        c["data"] = {"train_files": [str(DATA / "train.jsonl")], "heldout_files": [str(DATA / "test.jsonl")],
+                     "chat_template": True}
+        c["agent"] = {"env": "agent_envs:ChatCalc", "max_turns": 3, **agent}
+        return load_config(c)
+
+    assert P.data_problems(agent_data_cfg(), bpe_dims()) == []
+    assert P.data_problems(agent_data_cfg(system="You add numbers. " * 10), bpe_dims()) == [
+        "data.train_files: all 2000 prompts are longer than 36 tokens after rendering and tokenizing "
+        "(data.max_prompt_tokens, or the context minus algorithm.max_new_tokens)"]
 
 
 def test_every_data_file_reads_and_some_prompts_fit(bpe, tmp_path):
@@ -709,6 +744,10 @@ def test_every_data_file_reads_and_some_prompts_fit(bpe, tmp_path):
     with_train = data_cfg(bpe, num_heldout=15)
     with_train.eval.split = "all"
     assert P.data_problems(with_train, bpe_dims()) == []
+    with_train.eval.num_prompts = 2016
+    assert P.data_problems(with_train, bpe_dims()) == [
+        "eval.num_prompts=2016 is more than the 2015 held-out and train prompts data.heldout_files and "
+        "train_files give"]
 
 
 # ------------------------------------------------------------------ rlhf-switch rm's own config
@@ -766,6 +805,10 @@ def test_a_reward_model_runs_tokenizer_and_preference_files(tmp_path, bpe):
     assert len(found) == 3 and found[2].startswith("model.tokenizer: "), found
     assert P.reward_training_problems(rm(**{"model.tokenizer": str(bpe), "model.hf_config.vocab_size": 384,
                                            "data.chat_template": True}), cuda_available=False) == []
+    plain = without_chat_template(bpe, tmp_path / "plain")
+    assert P.reward_training_problems(rm(**{"model.tokenizer": str(plain), "model.hf_config.vocab_size": 384,
+                                           "data.chat_template": True}), cuda_available=False) == [
+        f"data.chat_template: the tokenizer at {plain} has no chat template"]
     nokey = tmp_path / "nokey.jsonl"
     nokey.write_text('{"prompt": "a", "better": "1", "rejected": "2"}\n')
     c = rm(**{"data.train_files": [str(PREFS / "train.jsonl"), str(nokey)], "data.heldout_files": [str(nokey)]})
