@@ -567,3 +567,24 @@ def test_planning_a_rank_costs_the_same_for_any_number_of_like_layers(monkeypatc
             monkeypatch.undo()
             counts.setdefault(i, []).append(viewed.calls)
     assert all(two == six > 0 for two, six in counts.values()), counts
+
+
+@pytest.mark.parametrize("ranks_per_node", [None, 4])
+def test_a_sender_ships_from_its_own_copy_where_holders_keep_a_box_at_different_offsets(ranks_per_node):
+    """Ranks 0-2 each hold all of ``a`` at a different offset of their buffer (4·rank); ranks 3-7
+    want it (with 4 ranks a node, rank 3 shares a node with the holders). Every rank's own plan
+    sends from its own copy (the offset of the rank that sends), and the per-rank plans are the
+    global plan's transfers."""
+    from rlhf_switch.vps import BufferSpec, Fragment, Layout, StateKey, Box, synthetic_spec
+
+    spec = synthetic_spec([("a", (4,), "float32", "replicate")])
+    k, buf, whole = StateKey("a"), "param/a", Box((0,), (4,))
+    src = Layout(spec, [[Fragment(k, whole, buf, 4 * r, (1,))] if r < 3 else [] for r in range(8)],
+                 [{buf: BufferSpec(12, "float32")} if r < 3 else {} for r in range(8)], name="offsets")
+    dst = Layout(spec, [[Fragment(k, whole, buf, 0, (1,))] if r >= 3 else [] for r in range(8)],
+                 [{buf: BufferSpec(4, "float32")} if r >= 3 else {} for r in range(8)], name="wanted")
+    sends = [t for r in range(8) for t in plan_rank(src, dst, r, ranks_per_node).sends]
+    assert sorted(t.dst for t in sends) == [3, 4, 5, 6, 7]
+    assert all(t.src_offset == 4 * t.src and t.dst_offset == 0 for t in sends), sends
+    assert sorted(sends) == sorted(t for t in plan_transition(src, dst, ranks_per_node).transfers if t.src != t.dst)
+    assert len({t.src for t in sends}) > 1  # the requesters are spread over the holders

@@ -642,8 +642,6 @@ def _send(key: StateKey, src: Layout, dst: Layout, rank: int, ranks_per_node: in
                                bisect_left(remote, (node + 1) * ranks_per_node, key=_first)):
                     if ranks[close[(i + rot) % len(close)]] == rank:
                         chosen.append(i)
-            if len(chosen) > 1 and (len(mine) > 1 or near is not None):
-                chosen.sort()
             sview = None
             dviews = {}  # replicas share their fragment: one view each
             for i in chosen:
@@ -727,8 +725,6 @@ def _ship(key: StateKey, dst: Layout, rank: int, ranks_per_node: int | None, sfr
                            bisect_left(remote, (node + 1) * ranks_per_node, key=_first)):
                 if (i + rot) % c in picks:
                     chosen.append(i)
-        if len(chosen) > 1 and (len(mine) > 1 or near is not None):
-            chosen.sort()
         spos = soff + sdelta
         at = {}  # destination fragment -> (buffer, offset) of this key there
         for i in chosen:
