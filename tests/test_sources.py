@@ -11,6 +11,7 @@ The engine counts on in digits from the prompt's last one, then eos (id 2), 4 to
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -87,6 +88,9 @@ def test_staleness_is_checked_against_the_bound_exactly():
     assert str(e.value).startswith("iteration 5: 2 samples were generated with weights of version 2, more than "
                                    "algorithm.off_policy.max_staleness=1 behind the trainer's 5:")
     assert check_staleness(7, batch([5], [6], [7]), 2) is not None  # K steps ahead: 7 - 5 == 2
+    with pytest.raises(StaleWeightsError, match="iteration 2: 1 samples .* version 0, "):
+        check_staleness(2, batch([1], [0, 2]), 1)  # version 0 is a version like any other
+    assert check_staleness(1, batch([0], [1]), 1) is not None
 
 
 def test_a_sample_without_generated_tokens_is_not_stale():
@@ -105,7 +109,9 @@ def test_synchronous_generates_each_batch_after_the_sync():
     assert type(src) is Synchronous and src.max_staleness == 0
     assert src.take(2) is None and src.stands_by()
     loop.cluster.sync(2)
+    t0 = time.perf_counter()
     exp = src.generate(2, [Sample("3+6=", "9"), Sample("6+1=", "7")])
+    took = time.perf_counter() - t0
     assert loop.cluster.calls == [{
         "prompts": [enc("3+6=")] * 2 + [enc("6+1=")] * 2, "seeds": [2 * SEEDS + i for i in range(4)],
         "max_new_tokens": 4, "temperature": 0.7, "stop_ids": (), "pull": True}]
@@ -116,7 +122,7 @@ def test_synchronous_generates_each_batch_after_the_sync():
     assert [s.source.answer for s in exp.samples] == ["9", "9", "7", "7"]
     assert exp.column("versions") == [[2] * 4] * 4 and exp.column("logprobs") == [[-3.0] * 4] * 4
     assert exp.column("loss_mask") == [[1] * 4] * 4
-    assert exp.gen_seconds > 0
+    assert 0 < exp.gen_seconds <= took  # the generation's own span
     # the finishing steps do nothing; the update runs alone
     assert src.finish(exp) is None and src.ahead(2) is None and src.during_update([]) is None
     assert src.close() is None and exp.column("versions") == [[2] * 4] * 4 and len(loop.cluster.calls) == 1
@@ -287,3 +293,172 @@ def test_rollout_source_by_config():
     assert type(rollout_source(Loop(config(max_staleness=1)))) is OneStepAhead
     assert type(rollout_source(Loop(config(max_staleness=1, segment_tokens=4)))) is Partial
     assert MultiTurn.__mro__[1] is Synchronous
+
+
+# --- MultiTurn ----------------------------------------------------------------------------------------
+# an agent run over the same prompts, the environments in this process: agent_envs:Numbers asks for
+# one number (reward 1 for digits), so an episode is one model turn: 1+2= -> 3456 runs out of its 4
+# tokens ("length", reward 0), 2+8= -> 9<eos> ends at the eos ("stop", reward 1)
+def agent_config(max_staleness=None, segment_tokens=0, **agent):
+    from rlhf_switch.rl.config import load_config
+
+    cfg = yaml.safe_load((CONFIGS / "grpo_tiny_async.yaml").read_text())
+    off = None if max_staleness is None else {"max_staleness": max_staleness, "segment_tokens": segment_tokens}
+    cfg["algorithm"].update(prompts_per_iteration=2, group_size=2, max_new_tokens=4, temperature=0.7,
+                            mini_batch_size=4, micro_batch_size=2, off_policy=off)
+    cfg["agent"] = {"env": "agent_envs:Numbers", "env_kwargs": {"turns": 1}, "max_turns": 2,
+                    "pool": {"in_process": True}, **agent}
+    return load_config(cfg)
+
+
+def test_multi_turn_plays_each_sample_as_an_episode():
+    loop = Loop(agent_config())
+    src = rollout_source(loop)
+    assert type(src) is MultiTurn and src.max_staleness == 0 and src.codec is loop.tok
+    assert src.limits.max_turns == 2 and src.limits.max_total_tokens == 4 and src.limits.max_context == 64
+    assert src.take(3) is None and src.stands_by()
+    src.ahead(3)  # synchronous: nothing ahead
+    assert src.in_flight == {} and src._ahead is None and loop.cluster.calls == []
+    loop.cluster.sync(3)
+    t0 = time.perf_counter()
+    exp = src.generate(3, [Sample("1+2=", "3"), Sample("2+8=", "10")], draw=1)
+    took = time.perf_counter() - t0
+    assert loop.cluster.calls == [{
+        "prompts": [enc("1+2=")] * 2 + [enc("2+8=")] * 2, "seeds": [3 * SEEDS + 4 + i for i in range(4)],
+        "max_new_tokens": 4, "temperature": 0.7, "stop_ids": (EOS,), "pull": True}]
+    assert loop.hooked == [(3, True)]
+    assert exp.column("prompt") == [enc("1+2=")] * 2 + [enc("2+8=")] * 2
+    assert exp.column("seed") == [3 * SEEDS + 4 + i for i in range(4)] and exp.column("group") == [0, 0, 1, 1]
+    assert [s.source.answer for s in exp.samples] == ["3", "3", "10", "10"]
+    assert exp.column("response") == [resp("3456")] * 2 + [resp("9e")] * 2
+    assert exp.column("versions") == [[3] * 4] * 2 + [[3, 3]] * 2
+    assert exp.column("logprobs") == [[-4.0] * 4] * 2 + [[-4.0] * 2] * 2
+    assert exp.column("loss_mask") == [[1] * 4] * 2 + [[1, 1]] * 2
+    assert exp.column("env_reward") == [0.0, 0.0, 1.0, 1.0]
+    assert exp.column("finish_reason") == ["length", "length", "stop", "stop"]
+    assert [s.episode.session for s in exp.samples] == [f"it3.1-{i}" for i in range(4)]
+    assert exp.turn_batches == [4] and exp.tokens_past_stop == 0 and 0 < exp.gen_seconds <= took
+    src.close()
+
+
+def test_multi_turn_failed_episodes_zero_or_excluded():
+    for failed, mask in (("zero", [1, 1]), ("exclude", [0, 0])):
+        loop = Loop(agent_config(env="agent_envs:Raises", env_kwargs={}, failed_samples=failed))
+        loop.cluster.sync(0)
+        src = rollout_source(loop)
+        exp = src.generate(0, [Sample("2+8=", "10")])
+        assert exp.column("response") == [resp("9e")] * 2 and exp.column("versions") == [[0, 0]] * 2
+        assert exp.column("finish_reason") == ["env_error"] * 2 and exp.column("env_reward") == [0.0, 0.0]
+        assert exp.column("loss_mask") == [mask] * 2, failed
+        src.close()
+
+
+def test_multi_turn_an_episode_failed_at_reset_has_no_version_and_is_not_stale():
+    loop = Loop(agent_config(max_staleness=1, env="agent_envs:BadReset", env_kwargs={}), last=3)
+    loop.cluster.sync(1)
+    src = rollout_source(loop)
+    src.ahead(1)
+    exp = src.take(2)
+    assert exp.column("response") == [[]] * 4 and exp.column("versions") == [[]] * 4
+    assert [s.version for s in exp.samples] == [-1] * 4 and exp.column("finish_reason") == ["env_error"] * 4
+    src.close()
+
+
+def test_multi_turn_k_steps_ahead():
+    """``max_staleness: 2``: after iteration 0 the episodes of iterations 1 and 2 are played, then
+    one more iteration each time (not past the last, 4); ``take`` returns the iteration's own."""
+    loop = Loop(agent_config(max_staleness=2), last=4)
+    src = rollout_source(loop)
+    assert src.max_staleness == 2 and src.take(1) is None
+
+    def sync(version):  # the episodes in flight done first (here a sync would land between their turns)
+        for f in src.in_flight.values():
+            f.result()
+        loop.cluster.sync(version)
+
+    sync(0)
+    src.ahead(0)
+    assert sorted(src.in_flight) == [1, 2] and not src.stands_by()
+    one = src.take(1)
+    assert sorted(src.in_flight) == [2] and src.take(1) is None
+    assert one.column("prompt") == [enc("4+4=")] * 2 + [enc("6+1=")] * 2  # iteration 1's prompts
+    assert one.column("response") == [resp("5678")] * 2 + [resp("2345")] * 2
+    assert one.column("seed") == [SEEDS + i for i in range(4)] and one.column("versions") == [[0] * 4] * 4
+    sync(1)
+    src.ahead(1)  # 2 in flight already: 3 alone
+    assert sorted(src.in_flight) == [2, 3]
+    two = src.take(2)  # two versions behind: allowed
+    assert two.column("versions") == [[0] * 4] * 2 + [[0, 0]] * 2
+    assert two.column("seed") == [2 * SEEDS + i for i in range(4)]
+    sync(2)
+    src.ahead(2)
+    assert sorted(src.in_flight) == [3, 4]
+    assert src.take(3).column("versions") == [[1, 1]] * 2 + [[1] * 4] * 2
+    sync(3)
+    src.ahead(3)  # 4 in flight, 5 is past the last
+    assert sorted(src.in_flight) == [4]
+    assert src.take(4).column("versions") == [[2] * 4] * 4
+    src.ahead(4)
+    assert src.in_flight == {} and src.stands_by()
+    assert sorted(loop.hooked) == [(i, True) for i in (1, 2, 3, 4)]
+    assert src._ahead._max_workers == 2
+    src.close()
+    with pytest.raises(RuntimeError):  # the threads are shut down
+        src._ahead.submit(print)
+
+
+def test_multi_turn_k_steps_ahead_stops_at_a_missed_sync():
+    loop = Loop(agent_config(max_staleness=2), last=4)
+    src = rollout_source(loop)
+    loop.cluster.sync(0)
+    src.ahead(0)
+    src.take(1)
+    src.ahead(1)  # iteration 1's sync did not happen: iteration 3's episodes with version 0
+    src.take(2)
+    with pytest.raises(StaleWeightsError) as e:
+        src.take(3)
+    assert str(e.value).startswith("iteration 3: 4 samples were generated with weights of version 0, more than "
+                                   "algorithm.off_policy.max_staleness=2 behind the trainer's 3")
+    src.close()
+
+
+def test_multi_turn_partial_turns():
+    """``segment_tokens: 2``: each turn generated 2 tokens a call."""
+    loop = Loop(agent_config(max_staleness=1, segment_tokens=2))
+    loop.cluster.sync(0)
+    src = rollout_source(loop)
+    exp = src.generate(0, [Sample("1+2=", "3")])
+    assert [c["max_new_tokens"] for c in loop.cluster.calls] == [2, 2]
+    assert loop.cluster.calls[1]["prompts"] == [enc("1+2=") + resp("34")] * 2
+    assert exp.column("response") == [resp("3456")] * 2
+    src.close()
+
+
+def test_multi_turn_refuses_a_pool_whose_workers_did_not_start(monkeypatch):
+    import rlhf_switch.agent.config as agent_config_module
+
+    class Pool:  # a Ray pool whose second worker did not start
+        shut = 0
+
+        async def pids(self):
+            return [101, None]
+
+        def shutdown(self):
+            Pool.shut += 1
+
+    monkeypatch.setattr(agent_config_module, "build_pool", lambda cfg: Pool())
+    with pytest.raises(RuntimeError) as e:
+        MultiTurn(Loop(agent_config(pool={"num_workers": 3, "num_cpus": 0.5, "start_timeout_s": 7})))
+    assert str(e.value) == ("agent.pool: the environment workers did not start within start_timeout_s=7.0 s; each "
+                            "needs num_cpus=0.5 free in the Ray cluster beside the run's devices (3 workers)")
+    assert Pool.shut == 1
+
+    class Started(Pool):
+        async def pids(self):
+            return [101, 102]
+
+    monkeypatch.setattr(agent_config_module, "build_pool", lambda cfg: Started())
+    src = MultiTurn(Loop(agent_config()))
+    assert isinstance(src.pool, Started) and Pool.shut == 1
+    src.close()
+    assert Pool.shut == 2
