@@ -462,3 +462,70 @@ def test_multi_turn_refuses_a_pool_whose_workers_did_not_start(monkeypatch):
     assert isinstance(src.pool, Started) and Pool.shut == 1
     src.close()
     assert Pool.shut == 2
+
+
+def test_multi_turn_a_failed_episode_scores_0_whatever_its_steps_paid():
+    """agent_envs:PaysThenRaises pays 1 for the first turn (34, ended at its stop id 4) and
+    raises at the second (56): the episode failed, its reward is 0, not the 1 its steps paid."""
+    for failed, mask in (("zero", [1] * 4), ("exclude", [0] * 4)):
+        loop = Loop(agent_config(env="agent_envs:PaysThenRaises", env_kwargs={}, failed_samples=failed))
+        loop.cluster.sync(0)
+        src = rollout_source(loop)
+        exp = src.generate(0, [Sample("1+2=", "3")])
+        assert [(s.episode.reward, s.episode.failed) for s in exp.samples] == [(1.0, True)] * 2
+        assert exp.column("env_reward") == [0.0, 0.0] and exp.column("finish_reason") == ["env_error"] * 2
+        assert exp.column("response") == [resp("3456")] * 2 and exp.column("loss_mask") == [mask] * 2
+        assert exp.turn_batches == [2, 2] and [c["stop_ids"] for c in loop.cluster.calls] == [(EOS, 7, 9)] * 2
+        src.close()
+
+
+def test_multi_turn_evaluates_held_out_episodes_greedily_through_its_replicas():
+    loop = Loop(agent_config())
+    loop.splits = Splits(SPLITS.train, (Sample("2+8=", "10"), Sample("1+2=", "3")))
+    loop.cluster.sync(5)
+    src = rollout_source(loop)
+    assert src.evaluator.source is src
+    assert src.evaluator(loop.cluster) == 0.5  # 2+8= -> 9<eos> pays 1, 1+2= runs out of tokens
+    assert loop.cluster.calls == [{"prompts": [enc("2+8="), enc("1+2=")], "seeds": [0, 0], "max_new_tokens": 4,
+                                   "temperature": 0.0, "stop_ids": (EOS,), "pull": True}]
+    assert src.evaluator.responses == [resp("9e"), resp("3456")] and loop.hooked == [(-1, True)]
+    src.close()
+
+
+def test_multi_turn_close_waits_for_the_episodes_in_flight():
+    import threading
+
+    loop = Loop(agent_config(max_staleness=1), last=2)
+    release = threading.Event()
+
+    def held(it, cluster):  # iteration 1's turns held back until the timer releases them
+        release.wait(10)
+
+    loop.faults = Faults(generate_hook=held)
+    src = rollout_source(loop)
+    loop.cluster.sync(0)
+    src.ahead(0)
+    future = src.in_flight[1]
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    src.close()  # waits for the episodes in flight
+    assert future.done()
+    timer.join()
+
+
+def test_multi_turn_batches_turns_as_configured(monkeypatch):
+    import rlhf_switch.agent.workflow as workflow
+
+    seen, real = [], workflow.run_workflow
+
+    def spy(*args, **kw):
+        seen.append((args[7], kw))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(workflow, "run_workflow", spy)
+    for batching in ("continuous", "rounds"):
+        loop = Loop(agent_config(turn_batching=batching))
+        src = rollout_source(loop)
+        src.generate(0, [Sample("2+8=", "10")])
+        src.close()
+    assert seen == [("continuous", {"segment_tokens": 0}), ("rounds", {"segment_tokens": 0})]
