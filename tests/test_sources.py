@@ -529,3 +529,33 @@ def test_multi_turn_batches_turns_as_configured(monkeypatch):
         src.generate(0, [Sample("2+8=", "10")])
         src.close()
     assert seen == [("continuous", {"segment_tokens": 0}), ("rounds", {"segment_tokens": 0})]
+
+
+def test_multi_turn_a_chat_run_encodes_the_rendered_prompt_as_it_is(tmp_path):
+    """``data.chat_template``: the loader rendered each prompt with the template's first turn
+    (``agent.config.chat_prompt``, the system message in it); the episodes' codec is the chat one
+    over the run's tokenizer, and the prompt is encoded as it is, not wrapped in the template again."""
+    from transformers import AutoTokenizer
+
+    from rlhf_switch.agent.chat import ChatCodec
+    from rlhf_switch.agent.config import chat_prompt
+    from rlhf_switch.rl.config import DataConfig
+    from rlhf_switch.testing.bpe_tokenizer import build_bpe_tokenizer
+    from test_agent_chat import QWEN_STYLE
+
+    build_bpe_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    hf.chat_template = QWEN_STYLE
+    cfg = agent_config(system="Be brief.", observation_role="tool")
+    loop = Loop(cfg.model_copy(update={"data": DataConfig(train_files=["t"], heldout_files=["h"], chat_template=True)}))
+    loop.tok = hf
+    loop.cluster.sync(0)
+    src = rollout_source(loop)
+    assert type(src.codec) is ChatCodec and src.codec.tokenizer is hf
+    assert (src.codec.system, src.codec.observation_role) == ("Be brief.", "tool")
+    text = chat_prompt(hf, cfg.agent)("2+8=")
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+8=<|im_end|>\n<|im_start|>assistant\n"
+    src.generate(0, [Sample(text, "10")])
+    ids = hf.encode(text, add_special_tokens=False)
+    assert loop.cluster.calls[0]["prompts"] == [ids, ids] and loop.cluster.calls[0]["stop_ids"] == (hf.eos_token_id,)
+    src.close()
