@@ -93,6 +93,8 @@ class Replicas:
                 self.versions[r] = version
 
     def submit_generation(self, prompts, seeds, max_new_tokens, temperature, stop_ids=(), pull=True):
+        if max_new_tokens < 1:  # vLLM's SamplingParams refuses max_tokens < 1
+            raise ValueError(f"max_tokens must be at least 1, got {max_new_tokens}")
         self.calls.append({"prompts": [list(p) for p in prompts], "seeds": list(seeds), "max_new_tokens": max_new_tokens,
                            "temperature": temperature, "stop_ids": tuple(stop_ids), "pull": pull})
         stops = tuple(sorted({EOS, *stop_ids}))
