@@ -180,3 +180,26 @@ class BadChatTools(ChatCalc):
     @classmethod
     def chat_tools(cls):
         raise RuntimeError("no schema today")
+
+
+class PaysThenRaises(Environment):
+    """Rewards its first step, raises at its second: a failed episode with a reward so far
+    (tests/test_sources.py: a failed episode's reward is 0). A model turn ends at "4" or "6"."""
+
+    @classmethod
+    def episode_request(cls, sample, session, tokenizer):
+        from rlhf_switch.agent.episode import EpisodeRequest
+
+        return EpisodeRequest(session=session, env="agent_envs:PaysThenRaises", sample=sample,
+                              prompt_ids=tuple(tokenizer.encode(sample.prompt, add_bos=True)),
+                              stop_ids=frozenset(tokenizer.encode("46")))
+
+    def reset(self, sample):
+        self.steps = 0
+        return ""
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps > 1:
+            raise RuntimeError("the environment broke at its second step")
+        return StepResult("", 1.0, False)
