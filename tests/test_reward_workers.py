@@ -266,6 +266,50 @@ def test_a_worker_that_dies_is_named_with_its_sample():
         RewardRunner(f"{HERE}:exits", workers=1)(["p"], ["r"], ["a"])
 
 
+
+MARK = False  # set in the driver by a test: a forked worker would inherit it, a spawned one does not
+
+
+def _nothing():
+    pass
+
+
+def fresh_and_may_start_processes(prompt, response, answer):
+    """1.0 when this worker did not inherit the driver's state (spawned, never forked) and may
+    start a process of its own (not daemonic: a reward function may use multiprocessing)."""
+    import multiprocessing as mp
+
+    child = mp.get_context("fork").Process(target=_nothing)
+    child.start()
+    child.join()
+    return 0.0 if MARK else 1.0
+
+
+def quits(prompt, response, answer):
+    os._exit(0)
+
+
+def test_a_worker_is_spawned_fresh_and_may_start_processes_of_its_own(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "MARK", True)
+    with RewardRunner(f"{HERE}:fresh_and_may_start_processes", workers=1) as reward:
+        assert reward(["p"], ["r"], ["a"]) == [1.0]
+
+
+def test_a_worker_that_exits_cleanly_in_a_call_is_named_with_its_code_and_sample():
+    with pytest.raises(RewardError, match=rf"^reward function {HERE}:quits: its worker process exited with code 0 "
+                                          rf"while scoring sample 0 \(prompt='p'"):
+        RewardRunner(f"{HERE}:quits", workers=1)(["p"], ["r"], ["a"])
+
+
+def test_closing_gives_the_workers_their_grace_to_exit_on_their_own():
+    reward = RewardRunner(f"{HERE}:digit", workers=2)
+    assert reward(["p"] * 2, ["1", "2"], ["a"] * 2) == [1.0, 2.0]
+    reward.close()
+    assert [w.process.exitcode for w in reward._pool] == [0, 0]  # asked to exit and did: not killed
+    assert RewardRunner(f"{HERE}:digit", workers=0).progress_every_s == 10.0  # docs/models-and-data.md
+
 def test_a_function_that_does_not_load_in_the_worker():
     with pytest.raises(RewardError, match=f"reward function '{HERE}:nope': '{HERE}' has no attribute 'nope'"):
         RewardRunner(f"{HERE}:nope", workers=1).wait_ready()
