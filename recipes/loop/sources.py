@@ -90,8 +90,10 @@ class Synchronous:
 
 def check_staleness(it: int, exp: Experience, max_staleness: int) -> Experience:
     """``exp`` as it is, or ``StaleWeightsError`` when a sample is more than ``max_staleness``
-    versions behind the trainer (a sync that did not reach the rollout replicas)."""
-    old = [v for v in (s.version for s in exp.samples) if it - v > max_staleness]
+    versions behind the trainer (a sync that did not reach the rollout replicas). A sample the model
+    generated no token of (an episode its environment failed before the first turn: version -1)
+    was generated with no weights, so it is never stale."""
+    old = [v for v in (s.version for s in exp.samples) if v >= 0 and it - v > max_staleness]
     if old:
         raise StaleWeightsError(f"iteration {it}: {len(old)} samples were generated with weights of version "
                                 f"{min(old)}, more than algorithm.off_policy.max_staleness={max_staleness} "
