@@ -198,4 +198,5 @@ def test_the_stale_check_compares_the_fresh_model_tokens_only():
         rows = [RankBatch.of(batch, 2, r, 0, cfg, torch.device("cpu")) for r in (0, 1)]
         # each rank's rows padded to its own longest: summed per row, rank after rank
         assert [n for r in rows for n in r.checked_mask.sum(-1).tolist()] == count, k
-        assert [x for r in rows for x in (r.checked_mask * r.rollout_logprobs).sum(-1).tolist()] == pytest.approx(lp_sum), k
+        picked = [x for r in rows for x in (r.checked_mask * r.rollout_logprobs).sum(-1).tolist()]
+        assert picked == pytest.approx(lp_sum), k

@@ -76,7 +76,8 @@ def checked(gaps=(0.002, 0.002, 0.004, 0.004), seconds=(0.3, 0.35, 0.5, 0.45), r
         entry = {"stale_logprob_diff": gap, "logprob_seconds": s}
         if ratios is not None:
             tok, seq = ratios[rank // 2]
-            entry["mismatch"] = {"dp_rank": rank // 2, "log_ratio": torch.tensor(tok), "seq_log_ratio": torch.tensor(seq)}
+            entry["mismatch"] = {"dp_rank": rank // 2, "log_ratio": torch.tensor(tok),
+                                 "seq_log_ratio": torch.tensor(seq)}
         out.append(entry)
     return out
 
@@ -100,7 +101,8 @@ def record(it: int = IT, **kw) -> IterationRecord:
                   copied={"bytes": 512, "seconds": 0.03},
                   offloaded={"bytes": 1000, "bytes_per_rank": 250, "released_bytes": 900, "seconds": 0.05},
                   reloaded={"bytes": 1000, "bytes_per_rank": 250, "seconds": 0.12},
-                  peak={"sync": lambda: {"bytes": 100, "measure": "cuda"}, "generate": lambda: {"bytes": 300, "measure": "cuda"},
+                  peak={"sync": lambda: {"bytes": 100, "measure": "cuda"},
+                        "generate": lambda: {"bytes": 300, "measure": "cuda"},
                         "train": lambda: {"bytes": 200, "measure": "cuda"}},
                   checked=checked(), stats=stats(), stale_tol=1e-2, stale_tol_source="float32")
     fields.update(kw)
@@ -156,8 +158,8 @@ def test_the_record_of_an_iteration(monkeypatch):
         "example": {"prompt": "3+4=", "response": "7", "answer": "7"},
     }
     assert set(rec) == set(expected)
-    for key, value in expected.items():
-        assert rec[key] == (value if isinstance(value, (str, dict, bool)) else pytest.approx(value, rel=1e-6)), key  # float32 log-ratios
+    for key, value in expected.items():  # within float32's rounding: the ranks' log-ratios are float32
+        assert rec[key] == (value if isinstance(value, (str, dict, bool)) else pytest.approx(value, rel=1e-6)), key
     # the line: reward, loss, generation, the switch, the check, the seconds
     assert record().line(rec) == (
         "it 5: reward 0.250  kl 2.00e-02  loss +0.0500  gen 7 tok/s  switch 250 ms (4 KiB) / back 120 ms  "
@@ -223,7 +225,8 @@ def test_a_failed_check_records_no_update(monkeypatch):
     assert rec["train_seconds"] == 0.6 and rec["samples_per_s"] == 1.0
     line = r.line(rec)
     assert line.startswith("it 5: reward 0.250  no update  gen 7 tok/s  ")
-    assert "stale check FAILED (> 0.0001) (3 tokens, Δlogp max 3.0e-01, p99 4.0e-03" in line and line.endswith("[4.0 s]")
+    assert "stale check FAILED (> 0.0001) (3 tokens, Δlogp max 3.0e-01, p99 4.0e-03" in line
+    assert line.endswith("[4.0 s]")
 
 
 def test_stale_check_said_without_compared_tokens():
@@ -257,7 +260,8 @@ def test_the_correction_weight_is_the_mean_over_the_batchs_tokens(monkeypatch):
     assert rec["is_weight_mean"] == pytest.approx((7.6 + 6.3) / (8 + 6))
     assert rec["is_masked_tokens"] == 3
     # reports without a DP rank (one trainer rank each) each count
-    alone = [{"is_weight_sum": 3.0, "tokens": 4, "is_masked_tokens": 1}, {"is_weight_sum": 1.0, "tokens": 4, "is_masked_tokens": 0}]
+    alone = [{"is_weight_sum": 3.0, "tokens": 4, "is_masked_tokens": 1},
+             {"is_weight_sum": 1.0, "tokens": 4, "is_masked_tokens": 0}]
     assert R._correction(alone) == {"is_weight_mean": 0.5, "is_masked_tokens": 1}
     no_tokens = R._correction([{"is_weight_sum": 0.0, "tokens": 0, "is_masked_tokens": 0, "dp_rank": 0}])
     assert math.isnan(no_tokens["is_weight_mean"]) and no_tokens["is_masked_tokens"] == 0
@@ -319,7 +323,8 @@ def test_chosen_says_what_lend_and_rebalance_did():
     assert record(rebalance={"grown": False})._chosen() == "  rebalance: static"
     assert record(rebalance={"grown": False, "why": ""})._chosen() == "  rebalance: static"
     assert record(rebalance={"why": "no idle device"})._chosen() == "  rebalance: static (no idle device)"
-    assert record(lend={"lent": True, "why": "a"}, rebalance={"grown": True})._chosen() == "  lend: lent (a)  rebalance: grown"
+    both = record(lend={"lent": True, "why": "a"}, rebalance={"grown": True})
+    assert both._chosen() == "  lend: lent (a)  rebalance: grown"
 
 
 def test_an_agent_batch_records_its_episodes(monkeypatch):
