@@ -559,3 +559,32 @@ def test_multi_turn_a_chat_run_encodes_the_rendered_prompt_as_it_is(tmp_path):
     ids = hf.encode(text, add_special_tokens=False)
     assert loop.cluster.calls[0]["prompts"] == [ids, ids] and loop.cluster.calls[0]["stop_ids"] == (hf.eos_token_id,)
     src.close()
+
+
+# --- the version check on hand-made batches (model tokens only; -1: an environment's) ---
+
+def with_versions(versions: list[int]) -> SampleExperience:
+    return SampleExperience([1], Sample("q", "a"), 0, 0, response=[5] * len(versions), logprobs=[-0.1] * len(versions),
+                            versions=list(versions), loss_mask=[0 if v < 0 else 1 for v in versions])
+
+
+@pytest.mark.parametrize("it, k, versions", [
+    (3, 1, [[3, 3], [2, 2, 3]]),           # one step ahead: one version behind at most
+    (5, 2, [[3, -1, 3], [4], [5]]),        # two steps ahead, an observation between turns
+    (0, 0, [[0]]),
+    (4, 1, [[4], [-1, -1], []]),           # an episode its environment failed before the first turn
+])
+def test_batches_within_max_staleness_pass(it, k, versions):
+    exp = Experience([with_versions(v) for v in versions])
+    assert check_staleness(it, exp, k) is exp
+
+
+@pytest.mark.parametrize("it, k, versions, oldest, count", [
+    (3, 1, [[3], [1, 1], [1, 2]], 1, 2),   # a sync did not reach a replica: two samples two behind
+    (5, 2, [[2, -1, 5], [5]], 2, 1),        # its oldest token decides
+    (2, 0, [[1], [-1]], 1, 1),
+])
+def test_a_sample_too_far_behind_stops_the_run(it, k, versions, oldest, count):
+    with pytest.raises(StaleWeightsError, match=rf"iteration {it}: {count} samples were generated with weights of "
+                                                rf"version {oldest}, more than algorithm.off_policy.max_staleness={k}"):
+        check_staleness(it, Experience([with_versions(v) for v in versions]), k)

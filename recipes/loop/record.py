@@ -186,12 +186,16 @@ def _update(stats: list[dict] | None) -> dict:
 
 
 def _versions(exp, it: int) -> dict:
-    """The weights' versions the batch was generated with (the trainer's is ``it``)."""
-    versions = [s.version for s in exp.samples]
+    """The weights' versions the batch was generated with (the trainer's is ``it``): its model
+    tokens'. An environment's tokens (version -1) have none, so an observation between two turns
+    does not interrupt a sample, and a sample its environment failed before the model's first
+    turn does not make the batch look ``it + 1`` versions old; ``None`` when no sample has a
+    model token."""
     out = {}
     if exp.segmented:  # partial rollout: the samples whose generation a weight update interrupted
-        out["samples_interrupted"] = sum(len(set(s.versions)) > 1 for s in exp.samples)
-    out.update(weight_version_min=min(versions), staleness_max=it - min(versions))
+        out["samples_interrupted"] = sum(len({v for v in s.versions if v >= 0}) > 1 for s in exp.samples)
+    oldest = min((s.version for s in exp.samples if s.version >= 0), default=None)
+    out.update(weight_version_min=oldest, staleness_max=None if oldest is None else it - oldest)
     return out
 
 
