@@ -431,6 +431,12 @@ def test_multi_turn_partial_turns():
     assert [c["max_new_tokens"] for c in loop.cluster.calls] == [2, 2]
     assert loop.cluster.calls[1]["prompts"] == [enc("1+2=") + resp("34")] * 2
     assert exp.column("response") == [resp("3456")] * 2
+    assert exp.segmented  # the record counts the samples a sync interrupted (samples_interrupted)
+    src.close()
+    loop = Loop(agent_config(max_staleness=1))
+    loop.cluster.sync(0)
+    src = rollout_source(loop)
+    assert not src.generate(0, [Sample("1+2=", "3")]).segmented
     src.close()
 
 

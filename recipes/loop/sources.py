@@ -243,7 +243,8 @@ class MultiTurn(Synchronous):
                                  loss_mask=[0] * len(ep.loss_mask) if exclude and ep.failed else ep.loss_mask,
                                  env_reward=0.0 if ep.failed else ep.reward, episode=ep)
             samples.append(s)
-        exp = Experience(samples, time.perf_counter() - started)
+        off = loop.cfg.algorithm.off_policy
+        exp = Experience(samples, time.perf_counter() - started, segmented=bool(off and off.segment_tokens))
         exp.turn_batches, exp.tokens_past_stop = result.batches, result.tokens_past_stop
         return exp
 
