@@ -649,13 +649,23 @@ def bpe(tmp_path_factory) -> Path:
     return out
 
 
-def data_cfg(tokenizer: Path, new_tokens: int = 24, **data):
+def data_raw(tokenizer: Path, new_tokens: int = 24, **data) -> dict:
+    """A data run over the shipped gsm8k-like files with ``tokenizer`` (a chat template by default)."""
     c = raw(**{"algorithm.max_new_tokens": new_tokens, "eval.num_prompts": 16, "sft": None})
     del c["task"]
     c["model"]["tokenizer"] = str(tokenizer)
     c["data"] = {"train_files": [str(DATA / "train.jsonl")], "heldout_files": [str(DATA / "test.jsonl")],
                  "chat_template": True, **data}
-    return load_config(c)
+    return c
+
+
+def data_cfg(tokenizer: Path, new_tokens: int = 24, **data):
+    return load_config(data_raw(tokenizer, new_tokens, **data))
+
+
+def agent_data_cfg(tokenizer: Path, new_tokens: int = 24, env: str = "guess", **agent):
+    """``data_raw``'s run as an agent run of ``env``, three turns at most."""
+    return load_config({**data_raw(tokenizer, new_tokens), "agent": {"env": env, "max_turns": 3, **agent}})
 
 
 def bpe_dims(vocab=384, context=512, eos=3):
@@ -690,12 +700,10 @@ def without_chat_template(bpe: Path, plain: Path) -> Path:
 
 
 def test_a_data_run_without_model_tokenizer_names_model_path_for_its_tokenizer(tmp_path):
-    c = raw(**{"algorithm.max_new_tokens": 24, "eval.num_prompts": 16, "sft": None})
-    del c["task"]
+    c = data_raw(tmp_path, chat_template=False)
     c["model"].pop("hf_config")
-    c["model"].pop("tokenizer", None)
+    c["model"].pop("tokenizer")
     c["model"]["path"] = str(tmp_path)
-    c["data"] = {"train_files": [str(DATA / "train.jsonl")], "heldout_files": [str(DATA / "test.jsonl")]}
     assert P.data_problems(load_config(c), bpe_dims()) == [
         f"model.path: no tokenizer in {tmp_path} (no tokenizer.json / tokenizer_config.json)"]
 
@@ -704,17 +712,10 @@ def test_an_agent_data_runs_prompts_are_measured_as_its_first_turn_renders_them(
     """An agent run with a chat template starts each episode from the template's first turn with
     ``agent.system`` and the tools: the length check counts all of it. A long system message leaves
     no prompt within 36 tokens; without it they fit."""
-    def agent_data_cfg(**agent):
-        c = raw(**{"algorithm.max_new_tokens": 512 - 36, "eval.num_prompts": 16, "sft": None})
-        del c["task"]
-        c["model"]["tokenizer"] = str(bpe)
-        c["data"] = {"train_files": [str(DATA / "train.jsonl")], "heldout_files": [str(DATA / "test.jsonl")],
-                     "chat_template": True}
-        c["agent"] = {"env": "agent_envs:ChatCalc", "max_turns": 3, **agent}
-        return load_config(c)
-
-    assert P.data_problems(agent_data_cfg(), bpe_dims()) == []
-    assert P.data_problems(agent_data_cfg(system="You add numbers. " * 10), bpe_dims()) == [
+    room = 512 - 36
+    assert P.data_problems(agent_data_cfg(bpe, room, "agent_envs:ChatCalc"), bpe_dims()) == []
+    assert P.data_problems(agent_data_cfg(bpe, room, "agent_envs:ChatCalc", system="You add numbers. " * 10),
+                           bpe_dims()) == [
         "data.train_files: all 2000 prompts are longer than 36 tokens after rendering and tokenizing "
         "(data.max_prompt_tokens, or the context minus algorithm.max_new_tokens)"]
 
@@ -1212,15 +1213,6 @@ def test_an_agent_data_runs_chat_template_must_extend_a_conversation_as_tokens(b
     """With ``data.chat_template`` an agent run writes each observation as the template's message
     (agent.chat): a template that does not end an assistant message with the eos is refused before
     the run."""
-    def agent_data_cfg(tokenizer: Path, **agent):
-        c = raw(**{"algorithm.max_new_tokens": 24, "eval.num_prompts": 16, "sft": None})
-        del c["task"]
-        c["model"]["tokenizer"] = str(tokenizer)
-        c["data"] = {"train_files": [str(DATA / "train.jsonl")], "heldout_files": [str(DATA / "test.jsonl")],
-                     "chat_template": True}
-        c["agent"] = {"env": "guess", "max_turns": 3, **agent}
-        return load_config(c)
-
     assert P._agent(agent_data_cfg(bpe), None) == []
     assert P._agent(agent_data_cfg(bpe, observation_role="tool"), None) == []  # ChatML writes any role
     bad = tmp_path / "bad"
