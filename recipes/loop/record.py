@@ -193,7 +193,7 @@ def _versions(exp, it: int) -> dict:
     model token."""
     out = {}
     if exp.segmented:  # partial rollout: the samples whose generation a weight update interrupted
-        out["samples_interrupted"] = sum(len({v for v in s.versions if v >= 0}) > 1 for s in exp.samples)
+        out["samples_interrupted"] = sum(len(set(s.model_versions)) > 1 for s in exp.samples)
     oldest = min((s.version for s in exp.samples if s.version >= 0), default=None)
     out.update(weight_version_min=oldest, staleness_max=None if oldest is None else it - oldest)
     return out

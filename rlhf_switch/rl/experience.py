@@ -64,10 +64,16 @@ class SampleExperience:
     episode: Any = None
 
     @property
+    def model_versions(self) -> list[int]:
+        """The versions of the tokens the model generated, in order (an environment's tokens, -1,
+        left out)."""
+        return [v for v in self.versions if v >= 0]
+
+    @property
     def version(self) -> int:
         """The weights' version of its oldest token (the sample's staleness); -1 when the model
         generated none (an episode its environment failed before the first turn)."""
-        return min((v for v in self.versions if v >= 0), default=-1)
+        return min(self.model_versions, default=-1)
 
     @property
     def truncated(self) -> bool:
